@@ -1,0 +1,5 @@
+"""``python -m gpumesh``: the CLI."""
+
+from .cli.main import main
+
+main()

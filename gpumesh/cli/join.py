@@ -1,0 +1,70 @@
+"""``gpumesh join``: probe and benchmark this machine, then serve tasks until stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import click
+
+from ..config import Settings, parse_url, save_connection
+from ..errors import MeshError
+from ..worker import WorkerAgent, devices
+from .output import fail
+
+DEFAULT_CPU_SLOTS_MAX = 4
+
+
+def default_slots(inventory: dict) -> int:  # type: ignore[type-arg]
+    """One slot per GPU; on a CPU-only machine one per core, at most four (polite by default)."""
+    if inventory["gpus"]:
+        return len(inventory["gpus"])
+    return max(1, min(int(inventory["cores"]), DEFAULT_CPU_SLOTS_MAX))
+
+
+def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
+         save: bool, ready_fd: int | None) -> None:
+    try:
+        endpoint = parse_url(url)
+    except MeshError as exc:
+        fail(str(exc))
+        return
+    inventory = devices.probe()
+    if benchmark:
+        figures = devices.benchmark(inventory)
+        inventory["score"] = devices.score_of(figures)
+        inventory["gflops"] = figures["gflops"]
+        inventory["bandwidth_gbps"] = figures["bandwidth_gbps"]
+    else:
+        inventory["score"] = 0.0
+    slots = slots or default_slots(inventory)
+    click.echo(f"[worker] device={inventory['device']} {inventory['device_name']} "
+               f"score={inventory['score']:.3f} GFLOP/s slots={slots}")
+    if save:
+        save_connection(settings.config_path, endpoint.zmq, token)
+
+    def joined(worker_id: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, f"{worker_id}\n".encode())
+
+    gpu_indices = [int(g["index"]) for g in inventory["gpus"] if g.get("backend") == "cuda"]
+    try:
+        agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
+                            say=lambda line: click.echo(line), on_joined=joined,
+                            gpu_indices=gpu_indices or None)
+    except MeshError as exc:
+        fail(str(exc))
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: agent.stop())
+    try:
+        agent.run()
+    except MeshError as exc:
+        fail(str(exc))
+    finally:
+        if ready_fd is not None:
+            try:
+                os.close(ready_fd)
+            except OSError:
+                pass
+    click.echo("[worker] left the mesh")

@@ -1,0 +1,167 @@
+"""``gpumesh``: the command-line entry point (click wiring only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+import click
+
+from .._version import __version__
+from ..config import DEFAULT_PORT, Settings
+from ..errors import MeshError
+from .output import fail, setup_logging, worker_table
+
+VERSION_LINE = f"gpumesh {__version__} ({platform.python_version()}, {platform.system()})"
+
+
+def _settings() -> Settings:
+    try:
+        return Settings.from_env()
+    except MeshError as exc:
+        fail(str(exc))
+        raise  # unreachable: fail exits
+
+
+def _color_option(fn):  # type: ignore[no-untyped-def]
+    def set_color(ctx: click.Context, param: click.Parameter, value: bool | None) -> None:
+        if value is not None:
+            # The flag works through the variable, so runner children inherit the choice.
+            os.environ["GPUMESH_COLOR"] = "1" if value else "0"
+
+    return click.option("--color/--no-color", default=None, expose_value=False,
+                        callback=set_color, help="Force coloured output on or off.")(fn)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", message=VERSION_LINE)
+@click.option("-v", "--verbose", is_flag=True, help="Debug-level logging on stderr.")
+@click.option("--json-logs", is_flag=True, help="Emit logs as JSON lines (for Docker, journald).")
+def cli(verbose: bool, json_logs: bool) -> None:
+    """Borrow your friends' GPUs: one coordinator, workers on your machines, Python across all.
+
+    \b
+    Quick start (one machine):
+      gpumesh serve --port 8000          # coordinator + this machine as a worker
+      python demo.py                     # code using @mesh runs on the mesh
+    Try it all in one go:
+      gpumesh demo
+    """
+    setup_logging(verbose, json_logs)
+
+
+@cli.command()
+@click.option("--host", default=None, help="Address to bind (default 127.0.0.1, or GPUMESH_HOST). "
+              "0.0.0.0 lets other machines join.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port (0 picks a free one).")
+@click.option("--token", envvar="GPUMESH_TOKEN", default=None,
+              help="The mesh token (or GPUMESH_TOKEN). Generated and printed when absent.")
+@click.option("--db", type=click.Path(dir_okay=False), default=None,
+              help="SQLite journal (default ~/.gpumesh/coordinator.db).")
+@click.option("--no-self-worker", is_flag=True, help="Do not join this machine as a worker.")
+@click.option("--slots", type=click.IntRange(1, 1024), default=None,
+              help="Slots of the self-worker (default: one per GPU, else per core up to 4).")
+@click.option("--safe-mode", is_flag=True, help="Refuse pickled functions; accept scripts only.")
+@click.option("--pending-timeout", type=click.FloatRange(min=0.1), default=None,
+              help="Seconds an unschedulable task waits before it fails (default 60).")
+@click.option("--quiet-worker", is_flag=True, hidden=True)
+@click.option("--ready-fd", type=int, default=None, hidden=True)
+@_color_option
+def serve(host: str | None, port: int, token: str | None, db: str | None, no_self_worker: bool,
+          slots: int | None, safe_mode: bool, pending_timeout: float | None, quiet_worker: bool,
+          ready_fd: int | None) -> None:
+    """Start a coordinator (and join this machine to it).
+
+    \b
+    Examples:
+      gpumesh serve --port 8000 --token $TOKEN
+      gpumesh serve --host 0.0.0.0 --port 8000     # let other machines join
+    """
+    from .serve import serve as run_serve
+
+    settings = _settings()
+    run_serve(settings, host=host or settings.host, port=port, token=token, db=db,
+              self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
+              pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker)
+
+
+@cli.command()
+@click.argument("url")
+@click.option("--token", envvar="GPUMESH_TOKEN", required=True,
+              help="The mesh token (or GPUMESH_TOKEN).")
+@click.option("--slots", type=click.IntRange(1, 1024), default=None,
+              help="Tasks run at once (default: one per GPU, else one per core up to 4).")
+@click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
+@click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
+@click.option("--ready-fd", type=int, default=None, hidden=True)
+@_color_option
+def join(url: str, token: str, slots: int | None, no_benchmark: bool, no_save: bool,
+         ready_fd: int | None) -> None:
+    """Join this machine to a coordinator as a worker.
+
+    \b
+    Example:
+      gpumesh join tcp://192.0.2.10:8000 --token $TOKEN
+    """
+    from .join import join as run_join
+
+    run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
+             save=not no_save, ready_fd=ready_fd)
+
+
+def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
+    from ..client import GPUMesh
+
+    try:
+        return GPUMesh(url, token, quiet=True, settings=_settings())
+    except MeshError as exc:
+        fail(str(exc))
+
+
+@cli.command()
+@click.option("--url", default=None, help="Coordinator URL (or GPUMESH_URL, or the saved one).")
+@click.option("--token", default=None, help="Mesh token (or GPUMESH_TOKEN, or the saved one).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def workers(url: str | None, token: str | None, as_json: bool) -> None:
+    """List the workers of the mesh.
+
+    \b
+    Example:
+      gpumesh workers
+      gpumesh workers --url tcp://192.0.2.10:8000 --json
+    """
+    client = _client(url, token)
+    try:
+        listing = client.workers()
+    except MeshError as exc:
+        fail(str(exc))
+    finally:
+        client.close()
+    if as_json:
+        click.echo(json.dumps(listing, indent=2))
+    else:
+        click.echo(worker_table(listing))
+
+
+@cli.command()
+@click.option("--workers", "worker_count", default=2, show_default=True,
+              type=click.IntRange(0, 16), help="Workers to join besides the self-worker.")
+@click.option("--tasks", default=12, show_default=True, type=click.IntRange(1, 10_000),
+              help="Tasks in the demo's .map.")
+def demo(worker_count: int, tasks: int) -> None:
+    """Start a throwaway mesh on this machine, run a .map through it, show what ran where.
+
+    \b
+    Example:
+      gpumesh demo --workers 2 --tasks 12
+    """
+    from .demo import run_demo
+
+    sys.exit(run_demo(worker_count, tasks))
+
+
+def main() -> None:
+    cli(prog_name="gpumesh")

@@ -1,0 +1,70 @@
+"""Terminal output shared by the commands: colour, the [OK] lines, tables, logging setup."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import click
+
+
+def color_enabled() -> bool:
+    """GPUMESH_COLOR=1/0 forces it; otherwise colour when stdout is a terminal."""
+    forced = os.environ.get("GPUMESH_COLOR", "").strip().lower()
+    if forced in ("1", "true", "yes", "on", "always"):
+        return True
+    if forced in ("0", "false", "no", "off", "never"):
+        return False
+    return sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+
+
+def ok(text: str) -> None:
+    tag = click.style("[OK]", fg="green", bold=True) if color_enabled() else "[OK]"
+    click.echo(f"{tag} {text}", color=color_enabled())
+
+
+def warn(text: str) -> None:
+    click.echo(click.style(text, fg="yellow") if color_enabled() else text, color=color_enabled())
+
+
+def fail(text: str, code: int = 1) -> None:
+    """Print ``error: text`` on stderr and exit."""
+    click.echo(f"error: {text}", err=True)
+    sys.exit(code)
+
+
+def worker_table(workers: list[dict[str, Any]]) -> str:
+    lines = ["", "  WORKERS", "  " + "-" * 54]
+    if not workers:
+        lines.append("  (no workers joined yet: run 'gpumesh join URL --token ...' on a machine)")
+    for w in workers:
+        score = f"{float(w.get('score', 0.0)):.3f}"
+        lines.append(f"  {w.get('device', 'CPU'):<5}{w['id'][:8]:<12}{w.get('hostname', ''):<18}"
+                     f"score={score:<10}[{w.get('state', 'alive' if w.get('alive') else 'lost')}]")
+    return "\n".join(lines) + "\n"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                 "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(verbose: bool, json_logs: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if json_logs:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.formatter.converter = time.localtime  # type: ignore[union-attr]
+    root = logging.getLogger("gpumesh")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    root.propagate = False

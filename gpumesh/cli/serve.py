@@ -1,0 +1,192 @@
+"""``gpumesh serve``: bind the coordinator, print the banner, self-check, start the self-worker."""
+
+from __future__ import annotations
+
+import getpass
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from ..config import Settings, new_token, parse_url, save_connection
+from ..coordinator import Coordinator, Event
+from ..errors import MeshError
+from ..worker import devices
+from .output import fail, ok
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def lan_address() -> str | None:
+    """The first IPv4 address of a non-loopback interface: what other machines would dial.
+
+    Read from the interface list (ifaddr, which zeroconf ships), without sending anything.
+    """
+    import ifaddr
+
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if isinstance(ip.ip, str) and not ip.ip.startswith("127.") and not ip.ip.startswith("169.254."):
+                return ip.ip
+    return None
+
+
+def _home_display(path: Path) -> str:
+    home = str(Path.home())
+    text = str(path)
+    return "~" + text[len(home):] if text.startswith(home + os.sep) else text
+
+
+def print_event(event: Event) -> None:
+    if event.kind == "worker_joined":
+        w = event.data["worker"]
+        click.echo(f"[mesh] worker joined: {w['hostname']} ({w['device_name']}, "
+                   f"score={float(w['score']):.3f})")
+    elif event.kind == "worker_lost":
+        w = event.data["worker"]
+        click.echo(f"[mesh] worker lost: {w['hostname']} {w['id'][:8]} ({event.data['reason']})")
+
+
+def serve(
+    settings: Settings, *, host: str, port: int, token: str | None, db: str | None,
+    self_worker: bool, slots: int | None, safe_mode: bool, pending_timeout: float | None,
+    ready_fd: int | None, quiet: bool,
+) -> None:
+    generated = token is None
+    token = token or new_token()
+    if pending_timeout is not None:
+        settings = settings.with_timing(pending_timeout=pending_timeout)
+    db_path = Path(db) if db else settings.home / "coordinator.db"
+    try:
+        coordinator = Coordinator(settings, token, host=host, port=port, db_path=db_path,
+                                  safe_mode=safe_mode)
+    except MeshError as exc:
+        fail(str(exc))
+        return
+    port = coordinator.port
+    local_host = host if not host or host not in ("0.0.0.0", "*", "::") else "127.0.0.1"
+    local_url = parse_url(f"[{local_host}]:{port}" if ":" in local_host else f"{local_host}:{port}").zmq
+    save_connection(settings.config_path, local_url, token)
+    coordinator.broker.listeners.append(print_event)
+    shown_token = token if generated else "<your token>"
+
+    click.echo(f"[gpumesh] config saved to {_home_display(settings.config_path)}")
+    ok(f"Coordinator listening on {host}:{port}")
+    if generated:
+        click.echo(f"   Token: {token}")
+        click.echo("   (generated for you and saved with the config; pass --token or set "
+                   "GPUMESH_TOKEN to choose one)")
+    else:
+        click.echo("   Token: <your token> (as given; never printed)")
+    click.echo("")
+    click.echo(f"   Join from THIS machine:   gpumesh join {local_url} --token {shown_token}")
+    if is_loopback(host):
+        click.echo(f"   Other machines CANNOT reach this coordinator (bound to {host} only).")
+        click.echo("   That is the default now: a worker executes code as the user who started it.")
+        click.echo("   To let other machines join, re-run with: gpumesh serve --host 0.0.0.0 "
+                   f"--port {port} --token {shown_token}")
+        click.echo("   (or set GPUMESH_HOST=0.0.0.0). Read the warning it prints before you do.")
+    else:
+        _exposed_banner(host, port, shown_token)
+    if safe_mode:
+        click.echo("   Safe mode: pickled functions are refused; only scripts are accepted.")
+    if coordinator.restored:
+        click.echo(f"   Restored {coordinator.restored} unfinished task(s) from {db_path}")
+    click.echo("   Ctrl+C to stop")
+
+    loop = threading.Thread(target=coordinator.run, name="gpumesh-coordinator", daemon=True)
+    loop.start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    if not _self_check(settings, local_url, token):
+        coordinator.stop()
+        loop.join(5)
+        fail("self-check failed: the coordinator did not answer on "
+             f"{local_url}; run 'gpumesh -v serve' for details")
+    ok(f"Self-check: server is up (tested on {local_host} only)")
+    child = None
+    if self_worker:
+        child = _start_self_worker(local_url, token, slots, quiet)
+        ok("Self-worker started — this machine's CPU/GPU is part of the pool")
+        click.echo("   (disable with --no-self-worker)")
+    if ready_fd is not None:
+        os.write(ready_fd, f"{port}\n".encode())
+        os.close(ready_fd)
+    try:
+        while not stop.wait(0.5):
+            if not loop.is_alive():
+                fail("the coordinator loop stopped unexpectedly; see the log above")
+            if child is not None and child.poll() is not None:
+                click.echo(f"[mesh] self-worker exited with code {child.returncode}; restarting it")
+                child = _start_self_worker(local_url, token, slots, quiet)
+    finally:
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        coordinator.stop()
+        loop.join(10)
+    click.echo("[gpumesh] coordinator stopped")
+
+
+def _exposed_banner(host: str, port: int, shown_token: str) -> None:
+    lan = lan_address() if host in ("0.0.0.0", "*", "::") else host
+    if lan:
+        click.echo(f"   Join from ANOTHER machine: gpumesh join tcp://{lan}:{port} --token {shown_token}")
+        click.echo("   (127.0.0.1 always works locally; the LAN IP is for other machines)")
+    inventory = devices.probe(torch_probe=False)
+    bar = "  " + "!" * 62
+    click.echo("")
+    click.echo(bar)
+    click.echo("  !! NETWORK-EXPOSED COORDINATOR")
+    click.echo(bar)
+    click.echo(f"   Bound to:      {host}:{port} (not loopback — other machines can connect)")
+    click.echo(f"   Tasks run as:  {getpass.getuser()}")
+    click.echo(f"   On device:     {inventory['device']} {inventory['device_name']}")
+    click.echo("")
+    click.echo("   Anyone who can reach this port AND has the token can run")
+    click.echo(f"   arbitrary code on this machine as {getpass.getuser()}.")
+    click.echo("   Only do this on a network you trust, and keep the token secret.")
+    click.echo(f"   Loopback-only (the default) is: gpumesh serve --port {port}")
+    click.echo(bar)
+    click.echo("")
+    if lan:
+        click.echo(f"   Reachability of tcp://{lan}:{port} from other machines is not tested here "
+                   "— a worker joining confirms it.")
+
+
+def _self_check(settings: Settings, url: str, token: str) -> bool:
+    from ..client.engine import Engine  # the CLI may use any layer; only here is it needed
+
+    engine = Engine(settings, parse_url(url), token)
+    try:
+        return engine.wait_connected(10.0)
+    except MeshError:
+        return False
+    finally:
+        engine.close()
+
+
+def _start_self_worker(url: str, token: str, slots: int | None, quiet: bool) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, GPUMESH_TOKEN=token)
+    args = [sys.executable, "-m", "gpumesh", "join", url, "--no-save"]
+    if slots is not None:
+        args += ["--slots", str(slots)]
+    return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL if quiet else None)

@@ -1,0 +1,267 @@
+"""``GPUMesh``: the Python API over a client engine (sync calls, batches, queries, jobs)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..config import Settings
+from ..errors import ConfigError, ConnectionFailed, MeshTimeout
+from .engine import Engine, TaskFuture
+from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
+from .tasks import PickledFunction, TaskOptions, call_arguments, script_task
+
+R = TypeVar("R")
+UNREACHABLE_MEMORY = 5.0  # seconds a failed connect is remembered before trying again
+
+
+class GPUMesh:
+    """A connection to one coordinator.
+
+    ``GPUMesh()`` with no arguments uses ``GPUMESH_URL``/``GPUMESH_TOKEN``, then the connection
+    saved by ``gpumesh serve``/``join``. It connects on first use and reconnects by itself.
+    """
+
+    def __init__(
+        self, url: str | None = None, token: str | None = None, *, quiet: bool = False,
+        connect_timeout: float | None = None, settings: Settings | None = None,
+    ) -> None:
+        self.settings = settings or Settings.from_env()
+        self.endpoint, self._token = self.settings.resolve_connection(url, token)
+        self.quiet = quiet
+        self.connect_timeout = (self.settings.timing.connect_timeout if connect_timeout is None
+                                else connect_timeout)
+        self._engine: Engine | None = None
+        self._lock = threading.Lock()
+        self._unreachable_at = 0.0
+        self._jobs: dict[str, list[TaskFuture]] = {}
+
+    def __repr__(self) -> str:
+        return f"GPUMesh({str(self.endpoint)!r})"
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.zmq
+
+    # ----------------------------------------------------------------- connection
+
+    def _get_engine(self) -> Engine:
+        with self._lock:
+            if self._engine is None or self._engine.fatal is not None:
+                self._engine = Engine(self.settings, self.endpoint, self._token,
+                                      on_output=None if self.quiet else _print_output,
+                                      on_connect=self._announce)
+            return self._engine
+
+    def _announce(self) -> None:
+        if not self.quiet:
+            print(f"[gpumesh] connected to coordinator at {self.endpoint}", file=sys.stderr)
+
+    def connect(self, timeout: float | None = None) -> bool:
+        """Wait until a session with the coordinator is up. False if it could not be reached.
+
+        Raises AuthenticationError when the token is wrong.
+        """
+        engine = self._get_engine()
+        if engine.connected:
+            return True
+        if time.time() - self._unreachable_at < UNREACHABLE_MEMORY and not engine.ever_connected:
+            return False
+        ok = engine.wait_connected(self.connect_timeout if timeout is None else timeout)
+        if not ok:
+            self._unreachable_at = time.time()
+        return ok
+
+    def _require(self) -> Engine:
+        if not self.connect():
+            raise ConnectionFailed(
+                f"no coordinator answered at {self.endpoint} within {self.connect_timeout:g}s: "
+                "start one with 'gpumesh serve', or check the URL ('gpumesh doctor')"
+            )
+        assert self._engine is not None
+        return self._engine
+
+    @property
+    def connected(self) -> bool:
+        return self._engine is not None and self._engine.connected
+
+    def close(self) -> None:
+        with self._lock:
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
+
+    def __enter__(self) -> GPUMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- running functions
+
+    def submit(self, fn: Callable[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> Any:
+        """``submit(fn, *args, **kwargs)`` runs one call and returns a future.
+
+        ``submit(name=..., script=..., payloads=[...])`` (no function) submits a script job and
+        returns its job id, as the spec's job API does.
+        """
+        if fn is None:
+            return self.submit_script(**kwargs)
+        return self.submit_calls(fn, [(args, kwargs)])[0]
+
+    def submit_calls(
+        self, fn: Callable[..., Any], calls: Iterable[tuple[tuple[Any, ...], dict[str, Any]]],
+        options: TaskOptions | None = None, job: str = "",
+    ) -> list[TaskFuture]:
+        engine = self._require()
+        options = options or TaskOptions()
+        pickled = PickledFunction(fn)
+        return engine.submit([pickled.task(args, kwargs, options) for args, kwargs in calls], job)
+
+    def map(self, fn: Callable[..., R], items: Iterable[Any], *, timeout: float | None = None,
+            options: TaskOptions | None = None) -> list[R]:
+        """Run ``fn`` once per item across the mesh; results in input order.
+
+        A dict item is keyword arguments, a tuple positional ones, anything else one argument.
+        """
+        futures = self.submit_calls(fn, [call_arguments(item) for item in items], options)
+        return self.gather(futures, timeout=timeout)
+
+    def distribute(self, function: Callable[..., R], params: Sequence[dict[str, Any]],
+                   timeout: float | None = None) -> list[R]:
+        """The spec's batch call: one task per kwargs dict, results in order."""
+        return self.map(function, params, timeout=timeout)
+
+    def gather(
+        self, futures: Sequence[concurrent.futures.Future[Any]], *, timeout: float | None = None,
+        fallback: Callable[[int], Any] | None = None,
+    ) -> list[Any]:
+        """Wait for every future; raise the first task error in input order.
+
+        With ``fallback``, tasks still unfinished after the coordinator has been gone for the
+        reconnect grace period are run locally by ``fallback(index)``.
+        """
+        deadline = None if timeout is None else time.time() + timeout
+        waiting = set(futures)
+        while waiting:
+            done, waiting = concurrent.futures.wait(waiting, timeout=0.25)
+            for future in done:
+                if future.exception() is not None:
+                    self._cancel(waiting)
+                    raise future.exception()  # type: ignore[misc]
+            now = time.time()
+            if deadline is not None and now >= deadline and waiting:
+                self._cancel(waiting)
+                raise MeshTimeout(f"{len(waiting)} of {len(futures)} tasks did not finish within "
+                                  f"{timeout:g}s")
+            engine = self._engine
+            if fallback is not None and waiting and engine is not None:
+                gone = engine.disconnected_since
+                if gone is not None and now - gone > self.settings.timing.reconnect_grace:
+                    print(f"[gpumesh] coordinator at {self.endpoint} gone for "
+                          f"{now - gone:.0f}s: running {len(waiting)} unfinished task(s) locally",
+                          file=sys.stderr)
+                    self._cancel(waiting)
+                    return [f.result() if f.done() and not f.cancelled() else fallback(i)
+                            for i, f in enumerate(futures)]
+        return [f.result() for f in futures]
+
+    def _cancel(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
+        for future in futures:
+            future.cancel()
+
+    # ----------------------------------------------------------------- scripts and jobs
+
+    def submit_script(self, *, script: str | Path, payloads: Sequence[Any], name: str | None = None,
+                      options: TaskOptions | None = None) -> str:
+        """Submit a script job: one task per payload (JSON on the script's stdin). Returns the job id."""
+        path = Path(script)
+        try:
+            source = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the script {path}: {exc.strerror}") from None
+        options = options or TaskOptions()
+        job = (name or path.stem).replace(" ", "-")[:40] + "-" + _short_id()
+        items = [script_task(path.name, source, payload, options) for payload in payloads]
+        futures = self._require().submit(items, job)
+        self._jobs[job] = futures
+        return job
+
+    def job_futures(self, job_id: str) -> list[TaskFuture]:
+        """Futures of a job this GPUMesh submitted (results arrive here, not to other clients)."""
+        return list(self._jobs.get(job_id, []))
+
+    def status(self, job_id: str | None = None) -> dict[str, Any]:
+        return self._require().query("status", job=job_id)  # type: ignore[no-any-return]
+
+    # ----------------------------------------------------------------- the pool
+
+    def workers(self) -> list[dict[str, Any]]:
+        """``[{'id', 'device', 'device_name', 'hostname', 'score', 'alive', ...}]``"""
+        return self._require().query("workers")  # type: ignore[no-any-return]
+
+    def devices(self) -> list[dict[str, Any]]:
+        """The unified pool: one entry per GPU of every alive worker, one per CPU-only worker."""
+        pool = []
+        for worker in self.workers():
+            if not worker["alive"]:
+                continue
+            gpus = worker.get("gpus") or []
+            for gpu in gpus:
+                pool.append({"worker": worker["id"], "hostname": worker["hostname"], "type": "GPU",
+                             "name": gpu.get("name", ""), "vram": gpu.get("vram", 0),
+                             "score": worker["score"] / max(len(gpus), 1)})
+            if not gpus:
+                pool.append({"worker": worker["id"], "hostname": worker["hostname"], "type": "CPU",
+                             "name": worker["device_name"], "cores": worker.get("cores", 0),
+                             "score": worker["score"]})
+        return pool
+
+    def device_count(self) -> int:
+        return sum(1 for w in self.workers() if w["alive"])
+
+    def gpu_count(self) -> int:
+        return sum(len(w.get("gpus") or []) for w in self.workers() if w["alive"])
+
+    def total_score(self) -> float:
+        return round(sum(float(w["score"]) for w in self.workers() if w["alive"]), 3)
+
+    def auto_device(self) -> dict[str, Any] | None:
+        """The most powerful alive device, or None on an empty pool."""
+        pool = self.devices()
+        return max(pool, key=lambda d: d["score"]) if pool else None
+
+    # ----------------------------------------------------------------- starting processes
+
+    @staticmethod
+    def start_coordinator(port: int = 8000, token: str | None = None, host: str = "127.0.0.1",
+                          **options: Any) -> CoordinatorHandle:
+        """Start ``gpumesh serve`` in the background; returns once it listens. Non-blocking."""
+        return start_coordinator(port=port, token=token, host=host, **options)
+
+    @staticmethod
+    def add_worker(url: str, token: str | None = None, **options: Any) -> WorkerHandle:
+        """Start ``gpumesh join URL`` in the background; returns once it joined. Non-blocking."""
+        return start_worker(url, token=token, **options)
+
+
+def _short_id() -> str:
+    return secrets.token_hex(3)
+
+
+def _print_output(worker: str, stream: str, data: bytes) -> None:
+    target = sys.stderr if stream == "err" else sys.stdout
+    text = data.decode("utf-8", "replace")
+    lines = text.splitlines()
+    try:
+        target.write("".join(f"[{worker}] {line}\n" for line in lines))
+        target.flush()
+    except (OSError, ValueError):
+        pass  # the caller closed its stdout; printing is best effort
+

@@ -1,0 +1,520 @@
+"""The client's core: one I/O thread, one DEALER, and a future for every task.
+
+Everything the user-facing API does (sync calls, ``.map``, executors, asyncio) is a thin skin over
+``Engine.submit`` and ``Engine.query``. The engine keeps every submission until its result has
+arrived: unaccepted ones are re-sent (the coordinator de-duplicates by client id and sequence
+number), accepted ones are FETCHed again after a reconnect, so a coordinator restart or a lost
+message costs time, never a result.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from ..config import Endpoint, Settings
+from ..errors import (
+    AuthenticationError,
+    MeshError,
+    ProtocolMismatch,
+    RemoteError,
+    RunnerCrashed,
+    SubmitRejected,
+    TaskError,
+    TaskTimeout,
+    Unschedulable,
+)
+from ..protocol import MAJOR, Command, ErrorCode, Message, Role, encode, serialize
+from ..security import derive_keys
+from ..transport import Backoff, DealerLink, LinkEvent
+
+log = logging.getLogger("gpumesh.client")
+
+RESEND_AFTER = 2.0  # seconds an unaccepted submission waits before it is sent again
+OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
+
+
+class TaskFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A future for one task; ``task_id`` and ``worker`` are filled in as they become known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.task_id = ""
+        self.worker = ""
+        self.attempts = 0
+        self.seq = 0
+
+
+@dataclass
+class _Submission:
+    seq: int
+    spec: dict[str, Any]
+    frames: list[Any]
+    future: TaskFuture
+    job: str
+    task_id: str = ""
+    sent_at: float = 0.0
+
+
+@dataclass
+class _Query:
+    header: dict[str, Any]
+    future: concurrent.futures.Future  # type: ignore[type-arg]
+    sent: bool = False
+
+
+@dataclass
+class _Batch:
+    job: str
+    items: list[tuple[dict[str, Any], list[Any], TaskFuture]] = field(default_factory=list)
+
+
+class Engine:
+    """A client connection. Thread-safe: any thread may submit, query and close."""
+
+    def __init__(
+        self, settings: Settings, endpoint: Endpoint, token: str, *,
+        on_output: OutputHandler | None = None, on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.endpoint = endpoint
+        self._keys = derive_keys(token)
+        self.client_id = secrets.token_hex(8)
+        self.on_output = on_output
+        self.on_connect = on_connect
+        self._ctx = zmq.Context()
+        self._link = DealerLink(self._ctx, endpoint, self._keys, settings.limits)
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._seq = itertools.count(1)
+        self._qids = itertools.count(1)
+        self._outstanding: dict[int, _Submission] = {}
+        self._by_task: dict[str, _Submission] = {}
+        self._queries: dict[int, _Query] = {}
+        self._acks: list[str] = []
+        self._closing = threading.Event()
+        self._connected = threading.Event()
+        self.fatal: MeshError | None = None
+        self.ever_connected = False
+        self.disconnected_since: float | None = time.time()
+        self.welcome: dict[str, Any] = {}
+        self._heartbeat = settings.timing.heartbeat
+        self._silence_limit = settings.timing.silence_limit
+        self._backoff = Backoff(settings.timing.backoff_min, settings.timing.backoff_max)
+        self._thread = threading.Thread(target=self._run, name="gpumesh-client", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- public, any thread
+
+    def wait_connected(self, timeout: float) -> bool:
+        """True once a session is up; False if the coordinator did not answer (refused or silent)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self._connected.wait(0.05):
+                return True
+            if self.fatal is not None:
+                raise self.fatal
+            if not self.ever_connected and self._link.refusals >= 3:
+                return False  # nothing listens there: no point waiting out the timeout
+        return self._connected.is_set()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def submit(self, items: list[tuple[dict[str, Any], list[Any]]], job: str = "") -> list[TaskFuture]:
+        """Queue tasks (spec, payload frames); returns their futures in the same order."""
+        self._check_usable()
+        batch = _Batch(job)
+        futures = []
+        for spec, frames in items:
+            future = TaskFuture()
+            batch.items.append((spec, frames, future))
+            futures.append(future)
+        self._command(batch)
+        return futures
+
+    def query(self, what: str, timeout: float = 10.0, **args: Any) -> Any:
+        """Ask the coordinator (``workers``, ``status``, ``events``) and wait for the answer."""
+        self._check_usable()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._command(_Query({"what": what, **args}, future))
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise MeshError(
+                f"the coordinator at {self.endpoint} did not answer a {what} query within "
+                f"{timeout:g}s: check that it is running ('gpumesh doctor')"
+            ) from None
+
+    def cancel(self, futures: list[TaskFuture]) -> None:
+        self._command(("cancel", [f for f in futures if f.task_id]))
+
+    def close(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _check_usable(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
+        if self._closing.is_set():
+            raise MeshError("this mesh connection is closed: create a new GPUMesh")
+
+    def _command(self, command: Any) -> None:
+        self._commands.put(command)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full, so the loop is awake anyway
+
+    # ----------------------------------------------------------------- the I/O thread
+
+    def _run(self) -> None:
+        try:
+            self._link.open()
+            self._last_heard = time.time()
+            self._reconnect_at: float | None = None
+            self._last_heartbeat = 0.0
+            self._hello()
+            while not self._closing.is_set():
+                self._turn()
+            if self._connected.is_set():
+                self._flush_acks()
+                self._link.send(encode(Command.DISCONNECT, {"reason": "closed"}))
+        except MeshError as exc:
+            self.fatal = exc
+            self._fail_all(exc)
+        except Exception as exc:  # a bug must not leave callers waiting forever
+            log.exception("client I/O thread failed")
+            self.fatal = MeshError(f"the gpumesh client thread failed: {exc!r}")
+            self._fail_all(self.fatal)
+        finally:
+            self._connected.clear()
+            self._link.close()
+            self._wake_r.close()
+            self._wake_w.close()
+            self._ctx.term()
+            self._fail_all(MeshError("the mesh connection was closed before this task finished"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for sub in list(self._outstanding.values()):
+            if not sub.future.done():
+                sub.future.set_exception(exc)
+        self._outstanding.clear()
+        self._by_task.clear()
+        for q in list(self._queries.values()):
+            if not q.future.done():
+                q.future.set_exception(exc)
+        self._queries.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            targets = [f for _, _, f in command.items] if isinstance(command, _Batch) else (
+                [command.future] if isinstance(command, _Query) else [])
+            for future in targets:
+                if not future.done():
+                    future.set_exception(exc)
+
+    def _turn(self) -> None:
+        poller = zmq.Poller()
+        if self._link.sock is not None:
+            poller.register(self._link.sock, zmq.POLLIN)
+        if self._link.monitor is not None:
+            poller.register(self._link.monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.poll(int(self._heartbeat * 250))
+        now = time.time()
+        for event in self._link.monitor_events():
+            if event is LinkEvent.DROPPED:
+                log.debug("connection to %s dropped", self.endpoint)
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        self._take_commands(now)
+        for _ in range(10_000):
+            msg = self._link.recv()
+            if msg is None:
+                break
+            self._last_heard = now
+            self._on_message(msg, now)
+        self._flush_acks()
+        self._timers(now)
+
+    def _take_commands(self, now: float) -> None:
+        batches: list[_Submission] = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Batch):
+                for spec, frames, future in command.items:
+                    seq = next(self._seq)
+                    future.seq = seq
+                    sub = _Submission(seq, spec, frames, future, command.job)
+                    self._outstanding[seq] = sub
+                    future.add_done_callback(self._on_future_done)
+                    batches.append(sub)
+            elif isinstance(command, _Query):
+                qid = next(self._qids)
+                command.header["qid"] = qid
+                self._queries[qid] = command
+                if self._connected.is_set():
+                    command.sent = self._link.send(encode(Command.QUERY, command.header))
+            elif isinstance(command, tuple) and command[0] == "cancel":
+                tasks = [f.task_id for f in command[1]]
+                if tasks and self._connected.is_set():
+                    self._link.send(encode(Command.CANCEL, {"tasks": tasks}))
+        if batches and self._connected.is_set():
+            self._send_submissions(batches, now)
+
+    def _on_future_done(self, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
+        if future.cancelled():
+            self._command(("cancel", [future]))
+
+    def _send_submissions(self, subs: list[_Submission], now: float) -> None:
+        """SUBMIT in batches of bounded size; one message carries many small tasks."""
+        by_job: dict[str, list[_Submission]] = {}
+        for sub in subs:
+            if not sub.future.cancelled():
+                by_job.setdefault(sub.job, []).append(sub)
+        for job, group in by_job.items():
+            chunk: list[_Submission] = []
+            size = 0
+            for sub in group:
+                chunk.append(sub)
+                size += serialize.payload_nbytes(sub.frames)
+                if len(chunk) >= 500 or size >= 8 * 1024 * 1024:
+                    self._send_chunk(job, chunk, now)
+                    chunk, size = [], 0
+            if chunk:
+                self._send_chunk(job, chunk, now)
+
+    def _send_chunk(self, job: str, chunk: list[_Submission], now: float) -> None:
+        specs = [{**sub.spec, "seq": sub.seq, "nf": len(sub.frames)} for sub in chunk]
+        frames = [frame for sub in chunk for frame in sub.frames]
+        if self._link.send(encode(Command.SUBMIT, {"job": job, "tasks": specs}, frames)):
+            for sub in chunk:
+                sub.sent_at = now
+
+    # ----------------------------------------------------------------- coordinator messages
+
+    def _hello(self) -> None:
+        self._connected.clear()
+        header = {"role": Role.CLIENT.value, "id": self.client_id, "proto": [MAJOR, MAJOR],
+                  "info": {"pid": os.getpid(), "host": socket.gethostname()}}
+        self._link.send(encode(Command.HELLO, header))
+
+    def _on_message(self, msg: Message, now: float) -> None:
+        handler = _HANDLERS.get(msg.command)
+        if handler is not None:
+            handler(self, msg, now)
+
+    def _on_welcome(self, msg: Message, now: float) -> None:
+        self.welcome = msg.header
+        self._heartbeat = float(msg.header.get("heartbeat", self._heartbeat))
+        self._silence_limit = self._heartbeat * int(msg.header.get("liveness", 5))
+        self._backoff.reset()
+        self._connected.set()
+        self.disconnected_since = None
+        first = not self.ever_connected
+        self.ever_connected = True
+        if first and self.on_connect is not None:
+            self.on_connect()
+        # A new session: ask again for what was accepted, send again what was not.
+        accepted = [sub.task_id for sub in self._outstanding.values() if sub.task_id]
+        if accepted:
+            self._link.send(encode(Command.FETCH, {"tasks": accepted, "qid": 0}))
+        self._send_submissions([s for s in self._outstanding.values() if not s.task_id], now)
+        for q in self._queries.values():
+            q.sent = self._link.send(encode(Command.QUERY, q.header))
+
+    def _on_accepted(self, msg: Message, now: float) -> None:
+        job = str(msg.header.get("job", ""))
+        for seq, task_id in msg.header.get("accepted", []):
+            sub = self._outstanding.get(seq)
+            if sub is not None and not sub.task_id:
+                sub.task_id = task_id
+                sub.job = sub.job or job
+                sub.future.task_id = task_id
+                self._by_task[task_id] = sub
+        for seq, code, text in msg.header.get("rejected", []):
+            sub = self._outstanding.pop(seq, None)
+            if sub is not None and not sub.future.done():
+                sub.future.set_exception(SubmitRejected(f"the coordinator refused the task: {text}"))
+
+    def _on_result(self, msg: Message, now: float) -> None:
+        task_id = str(msg.header.get("task", ""))
+        self._acks.append(task_id)
+        sub = self._by_task.pop(task_id, None)
+        if sub is None:
+            seq = msg.header.get("seq")
+            sub = self._outstanding.get(seq) if isinstance(seq, int) else None
+            if sub is None or (sub.task_id and sub.task_id != task_id):
+                return  # a duplicate delivery: acknowledged above, otherwise ignored
+        self._outstanding.pop(sub.seq, None)
+        future = sub.future
+        future.task_id = task_id
+        future.worker = str(msg.header.get("worker", ""))
+        future.attempts = int(msg.header.get("attempts", 0) or 0)
+        if future.done():
+            return
+        try:
+            future.set_result(decode_result(msg.header, msg.payload))
+        except BaseException as exc:  # the remote exception, rebuilt
+            future.set_exception(exc)
+
+    def _on_output(self, msg: Message, now: float) -> None:
+        if self.on_output is not None and msg.payload:
+            data = msg.payload[0]
+            self.on_output(str(msg.header.get("worker", "")), str(msg.header.get("stream", "out")),
+                           data.bytes if hasattr(data, "bytes") else bytes(data))
+
+    def _on_reply(self, msg: Message, now: float) -> None:
+        qid = msg.header.get("qid", 0)
+        data = msg.header.get("data")
+        if qid == 0 and isinstance(data, dict):  # the answer to a FETCH
+            missing = [self._by_task.pop(t) for t in data.get("missing", []) if t in self._by_task]
+            for sub in missing:
+                sub.task_id = ""  # the coordinator lost it (new database?): submit it again
+            if missing:
+                self._send_submissions(missing, now)
+            return
+        query = self._queries.pop(qid, None)
+        if query is not None and not query.future.done():
+            query.future.set_result(data)
+
+    def _on_error(self, msg: Message, now: float) -> None:
+        code = msg.header.get("code")
+        text = str(msg.header.get("message", ""))
+        if code == ErrorCode.NO_SESSION.value:
+            self._hello()
+        elif code == ErrorCode.VERSION.value:
+            raise ProtocolMismatch(f"the coordinator at {self.endpoint} refused us: {text}")
+        else:
+            log.warning("coordinator error (%s): %s", code, text)
+            for q in list(self._queries.values()):
+                if code == ErrorCode.UNSUPPORTED.value and not q.future.done():
+                    q.future.set_exception(MeshError(f"the coordinator does not support this: {text}"))
+
+    def _on_disconnect(self, msg: Message, now: float) -> None:
+        if msg.header.get("reason") == "version":
+            raise ProtocolMismatch(f"the coordinator at {self.endpoint} speaks another protocol")
+        self._hello()
+
+    def _flush_acks(self) -> None:
+        if self._acks and self._connected.is_set():
+            self._link.send(encode(Command.RESULT_ACK, {"tasks": self._acks}))
+            self._acks = []
+
+    def _timers(self, now: float) -> None:
+        if self._reconnect_at is not None:
+            if now >= self._reconnect_at:
+                self._reconnect_at = None
+                self._link.reset()
+                self._last_heard = now
+                self._hello()
+            return
+        if now - self._last_heard > self._silence_limit:
+            if self._connected.is_set():
+                log.info("lost the coordinator at %s; reconnecting", self.endpoint)
+            self._connected.clear()
+            if self.disconnected_since is None:
+                self.disconnected_since = now
+            self._reconnect_at = now + self._backoff.next_delay()
+            return
+        if self._connected.is_set():
+            if now - self._last_heartbeat >= self._heartbeat:
+                self._last_heartbeat = now
+                self._link.send(encode(Command.HEARTBEAT, {}))
+            stale = [s for s in self._outstanding.values()
+                     if not s.task_id and now - s.sent_at > RESEND_AFTER]
+            if stale:
+                self._send_submissions(stale, now)
+
+
+_HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
+    Command.WELCOME: Engine._on_welcome,
+    Command.ACCEPTED: Engine._on_accepted,
+    Command.RESULT: Engine._on_result,
+    Command.OUTPUT: Engine._on_output,
+    Command.REPLY: Engine._on_reply,
+    Command.ERROR: Engine._on_error,
+    Command.DISCONNECT: Engine._on_disconnect,
+}
+
+
+def decode_result(header: dict[str, Any], payload: list[Any]) -> Any:
+    """A task's value, or raise what the task ended with (the original type where possible)."""
+    status = header.get("status")
+    task_id = str(header.get("task", ""))
+    worker = str(header.get("worker", ""))
+    if status == "ok":
+        encoding = header.get("encoding")
+        if encoding in ("json", "text"):
+            text = _frame_bytes(payload[0]).decode("utf-8") if payload else ""
+            return json.loads(text) if encoding == "json" else text
+        return serialize.loads(payload)
+    diagnosis = str(header.get("diagnosis", ""))
+    if status == "error":
+        error = header.get("error") or {}
+        remote_tb = str(error.get("traceback", ""))
+        message = str(error.get("message", "the task raised an exception"))
+        if payload:
+            try:
+                original = serialize.loads(payload)
+            except Exception:
+                original = None
+            if isinstance(original, BaseException):
+                _add_note(original, f"Remote traceback (worker {worker[:8]}):\n{remote_tb}")
+                original.remote_traceback = remote_tb  # type: ignore[attr-defined]
+                raise original
+        raise RemoteError(message, remote_type=str(error.get("type", "Exception")),
+                          remote_traceback=remote_tb, task_id=task_id, worker=worker)
+    if status == "timeout":
+        error = header.get("error") or {}
+        raise TaskTimeout(str(error.get("message", "the task timed out")), task_id=task_id,
+                          worker=worker)
+    if status == "crashed":
+        raise RunnerCrashed(f"task {task_id} failed: {diagnosis}", task_id=task_id, worker=worker)
+    if status == "unschedulable":
+        raise Unschedulable(diagnosis, task_id=task_id)
+    if status == "cancelled":
+        raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
+    raise TaskError(f"task {task_id} ended with status {status!r}: {diagnosis}", task_id=task_id)
+
+
+def _frame_bytes(frame: Any) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]

@@ -1,0 +1,223 @@
+"""Settings: defaults, environment variables, coordinator URLs and the saved connection file.
+
+Everything configurable is read here, once, into frozen values. Nothing reads the environment at
+import time: callers ask for ``Settings.from_env()`` when they start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .errors import ConfigError
+
+DEFAULT_PORT = 8000
+DEFAULT_HOST = "127.0.0.1"
+CONFIG_FILE = "config.json"
+
+_URL_SCHEMES = ("tcp", "gpumesh", "http", "https")
+_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9a-fA-F:.]+)\]|(?P<host>[^:/\[\]]+))(?::(?P<port>\d+))?/?$")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a coordinator listens. ``zmq`` is the canonical ``tcp://host:port`` form."""
+
+    host: str
+    port: int
+
+    @property
+    def zmq(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return self.zmq
+
+
+def parse_url(url: str) -> Endpoint:
+    """Parse ``tcp://h:p``, ``gpumesh://h:p``, ``http://h:p`` or bare ``h:p`` / ``h``.
+
+    All spellings name the same ZeroMQ endpoint; ``http://`` survives from the spec's first
+    transport and is accepted without complaint.
+    """
+    text = url.strip()
+    if not text:
+        raise ConfigError("empty coordinator URL: pass one like tcp://192.0.2.10:8000")
+    if "://" in text:
+        scheme, _, rest = text.partition("://")
+        if scheme.lower() not in _URL_SCHEMES:
+            raise ConfigError(
+                f"unsupported URL scheme {scheme!r} in {url!r}: use tcp://HOST:PORT"
+            )
+        text = rest
+    match = _HOST_PORT.match(text)
+    if not match:
+        raise ConfigError(f"cannot read a host and port from {url!r}: use tcp://HOST:PORT")
+    host = match.group("v6") or match.group("host")
+    port = int(match.group("port") or DEFAULT_PORT)
+    if not 0 < port < 65536:
+        raise ConfigError(f"port {port} in {url!r} is out of range (1-65535)")
+    return Endpoint(host, port)
+
+
+def _env_bool(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be greater than zero")
+    return value
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Heartbeat, lease and timeout figures, shared by every role so they agree.
+
+    ``heartbeat`` is the interval both ways; a peer silent for ``heartbeat * liveness`` is lost.
+    A lease lives ``lease_ttl`` seconds unless a heartbeat renews it.
+    """
+
+    heartbeat: float = 1.0
+    liveness: int = 5
+    lease_ttl: float = 10.0
+    restore_grace: float = 5.0
+    pending_timeout: float = 60.0
+    connect_timeout: float = 3.0
+    reconnect_grace: float = 60.0
+    backoff_min: float = 1.0
+    backoff_max: float = 32.0
+
+    @property
+    def silence_limit(self) -> float:
+        return self.heartbeat * self.liveness
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size guards applied to every message before it is decoded (and before it is sent)."""
+
+    max_frame_bytes: int = 512 * 1024 * 1024
+    max_message_bytes: int = 1024 * 1024 * 1024
+    max_frames: int = 4096
+    max_header_bytes: int = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All of gpumesh's configuration, read once from the environment and the config file."""
+
+    home: Path
+    url: str | None = None
+    token: str | None = None
+    host: str = DEFAULT_HOST
+    local_only: bool = False
+    verbose: bool = False
+    timing: Timing = field(default_factory=Timing)
+    limits: Limits = field(default_factory=Limits)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        home = Path(env.get("GPUMESH_HOME") or Path.home() / ".gpumesh").expanduser()
+        timing = Timing(
+            heartbeat=_env_float(env, "GPUMESH_HEARTBEAT", Timing.heartbeat),
+            lease_ttl=_env_float(env, "GPUMESH_LEASE_TTL", Timing.lease_ttl),
+            pending_timeout=_env_float(env, "GPUMESH_PENDING_TIMEOUT", Timing.pending_timeout),
+            connect_timeout=_env_float(env, "GPUMESH_CONNECT_TIMEOUT", Timing.connect_timeout),
+            reconnect_grace=_env_float(env, "GPUMESH_RECONNECT_GRACE", Timing.reconnect_grace),
+            restore_grace=_env_float(env, "GPUMESH_RESTORE_GRACE", Timing.restore_grace),
+        )
+        return cls(
+            home=home,
+            url=env.get("GPUMESH_URL") or None,
+            token=env.get("GPUMESH_TOKEN") or None,
+            host=env.get("GPUMESH_HOST") or DEFAULT_HOST,
+            local_only=_env_bool(env.get("GPUMESH_LOCAL")),
+            verbose=_env_bool(env.get("GPUMESH_VERBOSE")),
+            timing=timing,
+        )
+
+    def with_timing(self, **changes: float) -> Settings:
+        return replace(self, timing=replace(self.timing, **changes))
+
+    @property
+    def config_path(self) -> Path:
+        return self.home / CONFIG_FILE
+
+    def saved_connection(self) -> SavedConnection | None:
+        return load_connection(self.config_path)
+
+    def resolve_connection(
+        self, url: str | None = None, token: str | None = None
+    ) -> tuple[Endpoint, str]:
+        """Pick the coordinator and token: explicit values, then env vars, then the saved file."""
+        saved = self.saved_connection()
+        chosen_url = url or self.url or (saved.url if saved else None)
+        chosen_token = token or self.token or (saved.token if saved else None)
+        if not chosen_url:
+            raise ConfigError(
+                "no coordinator configured: pass --url, set GPUMESH_URL, or run "
+                "'gpumesh serve' / 'gpumesh join' on this machine first"
+            )
+        if not chosen_token:
+            raise ConfigError(
+                "no token configured: pass --token, set GPUMESH_TOKEN, or run "
+                "'gpumesh serve' / 'gpumesh join' on this machine first"
+            )
+        return parse_url(chosen_url), chosen_token
+
+
+@dataclass(frozen=True)
+class SavedConnection:
+    """The coordinator this machine last served or joined, as kept in ``config.json``."""
+
+    url: str
+    token: str = field(repr=False)
+
+
+def load_connection(path: Path) -> SavedConnection | None:
+    """Read the saved connection; a missing file is None, a damaged one is a ConfigError."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(raw)
+        return SavedConnection(url=str(data["url"]), token=str(data["token"]))
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"{path} is not a gpumesh config file: delete it and run 'gpumesh serve' or "
+            "'gpumesh join' again"
+        ) from None
+
+
+def save_connection(path: Path, url: str, token: str) -> None:
+    """Write the connection with mode 0600 from the first byte (never world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump({"url": url, "token": token}, handle)
+    os.replace(tmp, path)
+
+
+def new_token() -> str:
+    """A fresh token with 256 bits of entropy, the only strength the spec recommends."""
+    return secrets.token_urlsafe(32)

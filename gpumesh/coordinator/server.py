@@ -1,0 +1,141 @@
+"""The coordinator's event loop: one ROUTER socket, the ZAP handler, timers and group commit.
+
+Each turn: drain what arrived (up to a batch), let the broker apply it, run its timers, hand
+out work, commit the journal once, then send everything the turn produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from ..config import Settings
+from ..errors import ConfigError
+from ..protocol import Command, ErrorCode, ProtocolError, encode
+from ..security import MeshKeys, configure_server, derive_keys, start_authenticator
+from ..store import Store
+from ..transport import apply_common_options, receive, send_frames
+from .broker import Broker
+
+log = logging.getLogger("gpumesh.coordinator")
+
+BATCH = 2000
+
+
+class Coordinator:
+    """A bound coordinator. ``run()`` serves until ``stop()`` is called from any thread."""
+
+    def __init__(
+        self, settings: Settings, token: str, *, host: str, port: int, db_path: Path | str,
+        safe_mode: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.keys: MeshKeys = derive_keys(token)
+        self.host = host
+        self.store = Store(db_path)
+        self.epoch = self.store.next_epoch()
+        self.store.commit()
+        now = time.time()
+        self.broker = Broker(self.store, settings.timing, settings.limits, epoch=self.epoch,
+                             now=now, safe_mode=safe_mode)
+        self.restored = self.broker.restore(now)
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, self.keys)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        apply_common_options(self._router, settings.limits)
+        self._router.router_mandatory = 1
+        self._router.handshake_ivl = 10000
+        self._router.sndhwm = 100000
+        self._router.rcvhwm = 100000
+        configure_server(self._router, self.keys)
+        try:
+            if port == 0:
+                self.port = self._router.bind_to_random_port(f"tcp://{_bind_host(host)}")
+            else:
+                self._router.bind(f"tcp://{_bind_host(host)}:{port}")
+                self.port = port
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror}. Is another coordinator running? "
+                "Pick another port with --port"
+            ) from None
+        self._version_errors: set[bytes] = set()
+
+    def stop(self) -> None:
+        """Ask the loop to end; it notices within one tick (a quarter heartbeat)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        tick_ms = max(10, int(self.settings.timing.heartbeat * 1000 / 4))
+        next_tick = 0.0
+        try:
+            while not self._stop.is_set():
+                poller.poll(tick_ms)
+                now = time.time()
+                self._drain(now)
+                if now >= next_tick:
+                    self.broker.tick(now)
+                    next_tick = now + tick_ms / 1000
+                self.broker.dispatch(now)
+                self.store.commit()
+                self._flush(now)
+        finally:
+            self.close()
+
+    def _drain(self, now: float) -> None:
+        router, broker, limits = self._router, self.broker, self.settings.limits
+        for _ in range(BATCH):
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            routing = frames[0].bytes
+            try:
+                msg = receive(frames, limits, offset=1)
+            except ProtocolError as exc:
+                self._reject(routing, exc)
+                continue
+            broker.handle(routing, msg, now)
+
+    def _reject(self, routing: bytes, exc: ProtocolError) -> None:
+        """Policy for undecodable input: count it; answer version errors once, then drop."""
+        self.broker.count_malformed(routing)
+        if exc.code is ErrorCode.VERSION:
+            if routing not in self._version_errors and len(self._version_errors) < 10_000:
+                self._version_errors.add(routing)
+                send_frames(self._router, [routing, *encode(
+                    Command.ERROR, {"code": exc.code.value, "message": exc.detail})])
+                send_frames(self._router, [routing, *encode(Command.DISCONNECT, {"reason": "version"})])
+        elif exc.code is ErrorCode.UNSUPPORTED:
+            send_frames(self._router, [routing, *encode(
+                Command.ERROR, {"code": exc.code.value, "message": exc.detail})])
+        else:
+            log.debug("dropped a malformed message: %s", exc.detail)
+
+    def _flush(self, now: float) -> None:
+        outbox, self.broker.outbox = self.broker.outbox, []
+        for routing, frames in outbox:
+            if not send_frames(self._router, [routing, *frames]):
+                self.broker.unreachable(routing, now)
+
+    def close(self) -> None:
+        if self._router.closed:
+            return
+        self._router.close(linger=0)
+        self._auth.stop()
+        self._ctx.term()
+        self.store.close()
+
+
+def _bind_host(host: str) -> str:
+    if host in ("", "*", "0.0.0.0"):
+        return "*"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,1 @@
+"""Runner processes: where user code runs, apart from the worker agent's network loop."""

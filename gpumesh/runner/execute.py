@@ -1,0 +1,93 @@
+"""Running one task inside a runner process: a pickled function, or a script with a JSON payload.
+
+Returns ``(header, frames)`` for the agent. A user exception is a result like any other: its
+type, message and traceback travel in the header, and the exception itself, pickled, when it can
+be, so the caller can raise the original type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ..protocol import serialize
+
+# Script tasks see only these variables: a script submitted by a peer gets no credentials that
+# happen to sit in the worker's environment.
+SCRIPT_ENV_ALLOWLIST = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TEMP", "TMP",
+    "SYSTEMROOT", "CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV",
+)
+
+_functions: OrderedDict[str, Any] = OrderedDict()
+_FUNCTION_CACHE = 64
+
+
+def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    digest = str(header.get("fn", ""))
+    try:
+        fn = _functions.get(digest) if digest else None
+        if fn is None:
+            fn = serialize.loads([frames[0]])
+            if digest:
+                _functions[digest] = fn
+                if len(_functions) > _FUNCTION_CACHE:
+                    _functions.popitem(last=False)
+        args, kwargs = serialize.loads(frames[1:])
+    except Exception as exc:
+        return _error(exc, "the task could not be unpickled on this worker (a module your function "
+                           "uses may be missing here, or Python versions differ): ")
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt from user code are results too
+        return _error(exc)
+    try:
+        return {"status": "ok"}, serialize.dumps(value)
+    except Exception as exc:
+        return _error(exc, "the function's return value could not be pickled: ")
+
+
+def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[Any]]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    error = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+             "message": prefix + str(exc), "traceback": text}
+    try:
+        frames = serialize.dumps(exc.with_traceback(None))
+    except Exception:
+        frames = []
+    return {"status": "error", "error": error}, frames
+
+
+def run_script(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Run the script with the payload as JSON on stdin; stdout is the result."""
+    script, payload = bytes(frames[0]), bytes(frames[1]) if len(frames) > 1 else b"{}"
+    name = os.path.basename(str(header.get("name", "task.py"))) or "task.py"
+    env = {k: v for k, v in os.environ.items() if k in SCRIPT_ENV_ALLOWLIST}
+    with tempfile.TemporaryDirectory(prefix="gpumesh-script-") as tmp:
+        path = os.path.join(tmp, name if name.endswith(".py") else f"{name}.py")
+        with open(path, "wb") as handle:
+            handle.write(script)
+        proc = subprocess.run(
+            [sys.executable, path], input=payload, stdout=subprocess.PIPE, stderr=None, env=env,
+            check=False,
+        )
+    out = proc.stdout
+    if proc.returncode != 0:
+        error = {"type": "gpumesh.ScriptError",
+                 "message": f"script {name} exited with code {proc.returncode}",
+                 "traceback": out.decode("utf-8", "replace")[-4000:]}
+        return {"status": "error", "error": error}, []
+    text = out.decode("utf-8", "replace").strip()
+    try:
+        json.loads(text)
+        encoding = "json"
+    except ValueError:
+        encoding = "text"
+    return {"status": "ok", "encoding": encoding}, [text.encode("utf-8")]

@@ -1,0 +1,182 @@
+"""Placement: which worker runs which task. Pure: values in, choices out; no sockets, no clock.
+
+Rules, in order:
+1. Requirements are filters, never preferences: ``gpu`` (model substring, or True for any GPU),
+   ``cores``, ``memory`` (RAM bytes), ``vram`` (bytes, on one GPU) and, for pickled functions,
+   the submitter's Python major.minor.
+2. A worker that already failed the task is avoided while another eligible worker exists.
+3. Heavy tasks (``cost`` above the default 1.0) go to the strongest eligible worker by score;
+   other tasks go to the least-loaded worker, the least recently used one on a tie.
+4. Stragglers (flagged by the caller) only get tasks of default cost or less.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_COST = 1.0
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(value: Any) -> int:
+    """``16GB``, ``512MiB``, ``2g`` or a plain number of bytes, as bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"not a size: {value!r} (use e.g. '16GB' or '512MiB')")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    binary = "i" in unit
+    letter = unit[:1] if unit[:1] in "kmgt" else ""
+    scale = 1024 ** "kmgt".index(letter) * 1024 if binary and letter else _UNITS[letter]
+    return int(number * scale)
+
+
+@dataclass(frozen=True)
+class Requirements:
+    gpu: str | bool | None = None
+    cores: int | None = None
+    memory: int | None = None
+    vram: int | None = None
+    python: str | None = None
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Requirements:
+        """Read the scheduler's keys from a task header or payload dict; others are ignored."""
+        gpu = data.get("gpu")
+        if gpu is not None and not isinstance(gpu, (str, bool)):
+            raise ValueError(f"gpu must be a model name or true, not {gpu!r}")
+        cores = data.get("cores")
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+            raise ValueError(f"cores must be a positive whole number, not {cores!r}")
+        memory = data.get("memory")
+        vram = data.get("vram")
+        return cls(
+            gpu=gpu if gpu not in (False, "") else None,
+            cores=cores,
+            memory=parse_size(memory) if memory is not None else None,
+            vram=parse_size(vram) if vram is not None else None,
+            python=data.get("python"),
+        )
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def describe(self) -> str:
+        parts = []
+        if self.gpu is True:
+            parts.append("a GPU")
+        elif self.gpu:
+            parts.append(f"gpu={self.gpu!r}")
+        if self.cores:
+            parts.append(f"cores>={self.cores}")
+        if self.memory:
+            parts.append(f"memory>={self.memory / 1e9:.1f}GB")
+        if self.vram:
+            parts.append(f"vram>={self.vram / 1e9:.1f}GB")
+        if self.python:
+            parts.append(f"Python {self.python}")
+        return ", ".join(parts) or "nothing"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    vram: int = 0
+
+
+@dataclass
+class WorkerView:
+    """What the scheduler may know of a worker."""
+
+    worker_id: str
+    free: int
+    load: int = 0
+    capacity: int = 1
+    score: float = 0.0
+    cores: int = 1
+    memory: int = 0
+    gpus: tuple[Gpu, ...] = ()
+    python: str = ""
+    last_assigned: int = 0
+    straggler: bool = False
+    label: str = field(default="", compare=False)
+
+
+@dataclass
+class TaskView:
+    task_id: str
+    requirements: Requirements = Requirements()
+    cost: float = DEFAULT_COST
+    excluded: frozenset[str] = frozenset()
+
+
+def unmet(worker: WorkerView, req: Requirements) -> list[str]:
+    """The requirements ``worker`` misses, in words; empty when it qualifies."""
+    missing = []
+    if req.gpu is True and not worker.gpus:
+        missing.append("has no GPU")
+    elif isinstance(req.gpu, str) and not any(req.gpu.lower() in g.name.lower() for g in worker.gpus):
+        missing.append(f"has no {req.gpu} GPU")
+    if req.vram and not any(g.vram >= req.vram for g in worker.gpus):
+        missing.append("has too little VRAM")
+    if req.cores and worker.cores < req.cores:
+        missing.append(f"has {worker.cores} cores")
+    if req.memory and worker.memory < req.memory:
+        missing.append(f"has {worker.memory / 1e9:.1f}GB RAM")
+    if req.python and worker.python != req.python:
+        missing.append(f"runs Python {worker.python or '?'}")
+    return missing
+
+
+def eligible(worker: WorkerView, task: TaskView) -> bool:
+    if task.cost > DEFAULT_COST and worker.straggler:
+        return False
+    return not unmet(worker, task.requirements)
+
+
+def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:
+    """The worker to run ``task`` now, among those with a free slot; None if none fits."""
+    best: WorkerView | None = None
+    best_key: tuple[Any, ...] = ()
+    for worker in workers:
+        if worker.free <= 0 or not eligible(worker, task):
+            continue
+        avoided = worker.worker_id in task.excluded
+        ratio = worker.load / max(worker.capacity, 1)
+        if task.cost > DEFAULT_COST:
+            key: tuple[Any, ...] = (avoided, -worker.score, ratio, worker.last_assigned)
+        else:
+            key = (avoided, ratio, worker.last_assigned)
+        if best is None or key < best_key:
+            best, best_key = worker, key
+    return best
+
+
+def could_ever_run(task: TaskView, workers: Sequence[WorkerView]) -> bool:
+    """Whether any connected worker qualifies, busy or not (else the task waits to time out)."""
+    return any(not unmet(w, task.requirements) for w in workers)
+
+
+def explain_unschedulable(req: Requirements, workers: Sequence[WorkerView]) -> str:
+    """A message naming the requirement and the closest connected workers."""
+    if not workers:
+        return f"no worker is connected to run a task that needs {req.describe()}"
+    ranked = sorted(workers, key=lambda w: (len(unmet(w, req)), -w.score))[:3]
+    closest = "; ".join(f"{w.label or w.worker_id} {', '.join(unmet(w, req))}" for w in ranked)
+    return f"no connected worker satisfies {req.describe()} (closest: {closest})"
+
+
+def stragglers(speeds: Mapping[str, float]) -> set[str]:
+    """Workers whose mean task time is over twice the median of their peers'."""
+    if len(speeds) < 3:
+        return set()
+    ordered = sorted(speeds.values())
+    median = ordered[len(ordered) // 2]
+    return {wid for wid, seconds in speeds.items() if median > 0 and seconds > 2 * median}

@@ -1,0 +1,167 @@
+"""The coordinator's SQLite journal: every accepted task and every unacknowledged result.
+
+The in-memory queue is the working copy; this is what survives ``kill -9``. Writes go into one
+open transaction and ``commit()`` closes it once per loop turn (group commit), so the coordinator
+pays one commit for a whole burst of submissions. ACCEPTED and RESULT_ACK are sent only after
+the commit that holds them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id        TEXT PRIMARY KEY,
+    client_id      TEXT NOT NULL,
+    seq            INTEGER NOT NULL,
+    job_id         TEXT NOT NULL,
+    spec           BLOB NOT NULL,
+    payload        BLOB NOT NULL,
+    state          TEXT NOT NULL,
+    attempts       INTEGER NOT NULL DEFAULT 0,
+    result_header  BLOB,
+    result_payload BLOB,
+    submitted_at   REAL NOT NULL,
+    UNIQUE (client_id, seq)
+);
+"""
+
+
+class StoreError(Exception):
+    """The database cannot be used (wrong schema, unreadable file)."""
+
+
+@dataclass
+class StoredTask:
+    task_id: str
+    client_id: str
+    seq: int
+    job_id: str
+    spec: dict[str, Any]
+    payload: list[bytes]
+    state: str
+    attempts: int
+    result_header: dict[str, Any] | None
+    result_payload: list[bytes] | None
+    submitted_at: float
+
+
+def _pack_frames(frames: Sequence[Any]) -> bytes:
+    return msgpack.packb([_frame_bytes(f) for f in frames], use_bin_type=True)
+
+
+def _frame_bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    buffer = getattr(frame, "buffer", None)
+    return bytes(buffer if buffer is not None else frame)
+
+
+class Store:
+    """One SQLite file in WAL mode, owned by the coordinator's loop thread."""
+
+    def __init__(self, path: Path | str, *, synchronous: str = "NORMAL") -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.executescript(_SCHEMA)
+            version = self._meta("schema_version")
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot use the database {path}: {exc}") from None
+        if version is None:
+            self._set_meta("schema_version", SCHEMA_VERSION)
+        elif version != SCHEMA_VERSION:
+            raise StoreError(
+                f"the database {path} has schema v{version}, this gpumesh uses v{SCHEMA_VERSION}: "
+                "finish its jobs with the matching gpumesh, or start with another --db"
+            )
+        self._in_transaction = False
+
+    def _meta(self, key: str) -> int | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def _set_meta(self, key: str, value: int) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def next_epoch(self) -> int:
+        """A new coordinator epoch, durable before it is used: lease ids stay monotonic."""
+        epoch = (self._meta("epoch") or 0) + 1
+        self._set_meta("epoch", epoch)
+        return epoch
+
+    def _write(self, sql: str, args: Sequence[Any]) -> None:
+        if not self._in_transaction:
+            self._db.execute("BEGIN")
+            self._in_transaction = True
+        self._db.execute(sql, args)
+
+    def add_task(
+        self, task_id: str, client_id: str, seq: int, job_id: str, spec: dict[str, Any],
+        payload: Sequence[Any], submitted_at: float,
+    ) -> None:
+        self._write(
+            "INSERT INTO tasks (task_id, client_id, seq, job_id, spec, payload, state, "
+            "submitted_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+            (task_id, client_id, seq, job_id, msgpack.packb(spec, use_bin_type=True),
+             _pack_frames(payload), submitted_at),
+        )
+
+    def set_attempts(self, task_id: str, attempts: int) -> None:
+        self._write("UPDATE tasks SET attempts = ? WHERE task_id = ?", (attempts, task_id))
+
+    def finish_task(
+        self, task_id: str, state: str, attempts: int, header: dict[str, Any], payload: Sequence[Any]
+    ) -> None:
+        """Record a terminal outcome. The payload is dropped from the row: it is no longer needed."""
+        self._write(
+            "UPDATE tasks SET state = ?, attempts = ?, result_header = ?, result_payload = ?, "
+            "payload = x'' WHERE task_id = ?",
+            (state, attempts, msgpack.packb(header, use_bin_type=True), _pack_frames(payload),
+             task_id),
+        )
+
+    def delete_task(self, task_id: str) -> None:
+        self._write("DELETE FROM tasks WHERE task_id = ?", (task_id,))
+
+    def commit(self) -> None:
+        if self._in_transaction:
+            self._db.execute("COMMIT")
+            self._in_transaction = False
+
+    def load(self) -> Iterator[StoredTask]:
+        """Every task still in the journal, oldest first, for restoring after a restart."""
+        rows = self._db.execute(
+            "SELECT task_id, client_id, seq, job_id, spec, payload, state, attempts, "
+            "result_header, result_payload, submitted_at FROM tasks ORDER BY rowid"
+        )
+        for row in rows:
+            yield StoredTask(
+                task_id=row[0], client_id=row[1], seq=row[2], job_id=row[3],
+                spec=msgpack.unpackb(row[4], raw=False, strict_map_key=False),
+                payload=msgpack.unpackb(row[5], raw=False) if row[5] else [],
+                state=row[6], attempts=row[7],
+                result_header=(
+                    msgpack.unpackb(row[8], raw=False, strict_map_key=False) if row[8] else None
+                ),
+                result_payload=msgpack.unpackb(row[9], raw=False) if row[9] else None,
+                submitted_at=row[10],
+            )
+
+    def close(self) -> None:
+        self.commit()
+        self._db.close()

@@ -1,0 +1,190 @@
+"""Socket plumbing shared by every role: option sets, send/receive of protocol messages, and the
+DEALER link that workers and clients keep to the coordinator (with handshake diagnosis).
+
+One thread owns each socket; nothing here starts threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .config import Endpoint, Limits
+from .errors import AuthenticationError
+from .protocol import Message, ProtocolError, decode
+from .security import MeshKeys, configure_client
+
+log = logging.getLogger("gpumesh.transport")
+
+# Frames below this are copied by pyzmq anyway; copy=False only pays for big ones.
+ZERO_COPY_THRESHOLD = 64 * 1024
+AUTH_FAILED_MESSAGE = "authentication failed: the token does not match this coordinator"
+
+
+def apply_common_options(sock: zmq.Socket, limits: Limits) -> None:
+    sock.linger = 0
+    sock.maxmsgsize = limits.max_frame_bytes
+    # ZMTP heartbeats catch dead TCP links even in the middle of a long transfer.
+    sock.heartbeat_ivl = 2000
+    sock.heartbeat_timeout = 10000
+    sock.heartbeat_ttl = 10000
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any]) -> bool:
+    """Send without ever blocking the loop. False when the peer's queue is full or it is gone."""
+    copy = all(_small(frame) for frame in frames)
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return False
+        raise
+    return True
+
+
+def _small(frame: Any) -> bool:
+    if isinstance(frame, (bytes, bytearray)):
+        return len(frame) < ZERO_COPY_THRESHOLD
+    if isinstance(frame, memoryview):
+        return frame.nbytes < ZERO_COPY_THRESHOLD
+    return False
+
+
+def receive(frames: list[zmq.Frame], limits: Limits, offset: int = 0) -> Message:
+    """Decode frames received with ``copy=False``; small control frames become bytes."""
+    head = [frame.bytes for frame in frames[offset : offset + 3]]
+    return decode([*head, *frames[offset + 3 :]], limits)
+
+
+class LinkEvent(enum.Enum):
+    CONNECTED = "connected"  # CURVE handshake completed
+    REFUSED = "refused"  # TCP connection refused or failed, libzmq is retrying
+    DROPPED = "dropped"  # an established connection closed
+
+
+class DealerLink:
+    """The one DEALER connection from a worker or client to the coordinator.
+
+    ``reset()`` replaces the socket (a fresh routing id) after the peer went silent. The
+    monitor turns the silent failure modes of CURVE into answers: a ZAP denial or a repeated
+    handshake failure means the token is wrong, and is raised as AuthenticationError.
+    """
+
+    def __init__(self, ctx: zmq.Context, endpoint: Endpoint, keys: MeshKeys, limits: Limits) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint
+        self._keys = keys
+        self.limits = limits
+        self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self._generation = 0
+        self._handshake_failures = 0
+        self.refusals = 0
+        self.handshakes = 0
+
+    def open(self) -> None:
+        self._generation += 1
+        sock = self._ctx.socket(zmq.DEALER)
+        apply_common_options(sock, self.limits)
+        sock.reconnect_ivl = 100
+        sock.reconnect_ivl_max = 5000
+        sock.sndhwm = 10000
+        sock.rcvhwm = 10000
+        configure_client(sock, self._keys)
+        self.monitor = sock.get_monitor_socket(
+            events=zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_CONNECT_RETRIED
+            | zmq.EVENT_DISCONNECTED,
+            addr=f"inproc://gpumesh-monitor-{id(self):x}-{self._generation}",
+        )
+        sock.connect(self.endpoint.zmq)
+        self.sock = sock
+        self._handshake_failures = 0
+        self.refusals = 0
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+            self.monitor = None
+
+    def reset(self) -> None:
+        self.close()
+        self.open()
+
+    def send(self, frames: Sequence[Any]) -> bool:
+        return self.sock is not None and send_frames(self.sock, frames)
+
+    def recv(self) -> Message | None:
+        """One decoded message if one is waiting; malformed input is logged and dropped."""
+        assert self.sock is not None
+        try:
+            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        try:
+            return receive(frames, self.limits)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed message from the coordinator: %s", exc.detail)
+            return None
+
+    def monitor_events(self) -> list[LinkEvent]:
+        """Drain the monitor. Raises AuthenticationError when the token is wrong."""
+        events: list[LinkEvent] = []
+        while self.monitor is not None and self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshake_failures = 0
+                self.refusals = 0
+                self.handshakes += 1
+                events.append(LinkEvent.CONNECTED)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise AuthenticationError(AUTH_FAILED_MESSAGE)
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                # A server key derived from another token makes the coordinator drop us mid-
+                # handshake; twice in a row, with no success in between, is not a network blip.
+                self._handshake_failures += 1
+                if self._handshake_failures >= 2:
+                    raise AuthenticationError(
+                        f"{AUTH_FAILED_MESSAGE} (or {self.endpoint} is not a gpumesh coordinator)"
+                    )
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.refusals += 1
+                events.append(LinkEvent.REFUSED)
+            elif event == zmq.EVENT_DISCONNECTED:
+                events.append(LinkEvent.DROPPED)
+        return events
+
+
+class Backoff:
+    """1 s doubling to 32 s, with jitter, as Paranoid Pirate does; reset after a good session."""
+
+    def __init__(self, minimum: float, maximum: float) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
+        self.current = minimum
+
+    def next_delay(self) -> float:
+        delay = self.current * random.uniform(0.75, 1.25)
+        self.current = min(self.current * 2, self.maximum)
+        return delay
+
+    def reset(self) -> None:
+        self.current = self.minimum

@@ -1,0 +1,5 @@
+"""The worker: an agent process that joins a coordinator and runs tasks in runner children."""
+
+from .agent import WorkerAgent
+
+__all__ = ["WorkerAgent"]

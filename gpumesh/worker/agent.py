@@ -1,0 +1,344 @@
+"""The worker agent: a DEALER to the coordinator, a runner per slot, and nothing else.
+
+The agent never runs user code, so heartbeats keep flowing whatever a task does. It reconnects
+forever (1 s doubling to 32 s, with jitter) and, on every new session, tells the coordinator
+which leases it still holds and re-sends results the coordinator has not acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from ..config import Endpoint, Settings
+from ..errors import ProtocolMismatch
+from ..protocol import MAJOR, Command, ErrorCode, Message, Role, encode
+from ..runner.pipe import PipeClosed
+from ..security import derive_keys
+from ..transport import Backoff, DealerLink, LinkEvent
+from .runners import Runner, RunningTask
+
+log = logging.getLogger("gpumesh.worker")
+
+
+@dataclass
+class QueuedTask:
+    task: RunningTask
+    header: dict[str, Any]
+    frames: list[Any]
+
+
+class WorkerAgent:
+    """Serve tasks until ``stop()``. ``say`` receives the user-facing lines ([worker] ...)."""
+
+    def __init__(
+        self, settings: Settings, endpoint: Endpoint, token: str, *, slots: int,
+        info: dict[str, Any], say: Callable[[str], None] | None = None,
+        worker_id: str | None = None, gpu_indices: list[int] | None = None,
+        on_joined: Callable[[str], None] | None = None,
+    ) -> None:
+        if slots < 1:
+            raise ValueError("a worker needs at least one slot")
+        self.settings = settings
+        self.endpoint = endpoint
+        self.keys = derive_keys(token)
+        self.slots = slots
+        self.info = info
+        self.say = say or (lambda line: None)
+        self.on_joined = on_joined
+        self.worker_id = worker_id or secrets.token_hex(6)
+        self.incarnation = secrets.token_hex(4)
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self.link = DealerLink(self._ctx, endpoint, self.keys, settings.limits)
+        env = dict(os.environ)
+        self.runners = []
+        for slot in range(slots):
+            slot_env = dict(env)
+            if gpu_indices:
+                # One GPU per slot: the runner sees exactly its own device as cuda:0.
+                slot_env["CUDA_VISIBLE_DEVICES"] = str(gpu_indices[slot % len(gpu_indices)])
+            self.runners.append(Runner(slot, slot_env, settings.limits.max_message_bytes))
+        self.queue: deque[QueuedTask] = deque()
+        # lease id -> (RESULT header, frames), kept until the coordinator's RESULT_ACK
+        self.unacked: dict[int, tuple[dict[str, Any], list[Any]]] = {}
+        self.welcomed = False
+        self.joined_once = False
+        self.granted = 0
+        self.draining = False
+        self._heartbeat = settings.timing.heartbeat
+        self._silence_limit = settings.timing.silence_limit
+        self._last_heard = 0.0
+        self._last_sent_heartbeat = 0.0
+        self._backoff = Backoff(settings.timing.backoff_min, settings.timing.backoff_max)
+        self._reconnect_at: float | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        """Serve until stopped. Raises AuthenticationError/ProtocolMismatch on a fatal mismatch."""
+        for runner in self.runners:
+            runner.start()
+        self.link.open()
+        self._last_heard = time.time()
+        self._hello()
+        try:
+            while not self._stop.is_set():
+                self._turn()
+            self._leave()
+        finally:
+            for runner in self.runners:
+                runner.kill()
+            self.link.close()
+            self._ctx.term()
+
+    def _leave(self) -> None:
+        """Tell the coordinator we are going, so it re-queues our tasks at once."""
+        if self.welcomed:
+            self.link.send(encode(Command.DISCONNECT, {"reason": "left"}))
+            time.sleep(0.05)  # let the I/O thread flush the goodbye before the socket closes
+
+    def _turn(self) -> None:
+        poller = zmq.Poller()
+        sock = self.link.sock
+        if sock is not None:
+            poller.register(sock, zmq.POLLIN)
+        if self.link.monitor is not None:
+            poller.register(self.link.monitor, zmq.POLLIN)
+        fd_owner: dict[int, tuple[Runner, str]] = {}
+        for runner in self.runners:
+            for fd, what in runner.fds():
+                poller.register(fd, zmq.POLLIN)
+                fd_owner[fd] = (runner, what)
+        ready = dict(poller.poll(self._poll_timeout()))
+        now = time.time()
+        for event in self.link.monitor_events():
+            if event is LinkEvent.CONNECTED:
+                log.debug("handshake with %s succeeded", self.endpoint)
+        if sock is not None and sock in ready:
+            for _ in range(1000):
+                msg = self.link.recv()
+                if msg is None:
+                    break
+                self._last_heard = now
+                self._on_message(msg, now)
+        for fd in ready:
+            if isinstance(fd, int) and fd in fd_owner:
+                runner, what = fd_owner[fd]
+                if what == "control":
+                    self._on_runner_message(runner, now)
+                else:
+                    self._on_runner_output(runner, what)
+        self._check_runners(now)
+        self._start_queued(now)
+        self._timers(now)
+
+    def _poll_timeout(self) -> int:
+        waits = [self._heartbeat / 2]
+        now = time.time()
+        for runner in self.runners:
+            if runner.task is not None and runner.task.deadline is not None:
+                waits.append(runner.task.deadline - now)
+        if self._reconnect_at is not None:
+            waits.append(self._reconnect_at - now)
+        return max(1, int(min(waits) * 1000))
+
+    # ----------------------------------------------------------------- coordinator messages
+
+    def _hello(self) -> None:
+        held = [[r.task.task_id, r.task.lease_id] for r in self.runners if r.task is not None]
+        held += [[q.task.task_id, q.task.lease_id] for q in self.queue]
+        self.granted = self._free_slots()
+        header = {
+            "role": Role.WORKER.value, "id": self.worker_id, "incarnation": self.incarnation,
+            "proto": [MAJOR, MAJOR], "slots": self.slots, "credit": self.granted,
+            "held": held, "info": self.info, "draining": self.draining,
+        }
+        self.welcomed = False
+        self.link.send(encode(Command.HELLO, header))
+
+    def _free_slots(self) -> int:
+        busy = sum(1 for r in self.runners if r.task is not None) + len(self.queue)
+        return 0 if self.draining else max(self.slots - busy, 0)
+
+    def _on_message(self, msg: Message, now: float) -> None:
+        command = msg.command
+        if command is Command.TASK:
+            self._on_task(msg, now)
+        elif command is Command.RESULT_ACK:
+            self.unacked.pop(int(msg.header.get("lease", 0)), None)
+        elif command is Command.WELCOME:
+            self._on_welcome(msg)
+        elif command is Command.CANCEL:
+            for lease_id in msg.header.get("leases", []):
+                self._cancel(int(lease_id), now, report=True)
+        elif command is Command.ERROR:
+            code = msg.header.get("code")
+            if code == ErrorCode.NO_SESSION.value:
+                self._hello()
+            elif code == ErrorCode.VERSION.value:
+                raise ProtocolMismatch(str(msg.header.get("message", "protocol version mismatch")))
+            else:
+                log.warning("coordinator error: %s", msg.header.get("message"))
+        elif command is Command.DISCONNECT:
+            if msg.header.get("reason") == "version":
+                raise ProtocolMismatch("the coordinator speaks another gpumesh protocol version")
+            self._hello()
+
+    def _on_welcome(self, msg: Message) -> None:
+        h = msg.header
+        self.welcomed = True
+        self._backoff.reset()
+        self._heartbeat = float(h.get("heartbeat", self._heartbeat))
+        self._silence_limit = self._heartbeat * int(h.get("liveness", 5))
+        for lease_id in h.get("abort", []):
+            self._cancel(int(lease_id), time.time(), report=False)
+        for header, frames in self.unacked.values():
+            # Credit is per session: re-sent results carry this session's grant, not the old one.
+            self.link.send(encode(Command.RESULT, {**header, "granted": self.granted}, frames))
+        if not self.joined_once:
+            self.joined_once = True
+            self.say(f"[worker] joined mesh as {self.worker_id}")
+            if self.on_joined is not None:
+                self.on_joined(self.worker_id)
+        else:
+            self.say(f"[worker] reconnected to {self.endpoint}")
+
+    def _on_task(self, msg: Message, now: float) -> None:
+        h = msg.header
+        timeout = h.get("timeout")
+        deadline = now + float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
+        task = RunningTask(str(h["task"]), int(h["lease"]), now, deadline, h)
+        runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
+        self.queue.append(QueuedTask(task, runner_header, msg.payload))
+        self._start_queued(now)
+
+    def _start_queued(self, now: float) -> None:
+        while self.queue:
+            runner = next((r for r in self.runners if r.idle), None)
+            if runner is None:
+                return
+            queued = self.queue.popleft()
+            queued.task.started = now
+            try:
+                runner.send(queued.task, queued.header, queued.frames)
+            except OSError:
+                self.queue.appendleft(queued)
+                runner.task = None
+                self._runner_died(runner, now)
+
+    def _cancel(self, lease_id: int, now: float, *, report: bool) -> None:
+        for queued in list(self.queue):
+            if queued.task.lease_id == lease_id:
+                self.queue.remove(queued)
+                if report:
+                    self._report(queued.task, {"status": "cancelled"}, [], now)
+                return
+        for runner in self.runners:
+            if runner.task is not None and runner.task.lease_id == lease_id:
+                task = runner.task
+                runner.task = None
+                runner.kill()
+                runner.start()
+                if report:
+                    self._report(task, {"status": "cancelled"}, [], now)
+                return
+
+    # ----------------------------------------------------------------- runners
+
+    def _on_runner_message(self, runner: Runner, now: float) -> None:
+        try:
+            header, frames = runner.receive()
+        except PipeClosed:
+            self._runner_died(runner, now)
+            return
+        if header.get("ready"):
+            runner.ready = True
+            return
+        task, runner.task = runner.task, None
+        if task is not None:
+            self._report(task, header, frames, now)
+
+    def _on_runner_output(self, runner: Runner, stream: str) -> None:
+        for chunk in runner.read_stream(stream):
+            task = runner.task
+            if task is None:
+                log.debug("runner %d printed outside a task: %r", runner.slot, chunk[:200])
+                continue
+            if self.welcomed:
+                self.link.send(encode(Command.OUTPUT, {"task": task.task_id, "stream": stream},
+                                      [chunk]))
+
+    def _check_runners(self, now: float) -> None:
+        for runner in self.runners:
+            if runner.proc is not None and runner.proc.poll() is not None:
+                self._runner_died(runner, now)
+            elif runner.task is not None and runner.task.deadline is not None \
+                    and now >= runner.task.deadline:
+                task, runner.task = runner.task, None
+                runner.kill()
+                runner.start()
+                timeout = float(task.header.get("timeout", 0))
+                self._report(task, {"status": "timeout", "error": {
+                    "type": "gpumesh.TaskTimeout",
+                    "message": f"the task ran past its timeout of {timeout:g}s and was stopped",
+                    "traceback": ""}}, [], now)
+
+    def _runner_died(self, runner: Runner, now: float) -> None:
+        # Drain what it printed last: the diagnosis needs its final words.
+        for stream in ("out", "err"):
+            if runner.proc is not None:
+                while runner.read_stream(stream):
+                    pass
+        task, runner.task = runner.task, None
+        code = runner.reap()
+        diagnosis = runner.diagnosis(code)
+        if task is not None:
+            log.warning("task %s: %s", task.task_id, diagnosis)
+            self._report(task, {"status": "crashed", "diagnosis": diagnosis}, [], now)
+        elif not runner.ready:
+            log.warning("runner %d failed to start: %s", runner.slot, diagnosis)
+        runner.start()
+
+    def _report(self, task: RunningTask, header: dict[str, Any], frames: list[Any], now: float) -> None:
+        if not self.draining:
+            self.granted += 1
+        result = {**header, "task": task.task_id, "lease": task.lease_id,
+                  "elapsed": round(now - task.started, 6)}
+        self.unacked[task.lease_id] = (result, frames)
+        if self.welcomed:
+            self.link.send(encode(Command.RESULT, {**result, "granted": self.granted}, frames))
+
+    # ----------------------------------------------------------------- timers
+
+    def _timers(self, now: float) -> None:
+        if self._reconnect_at is not None:
+            if now >= self._reconnect_at:
+                self._reconnect_at = None
+                self.link.reset()
+                self._last_heard = now
+                self._hello()
+            return
+        if now - self._last_heard > self._silence_limit:
+            delay = self._backoff.next_delay()
+            self.welcomed = False
+            self.say(f"[worker] lost the coordinator at {self.endpoint}; retrying in {delay:.1f}s")
+            self._reconnect_at = now + delay
+            return
+        if self.welcomed and now - self._last_sent_heartbeat >= self._heartbeat:
+            self._last_sent_heartbeat = now
+            leases = [r.task.lease_id for r in self.runners if r.task is not None]
+            leases += [q.task.lease_id for q in self.queue]
+            self.link.send(encode(Command.HEARTBEAT, {"leases": leases}))

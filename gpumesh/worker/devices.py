@@ -1,0 +1,171 @@
+"""What this machine offers: the device inventory and a short benchmark that gives it a score.
+
+``score = gflops * 0.7 + bandwidth_gbps * 0.3``: relative and unbounded, only meaningful next to
+the other workers of the same mesh. torch is imported only when it is installed and only here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+
+from .._version import __version__
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def total_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _torch() -> Any | None:
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    return torch
+
+
+def gpus(torch: Any | None = None) -> list[dict[str, Any]]:
+    """One entry per usable GPU: CUDA devices, or Apple's MPS as one device."""
+    torch = torch if torch is not None else _torch()
+    if torch is None:
+        return []
+    found = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            found.append({"index": index, "name": props.name, "vram": int(props.total_memory),
+                          "backend": "cuda"})
+    elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        found.append({"index": 0, "name": "Apple MPS", "vram": 0, "backend": "mps"})
+    return found
+
+
+def probe(torch_probe: bool = True) -> dict[str, Any]:
+    """The inventory sent in HELLO (no benchmark figures yet)."""
+    torch = _torch() if torch_probe else None
+    found = gpus(torch) if torch is not None else []
+    name = found[0]["name"] if found else cpu_name()
+    return {
+        "hostname": socket.gethostname(),
+        "device": "GPU" if found else "CPU",
+        "device_name": name,
+        "cores": os.cpu_count() or 1,
+        "memory": total_memory(),
+        "gpus": found,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "python_full": platform.python_version(),
+        "platform": platform.system(),
+        "cloudpickle": cloudpickle.__version__,
+        "gpumesh": __version__,
+        "torch": getattr(torch, "__version__", None) if torch is not None else None,
+    }
+
+
+def benchmark(inventory: dict[str, Any], budget: float = 1.0) -> dict[str, float]:
+    """GFLOP/s from a matrix multiply and GB/s from a large copy, within about ``budget`` s."""
+    if inventory.get("gpus"):
+        torch = _torch()
+        if torch is not None:
+            return _benchmark_torch(torch, inventory["gpus"][0], budget)
+    return _benchmark_cpu(budget)
+
+
+def score_of(figures: dict[str, float]) -> float:
+    return round(figures["gflops"] * 0.7 + figures["bandwidth_gbps"] * 0.3, 3)
+
+
+def _timed(fn: Any, budget: float) -> float:
+    """Best seconds per call of ``fn`` over as many calls as fit in ``budget``."""
+    fn()  # warm up
+    best = float("inf")
+    deadline = time.perf_counter() + budget
+    calls = 0
+    while calls < 3 or (time.perf_counter() < deadline and calls < 50):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        calls += 1
+    return best
+
+
+def _benchmark_cpu(budget: float) -> dict[str, float]:
+    try:
+        import numpy as np
+    except ImportError:
+        return _benchmark_pure_python(budget)
+    n = 512
+    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).random((n, n), dtype=np.float32)
+    seconds = _timed(lambda: a @ b, budget / 2)
+    gflops = 2 * n**3 / seconds / 1e9
+    src = np.ones(16 * 1024 * 1024 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    seconds = _timed(lambda: np.copyto(dst, src), budget / 2)
+    bandwidth = 2 * src.nbytes / seconds / 1e9  # read + write
+    return {"gflops": round(gflops, 3), "bandwidth_gbps": round(bandwidth, 3), "backend": 0.0}
+
+
+def _benchmark_pure_python(budget: float) -> dict[str, float]:
+    n = 40
+    a = [[float(i * j % 7) for j in range(n)] for i in range(n)]
+
+    def matmul() -> None:
+        cols = list(zip(*a))
+        [[sum(x * y for x, y in zip(row, col)) for col in cols] for row in a]
+
+    seconds = _timed(matmul, budget / 2)
+    blob = bytes(8 * 1024 * 1024)
+    copy_seconds = _timed(lambda: bytearray(blob), budget / 2)
+    return {"gflops": round(2 * n**3 / seconds / 1e9, 3),
+            "bandwidth_gbps": round(2 * len(blob) / copy_seconds / 1e9, 3), "backend": 0.0}
+
+
+def _benchmark_torch(torch: Any, gpu: dict[str, Any], budget: float) -> dict[str, float]:
+    device = torch.device("mps" if gpu.get("backend") == "mps" else f"cuda:{gpu.get('index', 0)}")
+    sync = torch.cuda.synchronize if device.type == "cuda" else torch.mps.synchronize
+    n = 4096
+    a = torch.randn(n, n, device=device, dtype=torch.float32)
+    b = torch.randn(n, n, device=device, dtype=torch.float32)
+
+    def matmul() -> None:
+        a @ b
+        sync()
+
+    seconds = _timed(matmul, budget / 2)
+    src = torch.empty(256 * 1024 * 1024 // 4, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        sync()
+
+    copy_seconds = _timed(copy, budget / 2)
+    return {"gflops": round(2 * n**3 / seconds / 1e9, 3),
+            "bandwidth_gbps": round(2 * src.numel() * 4 / copy_seconds / 1e9, 3), "backend": 1.0}
