@@ -7,6 +7,7 @@ import time: callers ask for ``Settings.from_env()`` when they start.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -79,8 +80,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be greater than zero")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a finite number greater than zero")
     return value
 
 
@@ -123,7 +124,7 @@ class Settings:
 
     home: Path
     url: str | None = None
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     host: str = DEFAULT_HOST
     local_only: bool = False
     verbose: bool = False
@@ -198,9 +199,14 @@ def load_connection(path: Path) -> SavedConnection | None:
         return None
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raw = ""
     try:
         data = json.loads(raw)
-        return SavedConnection(url=str(data["url"]), token=str(data["token"]))
+        url, token = data["url"], data["token"]
+        if not (isinstance(url, str) and isinstance(token, str) and url and token):
+            raise TypeError("url and token must be non-empty strings")
+        return SavedConnection(url=url, token=token)
     except (ValueError, KeyError, TypeError):
         raise ConfigError(
             f"{path} is not a gpumesh config file: delete it and run 'gpumesh serve' or "

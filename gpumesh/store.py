@@ -8,6 +8,7 @@ the commit that holds them.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,19 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot open the database {path}: {exc}") from None
+        try:
+            self._open(path, synchronous)
+        except BaseException:
+            self._db.close()
+            raise
+        self._in_transaction = False
+
+    def _open(self, path: Path | str, synchronous: str) -> None:
+        if str(path) != ":memory:":
+            os.chmod(path, 0o600)  # payloads are code and data: owner only
+        try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.executescript(_SCHEMA)
@@ -89,7 +103,6 @@ class Store:
                 f"the database {path} has schema v{version}, this gpumesh uses v{SCHEMA_VERSION}: "
                 "finish its jobs with the matching gpumesh, or start with another --db"
             )
-        self._in_transaction = False
 
     def _meta(self, key: str) -> int | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -294,7 +294,7 @@ class Broker:
         state = {"ok": TaskState.DONE, "cancelled": TaskState.CANCELLED}.get(status, TaskState.FAILED)
         result = {"status": status, "worker": worker.worker_id, "attempts": task.attempts,
                   "elapsed": h.get("elapsed", 0.0)}
-        for key in ("error", "diagnosis"):
+        for key in ("error", "diagnosis", "encoding"):
             if key in h:
                 result[key] = h[key]
         self._finish(task, state, result, msg.payload, now)

@@ -1,8 +1,8 @@
 """Turning functions, arguments and results into frames and back (pickle protocol 5).
 
-Buffers of 64 KiB or more (numpy arrays, torch CPU tensors, large bytes) leave the pickle stream
-as out-of-band frames, so they are sent and received without a copy. Smaller ones stay in-band,
-where copying is cheaper than the bookkeeping. cloudpickle is used because user functions and
+Buffers of 64 KiB or more that pickle hands over as PickleBuffers (numpy arrays, torch CPU
+tensors) leave the pickle stream as out-of-band frames, so they are sent and received without a
+copy. Smaller ones stay in-band, where copying is cheaper than the bookkeeping. cloudpickle is used because user functions and
 classes usually live in ``__main__``, which stdlib pickle would send by a name the worker lacks.
 """
 

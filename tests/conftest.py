@@ -1,0 +1,103 @@
+"""Shared fixtures: real coordinator and worker processes on loopback, in temporary state."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumesh.client import GPUMesh
+from gpumesh.client.launch import CoordinatorHandle, ProcessHandle, start_coordinator, start_worker
+from gpumesh.config import Settings
+
+# Fast timing so failure detection takes seconds, not tens of seconds.
+FAST = {
+    "GPUMESH_HEARTBEAT": "0.2",
+    "GPUMESH_LEASE_TTL": "2",
+    "GPUMESH_RESTORE_GRACE": "1.5",
+    "GPUMESH_PENDING_TIMEOUT": "3",
+    "GPUMESH_CONNECT_TIMEOUT": "5",
+    "GPUMESH_RECONNECT_GRACE": "60",
+}
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> object:
+    """Poll until ``condition()`` is truthy; fail the test with ``what`` at the deadline."""
+    deadline = time.time() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.time() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Mesh:
+    """A coordinator plus workers started for one test, all torn down at its end."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.token = secrets.token_urlsafe(32)
+        # Workers must import the test modules to unpickle functions defined in them, as any
+        # worker needs the modules a task's function comes from.
+        tests = Path(__file__).parent
+        path = [str(tests), *(str(d) for d in sorted(tests.iterdir()) if d.is_dir()),
+                os.environ.get("PYTHONPATH", "")]
+        self.env = {**FAST, "GPUMESH_HOME": str(home), "PYTHONPATH": os.pathsep.join(filter(None, path))}
+        self.handles: list[ProcessHandle] = []
+        self.clients: list[GPUMesh] = []
+        self.coordinator: CoordinatorHandle | None = None
+        self.db = str(home / "journal.db")
+
+    @property
+    def settings(self) -> Settings:
+        return Settings.from_env({**os.environ, **self.env})
+
+    def start_coordinator(self, port: int = 0, **options: object) -> CoordinatorHandle:
+        options.setdefault("self_worker", False)
+        handle = start_coordinator(port=port, token=self.token, home=str(self.home), env=self.env,
+                                   db=self.db, **options)  # type: ignore[arg-type]
+        self.coordinator = handle
+        self.handles.append(handle)
+        return handle
+
+    def add_worker(self, slots: int = 1, env: dict[str, str] | None = None,
+                   token: str | None = None, **options: object) -> ProcessHandle:
+        assert self.coordinator is not None
+        handle = start_worker(self.coordinator.url, token=token or self.token, slots=slots,
+                              home=str(self.home), env={**self.env, **(env or {})},
+                              **options)  # type: ignore[arg-type]
+        self.handles.append(handle)
+        return handle
+
+    def client(self, token: str | None = None, url: str | None = None) -> GPUMesh:
+        assert self.coordinator is not None
+        client = GPUMesh(url or self.coordinator.url, token or self.token, quiet=True,
+                         settings=self.settings)
+        self.clients.append(client)
+        return client
+
+    def wait_workers(self, count: int, client: GPUMesh | None = None) -> list[dict]:
+        client = client or self.client()
+        return wait_for(lambda: (lambda ws: ws if len(ws) >= count else None)(
+            [w for w in client.workers() if w["alive"]]), what=f"{count} alive workers")  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        for handle in reversed(self.handles):
+            handle.stop(timeout=5)
+
+
+@pytest.fixture
+def mesh_env(tmp_path: Path) -> Iterator[Mesh]:
+    env = Mesh(tmp_path)
+    try:
+        yield env
+    finally:
+        env.close()

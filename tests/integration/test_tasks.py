@@ -1,0 +1,134 @@
+"""Tasks through the real fabric: values, exceptions, scripts, spreading, ordering."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from gpumesh import RemoteError
+from conftest import wait_for
+
+
+class Custom(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"custom failure {code}")
+        self.code = code
+
+
+def echo(value):
+    return value
+
+
+def raise_custom(code):
+    raise Custom(code)
+
+
+def whoami(i):
+    return {"i": i, "pid": os.getpid()}
+
+
+def test_values_come_back_unchanged(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    big = np.arange(1_000_000, dtype=np.float64)  # 8 MB: travels as an out-of-band frame
+    values = [{"a": [1, 2, {"b": None}]}, b"bytes", np.float32(0.12), big, (1, "two", 3.0)]
+    results = client.map(echo, [(v,) for v in values])
+    assert results[0] == values[0]
+    assert results[1] == b"bytes"
+    assert isinstance(results[2], np.float32) and results[2] == np.float32(0.12)
+    assert np.array_equal(results[3], big)
+    assert results[4] == (1, "two", 3.0)
+    assert client.submit(lambda x, y=1: x * 10 + y, 4, y=2).result(timeout=30) == 42
+
+
+def test_remote_exception_keeps_type_and_traceback(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    with pytest.raises(Custom) as info:
+        client.submit(raise_custom, 7).result(timeout=30)
+    assert info.value.code == 7
+    assert "raise_custom" in info.value.remote_traceback
+    if sys.version_info >= (3, 11):
+        assert any("Remote traceback" in note for note in info.value.__notes__)
+
+
+def test_unpicklable_exception_becomes_remote_error(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+
+    def raise_local_class():
+        class Unpicklable(Exception):
+            def __reduce__(self):
+                raise TypeError("no")
+        raise Unpicklable("deep trouble")
+
+    with pytest.raises(RemoteError) as info:
+        client.submit(raise_local_class).result(timeout=30)
+    assert "deep trouble" in str(info.value)
+    assert "Unpicklable" in info.value.remote_type
+
+
+def test_map_spreads_over_workers_in_input_order(mesh_env):
+    mesh_env.start_coordinator(self_worker=True, slots=1)
+    mesh_env.add_worker()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    assert len(mesh_env.wait_workers(3, client)) == 3
+    futures = client.submit_calls(whoami, [((i,), {}) for i in range(200)])
+    results = client.gather(futures)
+    assert [r["i"] for r in results] == list(range(200))
+    assert len({f.worker for f in futures}) > 1
+    assert len({r["pid"] for r in results}) > 1
+
+
+def test_script_task_reads_json_and_returns_stdout(mesh_env, tmp_path):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(env={"WORKER_SECRET": "s3cret"})
+    client = mesh_env.client()
+    script = tmp_path / "grid.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        payload = json.load(sys.stdin)
+        print(json.dumps({"lr": payload["lr"], "double": payload["lr"] * 2,
+                          "sees_secret": "WORKER_SECRET" in os.environ}))
+    """))
+    job = client.submit(name="grid", script=script, payloads=[{"lr": 0.1}, {"lr": 0.3}])
+    results = [f.result(timeout=30) for f in client.job_futures(job)]
+    assert results == [{"lr": 0.1, "double": 0.2, "sees_secret": False},
+                       {"lr": 0.3, "double": 0.6, "sees_secret": False}]
+
+
+def test_script_failure_is_an_error_with_output(mesh_env, tmp_path):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    script = tmp_path / "bad.py"
+    script.write_text("print('partial'); raise SystemExit(4)\n")
+    job = client.submit(script=script, payloads=[{}])
+    with pytest.raises(RemoteError) as info:
+        client.job_futures(job)[0].result(timeout=30)
+    assert "exited with code 4" in str(info.value)
+
+
+def test_task_output_reaches_the_caller(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    seen = []
+    client = mesh_env.client()
+    engine = client._get_engine()
+    engine.on_output = lambda worker, stream, data: seen.append((worker, stream, data))
+
+    def chatty():
+        print("hello from the task", flush=True)
+        return 1
+
+    assert client.submit(chatty).result(timeout=30) == 1
+    wait_for(lambda: any(b"hello from the task" in d for _, _, d in seen), what="task output")
+    assert seen[0][1] == "out" and len(seen[0][0]) == 8

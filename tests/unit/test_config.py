@@ -1,0 +1,402 @@
+"""Unit tests for gpumesh.config: URLs, environment settings and the saved connection file."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from gpumesh.config import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    Endpoint,
+    Limits,
+    SavedConnection,
+    Settings,
+    Timing,
+    load_connection,
+    new_token,
+    parse_url,
+    save_connection,
+)
+from gpumesh.errors import ConfigError, MeshError
+
+TOKEN = "tok-" + "s3cr3t" * 8  # distinctive, so a leak is easy to spot
+
+# --------------------------------------------------------------------------- parse_url
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "port"),
+    [
+        ("tcp://10.0.0.5:8123", "10.0.0.5", 8123),
+        ("gpumesh://box.lan:9001", "box.lan", 9001),
+        ("http://192.0.2.10:8000", "192.0.2.10", 8000),
+        ("https://example.org:443", "example.org", 443),
+        ("TCP://host:1", "host", 1),
+        ("host.example:65535", "host.example", 65535),
+        ("localhost", "localhost", DEFAULT_PORT),
+        ("tcp://myhost", "myhost", DEFAULT_PORT),
+        ("[::1]:9000", "::1", 9000),
+        ("tcp://[fe80::1]:7000", "fe80::1", 7000),
+        ("[::1]", "::1", DEFAULT_PORT),
+        ("  tcp://spaced:1234  ", "spaced", 1234),
+        ("http://h:8000/", "h", 8000),
+    ],
+)
+def test_parse_url_accepts(url: str, host: str, port: int) -> None:
+    endpoint = parse_url(url)
+    assert endpoint == Endpoint(host, port)
+    assert endpoint.host == host
+    assert endpoint.port == port
+
+
+def test_default_port_is_8000() -> None:
+    assert DEFAULT_PORT == 8000
+    assert parse_url("bare-host").port == 8000
+
+
+def test_endpoint_zmq_form() -> None:
+    assert parse_url("gpumesh://h:5").zmq == "tcp://h:5"
+    assert parse_url("[::1]:9000").zmq == "tcp://[::1]:9000"
+    assert str(parse_url("h")) == "tcp://h:8000"
+    # The zmq form parses back to the same endpoint.
+    for url in ("h:1", "[::1]:9000", "10.1.2.3:80"):
+        endpoint = parse_url(url)
+        assert parse_url(endpoint.zmq) == endpoint
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "   ",
+        "ftp://h:21",
+        "udp://h:1",
+        "ws://h:80",
+        "h:0",
+        "h:65536",
+        "h:99999",
+        "h:abc",
+        "h:-1",
+        "tcp://",
+        "tcp://:8000",
+        "h:80:90",
+        "::1",
+        "[::1",
+        "tcp://h:80/path",
+    ],
+)
+def test_parse_url_rejects(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_url(url)
+    assert isinstance(info.value, MeshError)
+    assert str(info.value)  # says something
+
+
+def test_parse_url_error_names_the_scheme() -> None:
+    with pytest.raises(ConfigError, match="ftp"):
+        parse_url("ftp://h:21")
+
+
+# --------------------------------------------------------------------------- Settings.from_env
+
+
+def test_from_env_defaults(tmp_path: Path) -> None:
+    settings = Settings.from_env({"GPUMESH_HOME": str(tmp_path)})
+    assert settings.home == tmp_path
+    assert settings.url is None
+    assert settings.token is None
+    assert settings.host == DEFAULT_HOST
+    assert settings.local_only is False
+    assert settings.verbose is False
+    assert settings.timing == Timing()
+    assert settings.limits == Limits()
+    assert settings.config_path == tmp_path / "config.json"
+
+
+def test_from_env_home_defaults_under_user_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = Settings.from_env({})
+    assert settings.home == tmp_path / ".gpumesh"
+
+
+def test_from_env_home_expands_user(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = Settings.from_env({"GPUMESH_HOME": "~/mesh"})
+    assert settings.home == tmp_path / "mesh"
+
+
+def test_from_env_reads_every_variable(tmp_path: Path) -> None:
+    env = {
+        "GPUMESH_HOME": str(tmp_path / "home"),
+        "GPUMESH_URL": "tcp://10.0.0.1:8001",
+        "GPUMESH_TOKEN": TOKEN,
+        "GPUMESH_HOST": "0.0.0.0",
+        "GPUMESH_LOCAL": "1",
+        "GPUMESH_VERBOSE": "yes",
+        "GPUMESH_HEARTBEAT": "0.5",
+        "GPUMESH_LEASE_TTL": "4",
+        "GPUMESH_PENDING_TIMEOUT": "30",
+        "GPUMESH_CONNECT_TIMEOUT": "1.5",
+        "GPUMESH_RECONNECT_GRACE": "12",
+        "GPUMESH_RESTORE_GRACE": "2.5",
+    }
+    settings = Settings.from_env(env)
+    assert settings.home == tmp_path / "home"
+    assert settings.url == "tcp://10.0.0.1:8001"
+    assert settings.token == TOKEN
+    assert settings.host == "0.0.0.0"
+    assert settings.local_only is True
+    assert settings.verbose is True
+    assert settings.timing.heartbeat == 0.5
+    assert settings.timing.lease_ttl == 4.0
+    assert settings.timing.pending_timeout == 30.0
+    assert settings.timing.connect_timeout == 1.5
+    assert settings.timing.reconnect_grace == 12.0
+    assert settings.timing.restore_grace == 2.5
+    assert settings.timing.liveness == Timing.liveness
+    assert settings.timing.silence_limit == pytest.approx(0.5 * Timing.liveness)
+
+
+def test_from_env_does_not_read_os_environ_when_given_a_mapping(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GPUMESH_TOKEN", "from-os-environ")
+    monkeypatch.setenv("GPUMESH_URL", "tcp://os:1")
+    settings = Settings.from_env({"GPUMESH_HOME": str(tmp_path)})
+    assert settings.token is None
+    assert settings.url is None
+
+
+def test_from_env_reads_os_environ_by_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GPUMESH_HOME", str(tmp_path))
+    monkeypatch.setenv("GPUMESH_TOKEN", "from-os-environ")
+    monkeypatch.setenv("GPUMESH_HEARTBEAT", "2")
+    settings = Settings.from_env()
+    assert settings.token == "from-os-environ"
+    assert settings.timing.heartbeat == 2.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        (" on ", True),
+        ("yes", True),
+        ("0", False),
+        ("false", False),
+        ("", False),
+        ("no", False),
+        ("2", False),
+    ],
+)
+def test_from_env_local_flag(value: str, expected: bool, tmp_path: Path) -> None:
+    settings = Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_LOCAL": value})
+    assert settings.local_only is expected
+
+
+def test_from_env_empty_strings_mean_unset(tmp_path: Path) -> None:
+    settings = Settings.from_env(
+        {
+            "GPUMESH_HOME": str(tmp_path),
+            "GPUMESH_URL": "",
+            "GPUMESH_TOKEN": "",
+            "GPUMESH_HEARTBEAT": "",
+            "GPUMESH_HOST": "",
+        }
+    )
+    assert settings.url is None
+    assert settings.token is None
+    assert settings.host == DEFAULT_HOST
+    assert settings.timing.heartbeat == Timing.heartbeat
+
+
+@pytest.mark.parametrize("value", ["fast", "1s", "0", "-1", "0.0", "1,5"])
+@pytest.mark.parametrize(
+    "name", ["GPUMESH_HEARTBEAT", "GPUMESH_LEASE_TTL", "GPUMESH_CONNECT_TIMEOUT"]
+)
+def test_from_env_bad_number_is_config_error(name: str, value: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"GPUMESH_HOME": str(tmp_path), name: value})
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_from_env_non_finite_number_is_config_error(value: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_HEARTBEAT": value})
+
+
+def test_with_timing_replaces_only_the_given_fields(tmp_path: Path) -> None:
+    settings = Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_HEARTBEAT": "0.5"})
+    changed = settings.with_timing(lease_ttl=3.0)
+    assert changed.timing.lease_ttl == 3.0
+    assert changed.timing.heartbeat == 0.5
+    assert settings.timing.lease_ttl == Timing.lease_ttl  # frozen original untouched
+    assert changed.home == settings.home
+
+
+# --------------------------------------------------------------------------- connection file
+
+
+def test_save_connection_writes_mode_0600_and_loads_back(tmp_path: Path) -> None:
+    path = tmp_path / "fresh" / "config.json"
+    save_connection(path, "tcp://10.0.0.7:8000", TOKEN)
+
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert json.loads(path.read_text()) == {"url": "tcp://10.0.0.7:8000", "token": TOKEN}
+    # No temporary file is left behind.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["config.json"]
+
+    saved = load_connection(path)
+    assert saved == SavedConnection(url="tcp://10.0.0.7:8000", token=TOKEN)
+
+
+def test_save_connection_replaces_a_world_readable_file(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"url": "tcp://old:1", "token": "old"}))
+    os.chmod(path, 0o644)
+    save_connection(path, "tcp://new:2", TOKEN)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_connection(path) == SavedConnection("tcp://new:2", TOKEN)
+
+
+def test_load_connection_missing_file_is_none(tmp_path: Path) -> None:
+    assert load_connection(tmp_path / "nope.json") is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["", "not json", "{", "[]", "null", '"text"', "42", '{"url": "tcp://h:1"}', '{"token": "t"}'],
+)
+def test_load_connection_damaged_file_is_config_error(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        load_connection(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_connection_unreadable_path_is_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.mkdir()
+    with pytest.raises(ConfigError):
+        load_connection(path)
+
+
+def test_load_connection_non_utf8_file_is_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"url": "\xff\xfe", "token": "t"}')
+    with pytest.raises(ConfigError):
+        load_connection(path)
+
+
+def test_load_connection_null_fields_are_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text('{"url": null, "token": null}')
+    with pytest.raises(ConfigError):
+        load_connection(path)
+
+
+def test_saved_connection_repr_hides_the_token(tmp_path: Path) -> None:
+    saved = SavedConnection(url="tcp://h:1", token=TOKEN)
+    assert TOKEN not in repr(saved)
+    assert "tcp://h:1" in repr(saved)
+    path = tmp_path / "config.json"
+    save_connection(path, "tcp://h:1", TOKEN)
+    loaded = load_connection(path)
+    assert loaded is not None
+    assert TOKEN not in repr(loaded)
+    assert TOKEN not in str(loaded)
+
+
+def test_new_token_is_random_and_strong() -> None:
+    tokens = {new_token() for _ in range(20)}
+    assert len(tokens) == 20
+    assert all(len(t) >= 43 for t in tokens)
+
+
+# --------------------------------------------------------------------------- resolve_connection
+
+
+def _settings(home: Path, **env: str) -> Settings:
+    return Settings.from_env({"GPUMESH_HOME": str(home), **env})
+
+
+def test_resolve_uses_saved_connection_when_nothing_else(tmp_path: Path) -> None:
+    save_connection(tmp_path / "config.json", "tcp://saved:1111", "saved-token")
+    settings = _settings(tmp_path)
+    assert settings.saved_connection() == SavedConnection("tcp://saved:1111", "saved-token")
+    assert settings.resolve_connection() == (Endpoint("saved", 1111), "saved-token")
+
+
+def test_resolve_env_beats_saved(tmp_path: Path) -> None:
+    save_connection(tmp_path / "config.json", "tcp://saved:1111", "saved-token")
+    settings = _settings(tmp_path, GPUMESH_URL="tcp://env:2222", GPUMESH_TOKEN="env-token")
+    assert settings.resolve_connection() == (Endpoint("env", 2222), "env-token")
+
+
+def test_resolve_explicit_beats_env_and_saved(tmp_path: Path) -> None:
+    save_connection(tmp_path / "config.json", "tcp://saved:1111", "saved-token")
+    settings = _settings(tmp_path, GPUMESH_URL="tcp://env:2222", GPUMESH_TOKEN="env-token")
+    assert settings.resolve_connection("explicit:3333", "explicit-token") == (
+        Endpoint("explicit", 3333),
+        "explicit-token",
+    )
+
+
+def test_resolve_mixes_sources_per_field(tmp_path: Path) -> None:
+    save_connection(tmp_path / "config.json", "tcp://saved:1111", "saved-token")
+    settings = _settings(tmp_path, GPUMESH_TOKEN="env-token")
+    assert settings.resolve_connection() == (Endpoint("saved", 1111), "env-token")
+    assert settings.resolve_connection(url="explicit:3333") == (
+        Endpoint("explicit", 3333),
+        "env-token",
+    )
+    assert settings.resolve_connection(token="explicit-token") == (
+        Endpoint("saved", 1111),
+        "explicit-token",
+    )
+
+
+def test_resolve_without_any_configuration_is_config_error(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    assert settings.saved_connection() is None
+    with pytest.raises(ConfigError, match="no coordinator configured"):
+        settings.resolve_connection()
+
+
+def test_resolve_with_url_but_no_token_is_config_error(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, GPUMESH_URL="tcp://env:2222")
+    with pytest.raises(ConfigError, match="no token configured"):
+        settings.resolve_connection()
+
+
+def test_resolve_with_bad_url_is_config_error(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, GPUMESH_URL="ftp://env:2222", GPUMESH_TOKEN="t")
+    with pytest.raises(ConfigError):
+        settings.resolve_connection()
+
+
+def test_resolve_errors_never_contain_the_token(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, GPUMESH_URL="ftp://nope:1", GPUMESH_TOKEN=TOKEN)
+    with pytest.raises(ConfigError) as info:
+        settings.resolve_connection()
+    assert TOKEN not in str(info.value)
+
+
+def test_resolve_with_damaged_saved_file_is_config_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(ConfigError):
+        _settings(tmp_path).resolve_connection()

@@ -1,0 +1,226 @@
+"""Unit tests for gpumesh.protocol.serialize: pickle protocol 5 with out-of-band buffers."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy
+import pytest
+
+from gpumesh.protocol.serialize import (
+    OUT_OF_BAND_THRESHOLD,
+    dumps,
+    function_digest,
+    loads,
+    payload_nbytes,
+)
+
+
+class Point:
+    """A class defined at module level in the test file."""
+
+    def __init__(self, x: int, y: int) -> None:
+        self.x = x
+        self.y = y
+
+    def norm1(self) -> int:
+        return abs(self.x) + abs(self.y)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Point) and (self.x, self.y) == (other.x, other.y)
+
+
+def _round_trip(obj):
+    frames = dumps(obj)
+    assert isinstance(frames, list) and frames
+    assert isinstance(frames[0], bytes)
+    return frames, loads(frames)
+
+
+def test_dict_round_trip_stays_in_one_frame() -> None:
+    value = {"a": 1, "b": [1.5, "two", None, True], "c": {"nested": (1, 2)}, 3: b"bytes"}
+    frames, back = _round_trip(value)
+    assert len(frames) == 1
+    assert back == value
+    assert back is not value
+    assert isinstance(back["c"]["nested"], tuple)
+
+
+def test_lambda_round_trip() -> None:
+    offset = 10
+    fn = lambda x, y=2: x * y + offset  # noqa: E731
+    frames, back = _round_trip(fn)
+    assert len(frames) == 1
+    assert back(3) == 16
+    assert back(3, y=5) == 25
+
+
+def test_nested_function_with_closure_round_trip() -> None:
+    def make_counter(start: int):
+        def step(n: int) -> list[int]:
+            return [start + i for i in range(n)]
+
+        return step
+
+    _, back = _round_trip(make_counter(5))
+    assert back(3) == [5, 6, 7]
+
+
+def test_module_level_class_round_trip() -> None:
+    _, back = _round_trip(Point(3, -4))
+    assert back == Point(3, -4)
+    assert back.norm1() == 7
+
+
+def test_class_defined_inside_the_test_round_trip() -> None:
+    class Local:
+        factor = 3
+
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+        def scaled(self) -> int:
+            return self.v * self.factor
+
+    # A local class cannot be pickled by reference: stdlib pickle refuses it.
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        pickle.dumps(Local(1))
+
+    frames, back = _round_trip(Local(7))
+    assert len(frames) == 1
+    assert back.v == 7
+    assert back.scaled() == 21
+    assert type(back).__name__ == "Local"
+
+    # The class itself travels too.
+    _, cls = _round_trip(Local)
+    assert cls(2).scaled() == 6
+
+
+def test_exception_instance_round_trip() -> None:
+    _, back = _round_trip(ValueError("boom", 3))
+    assert isinstance(back, ValueError)
+    assert back.args == ("boom", 3)
+
+
+def test_large_numpy_array_goes_out_of_band() -> None:
+    array = numpy.arange(200_000, dtype=numpy.float64)  # 1.6 MB
+    frames = dumps(array)
+    assert len(frames) > 1
+    assert len(frames) == 2
+    assert isinstance(frames[1], memoryview)
+    assert frames[1].nbytes == array.nbytes
+    # The main pickle does not carry the data.
+    assert len(frames[0]) < 1024
+    assert payload_nbytes(frames) == len(frames[0]) + array.nbytes
+
+    back = loads(frames)
+    assert isinstance(back, numpy.ndarray)
+    assert back.dtype == array.dtype
+    assert back.shape == array.shape
+    numpy.testing.assert_array_equal(back, array)
+
+
+def test_out_of_band_frames_survive_a_copy_to_bytes() -> None:
+    # What arrives over a socket is bytes, not the sender's memoryviews.
+    array = numpy.arange(100_000, dtype=numpy.int32).reshape(250, 400)
+    frames = dumps(array)
+    assert len(frames) == 2
+    received = [bytes(f) for f in frames]
+    back = loads(received)
+    assert back.shape == (250, 400)
+    numpy.testing.assert_array_equal(back, array)
+
+
+def test_loads_accepts_memoryview_frames() -> None:
+    array = numpy.linspace(0.0, 1.0, 50_000)
+    frames = dumps({"weights": array, "name": "w"})
+    assert len(frames) == 2
+    views = [memoryview(bytes(f)) for f in frames]
+    back = loads(views)
+    assert back["name"] == "w"
+    numpy.testing.assert_array_equal(back["weights"], array)
+
+
+def test_loads_accepts_memoryview_main_frame_for_in_band_object() -> None:
+    frames = dumps([1, 2, 3])
+    assert loads([memoryview(frames[0])]) == [1, 2, 3]
+
+
+def test_loads_uses_a_frame_buffer_attribute() -> None:
+    class FakeZmqFrame:
+        def __init__(self, data: bytes) -> None:
+            self.buffer = memoryview(data)
+
+    array = numpy.arange(20_000, dtype=numpy.float64)
+    frames = dumps(array)
+    back = loads([FakeZmqFrame(bytes(f)) for f in frames])
+    numpy.testing.assert_array_equal(back, array)
+
+
+def test_small_numpy_array_stays_in_band() -> None:
+    array = numpy.arange(100, dtype=numpy.float64)
+    frames, back = _round_trip(array)
+    assert len(frames) == 1
+    numpy.testing.assert_array_equal(back, array)
+    assert back.dtype == numpy.float64
+
+
+def test_threshold_boundary() -> None:
+    below = numpy.zeros(OUT_OF_BAND_THRESHOLD - 1, dtype=numpy.uint8)
+    at = numpy.zeros(OUT_OF_BAND_THRESHOLD, dtype=numpy.uint8)
+    assert len(dumps(below)) == 1
+    assert len(dumps(at)) == 2
+    numpy.testing.assert_array_equal(loads(dumps(at)), at)
+
+
+def test_several_arrays_give_one_frame_each_in_order() -> None:
+    a = numpy.full(20_000, 1.0)
+    b = numpy.full(30_000, 2, dtype=numpy.int64)
+    small = numpy.arange(5)
+    frames = dumps((a, small, b))
+    assert len(frames) == 3
+    assert [f.nbytes for f in frames[1:]] == [a.nbytes, b.nbytes]
+    ra, rsmall, rb = loads(frames)
+    numpy.testing.assert_array_equal(ra, a)
+    numpy.testing.assert_array_equal(rsmall, small)
+    numpy.testing.assert_array_equal(rb, b)
+
+
+def test_fortran_and_non_contiguous_arrays_round_trip() -> None:
+    base = numpy.arange(300 * 400, dtype=numpy.float64).reshape(300, 400)
+    fortran = numpy.asfortranarray(base)
+    strided = base[::2, ::3]
+    assert not strided.flags.c_contiguous and not strided.flags.f_contiguous
+    back_f, back_s = loads(dumps((fortran, strided)))
+    numpy.testing.assert_array_equal(back_f, base)
+    numpy.testing.assert_array_equal(back_s, strided)
+
+
+def test_structured_array_round_trip() -> None:
+    dtype = numpy.dtype([("id", numpy.int32), ("score", numpy.float32)])
+    array = numpy.zeros(20_000, dtype=dtype)
+    array["id"] = numpy.arange(20_000)
+    array["score"] = 0.5
+    frames = dumps(array)
+    assert len(frames) == 2
+    back = loads(frames)
+    assert back.dtype == dtype
+    numpy.testing.assert_array_equal(back, array)
+
+
+def test_function_digest_is_stable_and_content_addressed() -> None:
+    pickled = dumps(lambda x: x + 1)[0]
+    digest = function_digest(pickled)
+    assert digest == function_digest(bytes(pickled))
+    assert len(digest) == 24
+    int(digest, 16)  # hex
+    assert function_digest(pickled + b"\x00") != digest
+    assert function_digest(b"") == function_digest(b"")
+
+
+def test_payload_nbytes_counts_bytes_of_views() -> None:
+    view = memoryview(numpy.zeros(10, dtype=numpy.float64))
+    assert len(view) == 10
+    assert payload_nbytes([b"abc", view, bytearray(2)]) == 3 + 80 + 2
+    assert payload_nbytes([]) == 0

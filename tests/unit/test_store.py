@@ -1,0 +1,327 @@
+"""Unit tests for gpumesh.store: the coordinator's SQLite journal, on a tmp_path file."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumesh.store import SCHEMA_VERSION, Store, StoredTask, StoreError
+
+SPEC = {"fn": "abc123", "gpu": "A100", "cores": 2, "nested": {"k": [1, 2]}}
+PAYLOAD = [b"main-pickle", b"\x00" * 10, b""]
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "journal" / "mesh.db"
+
+
+@pytest.fixture
+def store(db_path: Path) -> Iterator[Store]:
+    s = Store(db_path)
+    yield s
+    s.close()
+
+
+def _reopen_and_load(path: Path) -> list[StoredTask]:
+    s = Store(path)
+    try:
+        return list(s.load())
+    finally:
+        s.close()
+
+
+def _add(s: Store, task_id: str = "t1", seq: int = 1, client: str = "c1", **kw) -> None:
+    s.add_task(
+        task_id,
+        client,
+        seq,
+        kw.get("job_id", "job-1"),
+        kw.get("spec", SPEC),
+        kw.get("payload", PAYLOAD),
+        kw.get("submitted_at", 1234.5),
+    )
+
+
+def test_new_store_is_empty_and_creates_parent_dir(db_path: Path) -> None:
+    assert not db_path.parent.exists()
+    s = Store(db_path)
+    try:
+        assert db_path.parent.is_dir()
+        assert list(s.load()) == []
+    finally:
+        s.close()
+
+
+def test_add_task_commit_reopen_loads_it(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s)
+    s.commit()
+    s.close()
+
+    tasks = _reopen_and_load(db_path)
+    assert tasks == [
+        StoredTask(
+            task_id="t1",
+            client_id="c1",
+            seq=1,
+            job_id="job-1",
+            spec=SPEC,
+            payload=PAYLOAD,
+            state="pending",
+            attempts=0,
+            result_header=None,
+            result_payload=None,
+            submitted_at=1234.5,
+        )
+    ]
+
+
+def test_add_task_accepts_memoryview_and_frame_like_payloads(db_path: Path) -> None:
+    class FakeFrame:
+        def __init__(self, data: bytes) -> None:
+            self.buffer = memoryview(data)
+
+    s = Store(db_path)
+    _add(s, payload=[memoryview(b"view"), bytearray(b"ba"), FakeFrame(b"frame")])
+    s.commit()
+    s.close()
+    (task,) = _reopen_and_load(db_path)
+    assert task.payload == [b"view", b"ba", b"frame"]
+
+
+def test_load_returns_tasks_oldest_first(db_path: Path) -> None:
+    s = Store(db_path)
+    for i, task_id in enumerate(["z", "a", "m"]):
+        _add(s, task_id=task_id, seq=i)
+    s.commit()
+    s.close()
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["z", "a", "m"]
+
+
+def test_duplicate_client_seq_is_rejected(store: Store) -> None:
+    _add(store, task_id="t1", seq=7)
+    with pytest.raises(sqlite3.IntegrityError):
+        _add(store, task_id="t2", seq=7)
+
+
+def test_set_attempts_survives_reopen(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s)
+    s.set_attempts("t1", 3)
+    s.commit()
+    s.close()
+    (task,) = _reopen_and_load(db_path)
+    assert task.attempts == 3
+    assert task.state == "pending"
+
+
+def test_finish_task_restores_result_and_empties_payload(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s)
+    s.commit()
+    header = {"status": "ok", "elapsed": 0.25, "worker": "w1", 7: "int key"}
+    result = [b"result-pickle", b"\xff" * 100]
+    s.finish_task("t1", "done", 2, header, result)
+    s.commit()
+    s.close()
+
+    (task,) = _reopen_and_load(db_path)
+    assert task.state == "done"
+    assert task.attempts == 2
+    assert task.result_header == header
+    assert task.result_payload == result
+    assert task.payload == []
+    assert task.spec == SPEC  # the spec is kept
+
+
+def test_finish_task_with_empty_result_payload(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s)
+    s.finish_task("t1", "failed", 1, {"error": "boom"}, [])
+    s.close()
+    (task,) = _reopen_and_load(db_path)
+    assert task.result_header == {"error": "boom"}
+    assert task.result_payload == []
+    assert task.payload == []
+
+
+def test_delete_task(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s, task_id="keep", seq=1)
+    _add(s, task_id="drop", seq=2)
+    s.commit()
+    s.delete_task("drop")
+    s.delete_task("never-existed")  # no error
+    s.commit()
+    s.close()
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["keep"]
+
+
+def test_next_epoch_increases_across_reopen(db_path: Path) -> None:
+    s = Store(db_path)
+    first = s.next_epoch()
+    second = s.next_epoch()
+    s.close()
+    assert (first, second) == (1, 2)
+
+    s = Store(db_path)
+    third = s.next_epoch()
+    s.close()
+    assert third == 3
+
+
+def test_next_epoch_is_durable_without_commit_or_close(db_path: Path) -> None:
+    s = Store(db_path)
+    assert s.next_epoch() == 1
+    # A second connection (another process after a crash) already sees it.
+    other = Store(db_path)
+    try:
+        assert other.next_epoch() == 2
+    finally:
+        other.close()
+        s._db.close()
+
+
+def test_uncommitted_writes_are_lost_on_crash(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s, task_id="committed", seq=1)
+    s.commit()
+    _add(s, task_id="uncommitted", seq=2)
+    s.finish_task("committed", "done", 1, {"x": 1}, [b"r"])
+
+    # While the first connection still holds the open transaction, nobody else sees it.
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["committed"]
+
+    # Crash: the connection goes away without commit() (close() would commit).
+    s._db.close()
+
+    (task,) = _reopen_and_load(db_path)
+    assert task.task_id == "committed"
+    assert task.state == "pending"
+    assert task.result_header is None
+    assert task.payload == PAYLOAD
+
+
+def test_close_commits_pending_writes(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s)
+    s.close()
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["t1"]
+
+
+def test_commit_without_writes_is_harmless(store: Store) -> None:
+    store.commit()
+    store.commit()
+    assert list(store.load()) == []
+
+
+def test_writes_after_commit_open_a_new_transaction(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s, task_id="a", seq=1)
+    s.commit()
+    _add(s, task_id="b", seq=2)
+    s.commit()
+    _add(s, task_id="c", seq=3)  # never committed
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["a", "b"]
+    s._db.close()
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["a", "b"]
+
+
+def test_schema_version_is_recorded(db_path: Path) -> None:
+    Store(db_path).close()
+    with sqlite3.connect(db_path) as raw:
+        (value,) = raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    raw.close()
+    assert value == SCHEMA_VERSION
+
+
+@pytest.fixture
+def connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[sqlite3.Connection]]:
+    """Record every connection Store opens; close any still open at the end of the test."""
+    opened: list[sqlite3.Connection] = []
+    real_connect = sqlite3.connect
+
+    def connect(*args, **kwargs):
+        conn = real_connect(*args, **kwargs)
+        opened.append(conn)
+        return conn
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    yield opened
+    for conn in opened:
+        conn.close()
+
+
+def _is_open(conn: sqlite3.Connection) -> bool:
+    try:
+        conn.execute("SELECT 1")
+    except sqlite3.ProgrammingError:
+        return False
+    return True
+
+
+def _set_schema_version(path: Path, value: int) -> None:
+    raw = sqlite3.connect(path)
+    with raw:
+        raw.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (value,))
+    raw.close()
+
+
+def test_schema_version_mismatch_is_store_error(
+    db_path: Path, connections: list[sqlite3.Connection]
+) -> None:
+    Store(db_path).close()
+    _set_schema_version(db_path, 99)
+    with pytest.raises(StoreError) as info:
+        Store(db_path)
+    assert "v99" in str(info.value)
+    assert f"v{SCHEMA_VERSION}" in str(info.value)
+
+
+def test_schema_version_mismatch_leaves_the_file_alone(
+    db_path: Path, connections: list[sqlite3.Connection]
+) -> None:
+    s = Store(db_path)
+    _add(s)
+    s.close()
+    _set_schema_version(db_path, 99)
+    with pytest.raises(StoreError):
+        Store(db_path)
+    _set_schema_version(db_path, SCHEMA_VERSION)
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["t1"]
+
+
+def test_store_error_closes_its_connection(
+    db_path: Path, connections: list[sqlite3.Connection]
+) -> None:
+    Store(db_path).close()
+    _set_schema_version(db_path, 99)
+    with pytest.raises(StoreError):
+        Store(db_path)
+    assert len(connections) == 3  # the first Store, the raw UPDATE, the refused Store
+    assert not _is_open(connections[0])
+    assert not _is_open(connections[1])
+    assert not _is_open(connections[2])
+
+
+def test_not_a_database_is_store_error(
+    db_path: Path, connections: list[sqlite3.Connection]
+) -> None:
+    db_path.parent.mkdir(parents=True)
+    db_path.write_bytes(b"this is not an sqlite file at all" * 100)
+    with pytest.raises(StoreError):
+        Store(db_path)
+
+
+def test_in_memory_store() -> None:
+    s = Store(":memory:")
+    try:
+        _add(s)
+        s.commit()
+        assert [t.task_id for t in s.load()] == ["t1"]
+    finally:
+        s.close()
