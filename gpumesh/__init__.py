@@ -57,7 +57,26 @@ _LAZY = {
     "Unschedulable": "errors",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = [
+    "AuthenticationError",
+    "ConfigError",
+    "ConnectionFailed",
+    "GPUMesh",
+    "MeshError",
+    "MeshFunction",
+    "MeshTimeout",
+    "RemoteError",
+    "RunnerCrashed",
+    "SubmitRejected",
+    "TaskError",
+    "TaskFuture",
+    "TaskOptions",
+    "TaskTimeout",
+    "Unschedulable",
+    "__version__",
+    "accelerate",
+    "mesh",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -57,7 +57,7 @@ def run_demo(worker_count: int, tasks: int) -> int:
                 results = mesh.gather(futures)
                 click.echo("")
                 click.echo("  task  worker    pid      inside/samples")
-                for future, result in zip(futures, results):
+                for future, result in zip(futures, results, strict=True):
                     click.echo(f"  {result['seed']:>4}  {future.worker[:8]:<9} {result['pid']:<8} "
                                f"{result['inside']}/{result['samples']}")
                 inside = sum(r["inside"] for r in results)

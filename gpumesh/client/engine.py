@@ -27,7 +27,6 @@ import zmq
 
 from ..config import Endpoint, Settings
 from ..errors import (
-    AuthenticationError,
     MeshError,
     ProtocolMismatch,
     RemoteError,
@@ -363,7 +362,7 @@ class Engine:
                 sub.job = sub.job or job
                 sub.future.task_id = task_id
                 self._by_task[task_id] = sub
-        for seq, code, text in msg.header.get("rejected", []):
+        for seq, _code, text in msg.header.get("rejected", []):
             sub = self._outstanding.pop(seq, None)
             if sub is not None and not sub.future.done():
                 sub.future.set_exception(SubmitRejected(f"the coordinator refused the task: {text}"))

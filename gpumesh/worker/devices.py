@@ -137,8 +137,8 @@ def _benchmark_pure_python(budget: float) -> dict[str, float]:
     a = [[float(i * j % 7) for j in range(n)] for i in range(n)]
 
     def matmul() -> None:
-        cols = list(zip(*a))
-        [[sum(x * y for x, y in zip(row, col)) for col in cols] for row in a]
+        cols = list(zip(*a, strict=True))
+        [[sum(x * y for x, y in zip(row, col, strict=True)) for col in cols] for row in a]
 
     seconds = _timed(matmul, budget / 2)
     blob = bytes(8 * 1024 * 1024)

@@ -8,9 +8,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import wait_for
 
 from gpumesh import RemoteError
-from conftest import wait_for
 
 
 class Custom(Exception):

@@ -1,0 +1,110 @@
+"""The CLI and the README's quickstart, run as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import wait_for
+
+from gpumesh._version import __version__
+
+DEMO = textwrap.dedent("""
+    from gpumesh import mesh          # auto-connects using the saved config
+
+    @mesh
+    def train(lr, epochs):
+        return {"lr": lr, "accuracy": round(0.90 + lr, 3)}
+
+    print(train(lr=0.01, epochs=100))                              # one worker
+    print(train.map([{"lr": 0.01, "epochs": 100},                  # every worker
+                     {"lr": 0.05, "epochs": 200}]))
+""")
+EXPECTED = ("{'lr': 0.01, 'accuracy': 0.91}\n"
+            "[{'lr': 0.01, 'accuracy': 0.91}, {'lr': 0.05, 'accuracy': 0.95}]\n")
+
+
+def gpumesh(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpumesh", *args], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_version_line():
+    out = gpumesh("--version").stdout.strip()
+    assert out == f"gpumesh {__version__} ({platform.python_version()}, {platform.system()})"
+
+
+@pytest.mark.parametrize("command", ["serve", "join", "workers", "demo"])
+def test_every_command_has_help_with_an_example(command):
+    result = gpumesh(command, "--help")
+    assert result.returncode == 0
+    assert "Example" in result.stdout
+
+
+def test_quickstart_demo_script_on_the_mesh_then_locally(mesh_env, tmp_path):
+    coordinator = mesh_env.start_coordinator(self_worker=True)
+    script = tmp_path / "demo.py"
+    script.write_text(DEMO)
+    env = {**os.environ, **mesh_env.env}
+    env.pop("GPUMESH_URL", None)
+    env.pop("GPUMESH_TOKEN", None)
+    remote = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert remote.stdout == EXPECTED, remote.stderr
+    assert "[gpumesh] connected to coordinator at tcp://127.0.0.1:" in remote.stderr
+    assert mesh_env.token not in remote.stdout + remote.stderr
+    coordinator.stop()
+    local = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                           timeout=30)
+    assert local.stdout == EXPECTED, local.stderr
+    verbose = subprocess.run([sys.executable, str(script)], env={**env, "GPUMESH_VERBOSE": "1"},
+                             capture_output=True, text=True, timeout=30)
+    assert "running locally" in verbose.stderr
+    forced = subprocess.run([sys.executable, str(script)], env={**env, "GPUMESH_LOCAL": "1"},
+                            capture_output=True, text=True, timeout=30)
+    assert forced.stdout == EXPECTED
+
+
+def test_workers_lists_all_three_alive(mesh_env):
+    coordinator = mesh_env.start_coordinator(self_worker=True, slots=1)
+    mesh_env.add_worker()
+    mesh_env.add_worker()
+    mesh_env.wait_workers(3)
+    result = gpumesh("workers", env=mesh_env.env)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.strip().startswith("CPU")]
+    assert len(rows) == 3
+    assert all(re.match(r"^  CPU  [0-9a-f]{8}    \S+\s+score=[0-9.]+\s+\[alive\]$", r) for r in rows)
+    as_json = gpumesh("workers", "--json", "--url", coordinator.url, "--token", mesh_env.token,
+                      env={"GPUMESH_HOME": str(mesh_env.home / "elsewhere")})
+    assert as_json.returncode == 0 and '"alive": true' in as_json.stdout
+
+
+def test_workers_without_configuration_says_what_to_do(tmp_path):
+    result = gpumesh("workers", env={"GPUMESH_HOME": str(tmp_path), "GPUMESH_URL": "",
+                                     "GPUMESH_TOKEN": ""})
+    assert result.returncode == 1
+    assert "no coordinator configured" in result.stderr
+
+
+def test_demo_runs_end_to_end_and_leaves_nothing_running():
+    result = gpumesh("demo", "--workers", "2", "--tasks", "12", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "remote results equal local ones: yes" in result.stdout
+    assert "nothing left running" in result.stdout
+    ran_on = next(line for line in result.stdout.splitlines() if "ran on:" in line)
+    assert ran_on.count("tasks)") >= 2  # the .map really spread over workers
+
+
+def test_urls_in_every_spelling_reach_the_same_coordinator(mesh_env):
+    coordinator = mesh_env.start_coordinator()
+    port = coordinator.port
+    for url in (f"http://127.0.0.1:{port}", f"gpumesh://127.0.0.1:{port}", f"127.0.0.1:{port}"):
+        client = mesh_env.client(url=url)
+        wait_for(client.connect, what=f"a connection through {url}")
+        assert client.workers() == []

@@ -1,0 +1,25 @@
+"""The public API is a hand-picked list; adding or removing a name is a deliberate act."""
+
+import gpumesh
+
+EXPECTED = {
+    "GPUMesh", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate", "mesh",
+    "AuthenticationError", "ConfigError", "ConnectionFailed", "MeshError", "MeshTimeout",
+    "RemoteError", "RunnerCrashed", "SubmitRejected", "TaskError", "TaskTimeout",
+    "Unschedulable", "__version__",
+}
+
+
+def test_all_is_the_hand_picked_surface():
+    assert set(gpumesh.__all__) == EXPECTED
+
+
+def test_every_public_name_resolves():
+    for name in gpumesh.__all__:
+        assert getattr(gpumesh, name) is not None
+
+
+def test_errors_share_one_root():
+    for name in EXPECTED - {"GPUMesh", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate",
+                            "mesh", "__version__"}:
+        assert issubclass(getattr(gpumesh, name), gpumesh.MeshError)
