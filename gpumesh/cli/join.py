@@ -23,7 +23,7 @@ def default_slots(inventory: dict) -> int:  # type: ignore[type-arg]
 
 
 def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
-         save: bool, ready_fd: int | None) -> None:
+         save: bool, ready_fd: int | None, prefetch: int = 0) -> None:
     try:
         endpoint = parse_url(url)
     except MeshError as exc:
@@ -51,7 +51,7 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     try:
         agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
                             say=lambda line: click.echo(line), on_joined=joined,
-                            gpu_indices=gpu_indices or None)
+                            gpu_indices=gpu_indices or None, prefetch=prefetch)
     except MeshError as exc:
         fail(str(exc))
         return

@@ -94,12 +94,14 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
               help="The mesh token (or GPUMESH_TOKEN).")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Tasks run at once (default: one per GPU, else one per core up to 4).")
+@click.option("--prefetch", type=click.IntRange(0, 1000), default=0, show_default=True,
+              help="Extra tasks to hold queued beyond the slots (speeds up tiny tasks).")
 @click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
 @click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @_color_option
-def join(url: str, token: str, slots: int | None, no_benchmark: bool, no_save: bool,
-         ready_fd: int | None) -> None:
+def join(url: str, token: str, slots: int | None, prefetch: int, no_benchmark: bool,
+         no_save: bool, ready_fd: int | None) -> None:
     """Join this machine to a coordinator as a worker.
 
     \b
@@ -109,7 +111,7 @@ def join(url: str, token: str, slots: int | None, no_benchmark: bool, no_save: b
     from .join import join as run_join
 
     run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
-             save=not no_save, ready_fd=ready_fd)
+             save=not no_save, ready_fd=ready_fd, prefetch=prefetch)
 
 
 def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]

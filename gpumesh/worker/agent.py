@@ -44,7 +44,7 @@ class WorkerAgent:
         self, settings: Settings, endpoint: Endpoint, token: str, *, slots: int,
         info: dict[str, Any], say: Callable[[str], None] | None = None,
         worker_id: str | None = None, gpu_indices: list[int] | None = None,
-        on_joined: Callable[[str], None] | None = None,
+        on_joined: Callable[[str], None] | None = None, prefetch: int = 0,
     ) -> None:
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
@@ -52,6 +52,9 @@ class WorkerAgent:
         self.endpoint = endpoint
         self.keys = derive_keys(token)
         self.slots = slots
+        # Tasks granted beyond the free slots wait here, hiding the round trip for tiny tasks; a
+        # long task would hold them back, so the default is none.
+        self.prefetch = max(prefetch, 0)
         self.info = info
         self.say = say or (lambda line: None)
         self.on_joined = on_joined
@@ -171,7 +174,7 @@ class WorkerAgent:
 
     def _free_slots(self) -> int:
         busy = sum(1 for r in self.runners if r.task is not None) + len(self.queue)
-        return 0 if self.draining else max(self.slots - busy, 0)
+        return 0 if self.draining else max(self.slots + self.prefetch - busy, 0)
 
     def _on_message(self, msg: Message, now: float) -> None:
         command = msg.command

@@ -8,7 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import require, wait_for
 
 from gpumesh import RemoteError
 
@@ -132,3 +132,18 @@ def test_task_output_reaches_the_caller(mesh_env):
     assert client.submit(chatty).result(timeout=30) == 1
     wait_for(lambda: any(b"hello from the task" in d for _, _, d in seen), what="task output")
     assert seen[0][1] == "out" and len(seen[0][0]) == 8
+
+
+def tensor_stats(t):
+    return {"sum": float(t.sum()), "doubled": t * 2}
+
+
+def test_torch_tensors_round_trip(mesh_env):
+    torch = require("torch")
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    tensor = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: out-of-band
+    out = client.submit(tensor_stats, tensor).result(timeout=60)
+    assert out["sum"] == float(tensor.sum())
+    assert torch.equal(out["doubled"], tensor * 2)
