@@ -22,7 +22,6 @@ import time
 
 import zmq
 
-
 PREFETCH = 0
 
 

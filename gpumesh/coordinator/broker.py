@@ -325,8 +325,6 @@ class Broker:
         accepted: list[list[Any]] = []
         rejected: list[list[Any]] = []
         offset = 0
-        pending_for_client = sum(1 for t in self.tasks.values() if t.client_id == client.client_id
-                                 and not t.state.terminal) if len(self.tasks) > 10_000 else 0
         for spec in specs:
             count = spec["nf"]
             payload, offset = list(frames[offset:offset + count]), offset + count
@@ -348,7 +346,7 @@ class Broker:
                                  "submit a script (gpumesh submit / mesh.submit(script=...)) instead "
                                  "of a pickled function"])
                 continue
-            if pending_for_client >= MAX_PENDING_PER_CLIENT:
+            if client.unfinished >= MAX_PENDING_PER_CLIENT:
                 rejected.append([seq, ErrorCode.BUSY.value,
                                  f"this client already has {MAX_PENDING_PER_CLIENT} unfinished tasks: "
                                  "wait for some to finish, then submit again"])
@@ -366,7 +364,7 @@ class Broker:
             self.store.add_task(task_id, client.client_id, seq, job_id, spec, payload, now)
             self._enqueue(task)
             accepted.append([seq, task_id])
-            pending_for_client += 1
+            client.unfinished += 1
         if accepted:
             self.emit("submitted", now, job=job_id, count=len(accepted))
         self._send(client.routing, Command.ACCEPTED,
@@ -428,6 +426,9 @@ class Broker:
     def _finish(self, task: Task, state: TaskState, result: dict[str, Any], payload: list[Any],
                 now: float) -> None:
         task.move(state)
+        owner = self.clients.get(task.client_id)
+        if owner is not None:
+            owner.unfinished = max(owner.unfinished - 1, 0)
         task.result_header = result
         task.result_payload = payload
         if task.worker_id and task.state is not TaskState.PENDING:

@@ -169,3 +169,4 @@ class ClientSession:
     routing: bytes | None
     last_seen: float
     info: dict[str, Any] = field(default_factory=dict)
+    unfinished: int = 0  # tasks submitted and not yet terminal: the per-client queue budget
