@@ -110,7 +110,7 @@ class Timing:
 
 @dataclass(frozen=True)
 class Limits:
-    """Size guards applied to every message before it is decoded (and before it is sent)."""
+    """Size guards applied to every received message before it is decoded."""
 
     max_frame_bytes: int = 512 * 1024 * 1024
     max_message_bytes: int = 1024 * 1024 * 1024

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgpack
 
+from .errors import MeshError
+
 SCHEMA_VERSION = 1
 
 _SCHEMA = """
@@ -38,7 +40,7 @@ CREATE TABLE IF NOT EXISTS tasks (
 """
 
 
-class StoreError(Exception):
+class StoreError(MeshError):
     """The database cannot be used (wrong schema, unreadable file)."""
 
 
@@ -79,16 +81,20 @@ class Store:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot open the database {path}: {exc}") from None
+        self._lock: Any = None
         try:
             self._open(path, synchronous)
         except BaseException:
             self._db.close()
+            if self._lock is not None:
+                self._lock.close()
             raise
         self._in_transaction = False
 
     def _open(self, path: Path | str, synchronous: str) -> None:
         if str(path) != ":memory:":
             os.chmod(path, 0o600)  # payloads are code and data: owner only
+            self._lock = _lock_exclusively(Path(f"{path}.lock"))
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
@@ -178,3 +184,24 @@ class Store:
     def close(self) -> None:
         self.commit()
         self._db.close()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+def _lock_exclusively(path: Path) -> Any:
+    """Hold an exclusive lock for the life of the store: two coordinators on one journal would
+    each re-run the other's tasks."""
+    import fcntl
+
+    handle = open(path, "a+b")  # noqa: SIM115 - held open until close()
+    os.chmod(path, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise StoreError(
+            f"another coordinator is using the journal {path.with_suffix('')}: stop it, or give "
+            "this one its own with --db PATH"
+        ) from None
+    return handle

@@ -40,10 +40,10 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     slots = slots or default_slots(inventory)
     click.echo(f"[worker] device={inventory['device']} {inventory['device_name']} "
                f"score={inventory['score']:.3f} GFLOP/s slots={slots}")
-    if save:
-        save_connection(settings.config_path, endpoint.zmq, token)
-
     def joined(worker_id: str) -> None:
+        # Saved only now: a wrong token must not replace a working saved connection.
+        if save:
+            save_connection(settings.config_path, endpoint.zmq, token)
         if ready_fd is not None:
             os.write(ready_fd, f"{worker_id}\n".encode())
 

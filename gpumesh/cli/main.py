@@ -60,19 +60,20 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--token", envvar="GPUMESH_TOKEN", default=None,
               help="The mesh token (or GPUMESH_TOKEN). Generated and printed when absent.")
 @click.option("--db", type=click.Path(dir_okay=False), default=None,
-              help="SQLite journal (default ~/.gpumesh/coordinator.db).")
+              help="SQLite journal (default GPUMESH_HOME/coordinator-PORT.db).")
 @click.option("--no-self-worker", is_flag=True, help="Do not join this machine as a worker.")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Slots of the self-worker (default: one per GPU, else per core up to 4).")
 @click.option("--safe-mode", is_flag=True, help="Refuse pickled functions; accept scripts only.")
 @click.option("--pending-timeout", type=click.FloatRange(min=0.1), default=None,
               help="Seconds an unschedulable task waits before it fails (default 60).")
+@click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
 @click.option("--quiet-worker", is_flag=True, hidden=True)
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @_color_option
 def serve(host: str | None, port: int, token: str | None, db: str | None, no_self_worker: bool,
-          slots: int | None, safe_mode: bool, pending_timeout: float | None, quiet_worker: bool,
-          ready_fd: int | None) -> None:
+          slots: int | None, safe_mode: bool, pending_timeout: float | None, no_save: bool,
+          quiet_worker: bool, ready_fd: int | None) -> None:
     """Start a coordinator (and join this machine to it).
 
     \b
@@ -85,7 +86,8 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
     settings = _settings()
     run_serve(settings, host=host or settings.host, port=port, token=token, db=db,
               self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
-              pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker)
+              pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker,
+              save=not no_save)
 
 
 @cli.command()

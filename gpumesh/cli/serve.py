@@ -62,13 +62,13 @@ def print_event(event: Event) -> None:
 def serve(
     settings: Settings, *, host: str, port: int, token: str | None, db: str | None,
     self_worker: bool, slots: int | None, safe_mode: bool, pending_timeout: float | None,
-    ready_fd: int | None, quiet: bool,
+    ready_fd: int | None, quiet: bool, save: bool = True,
 ) -> None:
     generated = token is None
     token = token or new_token()
     if pending_timeout is not None:
         settings = settings.with_timing(pending_timeout=pending_timeout)
-    db_path = Path(db) if db else settings.home / "coordinator.db"
+    db_path = Path(db) if db else settings.home / f"coordinator-{port}.db"
     try:
         coordinator = Coordinator(settings, token, host=host, port=port, db_path=db_path,
                                   safe_mode=safe_mode)
@@ -78,11 +78,13 @@ def serve(
     port = coordinator.port
     local_host = host if not host or host not in ("0.0.0.0", "*", "::") else "127.0.0.1"
     local_url = parse_url(f"[{local_host}]:{port}" if ":" in local_host else f"{local_host}:{port}").zmq
-    save_connection(settings.config_path, local_url, token)
+    if save:
+        save_connection(settings.config_path, local_url, token)
     coordinator.broker.listeners.append(print_event)
     shown_token = token if generated else "<your token>"
 
-    click.echo(f"[gpumesh] config saved to {_home_display(settings.config_path)}")
+    if save:
+        click.echo(f"[gpumesh] config saved to {_home_display(settings.config_path)}")
     ok(f"Coordinator listening on {host}:{port}")
     if generated:
         click.echo(f"   Token: {token}")

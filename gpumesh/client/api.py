@@ -82,7 +82,7 @@ class GPUMesh:
         if not self.connect():
             raise ConnectionFailed(
                 f"no coordinator answered at {self.endpoint} within {self.connect_timeout:g}s: "
-                "start one with 'gpumesh serve', or check the URL ('gpumesh doctor')"
+                "start one with 'gpumesh serve', or check the URL and that its port is reachable"
             )
         assert self._engine is not None
         return self._engine

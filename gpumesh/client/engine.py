@@ -157,7 +157,7 @@ class Engine:
         except concurrent.futures.TimeoutError:
             raise MeshError(
                 f"the coordinator at {self.endpoint} did not answer a {what} query within "
-                f"{timeout:g}s: check that it is running ('gpumesh doctor')"
+                f"{timeout:g}s: check that it is running ('gpumesh workers')"
             ) from None
 
     def cancel(self, futures: list[TaskFuture]) -> None:

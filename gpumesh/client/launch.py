@@ -128,9 +128,13 @@ def start_coordinator(
     port: int = 8000, token: str | None = None, host: str = DEFAULT_HOST, *,
     self_worker: bool = True, slots: int | None = None, db: str | None = None,
     home: str | None = None, safe_mode: bool = False, quiet: bool = True, wait: float = 30.0,
-    env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None, extra_args: list[str] | None = None, save: bool = False,
 ) -> CoordinatorHandle:
-    """Run ``gpumesh serve`` in the background. ``port=0`` picks a free port."""
+    """Run ``gpumesh serve`` in the background. ``port=0`` picks a free port.
+
+    Unlike the command, it leaves the saved connection alone unless ``save=True``: a mesh
+    started from a script should not become the user's default.
+    """
     token = token or Settings.from_env().token or new_token()
     args = ["serve", "--host", host, "--port", str(port)]
     if not self_worker:
@@ -141,6 +145,8 @@ def start_coordinator(
         args += ["--db", str(db)]
     if safe_mode:
         args.append("--safe-mode")
+    if not save:
+        args.append("--no-save")
     args += extra_args or []
     proc, line = _spawn(args, _child_env(token, home, env), wait, "coordinator",
                         subprocess.DEVNULL if quiet else None)

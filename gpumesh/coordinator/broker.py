@@ -269,6 +269,8 @@ class Broker:
         task_id = field_of(h, "task", str)
         lease_id = field_of(h, "lease", int)
         status = field_of(h, "status", str)
+        if status not in ("ok", "error", "timeout", "cancelled", "crashed"):
+            raise ProtocolError(ErrorCode.MALFORMED, f"unknown result status {status!r}")
         if "granted" in h:
             worker.granted = max(worker.granted, field_of(h, "granted", int))
         held = worker.leases.pop(lease_id, None)
@@ -286,8 +288,6 @@ class Broker:
                               infra=True)
             self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
             return
-        if status not in ("ok", "error", "timeout", "cancelled"):
-            raise ProtocolError(ErrorCode.MALFORMED, f"unknown result status {status!r}")
         if task.lease_id != lease_id and task.state is TaskState.LEASED:
             # An earlier attempt finished first: its result is as good; stop the current one.
             self._cancel_on_worker(task)
@@ -318,7 +318,8 @@ class Broker:
         for spec in specs:
             if not isinstance(spec, dict):
                 raise ProtocolError(ErrorCode.MALFORMED, "each task spec must be a map")
-            needed += field_of(spec, "nf", int)
+            _check_spec(spec)
+            needed += spec["nf"]
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")
@@ -343,7 +344,7 @@ class Broker:
             if self.safe_mode and kind == "fn":
                 rejected.append([seq, ErrorCode.SAFE_MODE.value,
                                  "this coordinator runs with --safe-mode and accepts scripts only: "
-                                 "submit a script (gpumesh submit / mesh.submit(script=...)) instead "
+                                 "submit a script (mesh.submit(script=..., payloads=[...])) instead "
                                  "of a pickled function"])
                 continue
             if client.unfinished >= MAX_PENDING_PER_CLIENT:
@@ -561,7 +562,9 @@ class Broker:
                 self._send(routing, Command.HEARTBEAT, {})
         for worker in list(self.workers.values()):
             if worker.state is WorkerState.ALIVE and now - worker.last_seen > silence:
-                self._lose(worker, now, f"silent for {now - worker.last_seen:.0f}s")
+                why = f"silent for {now - worker.last_seen:.0f}s"
+                self._release_leases(worker, now, f"worker {worker.label} {why}", infra=True)
+                self._lose(worker, now, why)
             elif worker.state is WorkerState.LOST and now - worker.last_seen > LOST_WORKER_RETENTION:
                 del self.workers[worker.worker_id]
                 continue
@@ -617,6 +620,21 @@ class Broker:
                               "worker": task.worker_id, "attempts": task.attempts})
         return {"job": job_id, "counts": counts, "tasks": tasks,
                 "workers": sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE)}
+
+
+def _check_spec(spec: dict[str, Any]) -> None:
+    """Refuse a SUBMIT whose specs carry mistyped values, before any of it is journaled."""
+    field_of(spec, "seq", int)
+    if not 0 <= field_of(spec, "nf", int) <= 4096:
+        raise ProtocolError(ErrorCode.MALFORMED, "nf must be 0-4096")
+    if not 1 <= field_of(spec, "max_attempts", int, 3) <= 100:
+        raise ProtocolError(ErrorCode.MALFORMED, "max_attempts must be 1-100")
+    field_of(spec, "priority", int, 0)
+    cost = field_of(spec, "cost", (int, float), 1.0)
+    timeout = field_of(spec, "timeout", (int, float), None)
+    if not 0 <= cost < 1e12 or (timeout is not None and not 0 < timeout < 1e9):
+        raise ProtocolError(ErrorCode.MALFORMED, "cost must be >= 0 and timeout > 0")
+    field_of(spec, "req", dict, {})
 
 
 _WORKER_HANDLERS: dict[Command, Callable[[Broker, Any, Message, float], None]] = {

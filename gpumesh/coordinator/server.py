@@ -103,10 +103,15 @@ class Coordinator:
             except ProtocolError as exc:
                 self._reject(routing, exc)
                 continue
-            broker.handle(routing, msg, now)
+            try:
+                broker.handle(routing, msg, now)
+            except Exception:  # a bug in one handler must not take the mesh down
+                log.exception("failed to handle %s from a peer; message dropped", msg.command.name)
+                broker.count_malformed(routing)
 
     def _reject(self, routing: bytes, exc: ProtocolError) -> None:
-        """Policy for undecodable input: count it; answer version errors once, then drop."""
+        """Policy for undecodable input: count it; answer version errors once and unknown
+        commands each time (the session is kept); drop the rest."""
         self.broker.count_malformed(routing)
         if exc.code is ErrorCode.VERSION:
             if routing not in self._version_errors and len(self._version_errors) < 10_000:

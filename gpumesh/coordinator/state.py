@@ -2,6 +2,7 @@
 
 Task:   PENDING -> LEASED -> DONE | FAILED | CANCELLED
         LEASED -> PENDING            (infrastructure failure, attempts left)
+        PENDING -> DONE | FAILED     (a late result of an earlier attempt arrives first)
         RESTORED -> LEASED | PENDING (after a restart: re-claimed by its worker, or re-queued)
 Worker: ALIVE -> LOST (silent past the liveness limit, or left) -> ALIVE (HELLO again)
 """
@@ -32,7 +33,8 @@ _TERMINAL = {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED}
 
 # Allowed transitions; anything else is a bug and is refused loudly in Task.move.
 TRANSITIONS: dict[TaskState, set[TaskState]] = {
-    TaskState.PENDING: {TaskState.LEASED, TaskState.FAILED, TaskState.CANCELLED},
+    # An earlier attempt's result may arrive after its task was re-queued: it still wins.
+    TaskState.PENDING: {TaskState.LEASED, TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED},
     TaskState.LEASED: {TaskState.PENDING, TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED},
     TaskState.RESTORED: {TaskState.LEASED, TaskState.PENDING, TaskState.DONE, TaskState.FAILED,
                          TaskState.CANCELLED},

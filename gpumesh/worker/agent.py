@@ -63,7 +63,8 @@ class WorkerAgent:
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.link = DealerLink(self._ctx, endpoint, self.keys, settings.limits)
-        env = dict(os.environ)
+        # User code must not find the mesh token in its environment.
+        env = {k: v for k, v in os.environ.items() if k != "GPUMESH_TOKEN"}
         self.runners = []
         for slot in range(slots):
             slot_env = dict(env)

@@ -47,7 +47,7 @@ def test_every_command_has_help_with_an_example(command):
 
 
 def test_quickstart_demo_script_on_the_mesh_then_locally(mesh_env, tmp_path):
-    coordinator = mesh_env.start_coordinator(self_worker=True)
+    coordinator = mesh_env.start_coordinator(self_worker=True, save=True)
     script = tmp_path / "demo.py"
     script.write_text(DEMO)
     env = {**os.environ, **mesh_env.env}
@@ -71,7 +71,7 @@ def test_quickstart_demo_script_on_the_mesh_then_locally(mesh_env, tmp_path):
 
 
 def test_workers_lists_all_three_alive(mesh_env):
-    coordinator = mesh_env.start_coordinator(self_worker=True, slots=1)
+    coordinator = mesh_env.start_coordinator(self_worker=True, slots=1, save=True)
     mesh_env.add_worker()
     mesh_env.add_worker()
     mesh_env.wait_workers(3)

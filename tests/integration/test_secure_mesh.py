@@ -50,6 +50,8 @@ def test_wrong_token_worker_fails_fast_with_a_clear_error(mesh_env):
     assert "authentication failed: the token does not match this coordinator" in proc.stderr
     assert time.time() - started < 5 + 2  # 5 s budget for the handshake, plus interpreter start
     assert env["GPUMESH_TOKEN"] not in proc.stdout + proc.stderr
+    # A refused join must not replace the saved connection with its wrong token.
+    assert not (mesh_env.home / "config.json").exists()
 
 
 def _authenticated_dealer(ctx, url, token):
@@ -105,7 +107,7 @@ def test_garbage_from_strangers_and_peers_does_not_stop_the_coordinator(mesh_env
 
 
 def test_serve_binds_loopback_by_default_and_writes_the_config_owner_only(mesh_env):
-    coordinator = mesh_env.start_coordinator()
+    coordinator = mesh_env.start_coordinator(save=True)
     listening = [c for c in psutil.Process(coordinator.pid).net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN]
     assert [c.laddr.ip for c in listening] == ["127.0.0.1"]

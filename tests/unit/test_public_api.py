@@ -4,7 +4,7 @@ import gpumesh
 
 EXPECTED = {
     "GPUMesh", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate", "mesh",
-    "AuthenticationError", "ConfigError", "ConnectionFailed", "MeshError", "MeshTimeout",
+    "AuthenticationError", "ConfigError", "ConnectionFailed", "MeshError", "MeshTimeout", "ProtocolMismatch",
     "RemoteError", "RunnerCrashed", "SubmitRejected", "TaskError", "TaskTimeout",
     "Unschedulable", "__version__",
 }

@@ -177,6 +177,7 @@ def test_next_epoch_increases_across_reopen(db_path: Path) -> None:
 def test_next_epoch_is_durable_without_commit_or_close(db_path: Path) -> None:
     s = Store(db_path)
     assert s.next_epoch() == 1
+    s._lock.close()  # the process died: the kernel released its lock
     # A second connection (another process after a crash) already sees it.
     other = Store(db_path)
     try:
@@ -188,6 +189,7 @@ def test_next_epoch_is_durable_without_commit_or_close(db_path: Path) -> None:
 
 def test_uncommitted_writes_are_lost_on_crash(db_path: Path) -> None:
     s = Store(db_path)
+    s._lock.close()  # as after a crash: the next coordinator may open the journal
     _add(s, task_id="committed", seq=1)
     s.commit()
     _add(s, task_id="uncommitted", seq=2)
@@ -221,6 +223,7 @@ def test_commit_without_writes_is_harmless(store: Store) -> None:
 
 def test_writes_after_commit_open_a_new_transaction(db_path: Path) -> None:
     s = Store(db_path)
+    s._lock.close()  # let a second reader in while this one is still open
     _add(s, task_id="a", seq=1)
     s.commit()
     _add(s, task_id="b", seq=2)
@@ -325,3 +328,13 @@ def test_in_memory_store() -> None:
         assert [t.task_id for t in s.load()] == ["t1"]
     finally:
         s.close()
+
+
+def test_a_second_store_on_a_live_journal_is_refused(db_path: Path) -> None:
+    s = Store(db_path)
+    try:
+        with pytest.raises(StoreError, match="another coordinator is using the journal"):
+            Store(db_path)
+    finally:
+        s.close()
+    Store(db_path).close()  # released on close

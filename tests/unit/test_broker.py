@@ -1,0 +1,115 @@
+"""The broker's policy with plain values: no sockets, an in-memory journal, ``now`` passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumesh.config import Limits, Timing
+from gpumesh.coordinator.broker import Broker
+from gpumesh.coordinator.state import TaskState
+from gpumesh.protocol import Command, Message, decode, encode
+from gpumesh.store import Store
+
+W, C = b"worker-routing", b"client-routing"
+
+
+def msg(command: Command, header: dict, payload: list | None = None) -> Message:
+    return decode(encode(command, header, payload or []), Limits())
+
+
+@pytest.fixture
+def broker() -> Broker:
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "credit": 1,
+                                    "proto": [1, 1], "info": {"python": "3.11"}}), 0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    b.outbox.clear()
+    return b
+
+
+def sent(b: Broker, command: Command) -> list[dict]:
+    out = [decode(frames, Limits()) for _, frames in b.outbox]
+    return [m.header for m in out if m.command is command]
+
+
+def submit(b: Broker, spec: dict, now: float = 0.0) -> str:
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script", **spec}]},
+                    [b"payload"]), now)
+    accepted = sent(b, Command.ACCEPTED)[-1]["accepted"]
+    return accepted[0][1]
+
+
+def test_stale_result_of_a_requeued_task_wins_without_crashing(broker):
+    task_id = submit(broker, {})
+    broker.dispatch(0.0)
+    lease = broker.tasks[task_id].lease_id
+    broker.handle(W, msg(Command.HEARTBEAT, {"leases": []}), 99.0)  # alive, lease not renewed
+    broker.tick(100.0)  # lease expired: back to the queue
+    assert broker.tasks[task_id].state is TaskState.PENDING
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok"},
+                         [b"v"]), 100.1)
+    assert broker.tasks[task_id].state is TaskState.DONE
+
+
+def test_unknown_result_status_keeps_the_lease(broker):
+    task_id = submit(broker, {})
+    broker.dispatch(0.0)
+    lease = broker.tasks[task_id].lease_id
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "weird"}), 0.1)
+    assert broker.workers["w1"].leases == {lease: task_id}
+    assert sent(broker, Command.ERROR)[-1]["code"] == "malformed"
+
+
+@pytest.mark.parametrize("bad", [{"cost": "heavy"}, {"max_attempts": 0}, {"priority": "high"},
+                                 {"timeout": -1}, {"nf": -1}, {"req": "gpu"}])
+def test_mistyped_specs_are_refused_before_journaling(broker, bad):
+    spec = {"seq": 1, "nf": 1, "kind": "script", **bad}
+    broker.handle(C, msg(Command.SUBMIT, {"tasks": [spec]}, [b"p"]), 0.0)
+    assert broker.tasks == {}
+    assert list(broker.store.load()) == []
+    assert sent(broker, Command.ERROR)[-1]["code"] == "malformed"
+
+
+def test_duplicate_submit_gets_the_same_task(broker):
+    first = submit(broker, {})
+    second = submit(broker, {})
+    assert first == second and len(broker.tasks) == 1
+
+
+def test_safe_mode_rejects_functions():
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0, safe_mode=True)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "fn"}]}, [b"f"]), 0.0)
+    rejected = sent(b, Command.ACCEPTED)[-1]["rejected"]
+    assert rejected[0][1] == "safe_mode" and "--safe-mode" in rejected[0][2]
+
+
+def test_silent_worker_is_lost_and_its_task_requeued_with_exclusion(broker):
+    task_id = submit(broker, {})
+    broker.dispatch(0.0)
+    broker.tick(Timing().silence_limit + 1)
+    assert broker.workers["w1"].state.value == "lost"
+    task = broker.tasks[task_id]
+    assert task.state is TaskState.PENDING and "w1" in task.excluded
+
+
+def test_poison_task_fails_after_max_attempts(broker):
+    task_id = submit(broker, {"max_attempts": 2})
+    for attempt in range(2):
+        broker.dispatch(float(attempt))
+        lease = broker.tasks[task_id].lease_id
+        broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "crashed",
+                                              "diagnosis": "killed by SIGSEGV", "granted": 2 + attempt}),
+                      float(attempt))
+    task = broker.tasks[task_id]
+    assert task.state is TaskState.FAILED
+    assert "gave up after 2 attempts" in task.result_header["diagnosis"]
+
+
+def test_unschedulable_task_fails_after_the_pending_timeout_naming_the_requirement(broker):
+    task_id = submit(broker, {"req": {"gpu": "A100"}})
+    broker.dispatch(0.0)
+    assert broker.tasks[task_id].state is TaskState.PENDING
+    broker.tick(Timing().pending_timeout + 1)
+    header = broker.tasks[task_id].result_header
+    assert header["status"] == "unschedulable" and "A100" in header["diagnosis"]
