@@ -207,8 +207,13 @@ class WorkerAgent:
         self._backoff.reset()
         self._heartbeat = float(h.get("heartbeat", self._heartbeat))
         self._silence_limit = self._heartbeat * int(h.get("liveness", 5))
-        for lease_id in h.get("abort", []):
+        aborted = h.get("abort", [])
+        for lease_id in aborted:
             self._cancel(int(lease_id), time.time(), report=False)
+        if aborted and not self.draining:
+            # HELLO counted those slots as busy; they are free again.
+            self.granted += len(aborted)
+            self.link.send(encode(Command.CREDIT, {"granted": self.granted}))
         for header, frames in self.unacked.values():
             # Credit is per session: re-sent results carry this session's grant, not the old one.
             self.link.send(encode(Command.RESULT, {**header, "granted": self.granted}, frames))
@@ -222,9 +227,7 @@ class WorkerAgent:
 
     def _on_task(self, msg: Message, now: float) -> None:
         h = msg.header
-        timeout = h.get("timeout")
-        deadline = now + float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
-        task = RunningTask(str(h["task"]), int(h["lease"]), now, deadline, h)
+        task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h)
         runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
         self.queue.append(QueuedTask(task, runner_header, msg.payload))
         self._start_queued(now)
@@ -236,6 +239,10 @@ class WorkerAgent:
                 return
             queued = self.queue.popleft()
             queued.task.started = now
+            timeout = queued.task.header.get("timeout")
+            if isinstance(timeout, (int, float)) and timeout > 0:
+                # The clock starts when the task runs: time queued behind others does not count.
+                queued.task.deadline = now + float(timeout)
             try:
                 runner.send(queued.task, queued.header, queued.frames)
             except OSError:
