@@ -32,7 +32,7 @@ TOKEN = "tok-" + "s3cr3t" * 8  # distinctive, so a leak is easy to spot
 @pytest.mark.parametrize(
     ("url", "host", "port"),
     [
-        ("tcp://10.0.0.5:8123", "10.0.0.5", 8123),
+        ("tcp://198.51.100.5:8123", "198.51.100.5", 8123),
         ("gpumesh://box.lan:9001", "box.lan", 9001),
         ("http://192.0.2.10:8000", "192.0.2.10", 8000),
         ("https://example.org:443", "example.org", 443),
@@ -64,7 +64,7 @@ def test_endpoint_zmq_form() -> None:
     assert parse_url("[::1]:9000").zmq == "tcp://[::1]:9000"
     assert str(parse_url("h")) == "tcp://h:8000"
     # The zmq form parses back to the same endpoint.
-    for url in ("h:1", "[::1]:9000", "10.1.2.3:80"):
+    for url in ("h:1", "[::1]:9000", "198.51.100.3:80"):
         endpoint = parse_url(url)
         assert parse_url(endpoint.zmq) == endpoint
 
@@ -135,7 +135,7 @@ def test_from_env_home_expands_user(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 def test_from_env_reads_every_variable(tmp_path: Path) -> None:
     env = {
         "GPUMESH_HOME": str(tmp_path / "home"),
-        "GPUMESH_URL": "tcp://10.0.0.1:8001",
+        "GPUMESH_URL": "tcp://198.51.100.1:8001",
         "GPUMESH_TOKEN": TOKEN,
         "GPUMESH_HOST": "0.0.0.0",
         "GPUMESH_LOCAL": "1",
@@ -149,7 +149,7 @@ def test_from_env_reads_every_variable(tmp_path: Path) -> None:
     }
     settings = Settings.from_env(env)
     assert settings.home == tmp_path / "home"
-    assert settings.url == "tcp://10.0.0.1:8001"
+    assert settings.url == "tcp://198.51.100.1:8001"
     assert settings.token == TOKEN
     assert settings.host == "0.0.0.0"
     assert settings.local_only is True
@@ -251,16 +251,16 @@ def test_with_timing_replaces_only_the_given_fields(tmp_path: Path) -> None:
 
 def test_save_connection_writes_mode_0600_and_loads_back(tmp_path: Path) -> None:
     path = tmp_path / "fresh" / "config.json"
-    save_connection(path, "tcp://10.0.0.7:8000", TOKEN)
+    save_connection(path, "tcp://198.51.100.7:8000", TOKEN)
 
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert json.loads(path.read_text()) == {"url": "tcp://10.0.0.7:8000", "token": TOKEN}
+    assert json.loads(path.read_text()) == {"url": "tcp://198.51.100.7:8000", "token": TOKEN}
     # No temporary file is left behind.
     assert sorted(p.name for p in path.parent.iterdir()) == ["config.json"]
 
     saved = load_connection(path)
-    assert saved == SavedConnection(url="tcp://10.0.0.7:8000", token=TOKEN)
+    assert saved == SavedConnection(url="tcp://198.51.100.7:8000", token=TOKEN)
 
 
 def test_save_connection_replaces_a_world_readable_file(tmp_path: Path) -> None:
