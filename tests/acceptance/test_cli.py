@@ -7,24 +7,15 @@ import platform
 import re
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import wait_for
 
 from gpumesh._version import __version__
 
-DEMO = textwrap.dedent("""
-    from gpumesh import mesh          # auto-connects using the saved config
-
-    @mesh
-    def train(lr, epochs):
-        return {"lr": lr, "accuracy": round(0.90 + lr, 3)}
-
-    print(train(lr=0.01, epochs=100))                              # one worker
-    print(train.map([{"lr": 0.01, "epochs": 100},                  # every worker
-                     {"lr": 0.05, "epochs": 200}]))
-""")
+# The shipped example is what the README tells users to run: test that very file.
+DEMO = (Path(__file__).parents[2] / "examples" / "demo.py").read_text()
 EXPECTED = ("{'lr': 0.01, 'accuracy': 0.91}\n"
             "[{'lr': 0.01, 'accuracy': 0.91}, {'lr': 0.05, 'accuracy': 0.95}]\n")
 
