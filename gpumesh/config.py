@@ -100,6 +100,9 @@ class Timing:
     pending_timeout: float = 60.0
     connect_timeout: float = 3.0
     reconnect_grace: float = 60.0
+    # Results nobody collects (a detached `gpumesh submit`, a client that went away) are kept
+    # this long after their owner was last seen, then dropped.
+    result_ttl: float = 86400.0
     backoff_min: float = 1.0
     backoff_max: float = 32.0
 
@@ -142,6 +145,7 @@ class Settings:
             connect_timeout=_env_float(env, "GPUMESH_CONNECT_TIMEOUT", Timing.connect_timeout),
             reconnect_grace=_env_float(env, "GPUMESH_RECONNECT_GRACE", Timing.reconnect_grace),
             restore_grace=_env_float(env, "GPUMESH_RESTORE_GRACE", Timing.restore_grace),
+            result_ttl=_env_float(env, "GPUMESH_RESULT_TTL", Timing.result_ttl),
         )
         return cls(
             home=home,

@@ -37,6 +37,12 @@ CREATE TABLE IF NOT EXISTS tasks (
     submitted_at   REAL NOT NULL,
     UNIQUE (client_id, seq)
 );
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id    TEXT PRIMARY KEY,
+    name      TEXT NOT NULL,
+    client_id TEXT NOT NULL,
+    created   REAL NOT NULL
+);
 """
 
 
@@ -144,15 +150,35 @@ class Store:
         self._write("UPDATE tasks SET attempts = ? WHERE task_id = ?", (attempts, task_id))
 
     def finish_task(
-        self, task_id: str, state: str, attempts: int, header: dict[str, Any], payload: Sequence[Any]
+        self, task_id: str, state: str, attempts: int, header: dict[str, Any], payload: Sequence[Any],
+        *, keep_input: bool = False,
     ) -> None:
-        """Record a terminal outcome. The payload is dropped from the row: it is no longer needed."""
+        """Record a terminal outcome. The task's input is dropped unless it may be retried."""
         self._write(
-            "UPDATE tasks SET state = ?, attempts = ?, result_header = ?, result_payload = ?, "
-            "payload = x'' WHERE task_id = ?",
+            "UPDATE tasks SET state = ?, attempts = ?, result_header = ?, result_payload = ?"
+            + ("" if keep_input else ", payload = x''") + " WHERE task_id = ?",
             (state, attempts, msgpack.packb(header, use_bin_type=True), _pack_frames(payload),
              task_id),
         )
+
+    def reopen_task(self, task_id: str) -> None:
+        """A failed task goes back to the queue (``gpumesh retry``)."""
+        self._write(
+            "UPDATE tasks SET state = 'pending', attempts = 0, result_header = NULL, "
+            "result_payload = NULL WHERE task_id = ?", (task_id,),
+        )
+
+    def add_job(self, job_id: str, name: str, client_id: str, created: float) -> None:
+        self._write("INSERT OR IGNORE INTO jobs (job_id, name, client_id, created) "
+                    "VALUES (?, ?, ?, ?)", (job_id, name, client_id, created))
+
+    def delete_job(self, job_id: str) -> None:
+        self._write("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+
+    def load_jobs(self) -> list[tuple[str, str, str, float]]:
+        """(job id, name, client id, created) of every job on record, oldest first."""
+        return [tuple(row) for row in self._db.execute(  # type: ignore[misc]
+            "SELECT job_id, name, client_id, created FROM jobs ORDER BY created")]
 
     def delete_task(self, task_id: str) -> None:
         self._write("DELETE FROM tasks WHERE task_id = ?", (task_id,))

@@ -23,7 +23,7 @@ def default_slots(inventory: dict) -> int:  # type: ignore[type-arg]
 
 
 def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
-         save: bool, ready_fd: int | None, prefetch: int = 0) -> None:
+         save: bool, ready_fd: int | None, prefetch: int = 0, max_slots: int | None = None) -> None:
     try:
         endpoint = parse_url(url)
     except MeshError as exc:
@@ -38,6 +38,8 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     else:
         inventory["score"] = 0.0
     slots = slots or default_slots(inventory)
+    if max_slots is not None:
+        slots = min(slots, max_slots)  # the owner's cap wins over the detected hardware
     click.echo(f"[worker] device={inventory['device']} {inventory['device_name']} "
                f"score={inventory['score']:.3f} GFLOP/s slots={slots}")
     def joined(worker_id: str) -> None:

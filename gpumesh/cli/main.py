@@ -96,24 +96,30 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
               help="The mesh token (or GPUMESH_TOKEN).")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Tasks run at once (default: one per GPU, else one per core up to 4).")
+@click.option("--max-slots", type=click.IntRange(1, 1024), default=None,
+              help="Never run more than this many tasks at once, whatever the machine has.")
 @click.option("--prefetch", type=click.IntRange(0, 1000), default=0, show_default=True,
               help="Extra tasks to hold queued beyond the slots (speeds up tiny tasks).")
 @click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
 @click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @_color_option
-def join(url: str, token: str, slots: int | None, prefetch: int, no_benchmark: bool,
-         no_save: bool, ready_fd: int | None) -> None:
+def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetch: int,
+         no_benchmark: bool, no_save: bool, ready_fd: int | None) -> None:
     """Join this machine to a coordinator as a worker.
+
+    The machine's owner can take it back at any time with 'gpumesh pause', 'resume' and
+    'drain', run on this machine.
 
     \b
     Example:
       gpumesh join tcp://192.0.2.10:8000 --token $TOKEN
+      gpumesh join tcp://192.0.2.10:8000 --token $TOKEN --max-slots 1   # lend one GPU only
     """
     from .join import join as run_join
 
     run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
-             save=not no_save, ready_fd=ready_fd, prefetch=prefetch)
+             save=not no_save, ready_fd=ready_fd, prefetch=prefetch, max_slots=max_slots)
 
 
 def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
@@ -125,9 +131,200 @@ def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
         fail(str(exc))
 
 
+def _connection(fn):  # type: ignore[no-untyped-def]
+    fn = click.option("--token", default=None,
+                      help="Mesh token (or GPUMESH_TOKEN, or the saved one).")(fn)
+    return click.option("--url", default=None,
+                        help="Coordinator URL (or GPUMESH_URL, or the saved one).")(fn)
+
+
+def _with_client(url: str | None, token: str | None, work):  # type: ignore[no-untyped-def]
+    """Run ``work(client)``; a MeshError becomes a one-line error and exit status 1."""
+    client = _client(url, token)
+    try:
+        return work(client)
+    except MeshError as exc:
+        fail(str(exc))
+    finally:
+        client.close()
+
+
 @cli.command()
-@click.option("--url", default=None, help="Coordinator URL (or GPUMESH_URL, or the saved one).")
-@click.option("--token", default=None, help="Mesh token (or GPUMESH_TOKEN, or the saved one).")
+@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@click.option("--payloads", "payloads_file", required=True, type=click.Path(dir_okay=False),
+              help="JSON file with a list of payloads: one task each, given to the script on stdin.")
+@click.option("--name", default=None, help="Job name shown by 'status' (default: the script path).")
+@click.option("--wait", is_flag=True, help="Show progress until the job ends, then every result.")
+@click.option("--timeout", type=click.FloatRange(min=0.001), default=None,
+              help="Seconds each task may run before it is stopped.")
+@click.option("--max-attempts", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="Runs per task when workers die under it (a script error is not retried).")
+@click.option("--priority", type=int, default=0, show_default=True,
+              help="Higher runs first.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_connection
+def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeout: float | None,
+           max_attempts: int, priority: int, as_json: bool, url: str | None,
+           token: str | None) -> None:
+    """Run SCRIPT once per payload, across the mesh.
+
+    Each payload object reaches the script as JSON on stdin; what the script prints on stdout
+    is its result. The keys gpu, cores, memory, vram and cost are read by the scheduler
+    instead (see docs/protocol.md). With --wait the exit status is 1 if any task failed.
+
+    \b
+    Example:
+      gpumesh submit examples/grid_search.py --payloads examples/payloads.json --wait
+    """
+    from ..client.tasks import TaskOptions
+    from . import jobs
+
+    options = TaskOptions(timeout=timeout, max_attempts=max_attempts, priority=priority)
+    sys.exit(_with_client(url, token, lambda c: jobs.submit(
+        c, script, payloads_file, name, wait, as_json, options)))
+
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_connection
+def status(job: str | None, as_json: bool, url: str | None, token: str | None) -> None:
+    """Show one job (by id, id prefix or name), or the mesh and its recent jobs.
+
+    \b
+    Examples:
+      gpumesh status
+      gpumesh status c3f81cc498f0
+      gpumesh status c3f8 --json
+    """
+    from . import jobs
+
+    _with_client(url, token, lambda c: jobs.status(c, job, as_json))
+
+
+@cli.command()
+@click.argument("job")
+@_connection
+def cancel(job: str, url: str | None, token: str | None) -> None:
+    """Cancel a job: pending tasks never start, running ones are stopped.
+
+    \b
+    Example:
+      gpumesh cancel c3f81cc498f0
+    """
+    from . import jobs
+
+    sys.exit(_with_client(url, token, lambda c: jobs.control(c, "cancel", job)))
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--wait", is_flag=True, help="Show progress until the re-run ends.")
+@_connection
+def retry(job: str, wait: bool, url: str | None, token: str | None) -> None:
+    """Run a job's failed and cancelled tasks again.
+
+    \b
+    Example:
+      gpumesh retry c3f81cc498f0 --wait
+    """
+    from . import jobs
+
+    sys.exit(_with_client(url, token, lambda c: jobs.control(c, "retry", job, wait)))
+
+
+@cli.command()
+@click.argument("worker")
+@_connection
+def kill(worker: str, url: str | None, token: str | None) -> None:
+    """Remove a worker (id, id prefix or hostname) from the mesh.
+
+    Its running tasks go back to the queue and run elsewhere; the worker process exits.
+
+    \b
+    Example:
+      gpumesh kill 0afecb2dfd44
+    """
+    from . import jobs
+
+    sys.exit(_with_client(url, token, lambda c: jobs.control(c, "kill", worker)))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_connection
+def devices(as_json: bool, url: str | None, token: str | None) -> None:
+    """Show the unified pool: every GPU, and every CPU-only worker, of the mesh.
+
+    \b
+    Example:
+      gpumesh devices
+      gpumesh devices --json
+    """
+    from . import jobs
+
+    def show(client):  # type: ignore[no-untyped-def]
+        pool, listing = client.devices(), client.workers()
+        if as_json:
+            click.echo(json.dumps(pool, indent=2))
+        else:
+            click.echo(jobs.devices_table(pool, listing))
+
+    _with_client(url, token, show)
+
+
+@cli.command()
+@click.option("--worker", default=None, help="Only this worker (id or id prefix); default: all here.")
+def pause(worker: str | None) -> None:
+    """Stop this machine's workers taking new tasks; running ones finish.
+
+    Queued tasks are handed back to the mesh at once. Run on the worker's machine.
+
+    \b
+    Example:
+      gpumesh pause
+    """
+    from .owner import steer
+
+    sys.exit(steer(_settings(), "pause", worker, wait=False))
+
+
+@cli.command()
+@click.option("--worker", default=None, help="Only this worker (id or id prefix); default: all here.")
+def resume(worker: str | None) -> None:
+    """Let this machine's paused workers take tasks again. Run on the worker's machine.
+
+    \b
+    Example:
+      gpumesh resume
+    """
+    from .owner import steer
+
+    sys.exit(steer(_settings(), "resume", worker, wait=False))
+
+
+@cli.command()
+@click.option("--worker", default=None, help="Only this worker (id or id prefix); default: all here.")
+@click.option("--now", "at_once", is_flag=True,
+              help="Hand running tasks back too (they rerun elsewhere) and leave at once.")
+@click.option("--wait", is_flag=True, help="Return only once the workers have left.")
+def drain(worker: str | None, at_once: bool, wait: bool) -> None:
+    """Take this machine out of the mesh without losing anyone's work.
+
+    Nothing new starts; running tasks finish (or, with --now, go back to the queue), then each
+    worker here leaves. Run on the worker's machine.
+
+    \b
+    Example:
+      gpumesh drain --wait
+    """
+    from .owner import steer
+
+    sys.exit(steer(_settings(), "drain-now" if at_once else "drain", worker, wait))
+
+
+@cli.command()
+@_connection
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def workers(url: str | None, token: str | None, as_json: bool) -> None:
     """List the workers of the mesh.
@@ -137,13 +334,7 @@ def workers(url: str | None, token: str | None, as_json: bool) -> None:
       gpumesh workers
       gpumesh workers --url tcp://192.0.2.10:8000 --json
     """
-    client = _client(url, token)
-    try:
-        listing = client.workers()
-    except MeshError as exc:
-        fail(str(exc))
-    finally:
-        client.close()
+    listing = _with_client(url, token, lambda c: c.workers())
     if as_json:
         click.echo(json.dumps(listing, indent=2))
     else:

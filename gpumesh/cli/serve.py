@@ -133,6 +133,11 @@ def serve(
             if not loop.is_alive():
                 fail("the coordinator loop stopped unexpectedly; see the log above")
             if child is not None and child.poll() is not None:
+                if child.returncode == 0:
+                    # Drained or removed on purpose ('gpumesh drain', 'gpumesh kill'): respect it.
+                    click.echo("[mesh] self-worker left the mesh; the coordinator keeps running")
+                    child = None
+                    continue
                 click.echo(f"[mesh] self-worker exited with code {child.returncode}; restarting it")
                 child = _start_self_worker(local_url, token, slots, quiet)
     finally:

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..config import Settings
-from ..errors import ConfigError, ConnectionFailed, MeshTimeout
+from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
 from .engine import Engine, TaskFuture
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
-from .tasks import PickledFunction, TaskOptions, call_arguments, script_task
+from .tasks import PickledFunction, TaskOptions, plan_calls, scheduler_options, script_task
 
 R = TypeVar("R")
 UNREACHABLE_MEMORY = 5.0  # seconds a failed connect is remembered before trying again
+JOB_POLL = 0.25  # seconds between status queries while waiting for a job
 
 
 class GPUMesh:
@@ -116,21 +117,30 @@ class GPUMesh:
         return self.submit_calls(fn, [(args, kwargs)])[0]
 
     def submit_calls(
-        self, fn: Callable[..., Any], calls: Iterable[tuple[tuple[Any, ...], dict[str, Any]]],
-        options: TaskOptions | None = None, job: str = "",
+        self, fn: Callable[..., Any], calls: Iterable[tuple[Any, ...]],
+        options: TaskOptions | None = None, job: str = "", name: str = "",
     ) -> list[TaskFuture]:
+        """One task per call: ``(args, kwargs)`` or ``(args, kwargs, options)``, as one job."""
         engine = self._require()
         options = options or TaskOptions()
         pickled = PickledFunction(fn)
-        return engine.submit([pickled.task(args, kwargs, options) for args, kwargs in calls], job)
+        items = [pickled.task(call[0], call[1], call[2] if len(call) > 2 else options)
+                 for call in calls]
+        job = job or _job_id()
+        futures = engine.submit(items, job, name or getattr(fn, "__qualname__", "function"))
+        for future in futures:
+            future.job = job
+        return futures
 
     def map(self, fn: Callable[..., R], items: Iterable[Any], *, timeout: float | None = None,
             options: TaskOptions | None = None) -> list[R]:
         """Run ``fn`` once per item across the mesh; results in input order.
 
         A dict item is keyword arguments, a tuple positional ones, anything else one argument.
+        A dict's scheduler keys (``gpu``, ``cores``, ``memory``, ``vram``, ``cost``) place the
+        task instead of reaching ``fn``, unless ``fn`` declares a parameter of that name.
         """
-        futures = self.submit_calls(fn, [call_arguments(item) for item in items], options)
+        futures = self.submit_calls(fn, plan_calls(fn, items, options or TaskOptions()), options)
         return self.gather(futures, timeout=timeout)
 
     def distribute(self, function: Callable[..., R], params: Sequence[dict[str, Any]],
@@ -187,9 +197,14 @@ class GPUMesh:
         except OSError as exc:
             raise ConfigError(f"cannot read the script {path}: {exc.strerror}") from None
         options = options or TaskOptions()
-        job = (name or path.stem).replace(" ", "-")[:40] + "-" + _short_id()
-        items = [script_task(path.name, source, payload, options) for payload in payloads]
-        futures = self._require().submit(items, job)
+        items = []
+        for index, payload in enumerate(payloads):
+            payload, task_options = scheduler_options(payload, options, where=f"payload {index}")
+            items.append(script_task(path.name, source, payload, task_options))
+        job = _job_id()
+        futures = self._require().submit(items, job, name or str(script))
+        for future in futures:
+            future.job = job
         self._jobs[job] = futures
         return job
 
@@ -198,7 +213,47 @@ class GPUMesh:
         return list(self._jobs.get(job_id, []))
 
     def status(self, job_id: str | None = None) -> dict[str, Any]:
-        return self._require().query("status", job=job_id)  # type: ignore[no-any-return]
+        """A job's state (``job_id``: its id, a unique prefix, or its name), or the mesh's.
+
+        ``{'job', 'name', 'status': 'queued'|'running'|'finished', 'counts', 'tasks': [...]}``
+        """
+        answer = self._require().query("status", job=job_id)
+        if isinstance(answer, dict) and "error" in answer:
+            raise MeshError(str(answer["error"]))
+        return answer  # type: ignore[no-any-return]
+
+    def wait_job(self, job_id: str, *, timeout: float | None = None,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Wait until every task of the job has finished; ``progress`` sees each status."""
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            status = self.status(job_id)
+            if progress is not None:
+                progress(status)
+            if status["status"] == "finished":
+                return status
+            if deadline is not None and time.time() >= deadline:
+                raise MeshTimeout(f"job {job_id} did not finish within {timeout:g}s")
+            time.sleep(JOB_POLL)
+
+    def cancel_job(self, job_id: str) -> int:
+        """Cancel a job: pending tasks never start, running ones are stopped. Returns how many."""
+        return int(self._require().control("cancel", job_id)["cancelled"])
+
+    def retry_job(self, job_id: str) -> int:
+        """Run a job's failed and cancelled tasks again. Returns how many were re-queued."""
+        return int(self._require().control("retry", job_id)["retried"])
+
+    def kill_worker(self, worker: str) -> dict[str, Any]:
+        """Remove a worker (id, unique prefix or hostname): its tasks go back to the queue."""
+        return self._require().control("kill", worker)
+
+    @staticmethod
+    def results_to_dataframe(results: Iterable[Any]) -> Any:
+        """A pandas DataFrame: a row per result; dict results become columns."""
+        from .frames import results_to_dataframe
+
+        return results_to_dataframe(results)
 
     # ----------------------------------------------------------------- the pool
 
@@ -251,8 +306,8 @@ class GPUMesh:
         return start_worker(url, token=token, **options)
 
 
-def _short_id() -> str:
-    return secrets.token_hex(3)
+def _job_id() -> str:
+    return secrets.token_hex(6)
 
 
 def _print_output(worker: str, stream: str, data: bytes) -> None:

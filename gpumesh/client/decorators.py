@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..scheduler import Requirements
 from .api import GPUMesh
 from .engine import TaskFuture
-from .tasks import TaskOptions, call_arguments
+from .tasks import TaskOptions, plan_calls
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -77,11 +77,14 @@ class MeshFunction(Generic[P, R]):
         return mesh.gather(futures, fallback=lambda _: self.fn(*args, **kwargs))[0]  # type: ignore[no-any-return]
 
     def map(self, items: Iterable[Any]) -> list[R]:
-        """One task per item (a dict is keyword arguments); results in input order."""
-        calls = [call_arguments(item) for item in items]
+        """One task per item (a dict is keyword arguments); results in input order.
+
+        A dict's scheduler keys (gpu, cores, memory, vram, cost) place its task.
+        """
+        calls = plan_calls(self.fn, items, self.options)
         mesh = self._mesh()
         if mesh is None:
-            return [self.fn(*args, **kwargs) for args, kwargs in calls]
+            return [self.fn(*args, **kwargs) for args, kwargs, _ in calls]
         self._say(f"{len(calls)} tasks sent to the mesh at {mesh.endpoint}")
         futures = mesh.submit_calls(self.fn, calls, self.options)
         return mesh.gather(futures, fallback=lambda i: self.fn(*calls[i][0], **calls[i][1]))

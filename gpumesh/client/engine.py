@@ -55,6 +55,7 @@ class TaskFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         self.worker = ""
         self.attempts = 0
         self.seq = 0
+        self.job = ""
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Submission:
     frames: list[Any]
     future: TaskFuture
     job: str
+    name: str = ""
     task_id: str = ""
     sent_at: float = 0.0
 
@@ -73,11 +75,13 @@ class _Query:
     header: dict[str, Any]
     future: concurrent.futures.Future  # type: ignore[type-arg]
     sent: bool = False
+    command: Command = Command.QUERY  # or CONTROL
 
 
 @dataclass
 class _Batch:
     job: str
+    name: str = ""
     items: list[tuple[dict[str, Any], list[Any], TaskFuture]] = field(default_factory=list)
 
 
@@ -135,10 +139,11 @@ class Engine:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def submit(self, items: list[tuple[dict[str, Any], list[Any]]], job: str = "") -> list[TaskFuture]:
-        """Queue tasks (spec, payload frames); returns their futures in the same order."""
+    def submit(self, items: list[tuple[dict[str, Any], list[Any]]], job: str = "", name: str = ""
+               ) -> list[TaskFuture]:
+        """Queue tasks (spec, payload frames) as one job; returns their futures in order."""
         self._check_usable()
-        batch = _Batch(job)
+        batch = _Batch(job, name)
         futures = []
         for spec, frames in items:
             future = TaskFuture()
@@ -149,14 +154,27 @@ class Engine:
 
     def query(self, what: str, timeout: float = 10.0, **args: Any) -> Any:
         """Ask the coordinator (``workers``, ``status``, ``events``) and wait for the answer."""
+        return self._ask(_Query({"what": what, **args}, concurrent.futures.Future()), what, timeout)
+
+    def control(self, action: str, target: str, timeout: float = 10.0) -> dict[str, Any]:
+        """``cancel``/``retry`` a job or ``kill`` a worker; the coordinator's account of it."""
+        query = _Query({"action": action, "target": target}, concurrent.futures.Future(),
+                       command=Command.CONTROL)
+        answer = self._ask(query, action, timeout)
+        if not isinstance(answer, dict):
+            raise MeshError(f"the coordinator gave an unexpected answer to {action}")
+        if "error" in answer:
+            raise MeshError(str(answer["error"]))
+        return answer
+
+    def _ask(self, query: _Query, what: str, timeout: float) -> Any:
         self._check_usable()
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._command(_Query({"what": what, **args}, future))
+        self._command(query)
         try:
-            return future.result(timeout)
+            return query.future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise MeshError(
-                f"the coordinator at {self.endpoint} did not answer a {what} query within "
+                f"the coordinator at {self.endpoint} did not answer a {what} request within "
                 f"{timeout:g}s: check that it is running ('gpumesh workers')"
             ) from None
 
@@ -275,7 +293,7 @@ class Engine:
                 for spec, frames, future in command.items:
                     seq = next(self._seq)
                     future.seq = seq
-                    sub = _Submission(seq, spec, frames, future, command.job)
+                    sub = _Submission(seq, spec, frames, future, command.job, command.name)
                     self._outstanding[seq] = sub
                     future.add_done_callback(self._on_future_done)
                     batches.append(sub)
@@ -284,7 +302,7 @@ class Engine:
                 command.header["qid"] = qid
                 self._queries[qid] = command
                 if self._connected.is_set():
-                    command.sent = self._link.send(encode(Command.QUERY, command.header))
+                    command.sent = self._link.send(encode(command.command, command.header))
             elif isinstance(command, tuple) and command[0] == "cancel":
                 tasks = [f.task_id for f in command[1]]
                 if tasks and self._connected.is_set():
@@ -298,10 +316,10 @@ class Engine:
 
     def _send_submissions(self, subs: list[_Submission], now: float) -> None:
         """SUBMIT in batches of bounded size; one message carries many small tasks."""
-        by_job: dict[str, list[_Submission]] = {}
+        by_job: dict[tuple[str, str], list[_Submission]] = {}
         for sub in subs:
             if not sub.future.cancelled():
-                by_job.setdefault(sub.job, []).append(sub)
+                by_job.setdefault((sub.job, sub.name), []).append(sub)
         for job, group in by_job.items():
             chunk: list[_Submission] = []
             size = 0
@@ -314,10 +332,11 @@ class Engine:
             if chunk:
                 self._send_chunk(job, chunk, now)
 
-    def _send_chunk(self, job: str, chunk: list[_Submission], now: float) -> None:
+    def _send_chunk(self, job: tuple[str, str], chunk: list[_Submission], now: float) -> None:
         specs = [{**sub.spec, "seq": sub.seq, "nf": len(sub.frames)} for sub in chunk]
         frames = [frame for sub in chunk for frame in sub.frames]
-        if self._link.send(encode(Command.SUBMIT, {"job": job, "tasks": specs}, frames)):
+        header = {"job": job[0], "name": job[1], "tasks": specs}
+        if self._link.send(encode(Command.SUBMIT, header, frames)):
             for sub in chunk:
                 sub.sent_at = now
 
@@ -351,7 +370,7 @@ class Engine:
             self._link.send(encode(Command.FETCH, {"tasks": accepted, "qid": 0}))
         self._send_submissions([s for s in self._outstanding.values() if not s.task_id], now)
         for q in self._queries.values():
-            q.sent = self._link.send(encode(Command.QUERY, q.header))
+            q.sent = self._link.send(encode(q.command, q.header))
 
     def _on_accepted(self, msg: Message, now: float) -> None:
         job = str(msg.header.get("job", ""))
@@ -416,6 +435,12 @@ class Engine:
         elif code == ErrorCode.VERSION.value:
             raise ProtocolMismatch(f"the coordinator at {self.endpoint} refused us: {text}")
         else:
+            qid = msg.header.get("qid")
+            query = self._queries.pop(qid, None) if isinstance(qid, int) else None
+            if query is not None:
+                if not query.future.done():
+                    query.future.set_exception(MeshError(f"the coordinator refused the request: {text}"))
+                return
             log.warning("coordinator error (%s): %s", code, text)
             for q in list(self._queries.values()):
                 if code == ErrorCode.UNSUPPORTED.value and not q.future.done():

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..errors import ConfigError
 from ..protocol import serialize
 from ..scheduler import Requirements
+
+# Keys of a payload dict (a `.map` item, a script payload) that the scheduler reads instead of
+# handing them to the code: four filters and the placement weight. docs/protocol.md lists them.
+SCHEDULER_KEYS = ("gpu", "cores", "memory", "vram", "cost")
+Call = tuple[tuple[Any, ...], dict[str, Any], "TaskOptions"]
 
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -73,3 +80,46 @@ def script_task(name: str, source: bytes, payload: Any, options: TaskOptions
     spec = options.spec("script")
     spec["name"] = name
     return spec, [source, json.dumps(payload).encode("utf-8")]
+
+
+def scheduler_options(payload: Any, base: TaskOptions, *, keep: Iterable[str] = (),
+                      where: str = "payload") -> tuple[Any, TaskOptions]:
+    """Split the scheduler's keys off a payload dict: (what the code gets, the task's options).
+
+    Keys named in ``keep`` (parameters the function declares by that name) are read by the
+    scheduler and still passed on. A bad value raises ConfigError naming ``where``.
+    """
+    if not isinstance(payload, Mapping) or not any(key in payload for key in SCHEDULER_KEYS):
+        return payload, base
+    kept = set(keep)
+    rest = {k: v for k, v in payload.items() if k not in SCHEDULER_KEYS or k in kept}
+    wanted = {**base.requirements.to_mapping(),
+              **{k: payload[k] for k in SCHEDULER_KEYS if k in payload and k != "cost"}}
+    try:
+        requirements = Requirements.from_mapping(wanted)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    cost = payload.get("cost", base.cost)
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < 1e12:
+        raise ConfigError(f"{where}: cost must be a number >= 0 (a relative weight), not {cost!r}")
+    return rest, replace(base, requirements=requirements, cost=float(cost))
+
+
+def plan_calls(fn: Callable[..., Any], items: Iterable[Any], options: TaskOptions) -> list[Call]:
+    """The calls of a ``.map``: arguments per item, and per-item options from a dict's
+    scheduler keys."""
+    declared = _parameter_names(fn)
+    calls: list[Call] = []
+    for index, item in enumerate(items):
+        item, item_options = scheduler_options(item, options, keep=declared,
+                                               where=f"item {index} of the .map")
+        args, kwargs = call_arguments(item)
+        calls.append((args, kwargs, item_options))
+    return calls
+
+
+def _parameter_names(fn: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return set()

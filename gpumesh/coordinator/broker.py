@@ -3,6 +3,9 @@
 The broker owns no socket and reads no clock: the server loop hands it decoded messages with
 ``now`` and sends whatever it left in ``outbox`` once the journal has committed, so nothing is
 acknowledged before it is durable.
+
+This file holds the shared state and the task lifecycle; ``workers.py`` and ``clients.py`` hold
+what each kind of peer can ask for, ``jobs.py`` the per-job records.
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ from .. import scheduler
 from ..config import Limits, Timing
 from ..protocol import MAJOR, Command, ErrorCode, Message, ProtocolError, Role, encode, field_of
 from ..store import Store
+from .clients import ClientSide
+from .jobs import LIST_JOBS, MAX_JOBS, Job, find_job, summarize
 from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
+from .workers import WorkerSide
 
 log = logging.getLogger("gpumesh.coordinator")
 
 LOST_WORKER_RETENTION = 600.0
-MAX_PENDING_PER_CLIENT = 1_000_000
 EVENT_HISTORY = 10_000
+RETENTION_SWEEP = 10.0  # seconds between sweeps for results nobody will collect
+MAX_RETAINED_RESULT_BYTES = 2 * 1024**3  # uncollected results of absent clients, all together
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class Event:
     data: dict[str, Any]
 
 
-class Broker:
+class Broker(WorkerSide, ClientSide):
     def __init__(
         self, store: Store, timing: Timing, limits: Limits, *, epoch: int, now: float,
         safe_mode: bool = False,
@@ -55,6 +62,7 @@ class Broker:
         self.by_seq: dict[tuple[str, int], str] = {}
         self.workers: dict[str, WorkerSession] = {}
         self.clients: dict[str, ClientSession] = {}
+        self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, tuple[Role, str]] = {}
         self._pending: list[tuple[int, int, str]] = []
         self._order = itertools.count()
@@ -67,6 +75,7 @@ class Broker:
         self.malformed: dict[bytes, int] = {}
         self._last_heartbeat = now
         self._last_pending_check = now
+        self._last_sweep = now
         self._restoring = True
 
     # ----------------------------------------------------------------- plumbing
@@ -76,8 +85,11 @@ class Broker:
         if routing is not None:
             self.outbox.append((routing, encode(command, header, payload)))
 
-    def _error(self, routing: bytes, code: ErrorCode, text: str) -> None:
-        self._send(routing, Command.ERROR, {"code": code.value, "message": text})
+    def _error(self, routing: bytes | None, code: ErrorCode, text: str, qid: Any = None) -> None:
+        header: dict[str, Any] = {"code": code.value, "message": text}
+        if isinstance(qid, int) and qid:
+            header["qid"] = qid  # so the client can fail the one call that caused it
+        self._send(routing, Command.ERROR, header)
 
     def emit(self, kind: str, now: float, **data: Any) -> None:
         event = Event(next(self._event_seq), now, kind, data)
@@ -90,6 +102,8 @@ class Broker:
 
     def restore(self, now: float) -> int:
         """Load the journal after a start. Unfinished tasks wait for their workers to re-claim."""
+        for job_id, name, client_id, created in self.store.load_jobs():
+            self.jobs[job_id] = Job(job_id, name, client_id, created)
         count = 0
         for row in self.store.load():
             task = Task(
@@ -98,10 +112,17 @@ class Broker:
                 attempts=row.attempts,
                 requirements=scheduler.Requirements.from_mapping(row.spec.get("req", {})),
             )
+            job = self.jobs.get(task.job_id)
+            if job is None:
+                job = self.jobs[task.job_id] = Job(task.job_id, task.job_id, task.client_id,
+                                                   task.submitted_at)
+            job.task_ids.append(task.task_id)
             if row.result_header is not None:
                 task.state = TaskState(row.state)
                 task.result_header = row.result_header
                 task.result_payload = row.result_payload or []
+                task.finished_at = now
+                job.summaries[task.task_id] = summarize(task)
             else:
                 task.state = TaskState.RESTORED
             self.tasks[task.task_id] = task
@@ -139,10 +160,11 @@ class Broker:
                 handler(self, client, msg, now)
         except ProtocolError as exc:
             self.count_malformed(routing)
-            self._error(routing, exc.code, exc.detail)
+            self._error(routing, exc.code, exc.detail, msg.header.get("qid"))
         except (ValueError, TypeError, KeyError) as exc:
             self.count_malformed(routing)
-            self._error(routing, ErrorCode.MALFORMED, f"bad {msg.command.name}: {exc}")
+            self._error(routing, ErrorCode.MALFORMED, f"bad {msg.command.name}: {exc}",
+                        msg.header.get("qid"))
 
     def count_malformed(self, routing: bytes) -> None:
         if len(self.malformed) > 10_000:
@@ -185,240 +207,6 @@ class Broker:
         self.peers[routing] = (role, peer_id)
         self._send(routing, Command.WELCOME, welcome)
 
-    def _hello_worker(self, routing: bytes, worker_id: str, h: dict[str, Any], now: float) -> list[int]:
-        info = field_of(h, "info", dict, {})
-        slots = field_of(h, "slots", int)
-        credit = field_of(h, "credit", int, slots)
-        held = field_of(h, "held", list, [])
-        incarnation = field_of(h, "incarnation", str, "")
-        if not 0 <= credit <= 100_000 or not 0 < slots <= 100_000:
-            raise ProtocolError(ErrorCode.MALFORMED, "slots and credit must be 0-100000")
-        worker = self.workers.get(worker_id)
-        rejoined = worker is not None and worker.state is WorkerState.LOST
-        if worker is None:
-            worker = WorkerSession(worker_id, routing, incarnation, info, slots, now, now)
-            self.workers[worker_id] = worker
-            rejoined = True
-        else:
-            if worker.routing != routing:
-                self.peers.pop(worker.routing, None)
-            if worker.incarnation != incarnation:
-                # The agent restarted: whatever it held under the old incarnation is gone.
-                self._release_leases(worker, now, f"worker {worker.label} restarted", infra=True)
-            worker.routing, worker.incarnation, worker.info = routing, incarnation, info
-            worker.slots, worker.last_seen, worker.state = slots, now, WorkerState.ALIVE
-        worker.granted, worker.sent = credit, 0
-        worker.draining = bool(h.get("draining", False))
-        abort: list[int] = []
-        claimed: dict[int, str] = {}
-        for item in held:
-            if not (isinstance(item, list) and len(item) == 2):
-                raise ProtocolError(ErrorCode.MALFORMED, "held leases must be [task, lease] pairs")
-            task_id, lease_id = str(item[0]), int(item[1])
-            task = self.tasks.get(task_id)
-            if task is not None and (
-                (task.state is TaskState.LEASED and task.lease_id == lease_id
-                 and task.worker_id == worker_id)
-                or task.state is TaskState.RESTORED
-            ):
-                if task.state is TaskState.RESTORED:
-                    task.move(TaskState.LEASED)
-                    task.attempts = max(task.attempts, 1)
-                task.lease_id, task.worker_id = lease_id, worker_id
-                task.lease_expires = now + self.timing.lease_ttl
-                claimed[lease_id] = task_id
-            else:
-                abort.append(lease_id)
-        # Leases the coordinator thinks this worker holds but it did not claim are lost.
-        for lease_id, task_id in list(worker.leases.items()):
-            if lease_id not in claimed:
-                worker.leases.pop(lease_id)
-                self._requeue(self.tasks.get(task_id), worker, now, "lost across a reconnect", infra=True)
-        worker.leases = claimed
-        if rejoined:
-            self.emit("worker_joined", now, worker=worker.describe())
-        return abort
-
-    # ----------------------------------------------------------------- worker messages
-
-    def _w_heartbeat(self, worker: WorkerSession, msg: Message, now: float) -> None:
-        leases = field_of(msg.header, "leases", list, [])
-        expires = now + self.timing.lease_ttl
-        for lease_id in leases:
-            task_id = worker.leases.get(lease_id)
-            task = self.tasks.get(task_id) if task_id else None
-            if task is not None and task.lease_id == lease_id:
-                task.lease_expires = expires
-
-    def _w_credit(self, worker: WorkerSession, msg: Message, now: float) -> None:
-        worker.granted = max(worker.granted, field_of(msg.header, "granted", int))
-        worker.draining = bool(msg.header.get("draining", worker.draining))
-
-    def _w_output(self, worker: WorkerSession, msg: Message, now: float) -> None:
-        task = self.tasks.get(field_of(msg.header, "task", str))
-        if task is None or task.worker_id != worker.worker_id or len(msg.payload) != 1:
-            return
-        client = self.clients.get(task.client_id)
-        if client is not None and client.routing is not None:
-            header = {"task": task.task_id, "stream": msg.header.get("stream", "out"),
-                      "worker": worker.short_id}
-            self._send(client.routing, Command.OUTPUT, header, msg.payload)
-
-    def _w_result(self, worker: WorkerSession, msg: Message, now: float) -> None:
-        h = msg.header
-        task_id = field_of(h, "task", str)
-        lease_id = field_of(h, "lease", int)
-        status = field_of(h, "status", str)
-        if status not in ("ok", "error", "timeout", "cancelled", "crashed"):
-            raise ProtocolError(ErrorCode.MALFORMED, f"unknown result status {status!r}")
-        if "granted" in h:
-            worker.granted = max(worker.granted, field_of(h, "granted", int))
-        held = worker.leases.pop(lease_id, None)
-        if held is not None:
-            worker.completed += 1
-            worker.busy_seconds += float(h.get("elapsed", 0.0) or 0.0)
-        task = self.tasks.get(task_id)
-        ack = {"task": task_id, "lease": lease_id}
-        if task is None or task.state.terminal:
-            self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
-            return
-        if status == "crashed":
-            if held is not None and task.lease_id == lease_id:
-                self._requeue(task, worker, now, str(h.get("diagnosis", "runner crashed")),
-                              infra=True)
-            self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
-            return
-        if task.lease_id != lease_id and task.state is TaskState.LEASED:
-            # An earlier attempt finished first: its result is as good; stop the current one.
-            self._cancel_on_worker(task)
-        state = {"ok": TaskState.DONE, "cancelled": TaskState.CANCELLED}.get(status, TaskState.FAILED)
-        result = {"status": status, "worker": worker.worker_id, "attempts": task.attempts,
-                  "elapsed": h.get("elapsed", 0.0)}
-        for key in ("error", "diagnosis", "encoding"):
-            if key in h:
-                result[key] = h[key]
-        self._finish(task, state, result, msg.payload, now)
-        self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
-
-    def _w_disconnect(self, worker: WorkerSession, msg: Message, now: float) -> None:
-        reason = str(msg.header.get("reason", "left"))
-        self._release_leases(worker, now, f"worker {worker.label} {reason}", infra=False)
-        self._lose(worker, now, reason)
-
-    # ----------------------------------------------------------------- client messages
-
-    def _c_heartbeat(self, client: ClientSession, msg: Message, now: float) -> None:
-        pass  # last_seen was refreshed by handle()
-
-    def _c_submit(self, client: ClientSession, msg: Message, now: float) -> None:
-        specs = field_of(msg.header, "tasks", list)
-        job_id = field_of(msg.header, "job", str, "") or secrets.token_hex(6)
-        frames = msg.payload
-        needed = 0
-        for spec in specs:
-            if not isinstance(spec, dict):
-                raise ProtocolError(ErrorCode.MALFORMED, "each task spec must be a map")
-            _check_spec(spec)
-            needed += spec["nf"]
-        if needed != len(frames):
-            raise ProtocolError(ErrorCode.MALFORMED,
-                                f"specs announce {needed} payload frames, {len(frames)} arrived")
-        accepted: list[list[Any]] = []
-        rejected: list[list[Any]] = []
-        offset = 0
-        for spec in specs:
-            count = spec["nf"]
-            payload, offset = list(frames[offset:offset + count]), offset + count
-            seq = field_of(spec, "seq", int)
-            existing = self.by_seq.get((client.client_id, seq))
-            if existing is not None:
-                accepted.append([seq, existing])
-                task = self.tasks.get(existing)
-                if task is not None and task.state.terminal:
-                    self._deliver(task)
-                continue
-            kind = field_of(spec, "kind", str)
-            if kind not in ("fn", "script"):
-                rejected.append([seq, ErrorCode.MALFORMED.value, f"unknown task kind {kind!r}"])
-                continue
-            if self.safe_mode and kind == "fn":
-                rejected.append([seq, ErrorCode.SAFE_MODE.value,
-                                 "this coordinator runs with --safe-mode and accepts scripts only: "
-                                 "submit a script (mesh.submit(script=..., payloads=[...])) instead "
-                                 "of a pickled function"])
-                continue
-            if client.unfinished >= MAX_PENDING_PER_CLIENT:
-                rejected.append([seq, ErrorCode.BUSY.value,
-                                 f"this client already has {MAX_PENDING_PER_CLIENT} unfinished tasks: "
-                                 "wait for some to finish, then submit again"])
-                continue
-            try:
-                requirements = scheduler.Requirements.from_mapping(field_of(spec, "req", dict, {}))
-            except ValueError as exc:
-                rejected.append([seq, ErrorCode.MALFORMED.value, str(exc)])
-                continue
-            spec = {k: v for k, v in spec.items() if k != "nf"}
-            task_id = secrets.token_hex(6)
-            task = Task(task_id, client.client_id, seq, job_id, spec, payload, now, requirements)
-            self.tasks[task_id] = task
-            self.by_seq[(client.client_id, seq)] = task_id
-            self.store.add_task(task_id, client.client_id, seq, job_id, spec, payload, now)
-            self._enqueue(task)
-            accepted.append([seq, task_id])
-            client.unfinished += 1
-        if accepted:
-            self.emit("submitted", now, job=job_id, count=len(accepted))
-        self._send(client.routing, Command.ACCEPTED,
-                   {"job": job_id, "accepted": accepted, "rejected": rejected})
-
-    def _c_result_ack(self, client: ClientSession, msg: Message, now: float) -> None:
-        for task_id in field_of(msg.header, "tasks", list):
-            task = self.tasks.get(task_id)
-            if task is not None and task.state.terminal and task.client_id == client.client_id:
-                del self.tasks[task_id]
-                self.by_seq.pop((task.client_id, task.seq), None)
-                self.store.delete_task(task_id)
-
-    def _c_fetch(self, client: ClientSession, msg: Message, now: float) -> None:
-        missing = []
-        for task_id in field_of(msg.header, "tasks", list):
-            task = self.tasks.get(task_id)
-            if task is None or task.client_id != client.client_id:
-                missing.append(task_id)
-            elif task.state.terminal:
-                self._deliver(task)
-        self._send(client.routing, Command.REPLY,
-                   {"qid": msg.header.get("qid", 0), "data": {"missing": missing}})
-
-    def _c_cancel(self, client: ClientSession, msg: Message, now: float) -> None:
-        for task_id in field_of(msg.header, "tasks", list):
-            task = self.tasks.get(task_id)
-            if task is None or task.client_id != client.client_id or task.state.terminal:
-                continue
-            if task.state is TaskState.LEASED:
-                self._cancel_on_worker(task)
-            else:
-                self._finish(task, TaskState.CANCELLED, {"status": "cancelled"}, [], now)
-
-    def _c_query(self, client: ClientSession, msg: Message, now: float) -> None:
-        what = field_of(msg.header, "what", str)
-        if what == "workers":
-            data: Any = [w.describe() for w in self.workers.values()]
-        elif what == "status":
-            data = self.status(msg.header.get("job"))
-        elif what == "events":
-            since = field_of(msg.header, "since", int, 0)
-            data = [[e.seq, e.time, e.kind, e.data] for e in self.events if e.seq > since]
-        else:
-            self._error(client.routing, ErrorCode.UNSUPPORTED, f"unknown query {what!r}")
-            return
-        self._send(client.routing, Command.REPLY, {"qid": msg.header.get("qid", 0), "data": data})
-
-    def _c_disconnect(self, client: ClientSession, msg: Message, now: float) -> None:
-        if client.routing is not None:
-            self.peers.pop(client.routing, None)
-        client.routing = None
-
     # ----------------------------------------------------------------- task lifecycle
 
     def _enqueue(self, task: Task) -> None:
@@ -432,19 +220,29 @@ class Broker:
             owner.unfinished = max(owner.unfinished - 1, 0)
         task.result_header = result
         task.result_payload = payload
+        task.finished_at = now
         if task.worker_id and task.state is not TaskState.PENDING:
             worker = self.workers.get(task.worker_id)
             if worker is not None:
                 worker.leases.pop(task.lease_id, None)
-        self.store.finish_task(task.task_id, state.value, task.attempts, result, payload)
-        task.payload = []
+        retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
+        self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
+                               keep_input=retryable)
+        if not retryable:
+            task.payload = []
+        job = self.jobs.get(task.job_id)
+        if job is not None:
+            job.summaries[task.task_id] = summarize(task)
+            if all(t in job.summaries for t in job.task_ids):
+                job.finished_at = now
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
                   worker=result.get("worker", ""))
         self._deliver(task)
 
     def _deliver(self, task: Task) -> None:
         client = self.clients.get(task.client_id)
-        if client is None or client.routing is None or task.result_header is None:
+        if client is None or client.routing is None or task.result_header is None \
+                or task.collected:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         self._send(client.routing, Command.RESULT, header, task.result_payload)
@@ -453,6 +251,11 @@ class Broker:
                  *, infra: bool) -> None:
         """Take a task back from a worker. Infrastructure failures count against max_attempts."""
         if task is None or task.state.terminal:
+            return
+        if task.cancel_requested:
+            # Cancelled while its worker was unreachable: it must not start again anywhere.
+            self._finish(task, TaskState.CANCELLED, {"status": "cancelled", "attempts": task.attempts,
+                                                     "diagnosis": "cancelled"}, [], now)
             return
         if infra:
             task.failures.append(why)
@@ -516,6 +319,8 @@ class Broker:
         if not candidates:
             return 0
         views = {w.worker_id: w.view() for w in candidates}
+        for worker_id in self.straggler_ids() & views.keys():
+            views[worker_id].straggler = True
         skipped: list[tuple[int, int, str]] = []
         sent = 0
         free = sum(v.free for v in views.values())
@@ -591,6 +396,50 @@ class Broker:
         if now - self._last_pending_check >= 1.0:
             self._last_pending_check = now
             self._fail_unschedulable(now)
+        if now - self._last_sweep >= RETENTION_SWEEP:
+            self._last_sweep = now
+            self.sweep(now)
+
+    def _forget(self, task: Task) -> None:
+        """Drop a finished task for good: its job keeps the summary."""
+        del self.tasks[task.task_id]
+        self.by_seq.pop((task.client_id, task.seq), None)
+        self.store.delete_task(task.task_id)
+
+    def sweep(self, now: float) -> None:
+        """Bound memory: results of clients gone for ``result_ttl`` are dropped, and the oldest
+        uncollected ones go first when they exceed MAX_RETAINED_RESULT_BYTES; finished jobs
+        beyond MAX_JOBS are forgotten, oldest first."""
+        ttl = self.timing.result_ttl
+        absent: list[Task] = []
+        for task in list(self.tasks.values()):
+            if not task.state.terminal:
+                continue
+            owner = self.clients.get(task.client_id)
+            if owner is not None and owner.routing is not None:
+                continue
+            last_seen = owner.last_seen if owner is not None else task.finished_at
+            if now - max(last_seen, task.finished_at) > ttl:
+                self._forget(task)
+            else:
+                absent.append(task)
+        retained = sum(t.result_bytes for t in absent)
+        for task in sorted(absent, key=lambda t: t.finished_at):
+            if retained <= MAX_RETAINED_RESULT_BYTES:
+                break
+            retained -= task.result_bytes
+            self._forget(task)
+        excess = len(self.jobs) - MAX_JOBS
+        if excess > 0:
+            finished = sorted((j for j in self.jobs.values() if j.finished_at is not None),
+                              key=lambda j: j.finished_at or 0.0)
+            for job in finished[:excess]:
+                if not any(t in self.tasks for t in job.task_ids):
+                    del self.jobs[job.job_id]
+                    self.store.delete_job(job.job_id)
+        for client_id, client in list(self.clients.items()):
+            if client.routing is None and now - client.last_seen > ttl and not client.unfinished:
+                del self.clients[client_id]
 
     def _fail_unschedulable(self, now: float) -> None:
         limit = self.timing.pending_timeout
@@ -608,33 +457,21 @@ class Broker:
 
     # ----------------------------------------------------------------- views
 
-    def status(self, job_id: str | None) -> dict[str, Any]:
+    def status(self, job_id: str | None, now: float) -> dict[str, Any]:
+        """One job in detail (``job_id``: id, unique prefix or name), or the mesh and recent jobs."""
+        alive = sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE)
+        if job_id:
+            job = find_job(self.jobs, job_id)
+            if isinstance(job, str):
+                return {"error": job, "workers": alive}
+            return {**job.describe(self.tasks, now, tasks=True), "workers": alive}
         counts: dict[str, int] = {}
-        tasks = []
         for task in self.tasks.values():
-            if job_id and task.job_id != job_id:
-                continue
-            counts[task.state.value] = counts.get(task.state.value, 0) + 1
-            if job_id:
-                tasks.append({"id": task.task_id, "state": task.state.value,
-                              "worker": task.worker_id, "attempts": task.attempts})
-        return {"job": job_id, "counts": counts, "tasks": tasks,
-                "workers": sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE)}
-
-
-def _check_spec(spec: dict[str, Any]) -> None:
-    """Refuse a SUBMIT whose specs carry mistyped values, before any of it is journaled."""
-    field_of(spec, "seq", int)
-    if not 0 <= field_of(spec, "nf", int) <= 4096:
-        raise ProtocolError(ErrorCode.MALFORMED, "nf must be 0-4096")
-    if not 1 <= field_of(spec, "max_attempts", int, 3) <= 100:
-        raise ProtocolError(ErrorCode.MALFORMED, "max_attempts must be 1-100")
-    field_of(spec, "priority", int, 0)
-    cost = field_of(spec, "cost", (int, float), 1.0)
-    timeout = field_of(spec, "timeout", (int, float), None)
-    if not 0 <= cost < 1e12 or (timeout is not None and not 0 < timeout < 1e9):
-        raise ProtocolError(ErrorCode.MALFORMED, "cost must be >= 0 and timeout > 0")
-    field_of(spec, "req", dict, {})
+            state = "pending" if task.state is TaskState.RESTORED else task.state.value
+            counts[state] = counts.get(state, 0) + 1
+        recent = sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)[:LIST_JOBS]
+        return {"job": None, "counts": counts, "workers": alive, "jobs_known": len(self.jobs),
+                "jobs": [j.describe(self.tasks, now, tasks=False) for j in recent]}
 
 
 _WORKER_HANDLERS: dict[Command, Callable[[Broker, Any, Message, float], None]] = {
@@ -651,5 +488,6 @@ _CLIENT_HANDLERS: dict[Command, Callable[[Broker, Any, Message, float], None]] =
     Command.FETCH: Broker._c_fetch,
     Command.CANCEL: Broker._c_cancel,
     Command.QUERY: Broker._c_query,
+    Command.CONTROL: Broker._c_control,
     Command.DISCONNECT: Broker._c_disconnect,
 }

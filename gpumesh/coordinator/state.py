@@ -4,6 +4,7 @@ Task:   PENDING -> LEASED -> DONE | FAILED | CANCELLED
         LEASED -> PENDING            (infrastructure failure, attempts left)
         PENDING -> DONE | FAILED     (a late result of an earlier attempt arrives first)
         RESTORED -> LEASED | PENDING (after a restart: re-claimed by its worker, or re-queued)
+        FAILED | CANCELLED -> PENDING (`gpumesh retry`)
 Worker: ALIVE -> LOST (silent past the liveness limit, or left) -> ALIVE (HELLO again)
 """
 
@@ -39,8 +40,9 @@ TRANSITIONS: dict[TaskState, set[TaskState]] = {
     TaskState.RESTORED: {TaskState.LEASED, TaskState.PENDING, TaskState.DONE, TaskState.FAILED,
                          TaskState.CANCELLED},
     TaskState.DONE: set(),
-    TaskState.FAILED: set(),
-    TaskState.CANCELLED: set(),
+    # Only `gpumesh retry` reopens a task, and only one that did not succeed.
+    TaskState.FAILED: {TaskState.PENDING},
+    TaskState.CANCELLED: {TaskState.PENDING},
 }
 
 
@@ -68,6 +70,9 @@ class Task:
     failures: list[str] = field(default_factory=list)
     result_header: dict[str, Any] | None = None
     result_payload: list[Any] = field(default_factory=list)
+    finished_at: float = 0.0
+    cancel_requested: bool = False  # a cancel reached it while it ran on a worker
+    collected: bool = False  # the owner has its (failed) result; kept only so it can be retried
 
     def move(self, new: TaskState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -86,11 +91,17 @@ class Task:
     def priority(self) -> int:
         return int(self.spec.get("priority", 0))
 
+    @property
+    def cost(self) -> float:
+        return float(self.spec.get("cost", DEFAULT_COST))
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
+                   for f in self.result_payload)
+
     def view(self) -> TaskView:
-        return TaskView(
-            self.task_id, self.requirements, float(self.spec.get("cost", DEFAULT_COST)),
-            frozenset(self.excluded),
-        )
+        return TaskView(self.task_id, self.requirements, self.cost, frozenset(self.excluded))
 
 
 @dataclass
@@ -109,7 +120,9 @@ class WorkerSession:
     last_assigned: int = 0
     completed: int = 0
     busy_seconds: float = 0.0
-    draining: bool = False
+    draining: bool = False  # takes no new tasks: its owner paused or drains it
+    mode: str = "active"  # active | paused | draining, as the worker's owner set it
+    seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
 
     @property
     def credit(self) -> int:
@@ -152,7 +165,8 @@ class WorkerSession:
             "hostname": info.get("hostname", ""),
             "score": info.get("score", 0.0),
             "alive": self.state is WorkerState.ALIVE,
-            "state": "draining" if self.draining and self.state is WorkerState.ALIVE else self.state.value,
+            "state": (self.mode if self.mode != "active" else "alive")
+            if self.state is WorkerState.ALIVE else self.state.value,
             "slots": self.slots,
             "running": len(self.leases),
             "completed": self.completed,

@@ -22,7 +22,7 @@ from ..config import Limits
 
 MAGIC = b"GPM"
 MAJOR = 1
-MINOR = 0
+MINOR = 1
 SIGNATURE = MAGIC + bytes([MAJOR])
 
 
@@ -43,6 +43,7 @@ class Command(enum.IntEnum):
     FETCH = 0x0F  # client -> coordinator: re-deliver results of these tasks
     DISCONNECT = 0x10  # either way: session over, HELLO again (or leave)
     ERROR = 0x11  # coordinator -> peer: a control error, with a code and text
+    CONTROL = 0x12  # client -> coordinator: cancel/retry a job, remove a worker (since v1.1)
 
 
 class Role(str, enum.Enum):

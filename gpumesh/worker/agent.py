@@ -3,6 +3,10 @@
 The agent never runs user code, so heartbeats keep flowing whatever a task does. It reconnects
 forever (1 s doubling to 32 s, with jitter) and, on every new session, tells the coordinator
 which leases it still holds and re-sends results the coordinator has not acknowledged.
+
+The machine's owner steers it through the local control channel (control.py): ``pause`` stops
+new work and hands back what is queued, ``resume`` undoes that, ``drain`` lets running tasks
+finish and then leaves (``drain-now`` hands them back at once). Nobody's work is lost.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from ..protocol import MAJOR, Command, ErrorCode, Message, Role, encode
 from ..runner.pipe import PipeClosed
 from ..security import derive_keys
 from ..transport import Backoff, DealerLink, LinkEvent
+from .control import ControlServer
 from .runners import Runner, RunningTask
 
 log = logging.getLogger("gpumesh.worker")
+
+ACK_WAIT_ON_DRAIN = 10.0  # seconds a draining worker waits for its last results to be acknowledged
 
 
 @dataclass
@@ -45,6 +52,7 @@ class WorkerAgent:
         info: dict[str, Any], say: Callable[[str], None] | None = None,
         worker_id: str | None = None, gpu_indices: list[int] | None = None,
         on_joined: Callable[[str], None] | None = None, prefetch: int = 0,
+        local_control: bool = True,
     ) -> None:
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
@@ -78,7 +86,12 @@ class WorkerAgent:
         self.welcomed = False
         self.joined_once = False
         self.granted = 0
-        self.draining = False
+        self.received = 0  # TASKs received in this session: the coordinator's count of sent
+        self.mode = "active"  # active | paused | draining: the owner's choice
+        self.removed = False  # `gpumesh kill` took this worker out of the mesh
+        self._drain_idle_since: float | None = None
+        self._local_control = local_control
+        self.control: ControlServer | None = None
         self._heartbeat = settings.timing.heartbeat
         self._silence_limit = settings.timing.silence_limit
         self._last_heard = 0.0
@@ -91,11 +104,19 @@ class WorkerAgent:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def draining(self) -> bool:
+        """True when the owner paused or drains this worker: it takes no new tasks."""
+        return self.mode != "active"
+
     def run(self) -> None:
         """Serve until stopped. Raises AuthenticationError/ProtocolMismatch on a fatal mismatch."""
         for runner in self.runners:
             runner.start()
         self.link.open()
+        if self._local_control:
+            self.control = ControlServer(self._ctx, self.settings.home, self.worker_id,
+                                         self.endpoint.zmq)
         self._last_heard = time.time()
         self._hello()
         try:
@@ -105,13 +126,16 @@ class WorkerAgent:
         finally:
             for runner in self.runners:
                 runner.kill()
+            if self.control is not None:
+                self.control.close()
             self.link.close()
             self._ctx.term()
 
     def _leave(self) -> None:
         """Tell the coordinator we are going, so it re-queues our tasks at once."""
-        if self.welcomed:
-            self.link.send(encode(Command.DISCONNECT, {"reason": "left"}))
+        if self.welcomed and not self.removed:
+            reason = "drained" if self.mode == "draining" else "left"
+            self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
             time.sleep(0.05)  # let the I/O thread flush the goodbye before the socket closes
 
     def _turn(self) -> None:
@@ -121,6 +145,8 @@ class WorkerAgent:
             poller.register(sock, zmq.POLLIN)
         if self.link.monitor is not None:
             poller.register(self.link.monitor, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control.sock, zmq.POLLIN)
         fd_owner: dict[int, tuple[Runner, str]] = {}
         for runner in self.runners:
             for fd, what in runner.fds():
@@ -138,6 +164,9 @@ class WorkerAgent:
                     break
                 self._last_heard = now
                 self._on_message(msg, now)
+        if self.control is not None and self.control.sock in ready:
+            for action in self.control.requests():
+                self.control.reply(self._on_control(action, now))
         for fd in ready:
             if isinstance(fd, int) and fd in fd_owner:
                 runner, what = fd_owner[fd]
@@ -148,6 +177,8 @@ class WorkerAgent:
         self._check_runners(now)
         self._start_queued(now)
         self._timers(now)
+        if self.mode == "draining":
+            self._finish_drain(now)
 
     def _poll_timeout(self) -> int:
         waits = [self._heartbeat / 2]
@@ -168,9 +199,10 @@ class WorkerAgent:
         header = {
             "role": Role.WORKER.value, "id": self.worker_id, "incarnation": self.incarnation,
             "proto": [MAJOR, MAJOR], "slots": self.slots, "credit": self.granted,
-            "held": held, "info": self.info, "draining": self.draining,
+            "held": held, "info": self.info, "draining": self.draining, "mode": self.mode,
         }
         self.welcomed = False
+        self.received = 0
         self.link.send(encode(Command.HELLO, header))
 
     def _free_slots(self) -> int:
@@ -180,6 +212,7 @@ class WorkerAgent:
     def _on_message(self, msg: Message, now: float) -> None:
         command = msg.command
         if command is Command.TASK:
+            self.received += 1
             self._on_task(msg, now)
         elif command is Command.RESULT_ACK:
             self.unacked.pop(int(msg.header.get("lease", 0)), None)
@@ -197,8 +230,17 @@ class WorkerAgent:
             else:
                 log.warning("coordinator error: %s", msg.header.get("message"))
         elif command is Command.DISCONNECT:
-            if msg.header.get("reason") == "version":
+            reason = msg.header.get("reason")
+            if reason == "version":
                 raise ProtocolMismatch("the coordinator speaks another gpumesh protocol version")
+            if reason == "kill":
+                # The coordinator already re-queued our tasks: stop them and leave for good.
+                self.say("[worker] removed from the mesh ('gpumesh kill'): stopping")
+                self.removed = True
+                self.queue.clear()
+                self.unacked.clear()
+                self.stop()
+                return
             self._hello()
 
     def _on_welcome(self, msg: Message) -> None:
@@ -213,7 +255,7 @@ class WorkerAgent:
         if aborted and not self.draining:
             # HELLO counted those slots as busy; they are free again.
             self.granted += len(aborted)
-            self.link.send(encode(Command.CREDIT, {"granted": self.granted}))
+            self._send_credit()
         for header, frames in self.unacked.values():
             # Credit is per session: re-sent results carry this session's grant, not the old one.
             self.link.send(encode(Command.RESULT, {**header, "granted": self.granted}, frames))
@@ -227,6 +269,10 @@ class WorkerAgent:
 
     def _on_task(self, msg: Message, now: float) -> None:
         h = msg.header
+        if self.draining:
+            # Sent before the coordinator heard we stopped taking work: hand it straight back.
+            self._send_credit(release=[int(h["lease"])])
+            return
         task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h)
         runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
         self.queue.append(QueuedTask(task, runner_header, msg.payload))
@@ -266,6 +312,71 @@ class WorkerAgent:
                 if report:
                     self._report(task, {"status": "cancelled"}, [], now)
                 return
+
+    # ----------------------------------------------------------------- the owner's controls
+
+    def _on_control(self, action: str, now: float) -> dict[str, Any]:
+        released: list[int] = []
+        if action == "pause" and self.mode == "active":
+            self.mode = "paused"
+            released = self._hand_back_queued()
+            self.say("[worker] paused: running tasks finish, nothing new starts "
+                     "('gpumesh resume' to continue)")
+        elif action == "resume" and self.mode != "active":
+            self.mode = "active"
+            self._drain_idle_since = None
+            # Credit is cumulative per session: grant what is free now on top of what was used.
+            self.granted = max(self.granted, self.received + self._free_slots())
+            self.say("[worker] resumed: taking tasks again")
+        elif action in ("drain", "drain-now"):
+            self.mode = "draining"
+            released = self._hand_back_queued()
+            if action == "drain-now":
+                released += self._hand_back_running(now)
+            self.say("[worker] draining: " + ("handed back its tasks, leaving" if action == "drain-now"
+                     else "running tasks finish, then this worker leaves the mesh"))
+        if action != "status" and self.welcomed:
+            self._send_credit(release=released)
+        return self._control_status(released)
+
+    def _control_status(self, released: list[int]) -> dict[str, Any]:
+        return {"worker": self.worker_id, "mode": self.mode, "url": self.endpoint.zmq,
+                "connected": self.welcomed, "handed_back": len(released),
+                "running": sum(1 for r in self.runners if r.task is not None),
+                "queued": len(self.queue)}
+
+    def _hand_back_queued(self) -> list[int]:
+        released = [queued.task.lease_id for queued in self.queue]
+        self.queue.clear()
+        return released
+
+    def _hand_back_running(self, now: float) -> list[int]:
+        released = []
+        for runner in self.runners:
+            if runner.task is not None:
+                released.append(runner.task.lease_id)
+                runner.task = None
+                runner.kill()
+                runner.start()
+        return released
+
+    def _send_credit(self, release: list[int] = ()) -> None:  # type: ignore[assignment]
+        header: dict[str, Any] = {"granted": self.granted, "draining": self.draining,
+                                  "mode": self.mode}
+        if release:
+            header["release"] = list(release)
+        self.link.send(encode(Command.CREDIT, header))
+
+    def _finish_drain(self, now: float) -> None:
+        """Leave once nothing runs and the last results are safe (or waited for long enough)."""
+        if any(r.task is not None for r in self.runners) or self.queue:
+            self._drain_idle_since = None
+            return
+        if self._drain_idle_since is None:
+            self._drain_idle_since = now
+        if not self.unacked or now - self._drain_idle_since > ACK_WAIT_ON_DRAIN:
+            self.say("[worker] drained: leaving the mesh")
+            self.stop()
 
     # ----------------------------------------------------------------- runners
 

@@ -1,0 +1,242 @@
+"""``gpumesh submit|status|cancel|retry|kill|devices``: jobs and the pool, from any terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..client import GPUMesh
+from ..client.tasks import TaskOptions
+from ..errors import MeshError
+from .output import color_enabled, fail, ok
+
+BAR_WIDTH = 20
+ACCEPT_TIMEOUT = 30.0  # seconds `submit` waits for the coordinator to make the job durable
+
+
+def _symbol(state: str) -> str:
+    kind = "good" if state == "done" else "wait" if state in ("pending", "running") else "bad"
+    mark = {"good": "✓", "wait": "…", "bad": "✗"}[kind]
+    if not _can_print(mark):
+        mark = {"good": "+", "wait": ".", "bad": "x"}[kind]
+    if color_enabled():
+        return click.style(mark, fg={"good": "green", "wait": "yellow", "bad": "red"}[kind])
+    return mark
+
+
+def _can_print(text: str) -> bool:
+    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        text.encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def progress_line(status: dict[str, Any]) -> str:
+    """``#################### 100%  6/6 done  (10s)``"""
+    total = int(status.get("total", 0))
+    counts = status.get("counts", {})
+    finished = sum(n for state, n in counts.items() if state not in ("pending", "running"))
+    done = int(counts.get("done", 0))
+    fraction = finished / total if total else 1.0
+    filled = int(round(fraction * BAR_WIDTH))
+    bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+    line = f"  {bar} {int(fraction * 100):3d}%  {done}/{total} done"
+    for state in ("failed", "cancelled"):
+        if counts.get(state):
+            line += f", {counts[state]} {state}"
+    line += f"  ({float(status.get('elapsed', 0.0)):.0f}s)"
+    if status.get("status") != "finished" and not status.get("workers"):
+        line += "  waiting for a worker: none is connected"
+    return line
+
+
+def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None) -> str:
+    """The spec's per-job block: status, counts, and a line (plus result or error) per task."""
+    lines = [f"  Status: {status['status']}", f"  Counts: {dict(sorted(status['counts'].items()))}", ""]
+    for task in status.get("tasks", []):
+        state = task.get("state", "unknown")
+        worker = task.get("worker") or "-"
+        lines.append(f"  {_symbol(state)} task {task['id']} [{state}]  "
+                     f"cost={float(task.get('cost', 1.0)):.1f}  worker={worker}")
+        result = task.get("result")
+        if result is None and results is not None:
+            result = results.get(task["id"])
+        if "error" in task and state != "done":
+            lines.append(f"    error: {task['error']}")
+        elif result is not None:
+            text = result if isinstance(result, str) else json.dumps(result, default=repr)
+            lines.append(f"    result: {text}")
+    return "\n".join(lines)
+
+
+def print_job(status: dict[str, Any], results: dict[str, Any] | None = None) -> None:
+    click.echo(f"Job: {status['name']} ({status['job']})")
+    click.echo("")
+    click.echo(progress_line(status))
+    click.echo("")
+    click.echo(job_summary(status, results))
+
+
+def follow(mesh: GPUMesh, job_id: str) -> dict[str, Any]:
+    """Wait for a job, redrawing its progress bar in a terminal; the final status."""
+    tty = sys.stdout.isatty()
+    last = [""]
+
+    def show(status: dict[str, Any]) -> None:
+        line = progress_line(status)
+        if tty:
+            click.echo("\r" + line.ljust(len(last[0])), nl=False)
+        elif line.split("(")[0] != last[0].split("(")[0]:
+            click.echo(line)  # a log, not a terminal: a line per change, not per poll
+        last[0] = line
+
+    status = mesh.wait_job(job_id, progress=show)
+    if tty:
+        click.echo("")
+    return status
+
+
+def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wait: bool,
+           as_json: bool, options: TaskOptions) -> int:
+    payloads = _read_payloads(payloads_file)
+    job_id = mesh.submit_script(script=script, payloads=payloads, name=name or script,
+                                options=options)
+    futures = mesh.job_futures(job_id)
+    deadline = time.time() + ACCEPT_TIMEOUT
+    while not all(f.task_id or f.done() for f in futures):
+        if time.time() > deadline:
+            fail(f"the coordinator at {mesh.endpoint} did not accept job {job_id} within "
+                 f"{ACCEPT_TIMEOUT:g}s; it may still run: check with 'gpumesh status {job_id}'")
+        time.sleep(0.02)
+    refused = [f.exception() for f in futures if f.done() and f.exception() is not None
+               and not f.task_id]
+    if refused:
+        fail(str(refused[0]))
+    if not wait:
+        if as_json:
+            click.echo(json.dumps({"job": job_id, "tasks": len(futures)}))
+        else:
+            ok(f"Submitted job {job_id} ({len(futures)} tasks)")
+            click.echo(f"Follow it with: gpumesh status {job_id}")
+        return 0
+    if not as_json:
+        ok(f"Submitted job {job_id}")
+        click.echo(f"Job: {name or script} ({job_id})")
+        click.echo("")
+    status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
+    results = _results_of(futures)
+    if as_json:
+        for task in status.get("tasks", []):
+            if "result" not in task and task["id"] in results:
+                task["result"] = results[task["id"]]
+        click.echo(json.dumps(status, indent=2, default=repr))
+    else:
+        click.echo("")
+        click.echo(job_summary(status, results))
+    return 0 if status["counts"].get("done", 0) == status["total"] else 1
+
+
+def _results_of(futures: list[Any]) -> dict[str, Any]:
+    """Results the submitter holds (larger than the coordinator's preview), by task id."""
+    results = {}
+    for future in futures:
+        if future.done() and not future.cancelled() and future.exception() is None:
+            results[future.task_id] = future.result()
+    return results
+
+
+def _read_payloads(path: str) -> list[Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        fail(f"cannot read the payloads file {path}: {exc.strerror}")
+    try:
+        payloads = json.loads(text)
+    except ValueError as exc:
+        fail(f"{path} is not valid JSON ({exc}): it must hold a list of payload objects")
+    if isinstance(payloads, dict):
+        payloads = [payloads]
+    if not isinstance(payloads, list) or not payloads:
+        fail(f"{path} must hold a JSON list with at least one payload (one task per payload)")
+    return payloads
+
+
+def status(mesh: GPUMesh, job_id: str | None, as_json: bool) -> None:
+    answer = mesh.status(job_id)
+    if as_json:
+        click.echo(json.dumps(answer, indent=2, default=repr))
+    elif job_id:
+        print_job(answer)
+    else:
+        click.echo(mesh_summary(answer))
+
+
+def mesh_summary(answer: dict[str, Any]) -> str:
+    counts = answer.get("counts", {})
+    lines = ["", f"  Workers: {answer.get('workers', 0)} alive    "
+                 f"Tasks in the queue: {dict(sorted(counts.items())) or 'none'}", "",
+             "  JOBS", "  " + "-" * 70]
+    jobs = answer.get("jobs", [])
+    if not jobs:
+        lines.append("  (no jobs yet: 'gpumesh submit SCRIPT --payloads FILE' starts one)")
+    for job in jobs:
+        done = job["counts"].get("done", 0)
+        lines.append(f"  {job['job']:<14}{_clip(job['name'], 30):<32}{job['status']:<10}"
+                     f"{done}/{job['total']} done  {float(job['elapsed']):.0f}s")
+    return "\n".join(lines) + "\n"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
+def devices_table(pool: list[dict[str, Any]], workers: list[dict[str, Any]]) -> str:
+    alive = [w for w in workers if w.get("alive")]
+    gpus = sum(1 for d in pool if d["type"] == "GPU")
+    total = sum(float(w.get("score", 0.0)) for w in alive)
+    lines = ["", f"  DEVICES  {len(alive)} worker(s), {gpus} GPU(s), total score {total:.3f}",
+             "  " + "-" * 70]
+    if not pool:
+        lines.append("  (no workers joined yet: run 'gpumesh join URL --token ...' on a machine)")
+    for d in pool:
+        if d["type"] == "GPU":
+            what = f"{d['name']} {int(d.get('vram', 0)) / 1e9:.1f}GB"
+        else:
+            what = f"{d['name'] or 'CPU'} ({d.get('cores', 0)} cores)"
+        lines.append(f"  {d['type']:<5}{_clip(what, 40):<42}{d.get('hostname', ''):<16}"
+                     f"worker={d['worker'][:12]}  score={float(d['score']):.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def control(mesh: GPUMesh, action: str, target: str, wait: bool = False) -> int:
+    try:
+        if action == "cancel":
+            count = mesh.cancel_job(target)
+            ok(f"Cancelled {count} unfinished task(s) of job {target}" if count else
+               f"Job {target} had no unfinished tasks: nothing to cancel")
+        elif action == "retry":
+            count = mesh.retry_job(target)
+            if not count:
+                ok(f"Job {target} has no failed or cancelled tasks to retry")
+                return 0
+            ok(f"Re-queued {count} task(s) of job {target}")
+            if wait:
+                final = follow(mesh, target)
+                click.echo("")
+                click.echo(job_summary(final))
+                return 0 if final["counts"].get("done", 0) == final["total"] else 1
+        else:
+            answer = mesh.kill_worker(target)
+            host = f" ({answer['hostname']})" if answer.get("hostname") else ""
+            ok(f"Removed worker {answer['worker']}{host}; {answer['handed_back']} running "
+               "task(s) went back to the queue")
+    except MeshError as exc:
+        fail(str(exc))
+    return 0

@@ -1,0 +1,65 @@
+"""``gpumesh pause|resume|drain``: the owner of a worker machine takes it back, politely.
+
+These talk to the workers running on this machine (found in GPUMESH_HOME/workers), not to the
+coordinator, so they need no token: being the user who runs the worker is the permission.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from ..config import Settings
+from ..worker import control as local
+from .output import fail, ok
+
+DRAIN_POLL = 0.2
+
+
+def steer(settings: Settings, action: str, worker: str | None, wait: bool) -> int:
+    entries = local.local_workers(settings.home)
+    if worker:
+        entries = [e for e in entries if str(e["worker"]).startswith(worker)]
+    if not entries:
+        where = f"worker {worker!r}" if worker else "no worker"
+        fail(f"{where} runs on this machine under GPUMESH_HOME={settings.home}: "
+             "start one with 'gpumesh join URL --token ...' (or set GPUMESH_HOME to the one it uses)")
+    failures = 0
+    for entry in entries:
+        answer = local.send(entry, action)
+        if "error" in answer:
+            click.echo(f"error: worker {entry['worker']}: {answer['error']}", err=True)
+            failures += 1
+            continue
+        ok(_describe(action, answer))
+    if wait and action.startswith("drain"):
+        _wait_gone(entries)
+    return 1 if failures else 0
+
+
+def _describe(action: str, answer: dict[str, Any]) -> str:
+    wid, running, back = answer["worker"], answer["running"], answer["handed_back"]
+    gave = f"{back} queued task(s) handed back" if back else "no queued tasks"
+    if action == "pause":
+        return (f"worker {wid} paused: {running} running task(s) will finish, {gave}; "
+                "nothing new starts until 'gpumesh resume'")
+    if action == "resume":
+        return f"worker {wid} resumed: taking tasks again"
+    if action == "drain-now":
+        return f"worker {wid} handed back {back} task(s) and is leaving the mesh"
+    return (f"worker {wid} draining: {running} running task(s) will finish, {gave}; "
+            "then it leaves the mesh")
+
+
+def _wait_gone(entries: list[dict[str, Any]]) -> None:
+    """Wait until the drained workers' processes have exited, showing what still runs."""
+    pids = {int(e["pid"]): e["worker"] for e in entries}
+    started = time.time()
+    while pids:
+        for pid in list(pids):
+            if not local.is_alive(pid):
+                ok(f"worker {pids.pop(pid)} has left the mesh ({time.time() - started:.0f}s)")
+        if pids:
+            time.sleep(DRAIN_POLL)

@@ -1,0 +1,127 @@
+"""Jobs: the tasks of one submission, seen together by any client (``gpumesh status JOB``).
+
+A job outlives its tasks' results: once the submitter has collected a result the task leaves
+the queue, but the job keeps a one-line summary of it (state, worker, cost, a preview of a small
+JSON or text result) so that another terminal can still show what happened.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .state import Task, TaskState
+
+MAX_JOBS = 1000  # finished jobs beyond this are forgotten, oldest first
+PREVIEW_BYTES = 4096  # a script result up to this size is shown by `status`; larger ones are not
+LIST_JOBS = 20  # jobs listed by a status query without a job id
+
+
+@dataclass
+class Job:
+    job_id: str
+    name: str
+    client_id: str
+    created: float
+    task_ids: list[str] = field(default_factory=list)
+    # Summaries of finished tasks, kept after the task itself is collected and forgotten.
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    finished_at: float | None = None
+
+    def counts(self, live: dict[str, Task]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for state in self.states(live):
+            counts[state] = counts.get(state, 0) + 1
+        return counts
+
+    def states(self, live: dict[str, Task]) -> list[str]:
+        states = []
+        for task_id in self.task_ids:
+            task = live.get(task_id)
+            if task is not None and not task.state.terminal:
+                states.append("pending" if task.state is TaskState.RESTORED else task.state.value)
+            else:
+                states.append(self.summaries.get(task_id, {}).get("state", "unknown"))
+        return states
+
+    def status_word(self, live: dict[str, Task]) -> str:
+        states = set(self.states(live))
+        if not states & {"pending", "running"}:
+            return "finished"
+        return "queued" if states == {"pending"} else "running"
+
+    def describe(self, live: dict[str, Task], now: float, *, tasks: bool) -> dict[str, Any]:
+        counts = self.counts(live)
+        end = self.finished_at if self.finished_at is not None else now
+        view: dict[str, Any] = {
+            "job": self.job_id, "name": self.name, "status": self.status_word(live),
+            "counts": counts, "total": len(self.task_ids), "created": self.created,
+            "elapsed": round(max(end - self.created, 0.0), 3),
+        }
+        if tasks:
+            view["tasks"] = [self.task_view(task_id, live) for task_id in self.task_ids]
+        return view
+
+    def task_view(self, task_id: str, live: dict[str, Task]) -> dict[str, Any]:
+        task = live.get(task_id)
+        if task is not None and not task.state.terminal:
+            return {"id": task_id, "state": "pending" if task.state is TaskState.RESTORED
+                    else task.state.value, "worker": task.worker_id, "attempts": task.attempts,
+                    "cost": task.cost}
+        return self.summaries.get(task_id, {"id": task_id, "state": "unknown"})
+
+
+def summarize(task: Task) -> dict[str, Any]:
+    """The one-line record of a finished task that its job keeps."""
+    header = task.result_header or {}
+    summary: dict[str, Any] = {
+        "id": task.task_id, "state": task.state.value, "worker": header.get("worker", ""),
+        "attempts": task.attempts, "cost": task.cost, "elapsed": header.get("elapsed", 0.0),
+    }
+    error = header.get("error")
+    if isinstance(error, dict):
+        summary["error"] = str(error.get("message", ""))
+    elif header.get("diagnosis"):
+        summary["error"] = str(header["diagnosis"])
+    preview = _preview(header.get("encoding"), task.result_payload)
+    if preview is not None:
+        summary["result"] = preview
+    return summary
+
+
+def _preview(encoding: Any, payload: list[Any]) -> Any:
+    """A script's JSON or text output, when small: pickled values stay opaque to the coordinator."""
+    if encoding not in ("json", "text") or len(payload) != 1:
+        return None
+    frame = payload[0]
+    data = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    if len(data) > PREVIEW_BYTES:
+        return None
+    text = data.decode("utf-8", "replace")
+    if encoding == "text":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def find_job(jobs: dict[str, Job], key: str) -> Job | str:
+    """A job by id, unique id prefix (4+ characters) or name (the newest of that name).
+
+    Returns an error message instead when nothing, or more than one job, matches.
+    """
+    if key in jobs:
+        return jobs[key]
+    named = [job for job in jobs.values() if job.name == key]
+    if named:
+        return max(named, key=lambda job: job.created)
+    if len(key) >= 4:
+        matches = [job for job_id, job in jobs.items() if job_id.startswith(key)]
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            return f"{key!r} matches {len(matches)} jobs: give more of the job id"
+    return (f"no job {key!r} on this coordinator (it may have been forgotten after a restart or "
+            "once finished long ago): 'gpumesh status' lists the jobs it knows")

@@ -1,0 +1,124 @@
+"""The worker's local control channel: ``gpumesh pause|resume|drain`` on the worker's own machine.
+
+Borrowing a friend's GPU must be polite, so the machine's owner can take it back without the
+coordinator's token. Each running worker listens on a loopback port and registers itself in
+``GPUMESH_HOME/workers/ID.json`` (owner-only permissions) with a random secret; a command reads
+the registry and must present that secret, so only the user who runs the worker can steer it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+ACTIONS = ("pause", "resume", "drain", "drain-now", "status")
+REGISTRY = "workers"
+
+
+def registry_dir(home: Path) -> Path:
+    return home / REGISTRY
+
+
+class ControlServer:
+    """The listening side, owned and polled by the worker agent's loop."""
+
+    def __init__(self, ctx: zmq.Context, home: Path, worker_id: str, url: str) -> None:  # type: ignore[type-arg]
+        self.secret = secrets.token_hex(16)
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.linger = 0
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        folder = registry_dir(home)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = folder / f"{worker_id}.json"
+        entry = {"worker": worker_id, "pid": os.getpid(), "port": port, "secret": self.secret,
+                 "url": url, "started": time.time()}
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(entry, handle)
+
+    def requests(self) -> Iterator[str]:
+        """Actions waiting on the socket; each must be answered with ``reply`` before the next."""
+        while True:
+            try:
+                raw = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                request = msgpack.unpackb(raw, raw=False)
+                secret = str(request.get("secret", ""))
+                action = str(request.get("action", ""))
+            except Exception:
+                self.reply({"error": "unreadable request"})
+                continue
+            if not hmac.compare_digest(secret, self.secret):
+                self.reply({"error": "wrong secret: run the command as the user who runs the worker"})
+            elif action not in ACTIONS:
+                self.reply({"error": f"unknown action {action!r}"})
+            else:
+                yield action
+
+    def reply(self, data: dict[str, Any]) -> None:
+        self.sock.send(msgpack.packb(data, use_bin_type=True))
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+
+def local_workers(home: Path) -> list[dict[str, Any]]:
+    """Workers registered on this machine under ``home`` whose process still runs."""
+    found = []
+    folder = registry_dir(home)
+    if not folder.is_dir():
+        return []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            pid = int(entry["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not is_alive(pid):
+            try:
+                path.unlink()  # left behind by a worker that was killed
+            except OSError:
+                pass
+            continue
+        found.append(entry)
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def send(entry: dict[str, Any], action: str, timeout: float = 5.0) -> dict[str, Any]:
+    """Ask one local worker; the answer, or ``{'error': ...}`` when it does not answer."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.linger = 0
+    try:
+        sock.connect(f"tcp://127.0.0.1:{int(entry['port'])}")
+        sock.send(msgpack.packb({"secret": entry["secret"], "action": action}, use_bin_type=True))
+        if not sock.poll(int(timeout * 1000)):
+            return {"error": f"worker {entry['worker']} did not answer within {timeout:g}s"}
+        return msgpack.unpackb(sock.recv(), raw=False)  # type: ignore[no-any-return]
+    finally:
+        sock.close()
