@@ -23,8 +23,8 @@ def steer(settings: Settings, action: str, worker: str | None, wait: bool) -> in
     if worker:
         entries = [e for e in entries if str(e["worker"]).startswith(worker)]
     if not entries:
-        where = f"worker {worker!r}" if worker else "no worker"
-        fail(f"{where} runs on this machine under GPUMESH_HOME={settings.home}: "
+        which = f"no worker {worker!r}" if worker else "no worker"
+        fail(f"{which} runs on this machine under GPUMESH_HOME={settings.home}: "
              "start one with 'gpumesh join URL --token ...' (or set GPUMESH_HOME to the one it uses)")
     failures = 0
     for entry in entries:
@@ -35,7 +35,7 @@ def steer(settings: Settings, action: str, worker: str | None, wait: bool) -> in
             continue
         ok(_describe(action, answer))
     if wait and action.startswith("drain"):
-        _wait_gone(entries)
+        _wait_gone(settings, entries)
     return 1 if failures else 0
 
 
@@ -53,13 +53,14 @@ def _describe(action: str, answer: dict[str, Any]) -> str:
             "then it leaves the mesh")
 
 
-def _wait_gone(entries: list[dict[str, Any]]) -> None:
-    """Wait until the drained workers' processes have exited, showing what still runs."""
-    pids = {int(e["pid"]): e["worker"] for e in entries}
+def _wait_gone(settings: Settings, entries: list[dict[str, Any]]) -> None:
+    """Wait until the drained workers have left (their entry gone, or their process)."""
+    waiting = {str(e["worker"]): int(e["pid"]) for e in entries}
     started = time.time()
-    while pids:
-        for pid in list(pids):
-            if not local.is_alive(pid):
-                ok(f"worker {pids.pop(pid)} has left the mesh ({time.time() - started:.0f}s)")
-        if pids:
+    while waiting:
+        for worker, pid in list(waiting.items()):
+            if not local.is_registered(settings.home, worker) or not local.is_alive(pid):
+                del waiting[worker]
+                ok(f"worker {worker} has left the mesh ({time.time() - started:.0f}s)")
+        if waiting:
             time.sleep(DRAIN_POLL)

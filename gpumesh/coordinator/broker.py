@@ -76,6 +76,7 @@ class Broker(WorkerSide, ClientSide):
         self._last_heartbeat = now
         self._last_pending_check = now
         self._last_sweep = now
+        self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
         self._restoring = True
 
     # ----------------------------------------------------------------- plumbing
@@ -444,9 +445,15 @@ class Broker(WorkerSide, ClientSide):
     def _fail_unschedulable(self, now: float) -> None:
         limit = self.timing.pending_timeout
         views = [w.view() for w in self.workers.values() if w.state is WorkerState.ALIVE]
+        if not views:
+            # Nobody to judge the task against (laptops asleep, workers not joined yet): it waits,
+            # and the clock restarts once a worker is back.
+            self._no_workers_at = now
+            return
         for _, _, task_id in list(self._pending):
             task = self.tasks.get(task_id)
-            if task is None or task.state is not TaskState.PENDING or now - task.submitted_at < limit:
+            if task is None or task.state is not TaskState.PENDING \
+                    or now - max(task.submitted_at, self._no_workers_at) < limit:
                 continue
             if not scheduler.could_ever_run(task.view(), views):
                 message = scheduler.explain_unschedulable(task.requirements, views)

@@ -106,7 +106,16 @@ def is_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # on Linux, an exited child its parent has not reaped yet is a zombie: gone for us
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def is_registered(home: Path, worker_id: str) -> bool:
+    """Whether the worker still announces itself (it removes its entry as it leaves)."""
+    return (registry_dir(home) / f"{worker_id}.json").exists()
 
 
 def send(entry: dict[str, Any], action: str, timeout: float = 5.0) -> dict[str, Any]:

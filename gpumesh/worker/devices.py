@@ -7,6 +7,7 @@ the other workers of the same mesh. torch is imported only when it is installed 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import socket
@@ -67,12 +68,17 @@ def gpus(torch: Any | None = None) -> list[dict[str, Any]]:
     return found
 
 
+# A JSON object whose keys replace probed values, e.g. {"gpus": [{"name": "A100", "vram": 4e10}]}.
+# For tests and demos of placement on one machine; a GPU given here is never used by torch.
+TEST_INVENTORY_VARIABLE = "GPUMESH_TEST_INVENTORY"
+
+
 def probe(torch_probe: bool = True) -> dict[str, Any]:
     """The inventory sent in HELLO (no benchmark figures yet)."""
     torch = _torch() if torch_probe else None
     found = gpus(torch) if torch is not None else []
     name = found[0]["name"] if found else cpu_name()
-    return {
+    inventory = {
         "hostname": socket.gethostname(),
         "device": "GPU" if found else "CPU",
         "device_name": name,
@@ -86,11 +92,31 @@ def probe(torch_probe: bool = True) -> dict[str, Any]:
         "gpumesh": __version__,
         "torch": getattr(torch, "__version__", None) if torch is not None else None,
     }
+    return _apply_test_inventory(inventory, os.environ.get(TEST_INVENTORY_VARIABLE))
+
+
+def _apply_test_inventory(inventory: dict[str, Any], text: str | None) -> dict[str, Any]:
+    if not text:
+        return inventory
+    try:
+        override = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{TEST_INVENTORY_VARIABLE} is not valid JSON: {exc}") from None
+    if not isinstance(override, dict):
+        raise ValueError(f"{TEST_INVENTORY_VARIABLE} must be a JSON object")
+    fake_gpus = override.get("gpus")
+    if isinstance(fake_gpus, list):
+        override["gpus"] = [{"index": i, "vram": 0, "backend": "fake", **g}
+                            for i, g in enumerate(fake_gpus) if isinstance(g, dict)]
+        if override["gpus"]:
+            override.setdefault("device", "GPU")
+            override.setdefault("device_name", override["gpus"][0].get("name", "GPU"))
+    return {**inventory, **override}
 
 
 def benchmark(inventory: dict[str, Any], budget: float = 1.0) -> dict[str, float]:
     """GFLOP/s from a matrix multiply and GB/s from a large copy, within about ``budget`` s."""
-    if inventory.get("gpus"):
+    if inventory.get("gpus") and inventory["gpus"][0].get("backend") in ("cuda", "mps"):
         torch = _torch()
         if torch is not None:
             return _benchmark_torch(torch, inventory["gpus"][0], budget)

@@ -110,6 +110,22 @@ def test_unschedulable_task_fails_after_the_pending_timeout_naming_the_requireme
     task_id = submit(broker, {"req": {"gpu": "A100"}})
     broker.dispatch(0.0)
     assert broker.tasks[task_id].state is TaskState.PENDING
+    broker.handle(W, msg(Command.HEARTBEAT, {}), Timing().pending_timeout + 0.5)
     broker.tick(Timing().pending_timeout + 1)
     header = broker.tasks[task_id].result_header
     assert header["status"] == "unschedulable" and "A100" in header["diagnosis"]
+
+
+def test_with_no_worker_connected_a_task_waits_and_the_clock_restarts_when_one_joins(broker):
+    task_id = submit(broker, {"req": {"gpu": "A100"}})
+    limit = Timing().pending_timeout
+    broker.handle(W, msg(Command.DISCONNECT, {"reason": "left"}), 1.0)
+    broker.tick(limit * 3)  # nobody to judge it against: laptops asleep, say
+    assert broker.tasks[task_id].state is TaskState.PENDING
+    broker.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "proto": [1, 1]}),
+                  limit * 3 + 1)
+    broker.tick(limit * 3 + 2)
+    assert broker.tasks[task_id].state is TaskState.PENDING  # the full timeout again, from now
+    broker.handle(W, msg(Command.HEARTBEAT, {}), limit * 4 + 3)
+    broker.tick(limit * 4 + 4)
+    assert broker.tasks[task_id].result_header["status"] == "unschedulable"

@@ -1,0 +1,218 @@
+"""Jobs, job control, worker modes, stragglers and retention in the broker, with plain values."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumesh.config import Limits, Timing
+from gpumesh.coordinator.broker import MAX_RETAINED_RESULT_BYTES, Broker
+from gpumesh.coordinator.jobs import Job, find_job
+from gpumesh.coordinator.state import TaskState
+from gpumesh.protocol import Command, Message, decode, encode
+from gpumesh.store import Store
+
+W, W2, C, C2 = b"w1-routing", b"w2-routing", b"c1-routing", b"c2-routing"
+
+
+def msg(command: Command, header: dict, payload: list | None = None) -> Message:
+    return decode(encode(command, header, payload or []), Limits())
+
+
+def hello_worker(b: Broker, routing: bytes, worker_id: str, slots: int = 1, now: float = 0.0,
+                 **extra) -> None:
+    b.handle(routing, msg(Command.HELLO, {"role": "worker", "id": worker_id, "slots": slots,
+                                          "credit": slots, "proto": [1, 1],
+                                          "info": {"hostname": worker_id + "-host"}, **extra}), now)
+
+
+@pytest.fixture
+def broker() -> Broker:
+    b = Broker(Store(":memory:"), Timing(result_ttl=100.0), Limits(), epoch=1, now=0.0)
+    hello_worker(b, W, "w1")
+    for routing, client in ((C, "c1"), (C2, "c2")):
+        b.handle(routing, msg(Command.HELLO, {"role": "client", "id": client, "proto": [1, 1]}), 0.0)
+    b.outbox.clear()
+    return b
+
+
+def sent(b: Broker, command: Command, to: bytes | None = None) -> list[dict]:
+    return [decode(frames, Limits()).header for routing, frames in b.outbox
+            if decode(frames, Limits()).command is command and to in (None, routing)]
+
+
+def submit(b: Broker, count: int, job: str = "job1", name: str = "grid", now: float = 0.0,
+           first_seq: int = 1, **spec) -> list[str]:
+    specs = [{"seq": first_seq + i, "nf": 1, "kind": "script", **spec} for i in range(count)]
+    b.handle(C, msg(Command.SUBMIT, {"job": job, "name": name, "tasks": specs},
+                    [b"p%d" % i for i in range(count)]), now)
+    return [task_id for _, task_id in sent(b, Command.ACCEPTED)[-1]["accepted"]]
+
+
+def control(b: Broker, action: str, target: str, routing: bytes = C2, now: float = 1.0) -> dict:
+    b.handle(routing, msg(Command.CONTROL, {"qid": 7, "action": action, "target": target}), now)
+    reply = sent(b, Command.REPLY, routing)[-1]
+    assert reply["qid"] == 7
+    return reply["data"]
+
+
+def result(b: Broker, task_id: str, status: str = "ok", payload: bytes = b'{"v": 1}',
+           routing: bytes = W, now: float = 1.0) -> None:
+    task = b.tasks[task_id]
+    header = {"task": task_id, "lease": task.lease_id, "status": status, "encoding": "json",
+              "elapsed": 0.5}
+    if status == "error":
+        header["error"] = {"type": "X", "message": "boom", "traceback": ""}
+    b.handle(routing, msg(Command.RESULT, header, [payload]), now)
+
+
+def test_another_client_sees_a_job_by_id_prefix_or_name(broker):
+    tasks = submit(broker, 3)
+    broker.dispatch(0.0)
+    result(broker, tasks[0])
+    for key in ("job1", "job1"[:4], "grid"):
+        broker.handle(C2, msg(Command.QUERY, {"qid": 3, "what": "status", "job": key}), 1.0)
+        view = sent(broker, Command.REPLY, C2)[-1]["data"]
+        assert view["job"] == "job1" and view["name"] == "grid"
+        assert view["counts"] == {"done": 1, "pending": 2} and view["status"] == "running"
+        assert view["tasks"][0]["result"] == {"v": 1}
+        assert [t["id"] for t in view["tasks"]] == tasks
+
+
+def test_a_job_summary_survives_its_results_being_collected(broker):
+    tasks = submit(broker, 1)
+    broker.dispatch(0.0)
+    result(broker, tasks[0])
+    broker.handle(C, msg(Command.RESULT_ACK, {"tasks": tasks}), 2.0)
+    assert tasks[0] not in broker.tasks
+    view = broker.status("job1", 3.0)
+    assert view["status"] == "finished" and view["counts"] == {"done": 1}
+    assert view["tasks"][0]["worker"] == "w1"
+
+
+def test_cancel_job_stops_running_tasks_and_never_starts_pending_ones(broker):
+    running, pending = submit(broker, 2)
+    broker.dispatch(0.0)
+    lease = broker.tasks[running].lease_id
+    broker.outbox.clear()
+    assert control(broker, "cancel", "job1") == {"job": "job1", "cancelled": 2}
+    assert sent(broker, Command.CANCEL, W) == [{"leases": [lease]}]
+    assert broker.tasks[pending].state is TaskState.CANCELLED
+    # The worker dies before it reports the cancellation: the task must not run again.
+    broker.unreachable(W, 2.0)
+    assert broker.tasks[running].state is TaskState.CANCELLED
+    hello_worker(broker, W2, "w2", slots=2, now=3.0)
+    assert broker.dispatch(3.0) == 0
+
+
+def test_retry_job_requeues_failed_tasks_even_after_the_owner_collected_them(broker):
+    ok_task, bad_task = submit(broker, 2)
+    broker.dispatch(0.0)
+    result(broker, ok_task)
+    hello_worker(broker, W2, "w2")
+    broker.dispatch(1.0)
+    result(broker, bad_task, status="error", routing=W2)
+    broker.handle(C, msg(Command.RESULT_ACK, {"tasks": [ok_task, bad_task]}), 2.0)
+    assert broker.tasks[bad_task].collected
+    assert control(broker, "retry", "job1") == {"job": "job1", "retried": 1}
+    task = broker.tasks[bad_task]
+    assert task.state is TaskState.PENDING and task.attempts == 0 and task.payload == [b"p1"]
+    assert broker.status("job1", 3.0)["counts"] == {"done": 1, "pending": 1}
+    assert control(broker, "retry", "job1") == {"job": "job1", "retried": 0}
+
+
+def test_unknown_job_and_unknown_action_are_clear_errors(broker):
+    assert "no job 'nope'" in control(broker, "cancel", "nope")["error"]
+    broker.handle(C2, msg(Command.CONTROL, {"qid": 9, "action": "explode", "target": "x"}), 1.0)
+    error = sent(broker, Command.ERROR, C2)[-1]
+    assert error["code"] == "unsupported" and error["qid"] == 9
+
+
+def test_kill_hands_tasks_back_without_spending_attempts_and_tells_the_worker(broker):
+    (task_id,) = submit(broker, 1)
+    broker.dispatch(0.0)
+    answer = control(broker, "kill", "w1-host")
+    assert answer == {"worker": "w1", "hostname": "w1-host", "handed_back": 1}
+    assert sent(broker, Command.DISCONNECT, W) == [{"reason": "kill"}]
+    task = broker.tasks[task_id]
+    assert task.state is TaskState.PENDING and task.attempts == 0
+    assert broker.workers["w1"].describe()["alive"] is False
+    assert "no worker" in control(broker, "kill", "w1-host")["error"]
+
+
+def test_a_paused_worker_gets_nothing_and_its_handed_back_tasks_cost_no_attempt(broker):
+    hello_worker(broker, W2, "w2", slots=2)
+    tasks = submit(broker, 2)
+    broker.dispatch(0.0)
+    on_w2 = [t for t in tasks if broker.tasks[t].worker_id == "w2"]
+    leases = [broker.tasks[t].lease_id for t in on_w2]
+    broker.handle(W2, msg(Command.CREDIT, {"granted": 2, "draining": True, "mode": "paused",
+                                           "release": leases}), 1.0)
+    assert broker.workers["w2"].describe()["state"] == "paused"
+    for task_id in on_w2:
+        assert broker.tasks[task_id].state is TaskState.PENDING
+        assert broker.tasks[task_id].attempts == 0
+    assert broker.dispatch(1.0) == 0 or all(broker.tasks[t].worker_id != "w2" for t in on_w2)
+    broker.handle(W2, msg(Command.CREDIT, {"granted": 4, "draining": False, "mode": "active"}), 2.0)
+    broker.dispatch(2.0)
+    assert all(broker.tasks[t].state is TaskState.LEASED for t in tasks)
+
+
+def test_a_worker_twice_the_median_time_gets_no_heavy_tasks(broker):
+    for routing, wid in ((W2, "w2"), (b"w3-routing", "w3")):
+        hello_worker(broker, routing, wid, slots=1)
+    speeds = {"w1": 1.0, "w2": 1.1, "w3": 5.0}
+    for worker in broker.workers.values():
+        worker.completed = 5
+        worker.seconds_per_cost = speeds[worker.worker_id]
+    assert broker.straggler_ids() == {"w3"}
+    broker.workers["w1"].granted = broker.workers["w2"].granted = 0  # only w3 has a free slot
+    heavy = submit(broker, 1, job="heavy", cost=10.0)
+    light = submit(broker, 1, job="light", first_seq=10)
+    broker.dispatch(0.0)
+    assert broker.tasks[heavy[0]].state is TaskState.PENDING
+    assert broker.tasks[light[0]].worker_id == "w3"
+
+
+def test_results_of_clients_gone_past_the_ttl_are_dropped(broker):
+    (task_id,) = submit(broker, 1)
+    broker.dispatch(0.0)
+    result(broker, task_id)
+    broker.handle(C, msg(Command.DISCONNECT, {}), 1.0)
+    broker.sweep(50.0)
+    assert task_id in broker.tasks  # within the TTL the client may come back for it
+    broker.sweep(102.0)
+    assert task_id not in broker.tasks and list(broker.store.load()) == []
+    assert broker.status("job1", 103.0)["counts"] == {"done": 1}  # the summary stays
+
+
+def test_uncollected_results_beyond_the_byte_cap_go_oldest_first(broker, monkeypatch):
+    monkeypatch.setattr("gpumesh.coordinator.broker.MAX_RETAINED_RESULT_BYTES", 150)
+    assert MAX_RETAINED_RESULT_BYTES > 150
+    tasks = submit(broker, 3)
+    for i, task_id in enumerate(tasks):
+        hello_worker(broker, W, "w1", now=float(i))
+        broker.dispatch(float(i))
+        result(broker, task_id, payload=b"x" * 100, now=float(i))
+    broker.handle(C, msg(Command.DISCONNECT, {}), 5.0)
+    broker.sweep(6.0)
+    assert [t for t in tasks if t in broker.tasks] == tasks[2:]
+
+
+def test_find_job_refuses_ambiguous_prefixes():
+    jobs = {"abcd01": Job("abcd01", "a", "c", 1.0), "abcd02": Job("abcd02", "a", "c", 2.0)}
+    assert "matches 2 jobs" in find_job(jobs, "abcd")
+    assert find_job(jobs, "a").job_id == "abcd02"  # by name: the newest
+    assert find_job(jobs, "abcd01").job_id == "abcd01"
+    assert "no job" in find_job(jobs, "zz")
+
+
+def test_jobs_come_back_after_a_restart_with_their_names():
+    store = Store(":memory:")
+    first = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+    first.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    submit(first, 2, name="nightly")
+    store.commit()
+    second = Broker(store, Timing(), Limits(), epoch=2, now=10.0)
+    assert second.restore(10.0) == 2
+    view = second.status("nightly", 11.0)
+    assert view["total"] == 2 and view["counts"] == {"pending": 2}

@@ -1,0 +1,91 @@
+"""Payload-dict scheduler keys and per-call options, as `.map`, `mesh.submit` and the CLI use them."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import require
+
+from gpumesh.client.frames import results_to_dataframe
+from gpumesh.client.tasks import TaskOptions, plan_calls, scheduler_options, script_task
+from gpumesh.errors import ConfigError
+from gpumesh.scheduler import Requirements
+
+
+def test_scheduler_keys_leave_the_payload_and_become_options():
+    payload, options = scheduler_options(
+        {"lr": 0.1, "gpu": "A100", "cores": 8, "memory": "16GB", "vram": "40GB", "cost": 5},
+        TaskOptions(timeout=9.0))
+    assert payload == {"lr": 0.1}
+    assert options.requirements == Requirements(gpu="A100", cores=8, memory=16 * 10**9,
+                                                vram=40 * 10**9)
+    assert options.cost == 5.0 and options.timeout == 9.0
+    assert options.spec("script")["req"] == {"gpu": "A100", "cores": 8, "memory": 16 * 10**9,
+                                             "vram": 40 * 10**9}
+
+
+def test_a_payload_without_scheduler_keys_is_untouched():
+    base = TaskOptions()
+    payload = {"lr": 0.1}
+    assert scheduler_options(payload, base) == (payload, base)
+    assert scheduler_options([1, 2], base) == ([1, 2], base)
+
+
+def test_payload_keys_add_to_the_decorator_requirements():
+    base = TaskOptions(requirements=Requirements(gpu=True))
+    _, options = scheduler_options({"memory": "1GB"}, base)
+    assert options.requirements == Requirements(gpu=True, memory=10**9)
+
+
+@pytest.mark.parametrize("bad, words", [({"cores": "many"}, "cores"), ({"memory": "lots"}, "size"),
+                                        ({"cost": "heavy"}, "cost"), ({"cost": -1}, "cost"),
+                                        ({"gpu": 3}, "gpu")])
+def test_bad_scheduler_values_name_the_payload(bad, words):
+    with pytest.raises(ConfigError) as info:
+        scheduler_options(bad, TaskOptions(), where="payload 3")
+    assert "payload 3" in str(info.value) and words in str(info.value)
+
+
+def test_map_keeps_a_key_the_function_declares():
+    def train(lr, gpu=None):
+        return lr, gpu
+
+    (args, kwargs, options), = plan_calls(train, [{"lr": 1, "gpu": "A100", "cost": 2}], TaskOptions())
+    assert kwargs == {"lr": 1, "gpu": "A100"}
+    assert options.requirements.gpu == "A100" and options.cost == 2.0
+
+
+def test_map_items_other_than_dicts_keep_the_base_options():
+    base = TaskOptions(priority=3)
+    calls = plan_calls(abs, [-1, (2,)], base)
+    assert [(c[0], c[1], c[2]) for c in calls] == [((-1,), {}, base), ((2,), {}, base)]
+
+
+def test_a_script_payload_reaches_the_script_without_scheduler_keys():
+    payload, options = scheduler_options({"x": 1, "cost": 3.0}, TaskOptions())
+    spec, frames = script_task("s.py", b"print(1)", payload, options)
+    assert frames[1] == b'{"x": 1}' and spec["cost"] == 3.0
+
+
+def test_results_to_dataframe_spreads_dicts_into_columns():
+    pd = require("pandas")
+    frame = results_to_dataframe([{"lr": 0.1, "acc": 0.9}, {"lr": 0.2}, 7, ValueError("bad")])
+    assert isinstance(frame, pd.DataFrame)
+    assert list(frame.columns) == ["lr", "acc", "result", "error"]
+    assert frame["lr"].tolist()[:2] == [0.1, 0.2]
+    assert frame["result"].tolist()[2] == 7
+    assert frame["error"].tolist()[3] == "ValueError: bad"
+
+
+def test_results_to_dataframe_without_pandas_says_how_to_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pandas(name, *args, **kwargs):
+        if name == "pandas":
+            raise ImportError("No module named 'pandas'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pandas)
+    with pytest.raises(ImportError, match=r"pip install 'gpumesh\[notebook\]'"):
+        results_to_dataframe([1])
