@@ -3,7 +3,8 @@
 Rules, in order:
 1. Requirements are filters, never preferences: ``gpu`` (model substring, or True for any GPU),
    ``cores``, ``memory`` (RAM bytes), ``vram`` (bytes, on one GPU) and, for pickled functions,
-   the submitter's Python major.minor.
+   the submitter's Python major.minor. A function that also travels as source (``portable``)
+   may run on another Python, but a worker on the submitter's Python is preferred.
 2. A worker that already failed the task is avoided while another eligible worker exists.
 3. Heavy tasks (``cost`` above the default 1.0) go to the strongest eligible worker by score;
    other tasks go to the least-loaded worker, the least recently used one on a tie.
@@ -115,9 +116,10 @@ class TaskView:
     requirements: Requirements = Requirements()
     cost: float = DEFAULT_COST
     excluded: frozenset[str] = frozenset()
+    portable: bool = False  # a source form rides along: the Python version is a preference
 
 
-def unmet(worker: WorkerView, req: Requirements) -> list[str]:
+def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False) -> list[str]:
     """The requirements ``worker`` misses, in words; empty when it qualifies."""
     missing = []
     if req.gpu is True and not worker.gpus:
@@ -130,7 +132,7 @@ def unmet(worker: WorkerView, req: Requirements) -> list[str]:
         missing.append(f"has {worker.cores} cores")
     if req.memory and worker.memory < req.memory:
         missing.append(f"has {worker.memory / 1e9:.1f}GB RAM")
-    if req.python and worker.python != req.python:
+    if req.python and worker.python != req.python and not portable:
         missing.append(f"runs Python {worker.python or '?'}")
     return missing
 
@@ -138,7 +140,7 @@ def unmet(worker: WorkerView, req: Requirements) -> list[str]:
 def eligible(worker: WorkerView, task: TaskView) -> bool:
     if task.cost > DEFAULT_COST and worker.straggler:
         return False
-    return not unmet(worker, task.requirements)
+    return not unmet(worker, task.requirements, portable=task.portable)
 
 
 def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:
@@ -149,11 +151,12 @@ def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:
         if worker.free <= 0 or not eligible(worker, task):
             continue
         avoided = worker.worker_id in task.excluded
+        foreign = bool(task.requirements.python) and worker.python != task.requirements.python
         ratio = worker.load / max(worker.capacity, 1)
         if task.cost > DEFAULT_COST:
-            key: tuple[Any, ...] = (avoided, -worker.score, ratio, worker.last_assigned)
+            key: tuple[Any, ...] = (avoided, foreign, -worker.score, ratio, worker.last_assigned)
         else:
-            key = (avoided, ratio, worker.last_assigned)
+            key = (avoided, foreign, ratio, worker.last_assigned)
         if best is None or key < best_key:
             best, best_key = worker, key
     return best
@@ -161,7 +164,7 @@ def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:
 
 def could_ever_run(task: TaskView, workers: Sequence[WorkerView]) -> bool:
     """Whether any connected worker qualifies, busy or not (else the task waits to time out)."""
-    return any(not unmet(w, task.requirements) for w in workers)
+    return any(not unmet(w, task.requirements, portable=task.portable) for w in workers)
 
 
 def explain_unschedulable(req: Requirements, workers: Sequence[WorkerView]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import secrets
 import sys
 import threading
@@ -15,11 +16,14 @@ from ..config import Settings
 from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
 from .engine import Engine, TaskFuture
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
-from .tasks import PickledFunction, TaskOptions, plan_calls, scheduler_options, script_task
+from .portable import SourceForm, source_form
+from .tasks import PYTHON, PickledFunction, TaskOptions, plan_calls, scheduler_options, script_task
 
 R = TypeVar("R")
 UNREACHABLE_MEMORY = 5.0  # seconds a failed connect is remembered before trying again
 JOB_POLL = 0.25  # seconds between status queries while waiting for a job
+PYTHONS_CACHE = 5.0  # seconds the workers' Python versions are trusted before asking again
+log = logging.getLogger("gpumesh.client")
 
 
 class GPUMesh:
@@ -42,6 +46,8 @@ class GPUMesh:
         self._lock = threading.Lock()
         self._unreachable_at = 0.0
         self._jobs: dict[str, list[TaskFuture]] = {}
+        self._pythons: set[str] = set()  # Python versions of alive workers, refreshed now and then
+        self._pythons_at = 0.0
 
     def __repr__(self) -> str:
         return f"GPUMesh({str(self.endpoint)!r})"
@@ -124,13 +130,40 @@ class GPUMesh:
         engine = self._require()
         options = options or TaskOptions()
         pickled = PickledFunction(fn)
-        items = [pickled.task(call[0], call[1], call[2] if len(call) > 2 else options)
+        portable = self._portable_form(fn)
+        items = [pickled.task(call[0], call[1], call[2] if len(call) > 2 else options, portable)
                  for call in calls]
         job = job or _job_id()
         futures = engine.submit(items, job, name or getattr(fn, "__qualname__", "function"))
         for future in futures:
             future.job = job
         return futures
+
+    def _portable_form(self, fn: Callable[..., Any]) -> SourceForm | None:
+        """The source form of ``fn`` when some alive worker runs another Python, else None."""
+        others = self._other_pythons()
+        if not others:
+            return None
+        form = source_form(fn)
+        name = getattr(fn, "__qualname__", "the function")
+        if isinstance(form, str):
+            log.debug("%s runs only on Python %s workers (not on %s): %s", name, PYTHON,
+                      ", ".join(sorted(others)), form)
+            return None
+        log.debug("%s also ships as source for workers on Python %s (this is %s)", name,
+                  ", ".join(sorted(others)), PYTHON)
+        return form
+
+    def _other_pythons(self) -> set[str]:
+        now = time.time()
+        if now - self._pythons_at > PYTHONS_CACHE:
+            try:
+                listing = self._require().query("workers")
+            except MeshError:
+                return set()
+            self._pythons = {str(w.get("python", "")) for w in listing if w.get("alive")}
+            self._pythons_at = now
+        return {p for p in self._pythons if p and p != PYTHON}
 
     def map(self, fn: Callable[..., R], items: Iterable[Any], *, timeout: float | None = None,
             options: TaskOptions | None = None) -> list[R]:

@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..protocol import serialize
 from ..scheduler import Requirements
+from .portable import SourceForm
 
 # Keys of a payload dict (a `.map` item, a script payload) that the scheduler reads instead of
 # handing them to the code: four filters and the placement weight. docs/protocol.md lists them.
@@ -58,11 +59,19 @@ class PickledFunction:
             self.frame = [cloudpickle.dumps(fn, protocol=serialize.PROTOCOL)]
         self.digest = serialize.function_digest(self.frame[0])
 
-    def task(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], options: TaskOptions
-             ) -> tuple[dict[str, Any], list[Any]]:
+    def task(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], options: TaskOptions,
+             portable: SourceForm | None = None) -> tuple[dict[str, Any], list[Any]]:
+        """Spec and frames of one call; with ``portable``, the source form rides along (last
+        two frames) for workers on another Python, when the arguments are plain data."""
         spec = options.spec("fn")
         spec["fn"] = self.digest
-        return spec, [self.frame[0], *serialize.dumps((args, dict(kwargs)))]
+        frames = [self.frame[0], *serialize.dumps((args, dict(kwargs)))]
+        extra = portable.frames(args, kwargs) if portable is not None else None
+        if extra is not None:
+            spec["src"] = portable.name  # type: ignore[union-attr]
+            spec["py"] = PYTHON  # the worker compares it with its own to pick the form
+            frames += extra
+        return spec, frames
 
 
 def call_arguments(item: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

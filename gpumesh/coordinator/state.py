@@ -101,7 +101,8 @@ class Task:
                    for f in self.result_payload)
 
     def view(self) -> TaskView:
-        return TaskView(self.task_id, self.requirements, self.cost, frozenset(self.excluded))
+        return TaskView(self.task_id, self.requirements, self.cost, frozenset(self.excluded),
+                        portable="src" in self.spec)
 
 
 @dataclass

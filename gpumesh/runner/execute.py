@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
+
 from ..protocol import serialize
 
 # Script tasks see only these variables: a script submitted by a peer gets no credentials that
@@ -31,6 +33,11 @@ _FUNCTION_CACHE = 64
 
 
 def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    if header.get("src"):
+        # The last two frames are the source form (client/portable.py); the rest the pickle.
+        if header.get("form") == "source":
+            return run_source(str(header["src"]), frames[-2:])
+        frames = frames[:-2]
     digest = str(header.get("fn", ""))
     try:
         fn = _functions.get(digest) if digest else None
@@ -47,6 +54,30 @@ def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[st
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt from user code are results too
+        return _error(exc)
+    try:
+        return {"status": "ok"}, serialize.dumps(value)
+    except Exception as exc:
+        return _error(exc, "the function's return value could not be pickled: ")
+
+
+def run_source(name: str, frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Define the function from its source and call it with its plain-data arguments.
+
+    Used on a worker whose Python differs from the submitter's, where the pickle cannot load.
+    """
+    try:
+        source = bytes(frames[0]).decode("utf-8")
+        args, kwargs = msgpack.unpackb(bytes(frames[1]), raw=False)
+        namespace: dict[str, Any] = {"__name__": "__gpumesh_source__"}
+        exec(compile(source, f"<gpumesh source of {name}>", "exec"), namespace)  # noqa: S102
+        fn = namespace[name]
+    except BaseException as exc:
+        return _error(exc, f"the source form of {name} could not be loaded on this worker (Python "
+                           f"{sys.version_info.major}.{sys.version_info.minor}): ")
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:
         return _error(exc)
     try:
         return {"status": "ok"}, serialize.dumps(value)

@@ -275,6 +275,10 @@ class WorkerAgent:
             return
         task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h)
         runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
+        if h.get("src"):
+            # The pickle only loads on the submitter's Python; elsewhere run the source form.
+            foreign = str(h.get("py", "")) != str(self.info.get("python", ""))
+            runner_header.update(src=str(h["src"]), form="source" if foreign else "pickle")
         self.queue.append(QueuedTask(task, runner_header, msg.payload))
         self._start_queued(now)
 

@@ -1,0 +1,93 @@
+"""A function as source code with plain-data arguments, for workers on another Python version.
+
+cloudpickle's output is tied to the interpreter's minor version (bytecode, code object layout).
+When the mesh has workers on another Python, each call also carries this portable form: the
+function's source without its decorators, the module-level imports it names, and its arguments
+as msgpack. It covers plain top-level functions with plain-data arguments (the spec's
+Limitations section says so); anything else simply runs only where the Python matches.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import sys
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger("gpumesh.client")
+
+PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+
+
+class SourceForm:
+    """The portable form of one function: its name and the module text that defines it."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.frame = text.encode("utf-8")
+
+    def frames(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[bytes] | None:
+        """[source, packed arguments], or None when the arguments are not plain data."""
+        if not _plain([args, dict(kwargs)]):
+            return None
+        return [self.frame, msgpack.packb([list(args), dict(kwargs)], use_bin_type=True)]
+
+
+def source_form(fn: Callable[..., Any]) -> SourceForm | str:
+    """The portable form of ``fn``, or why it has none (a message for verbose mode)."""
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__name__", "")
+    if code is None or not name.isidentifier():
+        return "it is not a plain Python function"
+    if code.co_freevars:
+        return f"it closes over local variables ({', '.join(code.co_freevars)})"
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(text)
+    except (OSError, TypeError, SyntaxError) as exc:
+        return f"its source is not available ({exc})"
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == name), None)
+    if node is None or isinstance(node, ast.AsyncFunctionDef):
+        return "it is not defined by a plain def statement"
+    node.decorator_list = []  # @mesh/@accelerate wrap it on the submitting side only
+    node.returns = None  # annotations may name types the worker cannot import
+    for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                node.args.vararg, node.args.kwarg]:
+        if arg is not None:
+            arg.annotation = None
+    imports = _module_imports(fn, set(code.co_names))
+    return SourceForm(name, "\n".join([*imports, ast.unparse(node), ""]))
+
+
+def _module_imports(fn: Callable[..., Any], names: set[str]) -> list[str]:
+    """The top-level import statements of ``fn``'s module that bind a name ``fn`` uses."""
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    try:
+        tree = ast.parse(inspect.getsource(module)) if module is not None else None
+    except (OSError, TypeError, SyntaxError):
+        return []
+    found = []
+    for node in tree.body if tree is not None else []:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound = {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+            if bound & names:
+                found.append(ast.unparse(node))
+    return found
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if depth > 64:
+        return False
+    if isinstance(value, PLAIN_TYPES):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False

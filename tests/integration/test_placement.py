@@ -1,0 +1,66 @@
+"""Placement with real workers that advertise fake inventories: payload-dict scheduler keys in
+`.map`, and the source form for a worker on another Python version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import wait_for
+
+from gpumesh.client.tasks import TaskOptions, plan_calls
+from gpumesh.errors import Unschedulable
+
+
+def where_am_i(x):
+    # Under the source form the function lives in a fresh namespace, not in this module.
+    return {"x": x * x, "module": __name__}
+
+
+def fake(**inventory) -> dict[str, str]:
+    return {"GPUMESH_TEST_INVENTORY": json.dumps(inventory)}
+
+
+def test_map_payload_keys_pick_workers_and_never_reach_the_function(mesh_env):
+    mesh_env.start_coordinator()
+    gpu = mesh_env.add_worker(slots=2, env=fake(gpus=[{"name": "NVIDIA A100", "vram": 4e10}],
+                                                 cores=64))
+    cpu = mesh_env.add_worker(slots=2, env=fake(cores=2))
+    client = mesh_env.client()
+    mesh_env.wait_workers(2, client)
+    items = [{"x": i, "gpu": "A100", "cost": 5} for i in range(4)] + \
+            [{"x": 10 + i, "cores": 32} for i in range(2)]
+    futures = client.submit_calls(where_am_i, plan_calls(where_am_i, items, TaskOptions()))
+    results = client.gather(futures)
+    assert [r["x"] for r in results] == [i * i for i in range(4)] + [100, 121]
+    assert {f.worker for f in futures} == {gpu.worker_id}
+    assert cpu.worker_id != gpu.worker_id
+    # The same keys through .map; an impossible one fails naming it after the pending timeout.
+    assert client.map(where_am_i, [{"x": 3, "vram": "10GB"}])[0]["x"] == 9
+    with pytest.raises(Unschedulable, match="cores>=1000"):
+        client.map(where_am_i, [{"x": 1, "cores": 1000}], timeout=30)
+
+
+def test_a_worker_on_another_python_runs_plain_functions_from_source(mesh_env, caplog):
+    mesh_env.start_coordinator()
+    other = mesh_env.add_worker(slots=2, env=fake(python="3.99"))
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    results = client.map(where_am_i, list(range(5)))
+    assert [r["x"] for r in results] == [i * i for i in range(5)]
+    assert {r["module"] for r in results} == {"__gpumesh_source__"}
+    offset = 1
+
+    def closure(x):
+        return x + offset
+
+    with pytest.raises(Unschedulable, match="Python"):
+        client.map(closure, [1], timeout=30)  # no source form, and no worker on this Python
+    # Once a worker on the submitter's Python joins, it is preferred and runs the pickle.
+    same = mesh_env.add_worker(slots=2)
+    wait_for(lambda: len([w for w in client.workers() if w["alive"]]) == 2, what="2 workers")
+    client._pythons_at = 0.0  # forget the cached worker Pythons, as 5 s would
+    futures = client.submit_calls(where_am_i, [((i,), {}) for i in range(2)])  # its 2 free slots
+    assert [r["module"] for r in client.gather(futures)] == [__name__] * 2
+    assert {f.worker for f in futures} == {same.worker_id}
+    assert other.worker_id not in {f.worker for f in futures}

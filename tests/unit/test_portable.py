@@ -1,0 +1,74 @@
+"""The source form of a function, for workers on another Python (client/portable.py)."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+
+from gpumesh.client.portable import SourceForm, source_form
+from gpumesh.runner.execute import run_source
+from gpumesh.scheduler import Requirements, TaskView, WorkerView, choose, could_ever_run
+
+
+def decorate(fn):
+    return fn
+
+
+@decorate
+def scale(values: list[float], factor: float = 2.0) -> str:
+    return json.dumps([v * factor for v in values])
+
+
+def test_the_source_form_drops_decorators_and_annotations_and_keeps_imports():
+    form = source_form(scale)
+    assert isinstance(form, SourceForm)
+    text = form.frame.decode()
+    assert "@decorate" not in text and "list[float]" not in text
+    assert text.startswith("import json\n")
+
+
+def test_the_source_form_runs_with_plain_arguments():
+    form = source_form(scale)
+    frames = form.frames(([1.0, 2.5],), {"factor": 3.0})
+    header, result = run_source("scale", frames)
+    assert header == {"status": "ok"}
+    from gpumesh.protocol import serialize
+
+    assert serialize.loads(result) == "[3.0, 7.5]"
+
+
+def test_arguments_that_are_not_plain_data_get_no_source_form():
+    form = source_form(scale)
+    assert form.frames((object(),), {}) is None
+    assert form.frames(({1: "non-string key"},), {}) is None
+    assert form.frames((("a", b"b", None, True),), {}) is not None
+
+
+def test_closures_and_lambdas_have_no_source_form():
+    offset = 3
+
+    def shifted(x):
+        return x + offset
+
+    assert "closes over" in source_form(shifted)
+    assert "not defined by a plain def" in source_form(lambda x: x) or \
+        "not a plain" in source_form(lambda x: x)
+    assert "not a plain Python function" in source_form(len)
+
+
+def test_a_broken_source_form_is_a_clear_task_error():
+    header, _ = run_source("missing", [b"x = 1\n", msgpack.packb([[], {}])])
+    assert header["status"] == "error"
+    assert "source form of missing could not be loaded" in header["error"]["message"]
+
+
+def test_a_portable_task_may_run_on_another_python_but_prefers_the_same_one():
+    req = Requirements(python="3.11")
+    other = WorkerView("old", free=1, python="3.10")
+    same = WorkerView("same", free=1, python="3.11", load=0)
+    strict = TaskView("t", req)
+    portable = TaskView("t", req, portable=True)
+    assert choose(strict, [other]) is None and not could_ever_run(strict, [other])
+    assert choose(portable, [other]).worker_id == "old" and could_ever_run(portable, [other])
+    assert choose(portable, [other, same]).worker_id == "same"
