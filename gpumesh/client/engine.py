@@ -179,7 +179,9 @@ class Engine:
             ) from None
 
     def cancel(self, futures: list[TaskFuture]) -> None:
-        self._command(("cancel", [f for f in futures if f.task_id]))
+        """Ask the coordinator to cancel these tasks. A task not yet accepted, or a cancel made
+        while disconnected, is cancelled as soon as the coordinator is reachable."""
+        self._command(("cancel", list(futures)))
 
     def close(self) -> None:
         if self._closing.is_set():
@@ -304,7 +306,7 @@ class Engine:
                 if self._connected.is_set():
                     command.sent = self._link.send(encode(command.command, command.header))
             elif isinstance(command, tuple) and command[0] == "cancel":
-                tasks = [f.task_id for f in command[1]]
+                tasks = [f.task_id for f in command[1] if f.task_id]
                 if tasks and self._connected.is_set():
                     self._link.send(encode(Command.CANCEL, {"tasks": tasks}))
         if batches and self._connected.is_set():
@@ -320,6 +322,8 @@ class Engine:
         for sub in subs:
             if not sub.future.cancelled():
                 by_job.setdefault((sub.job, sub.name), []).append(sub)
+            elif not sub.sent_at:
+                self._outstanding.pop(sub.seq, None)  # cancelled before it was ever sent
         for job, group in by_job.items():
             chunk: list[_Submission] = []
             size = 0
@@ -364,16 +368,22 @@ class Engine:
         self.ever_connected = True
         if first and self.on_connect is not None:
             self.on_connect()
-        # A new session: ask again for what was accepted, send again what was not.
+        # A new session: ask again for what was accepted, send again what was not, and repeat
+        # cancels the old session may have lost.
         accepted = [sub.task_id for sub in self._outstanding.values() if sub.task_id]
         if accepted:
             self._link.send(encode(Command.FETCH, {"tasks": accepted, "qid": 0}))
+        cancelled = [sub.task_id for sub in self._outstanding.values()
+                     if sub.task_id and sub.future.cancelled()]
+        if cancelled:
+            self._link.send(encode(Command.CANCEL, {"tasks": cancelled}))
         self._send_submissions([s for s in self._outstanding.values() if not s.task_id], now)
         for q in self._queries.values():
             q.sent = self._link.send(encode(q.command, q.header))
 
     def _on_accepted(self, msg: Message, now: float) -> None:
         job = str(msg.header.get("job", ""))
+        cancelled = []
         for seq, task_id in msg.header.get("accepted", []):
             sub = self._outstanding.get(seq)
             if sub is not None and not sub.task_id:
@@ -381,6 +391,10 @@ class Engine:
                 sub.job = sub.job or job
                 sub.future.task_id = task_id
                 self._by_task[task_id] = sub
+                if sub.future.cancelled():
+                    cancelled.append(task_id)  # cancelled while the SUBMIT was in flight
+        if cancelled:
+            self._link.send(encode(Command.CANCEL, {"tasks": cancelled}))
         for seq, _code, text in msg.header.get("rejected", []):
             sub = self._outstanding.pop(seq, None)
             if sub is not None and not sub.future.done():

@@ -147,3 +147,24 @@ def test_torch_tensors_round_trip(mesh_env):
     out = client.submit(tensor_stats, tensor).result(timeout=60)
     assert out["sum"] == float(tensor.sum())
     assert torch.equal(out["doubled"], tensor * 2)
+
+
+def nap(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_future_cancelled_before_its_submit_was_accepted_never_runs(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    first, second = client.submit_calls(nap, [((1.0,), {}), ((0.01,), {})])
+    assert second.cancel()  # before ACCEPTED has had time to arrive
+    assert first.result(timeout=30) == 1.0
+    status = wait_for(lambda: (lambda s: s if s["status"] == "finished" else None)(
+        client.status(first.job)), what="the job to finish")
+    # Cancelled in flight (the usual case) or before it was even sent: either way it never ran.
+    assert status["counts"] in ({"done": 1, "cancelled": 1}, {"done": 1})
