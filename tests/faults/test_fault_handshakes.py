@@ -1,0 +1,137 @@
+"""Scenario 8: unauthenticated garbage gets nothing in and crashes nothing; repeated handshake
+failures from one LAN address are rate limited, loopback exempt (gpumesh.security)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+
+import psutil
+import zmq
+from conftest import wait_for
+from faultlab import (
+    Driver,
+    Executions,
+    Lab,
+    assert_one_correct_result_each,
+    driver_args,
+    require_netns,
+)
+from faulttasks import record_square
+
+from gpumesh.config import parse_url
+from gpumesh.security import HandshakePolicy, derive_keys
+
+N = 200
+ZMTP_NULL_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\x00" * 16 + b"\x00" + b"\x00" * 31
+ZMTP_CURVE_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE" + b"\x00" * 15 + b"\x00" + b"\x00" * 31
+
+
+def _dealer(ctx: zmq.Context, url: str, public: bytes, secret: bytes, server: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.curve_serverkey = server
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.connect(url)
+    return sock
+
+
+def test_unauthenticated_garbage_gets_nothing_in_and_loopback_is_never_locked_out(mesh_env, tmp_path):
+    coordinator = mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    endpoint = parse_url(coordinator.url)
+    rng = random.Random(8)
+    # Raw TCP: random bytes, a NULL-mechanism greeting, a CURVE greeting followed by junk.
+    for i in range(60):
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as raw:
+            raw.settimeout(2)
+            head = [b"", ZMTP_NULL_GREETING, ZMTP_CURVE_GREETING][i % 3]
+            raw.sendall(head + rng.randbytes(rng.randint(1, 2048)))
+    keys = derive_keys(mesh_env.token)
+    stranger = derive_keys("another mesh entirely " + "z" * 20)
+    ctx = zmq.Context()
+    try:
+        # A wrong token (wrong server key: libzmq drops it before ZAP), and a key that knows the
+        # server's public key but not the client secret (ZAP refuses it): far past the limit,
+        # all from loopback.
+        socks = []
+        policy = HandshakePolicy()
+        for _ in range(policy.max_failures * 3):
+            public, secret = zmq.curve_keypair()
+            socks.append(_dealer(ctx, coordinator.url, stranger.client_public,
+                                 stranger.client_secret, stranger.server_public))
+            socks.append(_dealer(ctx, coordinator.url, public, secret, keys.server_public))
+        for sock in socks:
+            sock.send_multipart([b"GPM\x01", b"\x01", b"\x80"], flags=zmq.NOBLOCK)
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        assert poller.poll(2000) == [], "an unauthenticated peer got an answer"
+        for sock in socks:
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+    assert psutil.Process(coordinator.pid).status() != psutil.STATUS_ZOMBIE
+    # Nothing got in: the one real worker is the only worker, and loopback is not locked out.
+    assert [w["alive"] for w in client.workers()] == [True]
+    fresh = mesh_env.client()
+    futures = fresh.submit_calls(record_square, [((i, str(tmp_path), 0.0), {}) for i in range(N)])
+    results = fresh.gather(futures, timeout=120)
+    assert_one_correct_result_each(futures, results, N)
+    assert Executions(tmp_path).runs(N) == [1] * N
+
+
+def _serve_in(lab: Lab, host: str, env: dict[str, str], db: str, log: object) -> tuple[object, int]:
+    proc, line = lab.spawn(host, ["-m", "gpumesh", "serve", "--host", "0.0.0.0", "--port", "0",
+                                  "--no-self-worker", "--no-save", "--db", db],
+                           env, ready=True, stdout=log, stderr=log)
+    return proc, int(line)
+
+
+def _driver(lab: Lab, host: str, env: dict[str, str]) -> Driver:
+    proc, _ = lab.spawn(host, driver_args(), env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return Driver(proc)
+
+
+def test_repeated_failures_from_a_lan_address_are_rate_limited(mesh_env, tmp_path):
+    require_netns()
+    lab = Lab(["coord", "attacker", "friend"])
+    env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
+    log_path = tmp_path / "coordinator.log"
+    try:
+        with open(log_path, "wb") as log:
+            _, port = _serve_in(lab, "coord", env, str(tmp_path / "j.db"), log)
+        url = f"tcp://{lab.address('coord')}:{port}"
+        attacker = _driver(lab, "attacker", env)
+        friend = _driver(lab, "friend", env)
+        local = _driver(lab, "coord", env)
+        policy = HandshakePolicy()
+        assert attacker.call("handshake", url=url, key="right", timeout=10) == "ok"
+        outcomes = [attacker.call("handshake", url=url, key="wrong", timeout=10)
+                    for _ in range(policy.max_failures)]
+        assert outcomes == ["auth:400"] * policy.max_failures
+        # Locked out: even the right key from that address is turned away, and silently (ZAP
+        # 300: libzmq holds the connection until its 10 s handshake limit, then drops it).
+        assert attacker.call("handshake", url=url, key="right", timeout=3) == "timeout"
+        # Nobody else is: another LAN host, and loopback on the coordinator's own machine.
+        assert friend.call("handshake", url=url, key="right", timeout=10) == "ok"
+        local_url = f"tcp://127.0.0.1:{port}"
+        for _ in range(policy.max_failures * 2):
+            assert local.call("handshake", url=local_url, key="wrong", timeout=10) == "auth:400"
+        assert local.call("handshake", url=local_url, key="right", timeout=10) == "ok"
+        # The mesh still works from the friend's machine.
+        assert friend.call("connect", url=url) is True
+        assert friend.call("workers") == []
+        text = wait_for(lambda: (lambda t: t if "refusing handshakes from" in t else None)(
+            log_path.read_text()), timeout=10, what="the lockout warning in the coordinator log")
+        assert f"refusing handshakes from {lab.address('attacker')} for 60s" in text
+        assert mesh_env.token not in text
+        assert lab.address("friend") not in text
+        # Bounded logging: at most one burst of warnings however many failures.
+        assert text.count("[gpumesh.zap]") + text.count("gpumesh.zap") <= policy.log_burst + 1
+    finally:
+        lab.close()
