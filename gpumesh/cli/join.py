@@ -41,7 +41,9 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     if max_slots is not None:
         slots = min(slots, max_slots)  # the owner's cap wins over the detected hardware
     click.echo(f"[worker] device={inventory['device']} {inventory['device_name']} "
-               f"score={inventory['score']:.3f} GFLOP/s slots={slots}")
+               f"score={inventory['score']:.3f} GFLOP/s")
+    click.echo(f"[worker] runs up to {slots} task(s) at once"
+               + (f" (capped by --max-slots {max_slots})" if max_slots and max_slots == slots else ""))
     def joined(worker_id: str) -> None:
         # Saved only now: a wrong token must not replace a working saved connection.
         if save:

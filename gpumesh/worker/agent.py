@@ -393,12 +393,19 @@ class WorkerAgent:
         if header.get("ready"):
             runner.ready = True
             return
+        # What the task printed goes out before its result, so the caller sees it first.
+        for stream in ("out", "err"):
+            for _ in range(64):  # at most 4 MiB per stream here; the rest follows as usual
+                if not self._on_runner_output(runner, stream):
+                    break
         task, runner.task = runner.task, None
         if task is not None:
             self._report(task, header, frames, now)
 
-    def _on_runner_output(self, runner: Runner, stream: str) -> None:
-        for chunk in runner.read_stream(stream):
+    def _on_runner_output(self, runner: Runner, stream: str) -> bool:
+        """Forward what the runner printed; False when there was nothing to read."""
+        chunks = runner.read_stream(stream)
+        for chunk in chunks:
             task = runner.task
             if task is None:
                 log.debug("runner %d printed outside a task: %r", runner.slot, chunk[:200])
@@ -406,6 +413,7 @@ class WorkerAgent:
             if self.welcomed:
                 self.link.send(encode(Command.OUTPUT, {"task": task.task_id, "stream": stream},
                                       [chunk]))
+        return bool(chunks)
 
     def _check_runners(self, now: float) -> None:
         for runner in self.runners:
