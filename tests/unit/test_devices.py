@@ -1,0 +1,81 @@
+"""The device probe and the join benchmark, for real on this machine and with a stand-in torch."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import require
+
+from gpumesh.cli.join import default_slots
+from gpumesh.worker import devices
+
+
+def test_the_real_probe_describes_this_machine():
+    inventory = devices.probe(torch_probe=False)
+    assert inventory["cores"] >= 1 and inventory["memory"] > 0
+    assert inventory["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert inventory["hostname"] and inventory["device"] in ("CPU", "GPU")
+    assert inventory["gpus"] == [] and inventory["device_name"] == devices.cpu_name()
+
+
+def test_the_real_cpu_benchmark_is_quick_and_positive():
+    started = time.perf_counter()
+    figures = devices.benchmark({"gpus": []}, budget=0.4)
+    assert time.perf_counter() - started < 10  # seconds, not minutes (a generous bound)
+    assert figures["gflops"] > 0 and figures["bandwidth_gbps"] > 0
+    assert devices.score_of(figures) == round(figures["gflops"] * 0.7
+                                              + figures["bandwidth_gbps"] * 0.3, 3)
+
+
+def test_the_pure_python_benchmark_runs_without_numpy():
+    figures = devices._benchmark_pure_python(0.2)
+    assert figures["gflops"] > 0 and figures["bandwidth_gbps"] > 0
+
+
+def fake_torch(names: list[str], vram: int = 24 * 10**9) -> SimpleNamespace:
+    cuda = SimpleNamespace(
+        is_available=lambda: bool(names), device_count=lambda: len(names),
+        get_device_properties=lambda i: SimpleNamespace(name=names[i], total_memory=vram))
+    return SimpleNamespace(cuda=cuda, backends=SimpleNamespace(mps=None), __version__="9.9")
+
+
+def test_cuda_devices_are_listed_one_per_gpu():
+    found = devices.gpus(fake_torch(["NVIDIA RTX 4090", "NVIDIA RTX 3090"]))
+    assert [(g["index"], g["name"], g["backend"]) for g in found] == [
+        (0, "NVIDIA RTX 4090", "cuda"), (1, "NVIDIA RTX 3090", "cuda")]
+    assert default_slots({"gpus": found, "cores": 32}) == 2  # one slot per GPU
+
+
+def test_apple_mps_counts_as_one_gpu():
+    torch = fake_torch([])
+    torch.backends = SimpleNamespace(mps=SimpleNamespace(is_available=lambda: True))
+    assert devices.gpus(torch) == [{"index": 0, "name": "Apple MPS", "vram": 0, "backend": "mps"}]
+
+
+def test_cpu_slots_default_to_the_cores_up_to_four():
+    assert default_slots({"gpus": [], "cores": 2}) == 2
+    assert default_slots({"gpus": [], "cores": 64}) == 4
+
+
+def test_torch_cpu_build_reports_no_gpu():
+    torch = require("torch")  # CI installs the CPU build
+    assert devices.gpus(torch) == []
+    assert devices.probe()["torch"] == torch.__version__
+
+
+def test_a_test_inventory_replaces_probed_values(monkeypatch):
+    monkeypatch.setenv(devices.TEST_INVENTORY_VARIABLE,
+                       json.dumps({"gpus": [{"name": "A100", "vram": 4e10}], "python": "3.99"}))
+    inventory = devices.probe(torch_probe=False)
+    assert inventory["device"] == "GPU" and inventory["device_name"] == "A100"
+    assert inventory["gpus"] == [{"index": 0, "vram": 4e10, "backend": "fake", "name": "A100"}]
+    assert inventory["python"] == "3.99"
+    # A fake GPU is never handed to torch: the benchmark stays on the CPU.
+    assert devices.benchmark(inventory, budget=0.2)["backend"] == 0.0
+    monkeypatch.setenv(devices.TEST_INVENTORY_VARIABLE, "[1]")
+    with pytest.raises(ValueError, match="JSON object"):
+        devices.probe(torch_probe=False)
