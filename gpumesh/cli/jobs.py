@@ -73,6 +73,8 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None) -
         elif result is not None:
             text = result if isinstance(result, str) else json.dumps(result, default=repr)
             lines.append(f"    result: {text}")
+    if status.get("tasks_not_shown"):
+        lines.append(f"  ... and {status['tasks_not_shown']} more task(s), counted above")
     return "\n".join(lines)
 
 

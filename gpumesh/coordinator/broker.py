@@ -129,6 +129,9 @@ class Broker(WorkerSide, ClientSide):
             self.tasks[task.task_id] = task
             self.by_seq[(task.client_id, task.seq)] = task.task_id
             count += 1
+        for job in self.jobs.values():
+            if len(job.summaries) >= len(job.task_ids):
+                job.finished_at = now
         return count
 
     # ----------------------------------------------------------------- dispatch of messages
@@ -234,7 +237,7 @@ class Broker(WorkerSide, ClientSide):
         job = self.jobs.get(task.job_id)
         if job is not None:
             job.summaries[task.task_id] = summarize(task)
-            if all(t in job.summaries for t in job.task_ids):
+            if len(job.summaries) >= len(job.task_ids):  # summaries only ever name its tasks
                 job.finished_at = now
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
                   worker=result.get("worker", ""))

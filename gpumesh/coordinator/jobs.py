@@ -16,6 +16,7 @@ from .state import Task, TaskState
 MAX_JOBS = 1000  # finished jobs beyond this are forgotten, oldest first
 PREVIEW_BYTES = 4096  # a script result up to this size is shown by `status`; larger ones are not
 LIST_JOBS = 20  # jobs listed by a status query without a job id
+MAX_TASKS_SHOWN = 10_000  # tasks listed one by one in a job's status; the counts cover them all
 
 
 @dataclass
@@ -60,7 +61,10 @@ class Job:
             "elapsed": round(max(end - self.created, 0.0), 3),
         }
         if tasks:
-            view["tasks"] = [self.task_view(task_id, live) for task_id in self.task_ids]
+            view["tasks"] = [self.task_view(task_id, live)
+                             for task_id in self.task_ids[:MAX_TASKS_SHOWN]]
+            if len(self.task_ids) > MAX_TASKS_SHOWN:
+                view["tasks_not_shown"] = len(self.task_ids) - MAX_TASKS_SHOWN
         return view
 
     def task_view(self, task_id: str, live: dict[str, Task]) -> dict[str, Any]:
