@@ -52,7 +52,11 @@ class PickledFunction:
     """A function pickled once and shared by every task of a batch."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        self.frame = serialize.dumps(fn)
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            self.frame = serialize.dumps(fn)
+        except Exception as exc:
+            raise _unpicklable(f"the function {self.name}", exc) from exc
         if len(self.frame) != 1:  # a function that closes over big buffers: keep them in-band
             import cloudpickle
 
@@ -65,7 +69,10 @@ class PickledFunction:
         two frames) for workers on another Python, when the arguments are plain data."""
         spec = options.spec("fn")
         spec["fn"] = self.digest
-        frames = [self.frame[0], *serialize.dumps((args, dict(kwargs)))]
+        try:
+            frames = [self.frame[0], *serialize.dumps((args, dict(kwargs)))]
+        except Exception as exc:
+            raise _unpicklable(f"the arguments of {self.name}", exc) from exc
         extra = portable.frames(args, kwargs) if portable is not None else None
         if extra is not None:
             spec["src"] = portable.name  # type: ignore[union-attr]
@@ -132,3 +139,13 @@ def _parameter_names(fn: Callable[..., Any]) -> set[str]:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # builtins and some C callables have no signature
         return set()
+
+
+def _unpicklable(what: str, exc: Exception) -> TypeError:
+    """A pickling failure, with what the spec's Limitations section says to do about it."""
+    return TypeError(
+        f"cannot send {what} to the mesh: {exc}. Everything a task takes must be picklable: "
+        "open files, sockets, locks, database connections and CUDA handles cannot cross "
+        "machines; pass plain data (paths, numbers, arrays, tensors) and open the resource "
+        "inside the function instead"
+    )

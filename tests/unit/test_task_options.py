@@ -89,3 +89,15 @@ def test_results_to_dataframe_without_pandas_says_how_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pandas)
     with pytest.raises(ImportError, match=r"pip install 'gpumesh\[notebook\]'"):
         results_to_dataframe([1])
+
+
+def test_unpicklable_arguments_say_what_to_do_instead():
+    import threading
+
+    from gpumesh.client.tasks import PickledFunction
+
+    with pytest.raises(TypeError) as info:
+        PickledFunction(len).task((threading.Lock(),), {}, TaskOptions())
+    text = str(info.value)
+    assert "arguments of len" in text and "_thread.lock" in text
+    assert "open the resource inside the function" in text
