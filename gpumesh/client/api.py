@@ -22,6 +22,7 @@ from .tasks import PYTHON, PickledFunction, TaskOptions, plan_calls, scheduler_o
 R = TypeVar("R")
 UNREACHABLE_MEMORY = 5.0  # seconds a failed connect is remembered before trying again
 JOB_POLL = 0.25  # seconds between status queries while waiting for a job
+NO_WORKER_NOTICE = 3.0  # seconds a gather waits before checking whether any worker is there
 PYTHONS_CACHE = 5.0  # seconds the workers' Python versions are trusted before asking again
 log = logging.getLogger("gpumesh.client")
 
@@ -190,8 +191,10 @@ class GPUMesh:
         With ``fallback``, tasks still unfinished after the coordinator has been gone for the
         reconnect grace period are run locally by ``fallback(index)``.
         """
-        deadline = None if timeout is None else time.time() + timeout
+        started = time.time()
+        deadline = None if timeout is None else started + timeout
         waiting = set(futures)
+        noticed = self.quiet
         while waiting:
             done, waiting = concurrent.futures.wait(waiting, timeout=0.25)
             for future in done:
@@ -204,6 +207,9 @@ class GPUMesh:
                 raise MeshTimeout(f"{len(waiting)} of {len(futures)} tasks did not finish within "
                                   f"{timeout:g}s")
             engine = self._engine
+            if not noticed and waiting and now - started > NO_WORKER_NOTICE:
+                noticed = True
+                self._say_if_no_worker(len(waiting))
             if fallback is not None and waiting and engine is not None:
                 gone = engine.disconnected_since
                 if gone is not None and now - gone > self.settings.timing.reconnect_grace:
@@ -214,6 +220,19 @@ class GPUMesh:
                     return [f.result() if f.done() and not f.cancelled() else fallback(i)
                             for i, f in enumerate(futures)]
         return [f.result() for f in futures]
+
+    def _say_if_no_worker(self, count: int) -> None:
+        """One stderr line when tasks wait because no worker is connected at all."""
+        engine = self._engine
+        if engine is None or not engine.connected:
+            return
+        try:
+            alive = engine.query("status", timeout=2.0).get("workers", 1)
+        except MeshError:
+            return
+        if not alive:
+            print(f"[gpumesh] {count} task(s) waiting: no worker is connected to {self.endpoint}; "
+                  "start one with 'gpumesh join URL --token ...'", file=sys.stderr)
 
     def _cancel(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
         for future in futures:

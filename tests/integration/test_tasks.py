@@ -168,3 +168,17 @@ def test_a_future_cancelled_before_its_submit_was_accepted_never_runs(mesh_env):
         client.status(first.job)), what="the job to finish")
     # Cancelled in flight (the usual case) or before it was even sent: either way it never ran.
     assert status["counts"] in ({"done": 1, "cancelled": 1}, {"done": 1})
+
+
+def test_waiting_with_no_worker_says_so_once(mesh_env, capsys):
+    from gpumesh import GPUMesh
+    from gpumesh.errors import MeshTimeout
+
+    mesh_env.start_coordinator()
+    client = GPUMesh(mesh_env.coordinator.url, mesh_env.token, settings=mesh_env.settings)
+    mesh_env.clients.append(client)
+    with pytest.raises(MeshTimeout):
+        client.map(echo, [1, 2], timeout=5)
+    err = capsys.readouterr().err
+    assert err.count("2 task(s) waiting: no worker is connected") == 1
+    assert "gpumesh join" in err and mesh_env.token not in err
