@@ -147,13 +147,21 @@ class GPUMesh:
             return None
         form = source_form(fn)
         name = getattr(fn, "__qualname__", "the function")
+        versions = ", ".join(sorted(others))
         if isinstance(form, str):
-            log.debug("%s runs only on Python %s workers (not on %s): %s", name, PYTHON,
-                      ", ".join(sorted(others)), form)
+            self._verbose(f"{name} runs only on Python {PYTHON} workers, not on the ones with "
+                          f"Python {versions}: {form}")
             return None
-        log.debug("%s also ships as source for workers on Python %s (this is %s)", name,
-                  ", ".join(sorted(others)), PYTHON)
+        self._verbose(f"{name} also travels as source, for the workers on Python {versions} "
+                      f"(this is {PYTHON})")
         return form
+
+    def _verbose(self, text: str) -> None:
+        """GPUMESH_VERBOSE=1 says it on stderr, like the decorator's routing lines; -v logs it."""
+        if self.settings.verbose:
+            print(f"[gpumesh] {text}", file=sys.stderr)
+        else:
+            log.debug("%s", text)
 
     def _other_pythons(self) -> set[str]:
         now = time.time()
