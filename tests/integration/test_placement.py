@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import wait_for
 
+from gpumesh import GPUMesh
 from gpumesh.client.tasks import TaskOptions, plan_calls
 from gpumesh.errors import Unschedulable
 
@@ -41,14 +43,18 @@ def test_map_payload_keys_pick_workers_and_never_reach_the_function(mesh_env):
         client.map(where_am_i, [{"x": 1, "cores": 1000}], timeout=30)
 
 
-def test_a_worker_on_another_python_runs_plain_functions_from_source(mesh_env, caplog):
+def test_a_worker_on_another_python_runs_plain_functions_from_source(mesh_env, capsys):
     mesh_env.start_coordinator()
     other = mesh_env.add_worker(slots=2, env=fake(python="3.99"))
-    client = mesh_env.client()
+    client = GPUMesh(mesh_env.coordinator.url, mesh_env.token, quiet=True,
+                     settings=replace(mesh_env.settings, verbose=True))
+    mesh_env.clients.append(client)
     mesh_env.wait_workers(1, client)
     results = client.map(where_am_i, list(range(5)))
     assert [r["x"] for r in results] == [i * i for i in range(5)]
     assert {r["module"] for r in results} == {"__gpumesh_source__"}
+    assert "where_am_i also travels as source, for the workers on Python 3.99" in \
+        capsys.readouterr().err
     offset = 1
 
     def closure(x):
