@@ -8,6 +8,7 @@ the commit that holds them.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,8 @@ from typing import Any
 import msgpack
 
 from .errors import MeshError
+
+log = logging.getLogger("gpumesh.store")
 
 SCHEMA_VERSION = 1
 
@@ -96,6 +99,9 @@ class Store:
                 self._lock.close()
             raise
         self._in_transaction = False
+        # Writes wait here until the turn's commit; consecutive writes of one statement go to
+        # SQLite as one executemany, which costs a fraction of one call per row.
+        self._runs: list[tuple[str, list[Sequence[Any]]]] = []
 
     def _open(self, path: Path | str, synchronous: str) -> None:
         if str(path) != ":memory:":
@@ -130,10 +136,31 @@ class Store:
         return epoch
 
     def _write(self, sql: str, args: Sequence[Any]) -> None:
+        runs = self._runs
+        if runs and runs[-1][0] == sql:
+            runs[-1][1].append(args)
+        else:
+            runs.append((sql, [args]))
+
+    def _flush(self) -> None:
+        """Apply the queued writes, in order, inside the open transaction."""
+        if not self._runs:
+            return
         if not self._in_transaction:
             self._db.execute("BEGIN")
             self._in_transaction = True
-        self._db.execute(sql, args)
+        runs, self._runs = self._runs, []
+        for sql, rows in runs:
+            try:
+                self._db.executemany(sql, rows)
+            except sqlite3.IntegrityError:
+                # The broker guards against duplicates, so this is a bug: keep the good rows and
+                # the coordinator running, and say which row was refused.
+                for row in rows:
+                    try:
+                        self._db.execute(sql, row)
+                    except sqlite3.IntegrityError as exc:
+                        log.error("journal refused a write (%s): %s", exc, sql.split("(")[0])
 
     def add_task(
         self, task_id: str, client_id: str, seq: int, job_id: str, spec: dict[str, Any],
@@ -177,6 +204,7 @@ class Store:
 
     def load_jobs(self) -> list[tuple[str, str, str, float]]:
         """(job id, name, client id, created) of every job on record, oldest first."""
+        self._flush()
         return [tuple(row) for row in self._db.execute(  # type: ignore[misc]
             "SELECT job_id, name, client_id, created FROM jobs ORDER BY created")]
 
@@ -184,12 +212,14 @@ class Store:
         self._write("DELETE FROM tasks WHERE task_id = ?", (task_id,))
 
     def commit(self) -> None:
+        self._flush()
         if self._in_transaction:
             self._db.execute("COMMIT")
             self._in_transaction = False
 
     def load(self) -> Iterator[StoredTask]:
         """Every task still in the journal, oldest first, for restoring after a restart."""
+        self._flush()
         rows = self._db.execute(
             "SELECT task_id, client_id, seq, job_id, spec, payload, state, attempts, "
             "result_header, result_payload, submitted_at FROM tasks ORDER BY rowid"

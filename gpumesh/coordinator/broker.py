@@ -453,17 +453,27 @@ class Broker(WorkerSide, ClientSide):
             # and the clock restarts once a worker is back.
             self._no_workers_at = now
             return
-        for _, _, task_id in list(self._pending):
-            task = self.tasks.get(task_id)
-            if task is None or task.state is not TaskState.PENDING \
-                    or now - max(task.submitted_at, self._no_workers_at) < limit:
+        cutoff = now - limit
+        if self._no_workers_at > cutoff:
+            return  # a worker came back less than the timeout ago: nothing can be due yet
+        runnable: dict[tuple[scheduler.Requirements, bool], bool] = {}  # one answer per kind
+        doomed = []
+        tasks = self.tasks
+        for _, _, task_id in self._pending:
+            task = tasks.get(task_id)
+            if task is None or task.submitted_at > cutoff or task.state is not TaskState.PENDING:
                 continue
-            if not scheduler.could_ever_run(task.view(), views):
-                message = scheduler.explain_unschedulable(task.requirements, views)
-                self._finish(task, TaskState.FAILED, {
-                    "status": "unschedulable", "attempts": task.attempts,
-                    "diagnosis": f"{message}; gave up after {limit:.0f}s pending",
-                }, [], now)
+            kind = (task.requirements, "src" in task.spec)
+            if kind not in runnable:
+                runnable[kind] = scheduler.could_ever_run(task.view(), views)
+            if not runnable[kind]:
+                doomed.append(task)
+        for task in doomed:
+            message = scheduler.explain_unschedulable(task.requirements, views)
+            self._finish(task, TaskState.FAILED, {
+                "status": "unschedulable", "attempts": task.attempts,
+                "diagnosis": f"{message}; gave up after {limit:.0f}s pending",
+            }, [], now)
 
     # ----------------------------------------------------------------- views
 

@@ -102,10 +102,24 @@ def test_load_returns_tasks_oldest_first(db_path: Path) -> None:
     assert [t.task_id for t in _reopen_and_load(db_path)] == ["z", "a", "m"]
 
 
-def test_duplicate_client_seq_is_rejected(store: Store) -> None:
+def test_duplicate_client_seq_is_refused_without_losing_the_batch(store: Store, caplog) -> None:
     _add(store, task_id="t1", seq=7)
-    with pytest.raises(sqlite3.IntegrityError):
-        _add(store, task_id="t2", seq=7)
+    _add(store, task_id="t2", seq=7)
+    _add(store, task_id="t3", seq=8)
+    store.commit()
+    assert [t.task_id for t in store.load()] == ["t1", "t3"]
+    assert "journal refused a write" in caplog.text
+
+
+def test_writes_reach_sqlite_in_order_as_runs(store: Store) -> None:
+    _add(store, task_id="t1", seq=1)
+    store.finish_task("t1", "done", 1, {"status": "ok"}, [b"v"])
+    store.delete_task("t1")
+    _add(store, task_id="t2", seq=2)
+    store.set_attempts("t2", 2)
+    store.commit()
+    (task,) = store.load()
+    assert task.task_id == "t2" and task.attempts == 2
 
 
 def test_set_attempts_survives_reopen(db_path: Path) -> None:
