@@ -23,6 +23,8 @@ from .errors import MeshError
 log = logging.getLogger("gpumesh.store")
 
 SCHEMA_VERSION = 1
+# A task whose result its owner has collected: the row keeps only its job's summary of it.
+COLLECTED = "collected"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -200,7 +202,16 @@ class Store:
                     "VALUES (?, ?, ?, ?)", (job_id, name, client_id, created))
 
     def delete_job(self, job_id: str) -> None:
+        """Forget a job and the summaries of its collected tasks."""
+        self._write("DELETE FROM tasks WHERE job_id = ? AND state = 'collected'", (job_id,))
         self._write("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+
+    def collect_task(self, task_id: str, summary: dict[str, Any]) -> None:
+        """Keep only the job's summary of a task whose result is no longer needed."""
+        self._write(
+            "UPDATE tasks SET state = 'collected', payload = x'', result_header = ?, "
+            "result_payload = NULL WHERE task_id = ?",
+            (msgpack.packb(summary, use_bin_type=True), task_id))
 
     def load_jobs(self) -> list[tuple[str, str, str, float]]:
         """(job id, name, client id, created) of every job on record, oldest first."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,10 @@ from ..errors import MeshError
 from .output import color_enabled, fail, ok
 
 BAR_WIDTH = 20
-ACCEPT_TIMEOUT = 30.0  # seconds `submit` waits for the coordinator to make the job durable
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _symbol(state: str) -> str:
@@ -110,22 +112,12 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
     payloads = _read_payloads(payloads_file)
     job_id = mesh.submit_script(script=script, payloads=payloads, name=name or script,
                                 options=options)
-    futures = mesh.job_futures(job_id)
-    deadline = time.time() + ACCEPT_TIMEOUT
-    while not all(f.task_id or f.done() for f in futures):
-        if time.time() > deadline:
-            fail(f"the coordinator at {mesh.endpoint} did not accept job {job_id} within "
-                 f"{ACCEPT_TIMEOUT:g}s; it may still run: check with 'gpumesh status {job_id}'")
-        time.sleep(0.02)
-    refused = [f.exception() for f in futures if f.done() and f.exception() is not None
-               and not f.task_id]
-    if refused:
-        fail(str(refused[0]))
+    futures = mesh.job_futures(job_id)  # accepted: submit_script waits for that
     if not wait:
         if as_json:
             click.echo(json.dumps({"job": job_id, "tasks": len(futures)}))
         else:
-            ok(f"Submitted job {job_id} ({len(futures)} tasks)")
+            ok(f"Submitted job {job_id} ({plural(len(futures), 'task')})")
             click.echo(f"Follow it with: gpumesh status {job_id}")
         return 0
     if not as_json:
@@ -163,10 +155,9 @@ def _read_payloads(path: str) -> list[Any]:
         payloads = json.loads(text)
     except ValueError as exc:
         fail(f"{path} is not valid JSON ({exc}): it must hold a list of payload objects")
-    if isinstance(payloads, dict):
-        payloads = [payloads]
     if not isinstance(payloads, list) or not payloads:
-        fail(f"{path} must hold a JSON list with at least one payload (one task per payload)")
+        fail(f"{path} must hold a JSON list with at least one payload (one task per payload), "
+             f"e.g. [{{\"lr\": 0.1}}, {{\"lr\": 0.01}}]")
     return payloads
 
 

@@ -8,7 +8,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ from .tasks import PYTHON, PickledFunction, TaskOptions, plan_calls, scheduler_o
 
 R = TypeVar("R")
 UNREACHABLE_MEMORY = 5.0  # seconds a failed connect is remembered before trying again
+ACCEPT_TIMEOUT = 30.0  # seconds submit(script=...) waits for the coordinator to make a job durable
 JOB_POLL = 0.25  # seconds between status queries while waiting for a job
 NO_WORKER_NOTICE = 3.0  # seconds a gather waits before checking whether any worker is there
 PYTHONS_CACHE = 5.0  # seconds the workers' Python versions are trusted before asking again
@@ -249,8 +250,18 @@ class GPUMesh:
     # ----------------------------------------------------------------- scripts and jobs
 
     def submit_script(self, *, script: str | Path, payloads: Sequence[Any], name: str | None = None,
-                      options: TaskOptions | None = None) -> str:
-        """Submit a script job: one task per payload (JSON on the script's stdin). Returns the job id."""
+                      options: TaskOptions | None = None, accept_timeout: float = ACCEPT_TIMEOUT
+                      ) -> str:
+        """Submit a script job: one task per payload (JSON on the script's stdin).
+
+        Returns the job id once the coordinator has made the job durable, so ``status(job)``
+        and ``wait_job(job)`` work at once, from here or from any other client.
+        """
+        if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Sequence):
+            raise ConfigError(f"payloads must be a list of payloads, one per task, not a "
+                              f"{type(payloads).__name__}: wrap a single payload as [payload]")
+        if not payloads:
+            raise ConfigError("payloads is empty: a script job needs at least one payload")
         path = Path(script)
         try:
             source = path.read_bytes()
@@ -266,7 +277,20 @@ class GPUMesh:
         for future in futures:
             future.job = job
         self._jobs[job] = futures
+        self._wait_accepted(job, futures, accept_timeout)
         return job
+
+    def _wait_accepted(self, job: str, futures: Sequence[TaskFuture], timeout: float) -> None:
+        deadline = time.time() + timeout
+        while not all(f.task_id or f.done() for f in futures):
+            if time.time() > deadline:
+                raise MeshTimeout(
+                    f"the coordinator at {self.endpoint} did not accept job {job} within "
+                    f"{timeout:g}s; it may still run: check with 'gpumesh status {job}'")
+            time.sleep(0.005)
+        refused = [f for f in futures if not f.task_id and f.done() and not f.cancelled()]
+        if refused:
+            raise refused[0].exception()  # type: ignore[misc]
 
     def job_futures(self, job_id: str) -> list[TaskFuture]:
         """Futures of a job this GPUMesh submitted (results arrive here, not to other clients)."""

@@ -22,7 +22,7 @@ from typing import Any
 from .. import scheduler
 from ..config import Limits, Timing
 from ..protocol import MAJOR, Command, ErrorCode, Message, ProtocolError, Role, encode, field_of
-from ..store import Store
+from ..store import COLLECTED, Store
 from .clients import ClientSide
 from .jobs import LIST_JOBS, MAX_JOBS, Job, find_job, summarize
 from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
@@ -102,37 +102,49 @@ class Broker(WorkerSide, ClientSide):
                 log.exception("event listener failed")
 
     def restore(self, now: float) -> int:
-        """Load the journal after a start. Unfinished tasks wait for their workers to re-claim."""
+        """Load the journal after a start. Unfinished tasks wait for their workers to re-claim.
+
+        Returns how many unfinished tasks came back.
+        """
         for job_id, name, client_id, created in self.store.load_jobs():
             self.jobs[job_id] = Job(job_id, name, client_id, created)
         count = 0
         for row in self.store.load():
+            if row.state == COLLECTED:  # only its summary is left, for its job's record
+                job = self._restored_job(row.job_id, row.client_id, row.submitted_at)
+                job.task_ids.append(row.task_id)
+                job.summaries[row.task_id] = row.result_header or {"id": row.task_id}
+                continue
             task = Task(
                 task_id=row.task_id, client_id=row.client_id, seq=row.seq, job_id=row.job_id,
                 spec=row.spec, payload=row.payload, submitted_at=row.submitted_at,
                 attempts=row.attempts,
                 requirements=scheduler.Requirements.from_mapping(row.spec.get("req", {})),
             )
-            job = self.jobs.get(task.job_id)
-            if job is None:
-                job = self.jobs[task.job_id] = Job(task.job_id, task.job_id, task.client_id,
-                                                   task.submitted_at)
+            job = self._restored_job(task.job_id, task.client_id, task.submitted_at)
             job.task_ids.append(task.task_id)
             if row.result_header is not None:
                 task.state = TaskState(row.state)
                 task.result_header = row.result_header
                 task.result_payload = row.result_payload or []
-                task.finished_at = now
+                task.finished_at = float(row.result_header.get("finished_at", 0.0) or now)
                 job.summaries[task.task_id] = summarize(task)
             else:
                 task.state = TaskState.RESTORED
+                count += 1
             self.tasks[task.task_id] = task
             self.by_seq[(task.client_id, task.seq)] = task.task_id
-            count += 1
         for job in self.jobs.values():
             if len(job.summaries) >= len(job.task_ids):
-                job.finished_at = now
+                job.finished_at = max((float(s.get("finished_at", 0.0) or 0.0)
+                                       for s in job.summaries.values()), default=job.created)
         return count
+
+    def _restored_job(self, job_id: str, client_id: str, created: float) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:  # a journal from before job records: name it by its id
+            job = self.jobs[job_id] = Job(job_id, job_id, client_id, created)
+        return job
 
     # ----------------------------------------------------------------- dispatch of messages
 
@@ -232,13 +244,13 @@ class Broker(WorkerSide, ClientSide):
         retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
         self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
                                keep_input=retryable)
-        if not retryable:
-            task.payload = []
         job = self.jobs.get(task.job_id)
         if job is not None:
             job.summaries[task.task_id] = summarize(task)
-            if len(job.summaries) >= len(job.task_ids):  # summaries only ever name its tasks
-                job.finished_at = now
+        if not retryable:
+            task.payload = []
+        if job is not None and len(job.summaries) >= len(job.task_ids):  # only its tasks
+            job.finished_at = now
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
                   worker=result.get("worker", ""))
         self._deliver(task)
@@ -404,11 +416,19 @@ class Broker(WorkerSide, ClientSide):
             self._last_sweep = now
             self.sweep(now)
 
-    def _forget(self, task: Task) -> None:
-        """Drop a finished task for good: its job keeps the summary."""
+    def _forget(self, task: Task, now: float) -> None:
+        """Drop a finished task and its result: only its summary stays, in memory and in the
+        journal, until its job is forgotten."""
         del self.tasks[task.task_id]
         self.by_seq.pop((task.client_id, task.seq), None)
-        self.store.delete_task(task.task_id)
+        job = self.jobs.get(task.job_id)
+        summary = job.summaries.get(task.task_id) if job is not None else None
+        if job is not None:
+            job.last_activity = max(job.last_activity, now)
+        if summary is None:
+            self.store.delete_task(task.task_id)
+        else:
+            self.store.collect_task(task.task_id, summary)
 
     def sweep(self, now: float) -> None:
         """Bound memory: results of clients gone for ``result_ttl`` are dropped, and the oldest
@@ -424,7 +444,7 @@ class Broker(WorkerSide, ClientSide):
                 continue
             last_seen = owner.last_seen if owner is not None else task.finished_at
             if now - max(last_seen, task.finished_at) > ttl:
-                self._forget(task)
+                self._forget(task, now)
             else:
                 absent.append(task)
         retained = sum(t.result_bytes for t in absent)
@@ -432,15 +452,17 @@ class Broker(WorkerSide, ClientSide):
             if retained <= MAX_RETAINED_RESULT_BYTES:
                 break
             retained -= task.result_bytes
-            self._forget(task)
+            self._forget(task, now)
+        finished = sorted((j for j in self.jobs.values() if j.finished_at is not None),
+                          key=lambda j: max(j.finished_at or 0.0, j.last_activity))
         excess = len(self.jobs) - MAX_JOBS
-        if excess > 0:
-            finished = sorted((j for j in self.jobs.values() if j.finished_at is not None),
-                              key=lambda j: j.finished_at or 0.0)
-            for job in finished[:excess]:
-                if not any(t in self.tasks for t in job.task_ids):
-                    del self.jobs[job.job_id]
-                    self.store.delete_job(job.job_id)
+        for job in finished:
+            if excess <= 0 and now - max(job.finished_at or now, job.last_activity) <= ttl:
+                break  # the rest are newer
+            if not any(t in self.tasks for t in job.task_ids):
+                del self.jobs[job.job_id]
+                self.store.delete_job(job.job_id)  # with its tasks' summaries
+                excess -= 1
         for client_id, client in list(self.clients.items()):
             if client.routing is None and now - client.last_seen > ttl and not client.unfinished:
                 del self.clients[client_id]

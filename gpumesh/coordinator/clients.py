@@ -103,7 +103,7 @@ class ClientSide:
             if task is None or not task.state.terminal or task.client_id != client.client_id:
                 continue
             if task.state is TaskState.DONE:
-                self._forget(task)
+                self._forget(task, now)
             else:
                 # The owner has the failure; the task stays (input kept) so it can be retried.
                 task.collected = True

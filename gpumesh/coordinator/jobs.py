@@ -15,6 +15,7 @@ from .state import Task, TaskState
 
 MAX_JOBS = 1000  # finished jobs beyond this are forgotten, oldest first
 PREVIEW_BYTES = 4096  # a script result up to this size is shown by `status`; larger ones are not
+DETAIL_CHARS = 1000  # the end of a failed task's traceback or stderr, kept in its summary
 LIST_JOBS = 20  # jobs listed by a status query without a job id
 MAX_TASKS_SHOWN = 10_000  # tasks listed one by one in a job's status; the counts cover them all
 
@@ -29,6 +30,9 @@ class Job:
     # Summaries of finished tasks, kept after the task itself is collected and forgotten.
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
     finished_at: float | None = None
+    # Last time one of its results was delivered for good or dropped: the record is kept for
+    # the result TTL after that, so `status` still answers after the results are gone.
+    last_activity: float = 0.0
 
     def counts(self, live: dict[str, Task]) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -84,10 +88,21 @@ def summarize(task: Task) -> dict[str, Any]:
         "attempts": task.attempts, "cost": task.cost, "elapsed": header.get("elapsed", 0.0),
     }
     error = header.get("error")
-    if isinstance(error, dict):
+    if task.state is TaskState.CANCELLED:
+        pass  # the state says it all
+    elif isinstance(error, dict):
         summary["error"] = str(error.get("message", ""))
+        trace = str(error.get("traceback", "")).strip()
+        if trace:
+            summary["detail"] = trace[-DETAIL_CHARS:]
     elif header.get("diagnosis"):
         summary["error"] = str(header["diagnosis"])
+    if task.kind == "script" and len(task.payload) > 1:
+        payload = _preview("json", task.payload[1:2])
+        if payload is not None:
+            summary["payload"] = payload
+    if task.finished_at:
+        summary["finished_at"] = task.finished_at
     preview = _preview(header.get("encoding"), task.result_payload)
     if preview is not None:
         summary["result"] = preview

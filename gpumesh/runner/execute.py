@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,8 @@ SCRIPT_ENV_ALLOWLIST = (
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TEMP", "TMP",
     "SYSTEMROOT", "CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV",
 )
+
+STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error report
 
 _functions: OrderedDict[str, Any] = OrderedDict()
 _FUNCTION_CACHE = 64
@@ -97,7 +100,11 @@ def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[A
 
 
 def run_script(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
-    """Run the script with the payload as JSON on stdin; stdout is the result."""
+    """Run the script with the payload as JSON on stdin; stdout is the result.
+
+    stderr streams to the caller as it is written (through this runner's stderr), and its last
+    lines are kept for the error report when the script fails.
+    """
     script, payload = bytes(frames[0]), bytes(frames[1]) if len(frames) > 1 else b"{}"
     name = os.path.basename(str(header.get("name", "task.py"))) or "task.py"
     env = {k: v for k, v in os.environ.items() if k in SCRIPT_ENV_ALLOWLIST}
@@ -105,15 +112,22 @@ def run_script(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str,
         path = os.path.join(tmp, name if name.endswith(".py") else f"{name}.py")
         with open(path, "wb") as handle:
             handle.write(script)
-        proc = subprocess.run(
-            [sys.executable, path], input=payload, stdout=subprocess.PIPE, stderr=None, env=env,
-            check=False,
+        proc = subprocess.Popen(
+            [sys.executable, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=env,
         )
-    out = proc.stdout
+        tail: deque[bytes] = deque()
+        relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, tail), daemon=True)
+        relay.start()
+        out, _ = proc.communicate(payload)
+        relay.join()
     if proc.returncode != 0:
+        stderr = b"".join(tail).decode("utf-8", "replace")[-STDERR_TAIL:]
+        last = stderr.strip().splitlines()[-1:] or [""]
+        detail = f": {last[0]}" if last[0] else ""
         error = {"type": "gpumesh.ScriptError",
-                 "message": f"script {name} exited with code {proc.returncode}",
-                 "traceback": out.decode("utf-8", "replace")[-4000:]}
+                 "message": f"script {name} exited with code {proc.returncode}{detail}",
+                 "traceback": stderr or out.decode("utf-8", "replace")[-STDERR_TAIL:]}
         return {"status": "error", "error": error}, []
     text = out.decode("utf-8", "replace").strip()
     try:
@@ -122,3 +136,19 @@ def run_script(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str,
     except ValueError:
         encoding = "text"
     return {"status": "ok", "encoding": encoding}, [text.encode("utf-8")]
+
+
+def _relay_stderr(pipe: Any, tail: deque[bytes]) -> None:
+    """Copy the script's stderr to ours as it comes (the caller sees it live); keep the end."""
+    kept = 0
+    for chunk in iter(lambda: pipe.read1(65536), b""):
+        try:
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+        except (OSError, ValueError):
+            pass
+        tail.append(chunk)
+        kept += len(chunk)
+        while kept - len(tail[0]) > STDERR_TAIL and len(tail) > 1:
+            kept -= len(tail.popleft())
+    pipe.close()

@@ -173,7 +173,7 @@ def test_a_worker_twice_the_median_time_gets_no_heavy_tasks(broker):
     assert broker.tasks[light[0]].worker_id == "w3"
 
 
-def test_results_of_clients_gone_past_the_ttl_are_dropped(broker):
+def test_results_of_clients_gone_past_the_ttl_are_dropped_and_then_their_job(broker):
     (task_id,) = submit(broker, 1)
     broker.dispatch(0.0)
     result(broker, task_id)
@@ -181,8 +181,13 @@ def test_results_of_clients_gone_past_the_ttl_are_dropped(broker):
     broker.sweep(50.0)
     assert task_id in broker.tasks  # within the TTL the client may come back for it
     broker.sweep(102.0)
-    assert task_id not in broker.tasks and list(broker.store.load()) == []
+    assert task_id not in broker.tasks
+    (row,) = broker.store.load()
+    assert row.state == "collected" and row.result_payload is None and row.payload == []
     assert broker.status("job1", 103.0)["counts"] == {"done": 1}  # the summary stays
+    broker.sweep(203.0)
+    assert "no job" in broker.status("job1", 204.0)["error"]
+    assert list(broker.store.load()) == [] and broker.store.load_jobs() == []
 
 
 def test_uncollected_results_beyond_the_byte_cap_go_oldest_first(broker, monkeypatch):
@@ -216,3 +221,27 @@ def test_jobs_come_back_after_a_restart_with_their_names():
     assert second.restore(10.0) == 2
     view = second.status("nightly", 11.0)
     assert view["total"] == 2 and view["counts"] == {"pending": 2}
+
+
+def test_a_restart_keeps_collected_summaries_finish_times_and_counts_only_unfinished_work():
+    store = Store(":memory:")
+    first = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+    hello_worker(first, W, "w1", slots=2)
+    first.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    done, failed, waiting = submit(first, 3, name="nightly")
+    first.dispatch(0.0)
+    result(first, done, now=5.0)
+    result(first, failed, status="error", now=6.0)
+    first.handle(C, msg(Command.RESULT_ACK, {"tasks": [done, failed]}), 7.0)
+    store.commit()
+    second = Broker(store, Timing(), Limits(), epoch=2, now=500.0)
+    assert second.restore(500.0) == 1  # only the unfinished one
+    view = second.status("nightly", 501.0)
+    assert view["counts"] == {"done": 1, "failed": 1, "pending": 1} and view["total"] == 3
+    assert [t["id"] for t in view["tasks"]] == [done, failed, waiting]
+    assert view["tasks"][0]["result"] == {"v": 1}
+    second.tasks[waiting].move(TaskState.CANCELLED)  # finish it by hand, as a result would
+    second.jobs[view["job"]].summaries[waiting] = {"id": waiting, "state": "cancelled",
+                                                   "finished_at": 9.0}
+    second.jobs[view["job"]].finished_at = 9.0
+    assert second.status("nightly", 600.0)["elapsed"] == 9.0  # not the restart's clock
