@@ -10,6 +10,7 @@ import click
 from ..config import Settings, parse_url, save_connection
 from ..errors import MeshError
 from ..worker import WorkerAgent, devices
+from .lifecycle import stop_with_parent
 from .output import fail
 
 DEFAULT_CPU_SLOTS_MAX = 4
@@ -23,7 +24,8 @@ def default_slots(inventory: dict) -> int:  # type: ignore[type-arg]
 
 
 def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
-         save: bool, ready_fd: int | None, prefetch: int = 0, max_slots: int | None = None) -> None:
+         save: bool, ready_fd: int | None, prefetch: int = 0, max_slots: int | None = None,
+         exit_with_parent: bool = False) -> None:
     try:
         endpoint = parse_url(url)
     except MeshError as exc:
@@ -61,6 +63,8 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stop())
+    if exit_with_parent:
+        stop_with_parent(agent.stop)
     try:
         agent.run()
     except MeshError as exc:

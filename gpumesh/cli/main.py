@@ -70,10 +70,11 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
 @click.option("--quiet-worker", is_flag=True, hidden=True)
 @click.option("--ready-fd", type=int, default=None, hidden=True)
+@click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
 def serve(host: str | None, port: int, token: str | None, db: str | None, no_self_worker: bool,
           slots: int | None, safe_mode: bool, pending_timeout: float | None, no_save: bool,
-          quiet_worker: bool, ready_fd: int | None) -> None:
+          quiet_worker: bool, ready_fd: int | None, exit_with_parent: bool) -> None:
     """Start a coordinator (and join this machine to it).
 
     \b
@@ -87,7 +88,7 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
     run_serve(settings, host=host or settings.host, port=port, token=token, db=db,
               self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
               pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker,
-              save=not no_save)
+              save=not no_save, exit_with_parent=exit_with_parent)
 
 
 @cli.command()
@@ -103,9 +104,10 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
 @click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
 @click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
 @click.option("--ready-fd", type=int, default=None, hidden=True)
+@click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
 def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetch: int,
-         no_benchmark: bool, no_save: bool, ready_fd: int | None) -> None:
+         no_benchmark: bool, no_save: bool, ready_fd: int | None, exit_with_parent: bool) -> None:
     """Join this machine to a coordinator as a worker.
 
     The machine's owner can take it back at any time with 'gpumesh pause', 'resume' and
@@ -119,7 +121,8 @@ def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetc
     from .join import join as run_join
 
     run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
-             save=not no_save, ready_fd=ready_fd, prefetch=prefetch, max_slots=max_slots)
+             save=not no_save, ready_fd=ready_fd, prefetch=prefetch, max_slots=max_slots,
+             exit_with_parent=exit_with_parent)
 
 
 def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ from ..config import Settings, new_token, parse_url, save_connection
 from ..coordinator import Coordinator, Event
 from ..errors import MeshError
 from ..worker import devices
+from .lifecycle import stop_with_parent
 from .output import fail, ok
 
 
@@ -62,7 +63,7 @@ def print_event(event: Event) -> None:
 def serve(
     settings: Settings, *, host: str, port: int, token: str | None, db: str | None,
     self_worker: bool, slots: int | None, safe_mode: bool, pending_timeout: float | None,
-    ready_fd: int | None, quiet: bool, save: bool = True,
+    ready_fd: int | None, quiet: bool, save: bool = True, exit_with_parent: bool = False,
 ) -> None:
     generated = token is None
     token = token or new_token()
@@ -113,6 +114,8 @@ def serve(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if exit_with_parent:
+        stop_with_parent(stop.set)
 
     if not _self_check(settings, local_url, token):
         coordinator.stop()
@@ -192,7 +195,8 @@ def _self_check(settings: Settings, url: str, token: str) -> bool:
 
 def _start_self_worker(url: str, token: str, slots: int | None, quiet: bool) -> subprocess.Popen[bytes]:
     env = dict(os.environ, GPUMESH_TOKEN=token)
-    args = [sys.executable, "-m", "gpumesh", "join", url, "--no-save"]
+    # The self-worker goes when this serve goes, even after a kill -9 of the serve.
+    args = [sys.executable, "-m", "gpumesh", "join", url, "--no-save", "--exit-with-parent"]
     if slots is not None:
         args += ["--slots", str(slots)]
     return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL,

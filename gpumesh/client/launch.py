@@ -80,7 +80,9 @@ def _spawn(args: list[str], env: dict[str, str], wait: float, what: str,
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpumesh", *args, "--ready-fd", str(write_fd)],
+            # Started for this process: it must not outlive it (a crashed script, a kill -9).
+            [sys.executable, "-m", "gpumesh", *args, "--ready-fd", str(write_fd),
+             "--exit-with-parent"],
             env=env, pass_fds=[write_fd], stdin=subprocess.DEVNULL, stdout=stdout,
             start_new_session=True,
         )

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import require, wait_for
 
 from gpumesh._version import __version__
 
@@ -99,3 +99,39 @@ def test_urls_in_every_spelling_reach_the_same_coordinator(mesh_env):
         client = mesh_env.client(url=url)
         wait_for(client.connect, what=f"a connection through {url}")
         assert client.workers() == []
+
+
+def test_a_killed_serve_takes_its_self_worker_along(mesh_env):
+    psutil = require("psutil")
+    coordinator = mesh_env.start_coordinator(self_worker=True)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    (self_worker,) = [p for p in psutil.Process(coordinator.pid).children()
+                      if "join" in p.cmdline()]
+    coordinator.kill()  # kill -9: no chance to stop its child itself
+    wait_for(lambda: not self_worker.is_running() or self_worker.status() == psutil.STATUS_ZOMBIE,
+             what="the orphaned self-worker to exit")
+
+
+def test_a_mesh_started_from_a_script_goes_when_the_script_is_killed(mesh_env, tmp_path):
+    psutil = require("psutil")
+    coordinator = mesh_env.start_coordinator()
+    script = tmp_path / "starter.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from gpumesh import GPUMesh\n"
+        f"w = GPUMesh.add_worker({coordinator.url!r}, token={mesh_env.token!r}, home={str(tmp_path)!r})\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, **mesh_env.env})
+    try:
+        worker = psutil.Process(int(starter.stdout.readline()))
+        starter.kill()
+        starter.wait(10)
+        wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE,
+                 what="the worker of the killed script to exit")
+    finally:
+        starter.kill()
+        starter.wait(10)
+        starter.stdout.close()
