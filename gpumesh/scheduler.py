@@ -172,8 +172,13 @@ def explain_unschedulable(req: Requirements, workers: Sequence[WorkerView]) -> s
     if not workers:
         return f"no worker is connected to run a task that needs {req.describe()}"
     ranked = sorted(workers, key=lambda w: (len(unmet(w, req)), -w.score))[:3]
-    closest = "; ".join(f"{w.label or w.worker_id} {', '.join(unmet(w, req))}" for w in ranked)
+    closest = "; ".join(f"{_name(w)} {', '.join(unmet(w, req))}" for w in ranked)
     return f"no connected worker satisfies {req.describe()} (closest: {closest})"
+
+
+def _name(worker: WorkerView) -> str:
+    """Hostname and short id: several workers often share one machine's name."""
+    return f"{worker.label} [{worker.worker_id[:8]}]" if worker.label else worker.worker_id
 
 
 def stragglers(speeds: Mapping[str, float]) -> set[str]:

@@ -173,16 +173,18 @@ def status(mesh: GPUMesh, job_id: str | None, as_json: bool) -> None:
 
 def mesh_summary(answer: dict[str, Any]) -> str:
     counts = answer.get("counts", {})
-    lines = ["", f"  Workers: {answer.get('workers', 0)} alive    "
-                 f"Tasks in the queue: {dict(sorted(counts.items())) or 'none'}", "",
+    queue = ", ".join(f"{counts[s]} {s}" for s in ("pending", "running") if counts.get(s))
+    lines = ["", f"  Workers: {answer.get('workers', 0)} alive    Queue: {queue or 'empty'}", "",
              "  JOBS", "  " + "-" * 70]
     jobs = answer.get("jobs", [])
     if not jobs:
         lines.append("  (no jobs yet: 'gpumesh submit SCRIPT --payloads FILE' starts one)")
     for job in jobs:
-        done = job["counts"].get("done", 0)
+        counts = job["counts"]
+        tally = f"{counts.get('done', 0)}/{job['total']} done" + "".join(
+            f", {counts[s]} {s}" for s in ("failed", "cancelled") if counts.get(s))
         lines.append(f"  {job['job']:<14}{_clip(job['name'], 30):<32}{job['status']:<10}"
-                     f"{done}/{job['total']} done  {float(job['elapsed']):.0f}s")
+                     f"{tally}  {float(job['elapsed']):.0f}s")
     return "\n".join(lines) + "\n"
 
 
@@ -219,7 +221,8 @@ def control(mesh: GPUMesh, action: str, target: str, wait: bool = False) -> int:
             if not count:
                 ok(f"Job {target} has no failed or cancelled tasks to retry")
                 return 0
-            ok(f"Re-queued {count} task(s) of job {target}")
+            ok(f"Re-queued {plural(count, 'task')} of job {target}, each as it was submitted "
+               "(the same script and payload: submit again to run an edited script)")
             if wait:
                 final = follow(mesh, target)
                 click.echo("")

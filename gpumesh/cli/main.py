@@ -164,7 +164,7 @@ def _with_client(url: str | None, token: str | None, work):  # type: ignore[no-u
               help="Runs per task when workers die under it (a script error is not retried).")
 @click.option("--priority", type=int, default=0, show_default=True,
               help="Higher runs first.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
 @_connection
 def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeout: float | None,
            max_attempts: int, priority: int, as_json: bool, url: str | None,
@@ -189,7 +189,7 @@ def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeou
 
 @cli.command()
 @click.argument("job", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
 @_connection
 def status(job: str | None, as_json: bool, url: str | None, token: str | None) -> None:
     """Show one job (by id, id prefix or name), or the mesh and its recent jobs.
@@ -227,6 +227,9 @@ def cancel(job: str, url: str | None, token: str | None) -> None:
 def retry(job: str, wait: bool, url: str | None, token: str | None) -> None:
     """Run a job's failed and cancelled tasks again.
 
+    Each task runs as it was submitted: the same script and payload. To run an edited script,
+    submit it again.
+
     \b
     Example:
       gpumesh retry c3f81cc498f0 --wait
@@ -254,7 +257,7 @@ def kill(worker: str, url: str | None, token: str | None) -> None:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
 @_connection
 def devices(as_json: bool, url: str | None, token: str | None) -> None:
     """Show the unified pool: every GPU, and every CPU-only worker, of the mesh.
@@ -328,7 +331,7 @@ def drain(worker: str | None, at_once: bool, wait: bool) -> None:
 
 @cli.command()
 @_connection
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
 def workers(url: str | None, token: str | None, as_json: bool) -> None:
     """List the workers of the mesh.
 

@@ -89,9 +89,14 @@ class GPUMesh:
 
     def _require(self) -> Engine:
         if not self.connect():
+            engine = self._engine
+            if engine is not None and engine.refused:
+                what = "nothing is listening there (connection refused)"
+            else:
+                what = f"no coordinator answered within {self.connect_timeout:g}s"
             raise ConnectionFailed(
-                f"no coordinator answered at {self.endpoint} within {self.connect_timeout:g}s: "
-                "start one with 'gpumesh serve', or check the URL and that its port is reachable"
+                f"cannot reach a coordinator at {self.endpoint}: {what}. Start one with "
+                "'gpumesh serve', or check the URL and that its port is reachable"
             )
         assert self._engine is not None
         return self._engine

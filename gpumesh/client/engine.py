@@ -139,6 +139,11 @@ class Engine:
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    @property
+    def refused(self) -> bool:
+        """True when connecting keeps failing at once: nothing listens at the address."""
+        return not self.ever_connected and self._link.refusals >= 3
+
     def submit(self, items: list[tuple[dict[str, Any], list[Any]]], job: str = "", name: str = ""
                ) -> list[TaskFuture]:
         """Queue tasks (spec, payload frames) as one job; returns their futures in order."""

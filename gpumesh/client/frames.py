@@ -16,6 +16,11 @@ def results_to_dataframe(results: Iterable[Any]) -> Any:
             "results_to_dataframe needs pandas, which is not installed here: "
             "pip install 'gpumesh[notebook]' (or pip install pandas)"
         ) from None
+    if isinstance(results, Mapping) and "tasks" in results:
+        return pd.DataFrame(_job_rows(results))  # a job's status, e.g. from mesh.wait_job()
+    if isinstance(results, (Mapping, str, bytes)):
+        raise TypeError("results_to_dataframe takes a list of results (from .map or gather) or a "
+                        f"job's status (from mesh.status/wait_job), not a {type(results).__name__}")
     rows: list[dict[str, Any]] = []
     for value in results:
         if isinstance(value, Mapping):
@@ -25,3 +30,20 @@ def results_to_dataframe(results: Iterable[Any]) -> Any:
         else:
             rows.append({"result": value})
     return pd.DataFrame(rows)
+
+
+def _job_rows(status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A row per task of a job: its id, state and worker, its result spread into columns."""
+    rows = []
+    for task in status["tasks"]:
+        row: dict[str, Any] = {"task": task.get("id"), "state": task.get("state"),
+                               "worker": task.get("worker", "")}
+        result = task.get("result")
+        if isinstance(result, Mapping):
+            row.update(result)
+        elif result is not None:
+            row["result"] = result
+        if task.get("error"):
+            row["error"] = task["error"]
+        rows.append(row)
+    return rows

@@ -308,6 +308,9 @@ class Broker(WorkerSide, ClientSide):
         if worker.state is WorkerState.LOST:
             return
         worker.state = WorkerState.LOST
+        worker.departed = {"left": "left", "drained": "left"}.get(reason, "")
+        if reason.startswith("removed"):
+            worker.departed = "removed"
         self.peers.pop(worker.routing, None)
         self.emit("worker_lost", now, worker=worker.describe(), reason=reason)
 

@@ -65,8 +65,8 @@ class Job:
             "elapsed": round(max(end - self.created, 0.0), 3),
         }
         if tasks:
-            view["tasks"] = [self.task_view(task_id, live)
-                             for task_id in self.task_ids[:MAX_TASKS_SHOWN]]
+            view["tasks"] = [{**self.task_view(task_id, live), "index": index}
+                             for index, task_id in enumerate(self.task_ids[:MAX_TASKS_SHOWN])]
             if len(self.task_ids) > MAX_TASKS_SHOWN:
                 view["tasks_not_shown"] = len(self.task_ids) - MAX_TASKS_SHOWN
         return view
@@ -136,11 +136,12 @@ def find_job(jobs: dict[str, Job], key: str) -> Job | str:
     named = [job for job in jobs.values() if job.name == key]
     if named:
         return max(named, key=lambda job: job.created)
-    if len(key) >= 4:
-        matches = [job for job_id, job in jobs.items() if job_id.startswith(key)]
-        if len(matches) == 1:
-            return matches[0]
-        if len(matches) > 1:
-            return f"{key!r} matches {len(matches)} jobs: give more of the job id"
+    matches = [job for job_id, job in jobs.items() if job_id.startswith(key)]
+    if len(key) < 4 and matches:
+        return f"{key!r} is too short: give at least 4 characters of the job id"
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        return f"{key!r} matches {len(matches)} jobs: give more of the job id"
     return (f"no job {key!r} on this coordinator (it may have been forgotten after a restart or "
             "once finished long ago): 'gpumesh status' lists the jobs it knows")

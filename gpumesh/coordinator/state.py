@@ -122,6 +122,7 @@ class WorkerSession:
     completed: int = 0
     busy_seconds: float = 0.0
     draining: bool = False  # takes no new tasks: its owner paused or drains it
+    departed: str = ""  # "left" or "removed" when it went on purpose (shown instead of "lost")
     mode: str = "active"  # active | paused | draining, as the worker's owner set it
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
 
@@ -167,7 +168,7 @@ class WorkerSession:
             "score": info.get("score", 0.0),
             "alive": self.state is WorkerState.ALIVE,
             "state": (self.mode if self.mode != "active" else "alive")
-            if self.state is WorkerState.ALIVE else self.state.value,
+            if self.state is WorkerState.ALIVE else (self.departed or self.state.value),
             "slots": self.slots,
             "running": len(self.leases),
             "completed": self.completed,

@@ -43,6 +43,7 @@ class WorkerSide:
                 self._release_leases(worker, now, f"worker {worker.label} restarted", infra=True)
             worker.routing, worker.incarnation, worker.info = routing, incarnation, info
             worker.slots, worker.last_seen, worker.state = slots, now, WorkerState.ALIVE
+            worker.departed = ""
         worker.granted, worker.sent = credit, 0
         self._set_mode(worker, h)
         abort: list[int] = []

@@ -116,8 +116,10 @@ def run_script(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str,
             [sys.executable, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env=env,
         )
+        # stderr belongs to the relay thread alone: communicate() must not read it too.
+        err_pipe, proc.stderr = proc.stderr, None
         tail: deque[bytes] = deque()
-        relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, tail), daemon=True)
+        relay = threading.Thread(target=_relay_stderr, args=(err_pipe, tail), daemon=True)
         relay.start()
         out, _ = proc.communicate(payload)
         relay.join()

@@ -468,7 +468,12 @@ class WorkerAgent:
         if now - self._last_heard > self._silence_limit:
             delay = self._backoff.next_delay()
             self.welcomed = False
-            self.say(f"[worker] lost the coordinator at {self.endpoint}; retrying in {delay:.1f}s")
+            if self.joined_once:
+                self.say(f"[worker] lost the coordinator at {self.endpoint}; "
+                         f"retrying in {delay:.1f}s")
+            else:
+                self.say(f"[worker] cannot reach a coordinator at {self.endpoint} yet (is "
+                         f"'gpumesh serve' running there?); retrying in {delay:.1f}s")
             self._reconnect_at = now + delay
             return
         if self.welcomed and now - self._last_sent_heartbeat >= self._heartbeat:

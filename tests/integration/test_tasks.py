@@ -110,11 +110,16 @@ def test_script_failure_is_an_error_with_output(mesh_env, tmp_path):
     mesh_env.add_worker()
     client = mesh_env.client()
     script = tmp_path / "bad.py"
-    script.write_text("print('partial'); raise SystemExit(4)\n")
+    script.write_text("import sys\nprint('partial')\nprint('step 1 ok', file=sys.stderr)\n"
+                      "raise ValueError('bad input 7')\n")
     job = client.submit(script=script, payloads=[{}])
     with pytest.raises(RemoteError) as info:
         client.job_futures(job)[0].result(timeout=30)
-    assert "exited with code 4" in str(info.value)
+    assert "exited with code 1: ValueError: bad input 7" in str(info.value)
+    assert "step 1 ok" in info.value.remote_traceback  # stderr, kept for the report
+    assert 'raise ValueError' in info.value.remote_traceback
+    detail = client.status(job)["tasks"][0]["detail"]
+    assert detail.rstrip().endswith("ValueError: bad input 7")
 
 
 def test_task_output_reaches_the_caller(mesh_env):

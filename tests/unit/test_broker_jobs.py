@@ -76,6 +76,7 @@ def test_another_client_sees_a_job_by_id_prefix_or_name(broker):
         assert view["counts"] == {"done": 1, "pending": 2} and view["status"] == "running"
         assert view["tasks"][0]["result"] == {"v": 1}
         assert [t["id"] for t in view["tasks"]] == tasks
+        assert [t["index"] for t in view["tasks"]] == [0, 1, 2]
 
 
 def test_a_job_summary_survives_its_results_being_collected(broker):
@@ -136,6 +137,7 @@ def test_kill_hands_tasks_back_without_spending_attempts_and_tells_the_worker(br
     task = broker.tasks[task_id]
     assert task.state is TaskState.PENDING and task.attempts == 0
     assert broker.workers["w1"].describe()["alive"] is False
+    assert broker.workers["w1"].describe()["state"] == "removed"  # not "lost": on purpose
     assert "no worker" in control(broker, "kill", "w1-host")["error"]
 
 
@@ -203,9 +205,10 @@ def test_uncollected_results_beyond_the_byte_cap_go_oldest_first(broker, monkeyp
     assert [t for t in tasks if t in broker.tasks] == tasks[2:]
 
 
-def test_find_job_refuses_ambiguous_prefixes():
+def test_find_job_refuses_ambiguous_and_too_short_prefixes():
     jobs = {"abcd01": Job("abcd01", "a", "c", 1.0), "abcd02": Job("abcd02", "a", "c", 2.0)}
     assert "matches 2 jobs" in find_job(jobs, "abcd")
+    assert "too short: give at least 4 characters" in find_job(jobs, "ab")
     assert find_job(jobs, "a").job_id == "abcd02"  # by name: the newest
     assert find_job(jobs, "abcd01").job_id == "abcd01"
     assert "no job" in find_job(jobs, "zz")

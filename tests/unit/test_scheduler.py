@@ -387,7 +387,7 @@ def test_explain_unschedulable_ranks_by_fewest_misses_and_keeps_three() -> None:
     text = explain_unschedulable(req, workers)
     assert "far-away" not in text
     assert text.index("nearly-there") < text.index("middling")
-    assert "nearly-there has 8.0GB RAM" in text
+    assert "nearly-there [near] has 8.0GB RAM" in text  # the id tells same-named hosts apart
 
 
 def test_explain_unschedulable_without_workers() -> None:

@@ -101,3 +101,17 @@ def test_unpicklable_arguments_say_what_to_do_instead():
     text = str(info.value)
     assert "arguments of len" in text and "_thread.lock" in text
     assert "open the resource inside the function" in text
+
+
+def test_results_to_dataframe_of_a_job_status_has_a_row_per_task():
+    require("pandas")
+    status = {"job": "j", "tasks": [
+        {"id": "t1", "state": "done", "worker": "w1", "result": {"lr": 0.1, "acc": 0.9}},
+        {"id": "t2", "state": "failed", "worker": "w2", "error": "boom"},
+        {"id": "t3", "state": "done", "worker": "w1", "result": "text"}]}
+    frame = results_to_dataframe(status)
+    assert frame["task"].tolist() == ["t1", "t2", "t3"]
+    assert frame["acc"].tolist()[0] == 0.9 and frame["error"].tolist()[1] == "boom"
+    assert frame["result"].tolist()[2] == "text"
+    with pytest.raises(TypeError, match="list of results"):
+        results_to_dataframe({"lr": 0.1})
