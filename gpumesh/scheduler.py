@@ -167,12 +167,17 @@ def could_ever_run(task: TaskView, workers: Sequence[WorkerView]) -> bool:
     return any(not unmet(w, task.requirements, portable=task.portable) for w in workers)
 
 
-def explain_unschedulable(req: Requirements, workers: Sequence[WorkerView]) -> str:
+def explain_unschedulable(req: Requirements, workers: Sequence[WorkerView], *,
+                          portable: bool = False) -> str:
     """A message naming the requirement and the closest connected workers."""
     if not workers:
         return f"no worker is connected to run a task that needs {req.describe()}"
-    ranked = sorted(workers, key=lambda w: (len(unmet(w, req)), -w.score))[:3]
-    closest = "; ".join(f"{_name(w)} {', '.join(unmet(w, req))}" for w in ranked)
+
+    def misses(w: WorkerView) -> list[str]:
+        return unmet(w, req, portable=portable)
+
+    ranked = sorted(workers, key=lambda w: (len(misses(w)), -w.score))[:3]
+    closest = "; ".join(f"{_name(w)} {', '.join(misses(w))}" for w in ranked)
     return f"no connected worker satisfies {req.describe()} (closest: {closest})"
 
 

@@ -153,16 +153,25 @@ class Store:
             self._in_transaction = True
         runs, self._runs = self._runs, []
         for sql, rows in runs:
+            if len(rows) == 1:
+                self._apply_one(sql, rows[0])
+                continue
+            self._db.execute("SAVEPOINT run")
             try:
                 self._db.executemany(sql, rows)
             except sqlite3.IntegrityError:
-                # The broker guards against duplicates, so this is a bug: keep the good rows and
-                # the coordinator running, and say which row was refused.
+                # The broker guards against duplicates, so this is a bug: undo the run, apply its
+                # good rows one by one, keep the coordinator running and say what was refused.
+                self._db.execute("ROLLBACK TO run")
                 for row in rows:
-                    try:
-                        self._db.execute(sql, row)
-                    except sqlite3.IntegrityError as exc:
-                        log.error("journal refused a write (%s): %s", exc, sql.split("(")[0])
+                    self._apply_one(sql, row)
+            self._db.execute("RELEASE run")
+
+    def _apply_one(self, sql: str, row: Sequence[Any]) -> None:
+        try:
+            self._db.execute(sql, row)
+        except sqlite3.IntegrityError as exc:
+            log.error("journal refused a write (%s): %s", exc, sql.split("(")[0])
 
     def add_task(
         self, task_id: str, client_id: str, seq: int, job_id: str, spec: dict[str, Any],
@@ -208,9 +217,11 @@ class Store:
 
     def collect_task(self, task_id: str, summary: dict[str, Any]) -> None:
         """Keep only the job's summary of a task whose result is no longer needed."""
+        # seq = -rowid frees (client, seq): if that client submits the seq again (its result was
+        # dropped before it came back for it), the new task must be journaled, not refused.
         self._write(
-            "UPDATE tasks SET state = 'collected', payload = x'', result_header = ?, "
-            "result_payload = NULL WHERE task_id = ?",
+            "UPDATE tasks SET state = 'collected', seq = -rowid, payload = x'', "
+            "result_header = ?, result_payload = NULL WHERE task_id = ?",
             (msgpack.packb(summary, use_bin_type=True), task_id))
 
     def load_jobs(self) -> list[tuple[str, str, str, float]]:

@@ -219,7 +219,8 @@ def control(mesh: GPUMesh, action: str, target: str, wait: bool = False) -> int:
         elif action == "retry":
             count = mesh.retry_job(target)
             if not count:
-                ok(f"Job {target} has no failed or cancelled tasks to retry")
+                ok(f"Nothing to retry in job {target}: no failed or cancelled task whose input "
+                   "the coordinator still holds (results expire after GPUMESH_RESULT_TTL)")
                 return 0
             ok(f"Re-queued {plural(count, 'task')} of job {target}, each as it was submitted "
                "(the same script and payload: submit again to run an edited script)")

@@ -16,6 +16,7 @@ from ..worker import control as local
 from .output import fail, ok
 
 DRAIN_POLL = 0.2
+DRAIN_REPORT = 30.0  # seconds between progress lines while drained workers finish
 
 
 def steer(settings: Settings, action: str, worker: str | None, wait: bool) -> int:
@@ -55,12 +56,20 @@ def _describe(action: str, answer: dict[str, Any]) -> str:
 
 def _wait_gone(settings: Settings, entries: list[dict[str, Any]]) -> None:
     """Wait until the drained workers have left (their entry gone, or their process)."""
-    waiting = {str(e["worker"]): int(e["pid"]) for e in entries}
-    started = time.time()
+    waiting = {str(e["worker"]): e for e in entries}
+    started = last_report = time.time()
     while waiting:
-        for worker, pid in list(waiting.items()):
-            if not local.is_registered(settings.home, worker) or not local.is_alive(pid):
+        for worker, entry in list(waiting.items()):
+            if not local.is_registered(settings.home, worker) or not local.is_alive(int(entry["pid"])):
                 del waiting[worker]
                 ok(f"worker {worker} has left the mesh ({time.time() - started:.0f}s)")
+        if waiting and time.time() - last_report >= DRAIN_REPORT:
+            last_report = time.time()
+            for worker, entry in waiting.items():  # a long task: say what it waits for
+                answer = local.send(entry, "status", timeout=2.0)
+                running = answer.get("running", "?")
+                click.echo(f"   worker {worker} still finishing {running} task(s) "
+                           f"({time.time() - started:.0f}s; Ctrl+C stops waiting, not the drain; "
+                           "'gpumesh drain --now' hands them back)")
         if waiting:
             time.sleep(DRAIN_POLL)

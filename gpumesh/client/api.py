@@ -301,12 +301,13 @@ class GPUMesh:
         """Futures of a job this GPUMesh submitted (results arrive here, not to other clients)."""
         return list(self._jobs.get(job_id, []))
 
-    def status(self, job_id: str | None = None) -> dict[str, Any]:
+    def status(self, job_id: str | None = None, *, tasks: bool = True) -> dict[str, Any]:
         """A job's state (``job_id``: its id, a unique prefix, or its name), or the mesh's.
 
-        ``{'job', 'name', 'status': 'queued'|'running'|'finished', 'counts', 'tasks': [...]}``
+        ``{'job', 'name', 'status': 'queued'|'running'|'finished', 'counts', 'tasks': [...]}``;
+        ``tasks=False`` leaves out the task list (cheap enough to poll).
         """
-        answer = self._require().query("status", job=job_id)
+        answer = self._require().query("status", job=job_id, tasks=tasks)
         if isinstance(answer, dict) and "error" in answer:
             raise MeshError(str(answer["error"]))
         return answer  # type: ignore[no-any-return]
@@ -316,11 +317,11 @@ class GPUMesh:
         """Wait until every task of the job has finished; ``progress`` sees each status."""
         deadline = None if timeout is None else time.time() + timeout
         while True:
-            status = self.status(job_id)
+            status = self.status(job_id, tasks=False)
             if progress is not None:
                 progress(status)
             if status["status"] == "finished":
-                return status
+                return self.status(job_id)  # once more, with every task
             if deadline is not None and time.time() >= deadline:
                 raise MeshTimeout(f"job {job_id} did not finish within {timeout:g}s")
             time.sleep(JOB_POLL)

@@ -325,10 +325,12 @@ class Engine:
         """SUBMIT in batches of bounded size; one message carries many small tasks."""
         by_job: dict[tuple[str, str], list[_Submission]] = {}
         for sub in subs:
-            if not sub.future.cancelled():
-                by_job.setdefault((sub.job, sub.name), []).append(sub)
-            elif not sub.sent_at:
+            if sub.future.cancelled() and not sub.sent_at:
                 self._outstanding.pop(sub.seq, None)  # cancelled before it was ever sent
+            else:
+                # A cancelled one that was sent may be durable already: sending it again gets
+                # its task id back (seq dedupe), and ACCEPTED then cancels it.
+                by_job.setdefault((sub.job, sub.name), []).append(sub)
         for job, group in by_job.items():
             chunk: list[_Submission] = []
             size = 0

@@ -10,6 +10,7 @@ Limitations section says so); anything else simply runs only where the Python ma
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import logging
 import sys
@@ -62,6 +63,10 @@ def source_form(fn: Callable[..., Any]) -> SourceForm | str:
         if arg is not None:
             arg.annotation = None
     imports = _module_imports(fn, set(code.co_names))
+    missing = _module_globals(fn, node, imports)
+    if missing:
+        return (f"it uses module-level names that do not travel as source "
+                f"({', '.join(sorted(missing))})")
     return SourceForm(name, "\n".join([*imports, ast.unparse(node), ""]))
 
 
@@ -79,6 +84,24 @@ def _module_imports(fn: Callable[..., Any], names: set[str]) -> list[str]:
             if bound & names:
                 found.append(ast.unparse(node))
     return found
+
+
+def _module_globals(fn: Callable[..., Any], node: ast.FunctionDef, imports: list[str]) -> set[str]:
+    """Names the function reads from its module other than imports and builtins: constants and
+    helpers defined there, which the source form would not carry."""
+    bound = {node.name}
+    for statement in imports:
+        for alias in ast.parse(statement).body[0].names:  # type: ignore[attr-defined]
+            bound.add((alias.asname or alias.name).split(".")[0])
+    assigned = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                and isinstance(n.ctx, (ast.Store, ast.Del))}
+    arguments = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+    inner = {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef,
+                                                              ast.AsyncFunctionDef))}
+    module_names = set(getattr(fn, "__globals__", {}))
+    read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {name for name in read - bound - assigned - arguments - inner
+            if name in module_names and not hasattr(builtins, name)}
 
 
 def _plain(value: Any, depth: int = 0) -> bool:

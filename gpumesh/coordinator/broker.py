@@ -34,6 +34,7 @@ LOST_WORKER_RETENTION = 600.0
 EVENT_HISTORY = 10_000
 RETENTION_SWEEP = 10.0  # seconds between sweeps for results nobody will collect
 MAX_RETAINED_RESULT_BYTES = 2 * 1024**3  # uncollected results of absent clients, all together
+MIN_JOB_AGE = 60.0  # seconds a finished job is kept even over MAX_JOBS (a .map sends batches)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class Broker(WorkerSide, ClientSide):
         self._last_pending_check = now
         self._last_sweep = now
         self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
+        # Kinds (requirements, portable) of the tasks queued: the unschedulable check scans the
+        # queue only when some kind has no worker that could ever run it.
+        self._kinds: set[tuple[scheduler.Requirements, bool]] = set()
         self._restoring = True
 
     # ----------------------------------------------------------------- plumbing
@@ -112,8 +116,7 @@ class Broker(WorkerSide, ClientSide):
         for row in self.store.load():
             if row.state == COLLECTED:  # only its summary is left, for its job's record
                 job = self._restored_job(row.job_id, row.client_id, row.submitted_at)
-                job.task_ids.append(row.task_id)
-                job.summaries[row.task_id] = row.result_header or {"id": row.task_id}
+                job.add_collected(row.task_id, row.result_header or {"id": row.task_id})
                 continue
             task = Task(
                 task_id=row.task_id, client_id=row.client_id, seq=row.seq, job_id=row.job_id,
@@ -122,7 +125,6 @@ class Broker(WorkerSide, ClientSide):
                 requirements=scheduler.Requirements.from_mapping(row.spec.get("req", {})),
             )
             job = self._restored_job(task.job_id, task.client_id, task.submitted_at)
-            job.task_ids.append(task.task_id)
             if row.result_header is not None:
                 task.state = TaskState(row.state)
                 task.result_header = row.result_header
@@ -131,7 +133,9 @@ class Broker(WorkerSide, ClientSide):
                 job.summaries[task.task_id] = summarize(task)
             else:
                 task.state = TaskState.RESTORED
+                task.pending_since = now
                 count += 1
+            job.add(task)
             self.tasks[task.task_id] = task
             self.by_seq[(task.client_id, task.seq)] = task.task_id
         for job in self.jobs.values():
@@ -190,7 +194,9 @@ class Broker(WorkerSide, ClientSide):
     def _on_hello(self, routing: bytes, msg: Message, now: float) -> None:
         h = msg.header
         proto = field_of(h, "proto", list, [MAJOR, MAJOR])
-        if len(proto) != 2 or not proto[0] <= MAJOR <= proto[1]:
+        if len(proto) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in proto):
+            raise ProtocolError(ErrorCode.MALFORMED, "proto must be [lowest, highest] major versions")
+        if not proto[0] <= MAJOR <= proto[1]:
             self._error(routing, ErrorCode.VERSION,
                         f"this coordinator speaks protocol v{MAJOR}, the peer v{proto[0]}-v{proto[1]}")
             self._send(routing, Command.DISCONNECT, {"reason": "version"})
@@ -227,6 +233,7 @@ class Broker(WorkerSide, ClientSide):
 
     def _enqueue(self, task: Task) -> None:
         heapq.heappush(self._pending, (-task.priority, next(self._order), task.task_id))
+        self._kinds.add((task.requirements, "src" in task.spec))
 
     def _finish(self, task: Task, state: TaskState, result: dict[str, Any], payload: list[Any],
                 now: float) -> None:
@@ -460,8 +467,9 @@ class Broker(WorkerSide, ClientSide):
                           key=lambda j: max(j.finished_at or 0.0, j.last_activity))
         excess = len(self.jobs) - MAX_JOBS
         for job in finished:
-            if excess <= 0 and now - max(job.finished_at or now, job.last_activity) <= ttl:
-                break  # the rest are newer
+            idle = now - max(job.finished_at or now, job.last_activity)
+            if idle <= MIN_JOB_AGE or (excess <= 0 and idle <= ttl):
+                break  # the rest are newer; a job that just finished may get more batches yet
             if not any(t in self.tasks for t in job.task_ids):
                 del self.jobs[job.job_id]
                 self.store.delete_job(job.job_id)  # with its tasks' summaries
@@ -481,20 +489,28 @@ class Broker(WorkerSide, ClientSide):
         cutoff = now - limit
         if self._no_workers_at > cutoff:
             return  # a worker came back less than the timeout ago: nothing can be due yet
-        runnable: dict[tuple[scheduler.Requirements, bool], bool] = {}  # one answer per kind
-        doomed = []
+        runnable = {kind: scheduler.could_ever_run(scheduler.TaskView("", kind[0], portable=kind[1]),
+                                                   views) for kind in self._kinds}
+        if all(runnable.values()):
+            return  # every kind of task queued has a worker that could run it: nothing is due
+        doomed: dict[str, Task] = {}  # a task may have several heap entries (retry)
+        self._kinds = set()
         tasks = self.tasks
         for _, _, task_id in self._pending:
             task = tasks.get(task_id)
-            if task is None or task.submitted_at > cutoff or task.state is not TaskState.PENDING:
+            if task is None or task.state is not TaskState.PENDING:
                 continue
             kind = (task.requirements, "src" in task.spec)
+            self._kinds.add(kind)
+            if task.pending_since > cutoff:
+                continue
             if kind not in runnable:
                 runnable[kind] = scheduler.could_ever_run(task.view(), views)
             if not runnable[kind]:
-                doomed.append(task)
-        for task in doomed:
-            message = scheduler.explain_unschedulable(task.requirements, views)
+                doomed[task.task_id] = task
+        for task in doomed.values():
+            message = scheduler.explain_unschedulable(task.requirements, views,
+                                                      portable="src" in task.spec)
             self._finish(task, TaskState.FAILED, {
                 "status": "unschedulable", "attempts": task.attempts,
                 "diagnosis": f"{message}; gave up after {limit:.0f}s pending",
@@ -502,18 +518,18 @@ class Broker(WorkerSide, ClientSide):
 
     # ----------------------------------------------------------------- views
 
-    def status(self, job_id: str | None, now: float) -> dict[str, Any]:
-        """One job in detail (``job_id``: id, unique prefix or name), or the mesh and recent jobs."""
+    def status(self, job_id: str | None, now: float, *, tasks: bool = True) -> dict[str, Any]:
+        """One job (``job_id``: id, unique prefix or name; its tasks listed unless ``tasks`` is
+        false), or the queue and the recent jobs. Costs O(jobs), plus O(tasks) when listed."""
         alive = sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE)
         if job_id:
             job = find_job(self.jobs, job_id)
             if isinstance(job, str):
                 return {"error": job, "workers": alive}
-            return {**job.describe(self.tasks, now, tasks=True), "workers": alive}
-        counts: dict[str, int] = {}
-        for task in self.tasks.values():
-            state = "pending" if task.state is TaskState.RESTORED else task.state.value
-            counts[state] = counts.get(state, 0) + 1
+            return {**job.describe(self.tasks, now, tasks=tasks), "workers": alive}
+        counts = {state: sum(j.tally[state] for j in self.jobs.values())
+                  for state in ("pending", "running")}
+        counts = {state: n for state, n in counts.items() if n}
         recent = sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)[:LIST_JOBS]
         return {"job": None, "counts": counts, "workers": alive, "jobs_known": len(self.jobs),
                 "jobs": [j.describe(self.tasks, now, tasks=False) for j in recent]}

@@ -69,13 +69,15 @@ class ClientSide:
                 continue
             spec = {k: v for k, v in spec.items() if k != "nf"}
             task_id = secrets.token_hex(6)
-            task = Task(task_id, client.client_id, seq, job_id, spec, payload, now, requirements)
+            task = Task(task_id, client.client_id, seq, job_id, spec, payload, now, requirements,
+                        pending_since=now)
             self.tasks[task_id] = task
             self.by_seq[(client.client_id, seq)] = task_id
             self.store.add_task(task_id, client.client_id, seq, job_id, spec, payload, now)
             self._enqueue(task)
-            job.task_ids.append(task_id)
+            job.add(task)
             job.finished_at = None
+            job.last_activity = now
             accepted.append([seq, task_id])
             client.unfinished += 1
         if accepted:
@@ -134,7 +136,7 @@ class ClientSide:
                          for w in self.workers.values()]
         elif what == "status":
             job = field_of(msg.header, "job", str, None)
-            data = self.status(job, now)
+            data = self.status(job, now, tasks=field_of(msg.header, "tasks", bool, True))
         elif what == "events":
             since = field_of(msg.header, "since", int, 0)
             data = [[e.seq, e.time, e.kind, e.data] for e in self.events if e.seq > since]
@@ -196,9 +198,12 @@ class ClientSide:
         for task_id in job.task_ids:
             task = self.tasks.get(task_id)
             if task is None or task.state not in (TaskState.FAILED, TaskState.CANCELLED) \
-                    or not task.payload:
+                    or (not task.payload and task.spec.get("nf", 1)):
                 continue
             task.move(TaskState.PENDING)
+            # A fresh start: a new pending clock, and the old attempts' results no longer count.
+            task.pending_since = now
+            task.lease_floor = (self.epoch << 40) | next(self._lease_counter)
             task.attempts, task.failures, task.excluded = 0, [], set()
             task.result_header, task.result_payload = None, []
             task.cancel_requested = task.collected = False

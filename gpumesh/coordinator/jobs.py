@@ -8,6 +8,7 @@ JSON or text result) so that another terminal can still show what happened.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,34 +34,39 @@ class Job:
     # Last time one of its results was delivered for good or dropped: the record is kept for
     # the result TTL after that, so `status` still answers after the results are gone.
     last_activity: float = 0.0
+    # Tasks per state users see, kept up to date by each task's observer: O(1) per change,
+    # so status queries cost nothing per task.
+    tally: Counter[str] = field(default_factory=Counter)
 
-    def counts(self, live: dict[str, Task]) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for state in self.states(live):
-            counts[state] = counts.get(state, 0) + 1
-        return counts
+    def add(self, task: Task) -> None:
+        """Count a task in (new, or restored from the journal) and follow its state changes."""
+        self.task_ids.append(task.task_id)
+        self.tally[task.state.public] += 1
+        task.observer = self._moved
 
-    def states(self, live: dict[str, Task]) -> list[str]:
-        states = []
-        for task_id in self.task_ids:
-            task = live.get(task_id)
-            if task is not None and not task.state.terminal:
-                states.append("pending" if task.state is TaskState.RESTORED else task.state.value)
-            else:
-                states.append(self.summaries.get(task_id, {}).get("state", "unknown"))
-        return states
+    def add_collected(self, task_id: str, summary: dict[str, Any]) -> None:
+        self.task_ids.append(task_id)
+        self.summaries[task_id] = summary
+        self.tally[str(summary.get("state", "unknown"))] += 1
 
-    def status_word(self, live: dict[str, Task]) -> str:
-        states = set(self.states(live))
-        if not states & {"pending", "running"}:
+    def _moved(self, old: TaskState, new: TaskState) -> None:
+        self.tally[old.public] -= 1
+        self.tally[new.public] += 1
+
+    def counts(self) -> dict[str, int]:
+        return {state: n for state, n in sorted(self.tally.items()) if n > 0}
+
+    def status_word(self) -> str:
+        counts = self.counts()
+        if not counts.keys() & {"pending", "running"}:
             return "finished"
-        return "queued" if states == {"pending"} else "running"
+        return "queued" if counts.keys() == {"pending"} else "running"
 
     def describe(self, live: dict[str, Task], now: float, *, tasks: bool) -> dict[str, Any]:
-        counts = self.counts(live)
+        counts = self.counts()
         end = self.finished_at if self.finished_at is not None else now
         view: dict[str, Any] = {
-            "job": self.job_id, "name": self.name, "status": self.status_word(live),
+            "job": self.job_id, "name": self.name, "status": self.status_word(),
             "counts": counts, "total": len(self.task_ids), "created": self.created,
             "elapsed": round(max(end - self.created, 0.0), 3),
         }
@@ -74,9 +80,8 @@ class Job:
     def task_view(self, task_id: str, live: dict[str, Task]) -> dict[str, Any]:
         task = live.get(task_id)
         if task is not None and not task.state.terminal:
-            return {"id": task_id, "state": "pending" if task.state is TaskState.RESTORED
-                    else task.state.value, "worker": task.worker_id, "attempts": task.attempts,
-                    "cost": task.cost}
+            return {"id": task_id, "state": task.state.public, "worker": task.worker_id,
+                    "attempts": task.attempts, "cost": task.cost}
         return self.summaries.get(task_id, {"id": task_id, "state": "unknown"})
 
 

@@ -11,6 +11,7 @@ Worker: ALIVE -> LOST (silent past the liveness limit, or left) -> ALIVE (HELLO 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,11 @@ class TaskState(str, enum.Enum):
     @property
     def terminal(self) -> bool:
         return self in _TERMINAL
+
+    @property
+    def public(self) -> str:
+        """The state users see: a task restored after a restart is simply pending."""
+        return "pending" if self is TaskState.RESTORED else self.value
 
 
 _TERMINAL = {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED}
@@ -71,13 +77,20 @@ class Task:
     result_header: dict[str, Any] | None = None
     result_payload: list[Any] = field(default_factory=list)
     finished_at: float = 0.0
+    pending_since: float = 0.0  # when the pending timeout's clock started: submit, or retry
+    lease_floor: int = 0  # results of leases below this belong to attempts before a retry
     cancel_requested: bool = False  # a cancel reached it while it ran on a worker
     collected: bool = False  # the owner has its (failed) result; kept only so it can be retried
+    # Told of every state change: its job keeps its counts without scanning its tasks.
+    observer: Callable[[TaskState, TaskState], None] | None = field(
+        default=None, repr=False, compare=False)
 
     def move(self, new: TaskState) -> None:
         if new not in TRANSITIONS[self.state]:
             raise RuntimeError(f"task {self.task_id}: {self.state.value} -> {new.value} is not allowed")
-        self.state = new
+        old, self.state = self.state, new
+        if self.observer is not None:
+            self.observer(old, new)
 
     @property
     def kind(self) -> str:

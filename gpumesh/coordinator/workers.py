@@ -25,10 +25,12 @@ class WorkerSide:
         info = field_of(h, "info", dict, {})
         slots = field_of(h, "slots", int)
         credit = field_of(h, "credit", int, slots)
-        held = field_of(h, "held", list, [])
+        held = _held_leases(field_of(h, "held", list, []))  # checked whole before anything moves
+        release = [lease for lease in field_of(h, "release", list, []) if isinstance(lease, int)]
         incarnation = field_of(h, "incarnation", str, "")
         if not 0 <= credit <= 100_000 or not 0 < slots <= 100_000:
             raise ProtocolError(ErrorCode.MALFORMED, "slots and credit must be 0-100000")
+        _set_mode_checked = _mode_of(h)
         worker = self.workers.get(worker_id)
         rejoined = worker is not None and worker.state is WorkerState.LOST
         if worker is None:
@@ -45,13 +47,12 @@ class WorkerSide:
             worker.slots, worker.last_seen, worker.state = slots, now, WorkerState.ALIVE
             worker.departed = ""
         worker.granted, worker.sent = credit, 0
-        self._set_mode(worker, h)
+        worker.draining, worker.mode = _set_mode_checked
+        # Handed back while the link was down (the owner paused it): no attempt is charged.
+        self._release(worker, release, now)
         abort: list[int] = []
         claimed: dict[int, str] = {}
-        for item in held:
-            if not (isinstance(item, list) and len(item) == 2):
-                raise ProtocolError(ErrorCode.MALFORMED, "held leases must be [task, lease] pairs")
-            task_id, lease_id = str(item[0]), int(item[1])
+        for task_id, lease_id in held:
             task = self.tasks.get(task_id)
             if task is not None and not task.cancel_requested and (
                 (task.state is TaskState.LEASED and task.lease_id == lease_id
@@ -77,13 +78,13 @@ class WorkerSide:
             self.emit("worker_joined", now, worker=worker.describe())
         return abort
 
-    def _set_mode(self: Broker, worker: WorkerSession, h: dict[str, Any]) -> None:
-        """The owner's choice: a paused or draining worker takes no new tasks."""
-        draining = field_of(h, "draining", bool, worker.draining)
-        mode = field_of(h, "mode", str, "draining" if draining else "active")
-        if mode not in WORKER_MODES:
-            raise ProtocolError(ErrorCode.MALFORMED, f"unknown worker mode {mode!r}")
-        worker.draining, worker.mode = draining or mode != "active", mode
+    def _release(self: Broker, worker: WorkerSession, leases: list[int], now: float) -> None:
+        """Tasks the worker hands back unstarted (its owner paused it): no attempt is spent."""
+        for lease_id in leases:
+            task_id = worker.leases.pop(lease_id, None)
+            task = self.tasks.get(task_id) if task_id else None
+            if task is not None and task.lease_id == lease_id:
+                self._requeue(task, worker, now, f"handed back by {worker.label}", infra=False)
 
     # ----------------------------------------------------------------- worker messages
 
@@ -100,13 +101,9 @@ class WorkerSide:
         h = msg.header
         worker.granted = max(worker.granted, field_of(h, "granted", int))
         before = worker.mode
-        self._set_mode(worker, h)
-        # Tasks the worker hands back unstarted (its owner paused it): no attempt is spent.
-        for lease_id in field_of(h, "release", list, []):
-            task_id = worker.leases.pop(lease_id, None) if isinstance(lease_id, int) else None
-            task = self.tasks.get(task_id) if task_id else None
-            if task is not None and task.lease_id == lease_id:
-                self._requeue(task, worker, now, f"handed back by {worker.label}", infra=False)
+        worker.draining, worker.mode = _mode_of(h, worker.draining)
+        self._release(worker, [lease for lease in field_of(h, "release", list, [])
+                               if isinstance(lease, int)], now)
         if worker.mode != before:
             self.emit("worker_mode", now, worker=worker.worker_id, mode=worker.mode)
 
@@ -138,7 +135,11 @@ class WorkerSide:
             if task is not None and status in ("ok", "error"):
                 self._record_speed(worker, elapsed / max(task.cost, 1e-3))
         ack = {"task": task_id, "lease": lease_id}
-        if task is None or task.state.terminal:
+        stale = task is not None and (
+            lease_id < task.lease_floor  # from an attempt before `gpumesh retry`
+            # A cancellation is about that attempt only; another one may be running now.
+            or (status == "cancelled" and lease_id != task.lease_id))
+        if task is None or task.state.terminal or stale:
             self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
             return
         if status == "crashed":
@@ -202,3 +203,22 @@ class WorkerSide:
         self._lose(worker, now, "removed by 'gpumesh kill'")
         return {"worker": worker.worker_id, "hostname": worker.info.get("hostname", ""),
                 "handed_back": handed_back}
+
+
+def _held_leases(items: list[Any]) -> list[tuple[str, int]]:
+    pairs = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], int) and not isinstance(item[1], bool)):
+            raise ProtocolError(ErrorCode.MALFORMED, "held leases must be [task, lease] pairs")
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
+def _mode_of(h: dict[str, Any], draining: bool = False) -> tuple[bool, str]:
+    """(draining, mode) from a HELLO or CREDIT: a paused or draining worker takes no new tasks."""
+    draining = field_of(h, "draining", bool, draining)
+    mode = field_of(h, "mode", str, "draining" if draining else "active")
+    if mode not in WORKER_MODES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown worker mode {mode!r}")
+    return draining or mode != "active", mode

@@ -92,6 +92,8 @@ class WorkerAgent:
         self._drain_idle_since: float | None = None
         self._local_control = local_control
         self.control: ControlServer | None = None
+        # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
+        self._pending_release: list[int] = []
         self._heartbeat = settings.timing.heartbeat
         self._silence_limit = settings.timing.silence_limit
         self._last_heard = 0.0
@@ -165,8 +167,7 @@ class WorkerAgent:
                 self._last_heard = now
                 self._on_message(msg, now)
         if self.control is not None and self.control.sock in ready:
-            for action in self.control.requests():
-                self.control.reply(self._on_control(action, now))
+            self.control.serve(lambda action: self._on_control(action, now))
         for fd in ready:
             if isinstance(fd, int) and fd in fd_owner:
                 runner, what = fd_owner[fd]
@@ -200,6 +201,7 @@ class WorkerAgent:
             "role": Role.WORKER.value, "id": self.worker_id, "incarnation": self.incarnation,
             "proto": [MAJOR, MAJOR], "slots": self.slots, "credit": self.granted,
             "held": held, "info": self.info, "draining": self.draining, "mode": self.mode,
+            "release": list(self._pending_release),
         }
         self.welcomed = False
         self.received = 0
@@ -249,12 +251,13 @@ class WorkerAgent:
         self._backoff.reset()
         self._heartbeat = float(h.get("heartbeat", self._heartbeat))
         self._silence_limit = self._heartbeat * int(h.get("liveness", 5))
-        aborted = h.get("abort", [])
-        for lease_id in aborted:
-            self._cancel(int(lease_id), time.time(), report=False)
-        if aborted and not self.draining:
-            # HELLO counted those slots as busy; they are free again.
-            self.granted += len(aborted)
+        dropped = sum(self._cancel(int(lease_id), time.time(), report=False)
+                      for lease_id in h.get("abort", []))
+        self._pending_release = []  # HELLO carried them; the coordinator has them back
+        if dropped and not self.draining:
+            # HELLO counted those slots as busy; they are free again. (A lease whose task
+            # finished meanwhile was already credited when it reported.)
+            self.granted += dropped
             self._send_credit()
         for header, frames in self.unacked.values():
             # Credit is per session: re-sent results carry this session's grant, not the old one.
@@ -300,13 +303,14 @@ class WorkerAgent:
                 runner.task = None
                 self._runner_died(runner, now)
 
-    def _cancel(self, lease_id: int, now: float, *, report: bool) -> None:
+    def _cancel(self, lease_id: int, now: float, *, report: bool) -> bool:
+        """Drop a queued or running task; False when this agent no longer has it."""
         for queued in list(self.queue):
             if queued.task.lease_id == lease_id:
                 self.queue.remove(queued)
                 if report:
                     self._report(queued.task, {"status": "cancelled"}, [], now)
-                return
+                return True
         for runner in self.runners:
             if runner.task is not None and runner.task.lease_id == lease_id:
                 task = runner.task
@@ -315,7 +319,8 @@ class WorkerAgent:
                 runner.start()
                 if report:
                     self._report(task, {"status": "cancelled"}, [], now)
-                return
+                return True
+        return False
 
     # ----------------------------------------------------------------- the owner's controls
 
@@ -339,7 +344,7 @@ class WorkerAgent:
                 released += self._hand_back_running(now)
             self.say("[worker] draining: " + ("handed back its tasks, leaving" if action == "drain-now"
                      else "running tasks finish, then this worker leaves the mesh"))
-        if action != "status" and self.welcomed:
+        if action != "status":
             self._send_credit(release=released)
         return self._control_status(released)
 
@@ -365,6 +370,10 @@ class WorkerAgent:
         return released
 
     def _send_credit(self, release: list[int] = ()) -> None:  # type: ignore[assignment]
+        if not self.welcomed:
+            # The next HELLO carries the mode and these leases: nothing is charged for them.
+            self._pending_release.extend(release)
+            return
         header: dict[str, Any] = {"granted": self.granted, "draining": self.draining,
                                   "mode": self.mode}
         if release:

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
 
+log = logging.getLogger("gpumesh.worker")
+
 ACTIONS = ("pause", "resume", "drain", "drain-now", "status")
+MAX_REQUEST_BYTES = 4096
 REGISTRY = "workers"
 
 
@@ -35,6 +39,7 @@ class ControlServer:
         self.secret = secrets.token_hex(16)
         self.sock = ctx.socket(zmq.REP)
         self.sock.linger = 0
+        self.sock.maxmsgsize = MAX_REQUEST_BYTES  # any local user can connect: keep it cheap
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         folder = registry_dir(home)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -45,29 +50,39 @@ class ControlServer:
         with os.fdopen(fd, "w") as handle:
             json.dump(entry, handle)
 
-    def requests(self) -> Iterator[str]:
-        """Actions waiting on the socket; each must be answered with ``reply`` before the next."""
+    def serve(self, handle: Callable[[str], dict[str, Any]]) -> None:
+        """Answer every request waiting on the socket with ``handle(action)``.
+
+        Anything may arrive here (any local user can connect), so every request gets exactly
+        one reply, whatever it holds, and nothing it holds can raise out of here.
+        """
         while True:
             try:
-                raw = self.sock.recv(zmq.NOBLOCK)
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                request = msgpack.unpackb(raw, raw=False)
-                secret = str(request.get("secret", ""))
-                action = str(request.get("action", ""))
-            except Exception:
-                self.reply({"error": "unreadable request"})
-                continue
-            if not hmac.compare_digest(secret, self.secret):
-                self.reply({"error": "wrong secret: run the command as the user who runs the worker"})
-            elif action not in ACTIONS:
-                self.reply({"error": f"unknown action {action!r}"})
-            else:
-                yield action
+                answer = self._answer(parts, handle)
+            except Exception as exc:  # a bug in handling must not stop the worker
+                log.exception("local control request failed")
+                answer = {"error": f"the worker could not do that: {exc}"}
+            self.sock.send(msgpack.packb(answer, use_bin_type=True))
 
-    def reply(self, data: dict[str, Any]) -> None:
-        self.sock.send(msgpack.packb(data, use_bin_type=True))
+    def _answer(self, parts: list[bytes], handle: Callable[[str], dict[str, Any]]
+                ) -> dict[str, Any]:
+        try:
+            request = msgpack.unpackb(parts[0], raw=False) if len(parts) == 1 else None
+        except Exception:
+            request = None
+        if not isinstance(request, dict):
+            return {"error": "unreadable request"}
+        secret, action = request.get("secret"), request.get("action")
+        if not isinstance(secret, str) or not hmac.compare_digest(
+                secret.encode("utf-8", "replace"), self.secret.encode()):
+            return {"error": "wrong secret: run the command as the user who runs the worker"}
+        if action not in ACTIONS:
+            return {"error": f"unknown action {action!r}"}
+        return handle(str(action))
 
     def close(self) -> None:
         self.sock.close()

@@ -123,7 +123,7 @@ def test_retry_reruns_only_the_failed_tasks(mesh_env, tmp_path):
     assert "Re-queued 2 tasks" in again.stdout and "Counts: {'done': 6}" in again.stdout
     squares = [t["result"]["square"] for t in job_status(mesh_env, "flaky")["tasks"]]
     assert squares == [i * i for i in range(6)]
-    assert "no failed or cancelled tasks" in cli(mesh_env, "retry", "flaky").stdout
+    assert "Nothing to retry in job flaky" in cli(mesh_env, "retry", "flaky").stdout
 
 
 def test_kill_removes_a_worker_and_its_task_runs_elsewhere(mesh_env, tmp_path):

@@ -248,3 +248,64 @@ def test_a_restart_keeps_collected_summaries_finish_times_and_counts_only_unfini
                                                    "finished_at": 9.0}
     second.jobs[view["job"]].finished_at = 9.0
     assert second.status("nightly", 600.0)["elapsed"] == 9.0  # not the restart's clock
+
+
+def test_retrying_an_unschedulable_task_restarts_its_clock_and_never_trips_the_coordinator(broker):
+    limit = Timing().pending_timeout
+    (task_id,) = submit(broker, 1, req={"gpu": True})  # the only worker has no GPU
+    broker.handle(W, msg(Command.HEARTBEAT, {}), limit + 0.5)
+    broker.tick(limit + 1)
+    assert broker.tasks[task_id].result_header["status"] == "unschedulable"
+    broker.handle(C2, msg(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1]}), limit + 2)
+    assert control(broker, "retry", "job1", now=limit + 2)["retried"] == 1
+    broker.handle(W, msg(Command.HEARTBEAT, {}), limit + 2.5)
+    broker.tick(limit + 3)  # two heap entries for one task: must not finish it twice
+    assert broker.tasks[task_id].state is TaskState.PENDING  # a fresh timeout from the retry
+    broker.handle(W, msg(Command.HEARTBEAT, {}), 2 * limit + 2.5)
+    broker.tick(2 * limit + 3)
+    assert broker.tasks[task_id].state is TaskState.FAILED
+
+
+def test_a_result_of_an_attempt_from_before_a_retry_is_a_duplicate(broker):
+    (task_id,) = submit(broker, 1)
+    broker.dispatch(0.0)
+    old_lease = broker.tasks[task_id].lease_id
+    control(broker, "cancel", "job1")
+    broker.unreachable(W, 1.0)  # its cancelled RESULT is stuck on the worker
+    assert broker.tasks[task_id].state is TaskState.CANCELLED
+    control(broker, "retry", "job1", now=2.0)
+    hello_worker(broker, W2, "w2", now=3.0)
+    broker.dispatch(3.0)
+    assert broker.tasks[task_id].worker_id == "w2"
+    hello_worker(broker, W, "w1", now=4.0)
+    broker.outbox.clear()
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": old_lease,
+                                          "status": "cancelled"}), 4.5)
+    assert sent(broker, Command.RESULT_ACK, W)[-1]["disposition"] == "duplicate"
+    assert sent(broker, Command.CANCEL, W2) == []
+    assert broker.tasks[task_id].state is TaskState.LEASED
+
+
+def test_a_client_may_submit_a_seq_again_once_its_result_was_dropped(broker):
+    (task_id,) = submit(broker, 1)
+    broker.dispatch(0.0)
+    result(broker, task_id)
+    broker.handle(C, msg(Command.DISCONNECT, {}), 1.0)
+    broker.sweep(102.0)  # gone past the TTL: the result is dropped, the summary kept
+    broker.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 103.0)
+    (again,) = submit(broker, 1, now=103.0)  # FETCH said missing: the client resubmits seq 1
+    assert again != task_id
+    broker.store.commit()
+    assert again in {row.task_id for row in broker.store.load()}  # durable, not just accepted
+
+
+def test_a_malformed_held_list_moves_nothing(broker):
+    store = broker.store
+    (task_id,) = submit(broker, 1)
+    store.commit()
+    restarted = Broker(store, Timing(), Limits(), epoch=2, now=10.0)
+    restarted.restore(10.0)
+    restarted.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1,
+                                            "proto": [1, 1], "held": [[task_id, 5], "junk"]}), 11.0)
+    assert restarted.tasks[task_id].state is TaskState.RESTORED
+    assert sent(restarted, Command.ERROR)[-1]["code"] == "malformed"

@@ -72,3 +72,27 @@ def test_a_portable_task_may_run_on_another_python_but_prefers_the_same_one():
     assert choose(strict, [other]) is None and not could_ever_run(strict, [other])
     assert choose(portable, [other]).worker_id == "old" and could_ever_run(portable, [other])
     assert choose(portable, [other, same]).worker_id == "same"
+
+
+SCALE = 3.0
+
+
+def helper(x):
+    return x * SCALE
+
+
+def uses_module_names(x):
+    return helper(x) + SCALE
+
+
+def uses_only_its_own(x, *rest, factor=2):
+    total = [x]
+    for value in rest:
+        total.append(value * factor)
+    return json.dumps(total)
+
+
+def test_functions_that_need_module_level_names_get_no_source_form():
+    reason = source_form(uses_module_names)
+    assert isinstance(reason, str) and "SCALE, helper" in reason
+    assert isinstance(source_form(uses_only_its_own), SourceForm)
