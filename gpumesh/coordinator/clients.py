@@ -141,10 +141,8 @@ class ClientSide:
             since = field_of(msg.header, "since", int, 0)
             data = [[e.seq, e.time, e.kind, e.data] for e in self.events if e.seq > since]
         else:
-            self._error(client.routing, ErrorCode.UNSUPPORTED, f"unknown query {what!r}",
-                        msg.header.get("qid"))
-            return
-        self._send(client.routing, Command.REPLY, {"qid": msg.header.get("qid", 0), "data": data})
+            data = None
+        self._answer(client, msg, data, f"unknown query {what!r}")
 
     def _c_control(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
         """``cancel``/``retry`` a job, ``kill`` a worker; the REPLY says what was done."""
@@ -162,10 +160,16 @@ class ClientSide:
             worker = self.find_worker(target)
             data = {"error": worker} if isinstance(worker, str) else self.kill_worker(worker, now)
         else:
-            self._error(client.routing, ErrorCode.UNSUPPORTED, f"unknown action {action!r}",
-                        msg.header.get("qid"))
-            return
-        self._send(client.routing, Command.REPLY, {"qid": msg.header.get("qid", 0), "data": data})
+            data = None
+        self._answer(client, msg, data, f"unknown action {action!r}")
+
+    def _answer(self: Broker, client: ClientSession, msg: Message, data: Any, unknown: str) -> None:
+        """REPLY with ``data`` to the request's qid; None means the request was not understood."""
+        qid = msg.header.get("qid", 0)
+        if data is None:
+            self._error(client.routing, ErrorCode.UNSUPPORTED, unknown, qid)
+        else:
+            self._send(client.routing, Command.REPLY, {"qid": qid, "data": data})
 
     def _c_disconnect(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
         if client.routing is not None:
