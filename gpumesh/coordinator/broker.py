@@ -379,6 +379,10 @@ class Broker(WorkerSide, ClientSide):
         worker.sent += 1
         worker.last_assigned = next(self._assign_counter)
         header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
+        need = {k: v for k, v in (("gpu", task.requirements.gpu), ("vram", task.requirements.vram))
+                if v is not None}
+        if need:
+            header["need"] = need  # the worker picks the slot whose own GPU satisfies it
         header.update(task=task.task_id, lease=task.lease_id, attempt=task.attempts)
         self._send(worker.routing, Command.TASK, header, task.payload)
 

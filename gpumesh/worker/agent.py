@@ -74,11 +74,19 @@ class WorkerAgent:
         # User code must not find the mesh token in its environment.
         env = {k: v for k, v in os.environ.items() if k != "GPUMESH_TOKEN"}
         self.runners = []
+        # The GPU each slot is pinned to: a task that needs a given model or VRAM is started
+        # only in a slot whose own GPU has it (the coordinator checks the worker as a whole).
+        self.slot_gpus: list[dict[str, Any] | None] = []
+        by_index = {g.get("index"): g for g in info.get("gpus", []) if isinstance(g, dict)}
         for slot in range(slots):
             slot_env = dict(env)
+            gpu = None
             if gpu_indices:
                 # One GPU per slot: the runner sees exactly its own device as cuda:0.
-                slot_env["CUDA_VISIBLE_DEVICES"] = str(gpu_indices[slot % len(gpu_indices)])
+                index = gpu_indices[slot % len(gpu_indices)]
+                slot_env["CUDA_VISIBLE_DEVICES"] = str(index)
+                gpu = by_index.get(index)
+            self.slot_gpus.append(gpu)
             self.runners.append(Runner(slot, slot_env, settings.limits.max_message_bytes))
         self.queue: deque[QueuedTask] = deque()
         # lease id -> (RESULT header, frames), kept until the coordinator's RESULT_ACK
@@ -286,11 +294,15 @@ class WorkerAgent:
         self._start_queued(now)
 
     def _start_queued(self, now: float) -> None:
-        while self.queue:
-            runner = next((r for r in self.runners if r.idle), None)
-            if runner is None:
+        """Start queued tasks, in order, each in an idle slot that suits it."""
+        for queued in list(self.queue):
+            idle = [r for r in self.runners if r.idle]
+            if not idle:
                 return
-            queued = self.queue.popleft()
+            runner = next((r for r in idle if self._slot_fits(r.slot, queued.task.header)), None)
+            if runner is None:
+                continue  # its GPU is busy: later tasks may still fit the free slots
+            self.queue.remove(queued)
             queued.task.started = now
             timeout = queued.task.header.get("timeout")
             if isinstance(timeout, (int, float)) and timeout > 0:
@@ -302,6 +314,17 @@ class WorkerAgent:
                 self.queue.appendleft(queued)
                 runner.task = None
                 self._runner_died(runner, now)
+
+    def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
+        need = header.get("need")
+        gpu = self.slot_gpus[slot] if slot < len(self.slot_gpus) else None
+        if not isinstance(need, dict) or gpu is None:
+            return True  # no GPU requirement, or no pinning to judge it by
+        model = need.get("gpu")
+        if isinstance(model, str) and model.lower() not in str(gpu.get("name", "")).lower():
+            return False
+        vram = need.get("vram")
+        return not (isinstance(vram, (int, float)) and int(gpu.get("vram", 0) or 0) < vram)
 
     def _cancel(self, lease_id: int, now: float, *, report: bool) -> bool:
         """Drop a queued or running task; False when this agent no longer has it."""

@@ -90,3 +90,33 @@ def test_the_control_channel_answers_garbage_without_falling_over(control):
         {"secret": server.secret, "action": "explode"}))["error"]
     assert ask(server, client, good) == {"done": "status"}
     assert oct(server.path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_task_that_needs_a_gpu_model_starts_only_in_the_slot_pinned_to_it(tmp_path):
+    gpus = [{"index": 0, "name": "NVIDIA T4", "vram": 16 * 10**9, "backend": "cuda"},
+            {"index": 1, "name": "NVIDIA A100", "vram": 80 * 10**9, "backend": "cuda"}]
+    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=2, info={"gpus": gpus},
+                    gpu_indices=[0, 1], local_control=False)
+    try:
+        started = {}
+        for runner in a.runners:
+            runner.ready = True
+            runner.send = (lambda r: lambda task, header, frames: (
+                started.__setitem__(task.task_id, r.slot), setattr(r, "task", task)))(runner)
+        a.welcomed = True
+        for task_id, need in (("a100", {"gpu": "A100"}), ("big", {"vram": 40 * 10**9}),
+                              ("any", None)):
+            header = {"task": task_id, "lease": len(started) + 1, "kind": "fn"}
+            if need:
+                header["need"] = need
+            a._on_task(decode(encode(Command.TASK, header), Limits()), 0.0)
+        # Slot 1 (the A100) takes the A100 task; the 40 GB task waits for it; "any" takes slot 0.
+        assert started == {"a100": 1, "any": 0}
+        assert [q.task.task_id for q in a.queue] == ["big"]
+        a.runners[1].task = None
+        a._start_queued(1.0)
+        assert started["big"] == 1
+    finally:
+        a.link.close()
+        a._ctx.term()
