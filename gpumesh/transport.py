@@ -47,11 +47,12 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any]) -> bool:
 
     A multipart message is atomic: only its first frame can meet a full queue.
     """
-    copy = all(_small(frame) for frame in frames)
     last = len(frames) - 1
     try:
         for index, frame in enumerate(frames):
-            sock.send(frame, _LAST if index == last else _MORE, copy=copy)
+            # Small bytes are copied (cheaper than pyzmq's zero-copy bookkeeping); received
+            # zmq.Frames and large buffers go as they are.
+            sock.send(frame, _LAST if index == last else _MORE, copy=_small(frame))
     except zmq.Again:
         return False
     except zmq.ZMQError as exc:

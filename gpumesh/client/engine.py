@@ -220,6 +220,7 @@ class Engine:
             self._last_heard = time.time()
             self._reconnect_at: float | None = None
             self._last_heartbeat = 0.0
+            self._last_resend_check = 0.0
             self._hello()
             while not self._closing.is_set():
                 self._turn()
@@ -497,10 +498,13 @@ class Engine:
             if now - self._last_heartbeat >= self._heartbeat:
                 self._last_heartbeat = now
                 self._link.send(encode(Command.HEARTBEAT, {}))
-            stale = [s for s in self._outstanding.values()
-                     if not s.task_id and now - s.sent_at > RESEND_AFTER]
-            if stale:
-                self._send_submissions(stale, now)
+            if now - self._last_resend_check >= RESEND_AFTER / 4:
+                # A scan of everything outstanding: a few times per RESEND_AFTER, not per turn.
+                self._last_resend_check = now
+                stale = [s for s in self._outstanding.values()
+                         if not s.task_id and now - s.sent_at > RESEND_AFTER]
+                if stale:
+                    self._send_submissions(stale, now)
 
 
 _HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
