@@ -4,9 +4,10 @@ The agent never runs user code, so heartbeats keep flowing whatever a task does.
 forever (1 s doubling to 32 s, with jitter) and, on every new session, tells the coordinator
 which leases it still holds and re-sends results the coordinator has not acknowledged.
 
-The machine's owner steers it through the local control channel (control.py): ``pause`` stops
-new work and hands back what is queued, ``resume`` undoes that, ``drain`` lets running tasks
-finish and then leaves (``drain-now`` hands them back at once). Nobody's work is lost.
+The machine's owner steers it through the local control channel (control.py, owner.py):
+``pause`` stops new work and hands back what is queued, ``resume`` undoes that, ``drain`` lets
+running tasks finish and then leaves (``drain-now`` hands them back at once). Nobody's work is
+lost.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from ..runner.pipe import PipeClosed
 from ..security import derive_keys
 from ..transport import Backoff, DealerLink, LinkEvent
 from .control import ControlServer
+from .owner import OwnerControls
 from .runners import Runner, RunningTask
 
 log = logging.getLogger("gpumesh.worker")
 
-ACK_WAIT_ON_DRAIN = 10.0  # seconds a draining worker waits for its last results to be acknowledged
 
 
 @dataclass
@@ -44,7 +45,7 @@ class QueuedTask:
     frames: list[Any]
 
 
-class WorkerAgent:
+class WorkerAgent(OwnerControls):
     """Serve tasks until ``stop()``. ``say`` receives the user-facing lines ([worker] ...)."""
 
     def __init__(
@@ -344,75 +345,6 @@ class WorkerAgent:
                     self._report(task, {"status": "cancelled"}, [], now)
                 return True
         return False
-
-    # ----------------------------------------------------------------- the owner's controls
-
-    def _on_control(self, action: str, now: float) -> dict[str, Any]:
-        released: list[int] = []
-        if action == "pause" and self.mode == "active":
-            self.mode = "paused"
-            released = self._hand_back_queued()
-            self.say("[worker] paused: running tasks finish, nothing new starts "
-                     "('gpumesh resume' to continue)")
-        elif action == "resume" and self.mode != "active":
-            self.mode = "active"
-            self._drain_idle_since = None
-            # Credit is cumulative per session: grant what is free now on top of what was used.
-            self.granted = max(self.granted, self.received + self._free_slots())
-            self.say("[worker] resumed: taking tasks again")
-        elif action in ("drain", "drain-now"):
-            self.mode = "draining"
-            released = self._hand_back_queued()
-            if action == "drain-now":
-                released += self._hand_back_running(now)
-            self.say("[worker] draining: " + ("handed back its tasks, leaving" if action == "drain-now"
-                     else "running tasks finish, then this worker leaves the mesh"))
-        if action != "status":
-            self._send_credit(release=released)
-        return self._control_status(released)
-
-    def _control_status(self, released: list[int]) -> dict[str, Any]:
-        return {"worker": self.worker_id, "mode": self.mode, "url": self.endpoint.zmq,
-                "connected": self.welcomed, "handed_back": len(released),
-                "running": sum(1 for r in self.runners if r.task is not None),
-                "queued": len(self.queue)}
-
-    def _hand_back_queued(self) -> list[int]:
-        released = [queued.task.lease_id for queued in self.queue]
-        self.queue.clear()
-        return released
-
-    def _hand_back_running(self, now: float) -> list[int]:
-        released = []
-        for runner in self.runners:
-            if runner.task is not None:
-                released.append(runner.task.lease_id)
-                runner.task = None
-                runner.kill()
-                runner.start()
-        return released
-
-    def _send_credit(self, release: list[int] = ()) -> None:  # type: ignore[assignment]
-        if not self.welcomed:
-            # The next HELLO carries the mode and these leases: nothing is charged for them.
-            self._pending_release.extend(release)
-            return
-        header: dict[str, Any] = {"granted": self.granted, "draining": self.draining,
-                                  "mode": self.mode}
-        if release:
-            header["release"] = list(release)
-        self.link.send(encode(Command.CREDIT, header))
-
-    def _finish_drain(self, now: float) -> None:
-        """Leave once nothing runs and the last results are safe (or waited for long enough)."""
-        if any(r.task is not None for r in self.runners) or self.queue:
-            self._drain_idle_since = None
-            return
-        if self._drain_idle_since is None:
-            self._drain_idle_since = now
-        if not self.unacked or now - self._drain_idle_since > ACK_WAIT_ON_DRAIN:
-            self.say("[worker] drained: leaving the mesh")
-            self.stop()
 
     # ----------------------------------------------------------------- runners
 

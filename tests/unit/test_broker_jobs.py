@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gpumesh.config import Limits, Timing
-from gpumesh.coordinator.broker import MAX_RETAINED_RESULT_BYTES, Broker
+from gpumesh.coordinator.broker import Broker
 from gpumesh.coordinator.jobs import Job, find_job
+from gpumesh.coordinator.retention import MAX_RETAINED_RESULT_BYTES
 from gpumesh.coordinator.state import TaskState
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.store import Store
@@ -193,7 +194,7 @@ def test_results_of_clients_gone_past_the_ttl_are_dropped_and_then_their_job(bro
 
 
 def test_uncollected_results_beyond_the_byte_cap_go_oldest_first(broker, monkeypatch):
-    monkeypatch.setattr("gpumesh.coordinator.broker.MAX_RETAINED_RESULT_BYTES", 150)
+    monkeypatch.setattr("gpumesh.coordinator.retention.MAX_RETAINED_RESULT_BYTES", 150)
     assert MAX_RETAINED_RESULT_BYTES > 150
     tasks = submit(broker, 3)
     for i, task_id in enumerate(tasks):
