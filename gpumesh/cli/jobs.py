@@ -15,6 +15,7 @@ from ..errors import MeshError
 from .output import color_enabled, fail, ok
 
 BAR_WIDTH = 20
+WAIT_LISTING = 20  # --wait lists every task of a job up to this size, else only the failures
 
 
 def plural(count: int, noun: str) -> str:
@@ -59,10 +60,23 @@ def progress_line(status: dict[str, Any]) -> str:
     return line
 
 
-def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None) -> str:
-    """The spec's per-job block: status, counts, and a line (plus result or error) per task."""
+def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *,
+                limit: int | None = None) -> str:
+    """The spec's per-job block: status, counts, and a line (plus result or error) per task.
+
+    With ``limit``, a bigger job lists only the tasks that did not succeed, up to ``limit``.
+    """
     lines = [f"  Status: {status['status']}", f"  Counts: {dict(sorted(status['counts'].items()))}", ""]
-    for task in status.get("tasks", []):
+    tasks = status.get("tasks", [])
+    if status.get("same_name"):
+        lines.insert(0, f"  ({status['same_name']} jobs are named {status['name']!r}: this is the "
+                        "newest; use the job id for another)")
+    if limit is not None and len(tasks) > limit:
+        shown = [t for t in tasks if t.get("state") != "done"][:limit]
+        lines.append(f"  {len(tasks) - len(shown)} of {len(tasks)} tasks not listed "
+                     f"('gpumesh status {status['job']}' lists them all, --json with results)")
+        tasks = shown
+    for task in tasks:
         state = task.get("state", "unknown")
         worker = task.get("worker") or "-"
         lines.append(f"  {_symbol(state)} task {task['id']} [{state}]  "
@@ -121,7 +135,7 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
             click.echo(f"Follow it with: gpumesh status {job_id}")
         return 0
     if not as_json:
-        ok(f"Submitted job {job_id}")
+        ok(f"Submitted job {job_id} ({plural(len(futures), 'task')})")
         click.echo(f"Job: {name or script} ({job_id})")
         click.echo("")
     status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
@@ -133,7 +147,7 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
         click.echo(json.dumps(status, indent=2, default=repr))
     else:
         click.echo("")
-        click.echo(job_summary(status, results))
+        click.echo(job_summary(status, results, limit=WAIT_LISTING))
     return 0 if status["counts"].get("done", 0) == status["total"] else 1
 
 
@@ -155,6 +169,9 @@ def _read_payloads(path: str) -> list[Any]:
         payloads = json.loads(text)
     except ValueError as exc:
         fail(f"{path} is not valid JSON ({exc}): it must hold a list of payload objects")
+    if isinstance(payloads, list) and not all(isinstance(p, dict) for p in payloads):
+        fail(f"{path}: every payload must be a JSON object (a dict the script reads), "
+             f"e.g. [{{\"lr\": 0.1}}, {{\"lr\": 0.01}}]")
     if not isinstance(payloads, list) or not payloads:
         fail(f"{path} must hold a JSON list with at least one payload (one task per payload), "
              f"e.g. [{{\"lr\": 0.1}}, {{\"lr\": 0.01}}]")
@@ -174,7 +191,9 @@ def status(mesh: GPUMesh, job_id: str | None, as_json: bool) -> None:
 def mesh_summary(answer: dict[str, Any]) -> str:
     counts = answer.get("counts", {})
     queue = ", ".join(f"{counts[s]} {s}" for s in ("pending", "running") if counts.get(s))
-    lines = ["", f"  Workers: {answer.get('workers', 0)} alive    Queue: {queue or 'empty'}", "",
+    paused = answer.get("workers_paused", 0)
+    workers = f"{answer.get('workers', 0)} alive" + (f" ({paused} paused or draining)" if paused else "")
+    lines = ["", f"  Workers: {workers}    Queue: {queue or 'empty'}", "",
              "  JOBS", "  " + "-" * 70]
     jobs = answer.get("jobs", [])
     if not jobs:
@@ -227,7 +246,7 @@ def control(mesh: GPUMesh, action: str, target: str, wait: bool = False) -> int:
             if wait:
                 final = follow(mesh, target)
                 click.echo("")
-                click.echo(job_summary(final))
+                click.echo(job_summary(final, limit=WAIT_LISTING))
                 return 0 if final["counts"].get("done", 0) == final["total"] else 1
         else:
             answer = mesh.kill_worker(target)

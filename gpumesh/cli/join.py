@@ -75,4 +75,5 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
                 os.close(ready_fd)
             except OSError:
                 pass
-    click.echo("[worker] left the mesh")
+    click.echo("[worker] left the mesh" if agent.joined_once
+               else "[worker] stopped (it never reached the coordinator)")

@@ -57,7 +57,10 @@ def print_event(event: Event) -> None:
                    f"score={float(w['score']):.3f})")
     elif event.kind == "worker_lost":
         w = event.data["worker"]
-        click.echo(f"[mesh] worker lost: {w['hostname']} {w['id'][:8]} ({event.data['reason']})")
+        reason = event.data["reason"]
+        verb = "left" if reason in ("left", "drained") else \
+            "removed" if reason.startswith("removed") else "lost"
+        click.echo(f"[mesh] worker {verb}: {w['hostname']} {w['id'][:8]} ({reason})")
 
 
 def serve(

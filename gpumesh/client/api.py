@@ -267,6 +267,11 @@ class GPUMesh:
                               f"{type(payloads).__name__}: wrap a single payload as [payload]")
         if not payloads:
             raise ConfigError("payloads is empty: a script job needs at least one payload")
+        for index, payload in enumerate(payloads):
+            if not isinstance(payload, Mapping):
+                raise ConfigError(f"payload {index} is a {type(payload).__name__}, not an object: "
+                                  "each payload is a dict the script reads as JSON, e.g. "
+                                  "{\"lr\": 0.1}")
         path = Path(script)
         try:
             source = path.read_bytes()

@@ -240,6 +240,7 @@ class Broker(WorkerSide, ClientSide, Retention):
         owner = self.clients.get(task.client_id)
         if owner is not None:
             owner.unfinished = max(owner.unfinished - 1, 0)
+        result = {**result, "finished_at": now}  # journaled: a restart keeps the job's timings
         task.result_header = result
         task.result_payload = payload
         task.finished_at = now

@@ -149,7 +149,7 @@ class ClientSide:
         action = field_of(msg.header, "action", str)
         target = field_of(msg.header, "target", str)
         if action in ("cancel", "retry"):
-            job = find_job(self.jobs, target)
+            job = find_job(self.jobs, target, unique_name=True)
             if isinstance(job, str):
                 data: dict[str, Any] = {"error": job}
             elif action == "cancel":

@@ -62,11 +62,21 @@ class Job:
             return "finished"
         return "queued" if counts.keys() == {"pending"} else "running"
 
+    def outcome(self) -> str | None:
+        """Once finished: ``succeeded`` (all done), ``failed`` (some failed), else ``cancelled``."""
+        counts = self.counts()
+        if self.status_word() != "finished":
+            return None
+        if counts.get("failed"):
+            return "failed"
+        return "cancelled" if counts.get("cancelled") else "succeeded"
+
     def describe(self, live: dict[str, Task], now: float, *, tasks: bool) -> dict[str, Any]:
         counts = self.counts()
         end = self.finished_at if self.finished_at is not None else now
         view: dict[str, Any] = {
             "job": self.job_id, "name": self.name, "status": self.status_word(),
+            "outcome": self.outcome(),
             "counts": counts, "total": len(self.task_ids), "created": self.created,
             "elapsed": round(max(end - self.created, 0.0), 3),
         }
@@ -131,14 +141,18 @@ def _preview(encoding: Any, payload: list[Any]) -> Any:
         return text
 
 
-def find_job(jobs: dict[str, Job], key: str) -> Job | str:
-    """A job by id, unique id prefix (4+ characters) or name (the newest of that name).
+def find_job(jobs: dict[str, Job], key: str, *, unique_name: bool = False) -> Job | str:
+    """A job by id, unique id prefix (4+ characters) or name (the newest of that name, or, with
+    ``unique_name``, only when one job has it: cancel and retry must not guess).
 
     Returns an error message instead when nothing, or more than one job, matches.
     """
     if key in jobs:
         return jobs[key]
     named = [job for job in jobs.values() if job.name == key]
+    if len(named) > 1 and unique_name:
+        return (f"{len(named)} jobs are named {key!r}: use the job id ('gpumesh status' lists "
+                "them)")
     if named:
         return max(named, key=lambda job: job.created)
     matches = [job for job_id, job in jobs.items() if job_id.startswith(key)]

@@ -78,14 +78,21 @@ class Retention:
         """One job (``job_id``: id, unique prefix or name; its tasks listed unless ``tasks`` is
         false), or the queue and the recent jobs. Costs O(jobs), plus O(tasks) when listed."""
         alive = sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE)
+        paused = sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE and w.draining)
         if job_id:
             job = find_job(self.jobs, job_id)
             if isinstance(job, str):
                 return {"error": job, "workers": alive}
-            return {**job.describe(self.tasks, now, tasks=tasks), "workers": alive}
+            same_name = sum(1 for j in self.jobs.values() if j.name == job.name)
+            view = {**job.describe(self.tasks, now, tasks=tasks), "workers": alive,
+                    "workers_paused": paused}
+            if same_name > 1 and job_id == job.name:
+                view["same_name"] = same_name  # the newest was picked
+            return view
         counts = {state: sum(j.tally[state] for j in self.jobs.values())
                   for state in ("pending", "running")}
         counts = {state: n for state, n in counts.items() if n}
         recent = sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)[:LIST_JOBS]
-        return {"job": None, "counts": counts, "workers": alive, "jobs_known": len(self.jobs),
+        return {"job": None, "counts": counts, "workers": alive, "workers_paused": paused,
+                "jobs_known": len(self.jobs),
                 "jobs": [j.describe(self.tasks, now, tasks=False) for j in recent]}

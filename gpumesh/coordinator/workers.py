@@ -186,6 +186,8 @@ class WorkerSide:
         if key in self.workers:
             return self.workers[key]
         alive = [w for w in self.workers.values() if w.state is WorkerState.ALIVE]
+        if len(key) < 4 and any(w.worker_id.startswith(key) for w in alive):
+            return f"{key!r} is too short: give at least 4 characters of the worker id"
         matches = [w for w in alive if w.worker_id.startswith(key)] if len(key) >= 4 else []
         matches = matches or [w for w in alive if w.info.get("hostname") == key]
         if len(matches) == 1:

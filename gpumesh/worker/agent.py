@@ -36,6 +36,8 @@ from .runners import Runner, RunningTask
 
 log = logging.getLogger("gpumesh.worker")
 
+NEVER_JOINED_HINT = 60.0  # seconds without ever reaching the coordinator before a hint
+
 
 
 @dataclass
@@ -103,6 +105,8 @@ class WorkerAgent(OwnerControls):
         self.control: ControlServer | None = None
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
         self._pending_release: list[int] = []
+        self._started_at = 0.0
+        self._hinted = False
         self._heartbeat = settings.timing.heartbeat
         self._silence_limit = settings.timing.silence_limit
         self._last_heard = 0.0
@@ -128,7 +132,7 @@ class WorkerAgent(OwnerControls):
         if self._local_control:
             self.control = ControlServer(self._ctx, self.settings.home, self.worker_id,
                                          self.endpoint.zmq)
-        self._last_heard = time.time()
+        self._last_heard = self._started_at = time.time()
         self._hello()
         try:
             while not self._stop.is_set():
@@ -438,6 +442,12 @@ class WorkerAgent(OwnerControls):
             else:
                 self.say(f"[worker] cannot reach a coordinator at {self.endpoint} yet (is "
                          f"'gpumesh serve' running there?); retrying in {delay:.1f}s")
+                if now - self._started_at > NEVER_JOINED_HINT and not self._hinted:
+                    self._hinted = True
+                    self.say("[worker] still no coordinator after "
+                             f"{now - self._started_at:.0f}s: check the URL and port, and that "
+                             "the coordinator was started with --host to accept other machines "
+                             "(Ctrl+C to stop)")
             self._reconnect_at = now + delay
             return
         if self.welcomed and now - self._last_sent_heartbeat >= self._heartbeat:

@@ -211,3 +211,17 @@ def test_job_commands_have_help_with_an_example(command):
     result = subprocess.run([sys.executable, "-m", "gpumesh", command, "--help"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0 and "Example" in result.stdout
+
+
+@pytest.mark.parametrize("content, words", [
+    ("not json", "is not valid JSON"), ("[]", "at least one payload"),
+    ('{"lr": 0.1}', "must hold a JSON list"), ("[1, 2]", "must be a JSON object")])
+def test_bad_payload_files_are_refused_before_anything_is_sent(tmp_path, content, words):
+    script, payloads = write_job(tmp_path, SLEEPY, [])
+    Path(payloads).write_text(content)
+    result = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "submit", script, "--payloads", payloads,
+         "--url", "tcp://127.0.0.1:9", "--token", "t" * 43],
+        capture_output=True, text=True, timeout=30, env={**os.environ, "GPUMESH_HOME": str(tmp_path)})
+    assert result.returncode == 1 and words in result.stderr
+    assert "t" * 43 not in result.stderr

@@ -310,3 +310,32 @@ def test_a_malformed_held_list_moves_nothing(broker):
                                             "proto": [1, 1], "held": [[task_id, 5], "junk"]}), 11.0)
     assert restarted.tasks[task_id].state is TaskState.RESTORED
     assert sent(restarted, Command.ERROR)[-1]["code"] == "malformed"
+
+
+def test_finish_times_and_outcomes_survive_a_restart():
+    store = Store(":memory:")
+    first = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+    hello_worker(first, W, "w1", slots=2)
+    first.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    ok_task, bad_task = submit(first, 2, name="mixed")
+    first.dispatch(0.0)
+    result(first, ok_task, now=4.0)
+    result(first, bad_task, status="error", now=6.0)  # neither collected: the client is away
+    store.commit()
+    second = Broker(store, Timing(), Limits(), epoch=2, now=900.0)
+    second.restore(900.0)
+    view = second.status("mixed", 901.0)
+    assert [t["finished_at"] for t in view["tasks"]] == [4.0, 6.0]
+    assert view["elapsed"] == 6.0 and view["outcome"] == "failed"
+
+
+def test_cancel_and_retry_by_a_shared_name_refuse_to_guess(broker):
+    submit(broker, 1, job="jobA", name="nightly")
+    submit(broker, 1, job="jobB", name="nightly", first_seq=5, now=0.5)
+    assert "2 jobs are named 'nightly'" in control(broker, "cancel", "nightly")["error"]
+    view = broker.status("nightly", 1.0)
+    assert view["job"] == "jobB" and view["same_name"] == 2 and view["outcome"] is None
+
+
+def test_short_worker_prefixes_say_so(broker):
+    assert "too short" in control(broker, "kill", "w1"[:1])["error"]

@@ -115,3 +115,18 @@ def test_results_to_dataframe_of_a_job_status_has_a_row_per_task():
     assert frame["result"].tolist()[2] == "text"
     with pytest.raises(TypeError, match="list of results"):
         results_to_dataframe({"lr": 0.1})
+
+
+def test_wait_summaries_of_big_jobs_list_only_what_did_not_succeed():
+    from gpumesh.cli.jobs import job_summary
+
+    tasks = [{"id": f"t{i}", "state": "done", "cost": 1.0, "worker": "w", "result": i}
+             for i in range(30)]
+    tasks[7] = {"id": "t7", "state": "failed", "cost": 1.0, "worker": "w", "error": "boom"}
+    status = {"job": "j1", "name": "n", "status": "finished", "counts": {"done": 29, "failed": 1},
+              "total": 30, "tasks": tasks}
+    short = job_summary(status, limit=20)
+    assert "task t7 [failed]" in short and "error: boom" in short and "task t8" not in short
+    assert "29 of 30 tasks not listed ('gpumesh status j1'" in short
+    assert short.count("\n") < 12
+    assert job_summary(status).count(" task t") == 30  # `status JOB` lists them all
