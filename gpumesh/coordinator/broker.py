@@ -63,6 +63,7 @@ class Broker(WorkerSide, ClientSide, Retention):
         self.workers: dict[str, WorkerSession] = {}
         self.clients: dict[str, ClientSession] = {}
         self.jobs: dict[str, Job] = {}
+        self.stragglers: set[str] = set()  # worker ids kept from heavy tasks (refresh_stragglers)
         self.peers: dict[bytes, tuple[Role, str]] = {}
         self._pending: list[tuple[int, int, str]] = []
         self._order = itertools.count()
@@ -345,7 +346,7 @@ class Broker(WorkerSide, ClientSide, Retention):
         if not candidates:
             return 0
         views = {w.worker_id: w.view() for w in candidates}
-        for worker_id in self.straggler_ids() & views.keys():
+        for worker_id in self.stragglers & views.keys():
             views[worker_id].straggler = True
         skipped: list[tuple[int, int, str]] = []
         sent = 0
@@ -426,6 +427,7 @@ class Broker(WorkerSide, ClientSide, Retention):
         if now - self._last_pending_check >= 1.0:
             self._last_pending_check = now
             self._fail_unschedulable(now)
+            self.refresh_stragglers()
         if now - self._last_sweep >= RETENTION_SWEEP:
             self._last_sweep = now
             self.sweep(now)

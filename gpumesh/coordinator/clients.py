@@ -131,7 +131,7 @@ class ClientSide:
     def _c_query(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
         what = field_of(msg.header, "what", str)
         if what == "workers":
-            stragglers = self.straggler_ids()
+            stragglers = self.stragglers
             data: Any = [{**w.describe(), "straggler": w.worker_id in stragglers}
                          for w in self.workers.values()]
         elif what == "status":
@@ -202,7 +202,7 @@ class ClientSide:
         for task_id in job.task_ids:
             task = self.tasks.get(task_id)
             if task is None or task.state not in (TaskState.FAILED, TaskState.CANCELLED) \
-                    or (not task.payload and task.spec.get("nf", 1)):
+                    or not task.payload:
                 continue
             task.move(TaskState.PENDING)
             # A fresh start: a new pending clock, and the old attempts' results no longer count.

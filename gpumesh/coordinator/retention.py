@@ -83,11 +83,12 @@ class Retention:
             job = find_job(self.jobs, job_id)
             if isinstance(job, str):
                 return {"error": job, "workers": alive}
-            same_name = sum(1 for j in self.jobs.values() if j.name == job.name)
             view = {**job.describe(self.tasks, now, tasks=tasks), "workers": alive,
                     "workers_paused": paused}
-            if same_name > 1 and job_id == job.name:
-                view["same_name"] = same_name  # the newest was picked
+            if job_id == job.name != job.job_id:  # found by name: was it the only one?
+                same_name = sum(1 for j in self.jobs.values() if j.name == job.name)
+                if same_name > 1:
+                    view["same_name"] = same_name  # the newest was picked
             return view
         counts = {state: sum(j.tally[state] for j in self.jobs.values())
                   for state in ("pending", "running")}

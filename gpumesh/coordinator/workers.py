@@ -30,7 +30,7 @@ class WorkerSide:
         incarnation = field_of(h, "incarnation", str, "")
         if not 0 <= credit <= 100_000 or not 0 < slots <= 100_000:
             raise ProtocolError(ErrorCode.MALFORMED, "slots and credit must be 0-100000")
-        _set_mode_checked = _mode_of(h)
+        draining, mode = _mode_of(h)
         worker = self.workers.get(worker_id)
         rejoined = worker is not None and worker.state is WorkerState.LOST
         if worker is None:
@@ -47,7 +47,7 @@ class WorkerSide:
             worker.slots, worker.last_seen, worker.state = slots, now, WorkerState.ALIVE
             worker.departed = ""
         worker.granted, worker.sent = credit, 0
-        worker.draining, worker.mode = _set_mode_checked
+        worker.draining, worker.mode = draining, mode
         # Handed back while the link was down (the owner paused it): no attempt is charged.
         self._release(worker, release, now)
         abort: list[int] = []
@@ -173,11 +173,15 @@ class WorkerSide:
         else:
             worker.seconds_per_cost += SPEED_SMOOTHING * (seconds_per_cost - worker.seconds_per_cost)
 
-    def straggler_ids(self: Broker) -> set[str]:
-        """Alive workers over twice the median task time per unit of cost (scheduler rule 4)."""
+    def refresh_stragglers(self: Broker) -> set[str]:
+        """Alive workers over twice the median task time per unit of cost (scheduler rule 4).
+
+        Recomputed once a second by ``tick``, not on every dispatch: speeds move slowly.
+        """
         speeds = {w.worker_id: w.seconds_per_cost for w in self.workers.values()
                   if w.state is WorkerState.ALIVE and w.completed >= MIN_RESULTS_FOR_SPEED}
-        return scheduler.stragglers(speeds)
+        self.stragglers = scheduler.stragglers(speeds)
+        return self.stragglers
 
     # ----------------------------------------------------------------- removing a worker
 

@@ -300,13 +300,14 @@ class WorkerAgent(OwnerControls):
 
     def _start_queued(self, now: float) -> None:
         """Start queued tasks, in order, each in an idle slot that suits it."""
+        idle = [r for r in self.runners if r.idle]
+        if not idle or not self.queue:
+            return
         for queued in list(self.queue):
-            idle = [r for r in self.runners if r.idle]
-            if not idle:
-                return
             runner = next((r for r in idle if self._slot_fits(r.slot, queued.task.header)), None)
             if runner is None:
                 continue  # its GPU is busy: later tasks may still fit the free slots
+            idle.remove(runner)
             self.queue.remove(queued)
             queued.task.started = now
             timeout = queued.task.header.get("timeout")
@@ -319,6 +320,8 @@ class WorkerAgent(OwnerControls):
                 self.queue.appendleft(queued)
                 runner.task = None
                 self._runner_died(runner, now)
+            if not idle:
+                return
 
     def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
         need = header.get("need")

@@ -7,6 +7,7 @@ attempt is charged), running ones finish, or with ``drain-now`` are handed back 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import Command, encode
@@ -63,7 +64,7 @@ class OwnerControls:
                 runner.start()
         return released
 
-    def _send_credit(self: WorkerAgent, release: list[int] = ()) -> None:  # type: ignore[assignment]
+    def _send_credit(self: WorkerAgent, release: Sequence[int] = ()) -> None:
         if not self.welcomed:
             # The next HELLO carries the mode and these leases: nothing is charged for them.
             self._pending_release.extend(release)

