@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Sequence
 
 import click
 
 from ..config import Settings, parse_url, save_connection
-from ..errors import MeshError
+from ..errors import ConfigError, MeshError
+from ..protocol.taskenv import check_env_name
 from ..worker import WorkerAgent, devices
 from .lifecycle import stop_with_parent
 from .output import fail
@@ -23,11 +25,31 @@ def default_slots(inventory: dict) -> int:  # type: ignore[type-arg]
     return max(1, min(int(inventory["cores"]), DEFAULT_CPU_SLOTS_MAX))
 
 
+def passed_variables(names: Sequence[str]) -> list[str]:
+    """The ``--pass-env`` names, checked; a line for each one this environment lacks."""
+    passed: list[str] = []
+    for name in names:
+        try:
+            check_env_name(name)
+        except ValueError as exc:
+            raise ConfigError(f"--pass-env: {exc}") from None
+        if name == "GPUMESH_TOKEN":
+            raise ConfigError("--pass-env GPUMESH_TOKEN: the mesh token is never handed to tasks")
+        if name not in os.environ:
+            click.echo(f"[worker] --pass-env {name}: not set here, so tasks will not get it")
+        if name not in passed:
+            passed.append(name)
+    if passed:
+        click.echo(f"[worker] passes to every task: {', '.join(passed)}")
+    return passed
+
+
 def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
          save: bool, ready_fd: int | None, prefetch: int = 0, max_slots: int | None = None,
-         exit_with_parent: bool = False) -> None:
+         exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
     try:
         endpoint = parse_url(url)
+        passed = passed_variables(pass_env)
     except MeshError as exc:
         fail(str(exc))
         return
@@ -57,7 +79,8 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     try:
         agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
                             say=lambda line: click.echo(line), on_joined=joined,
-                            gpu_indices=gpu_indices or None, prefetch=prefetch)
+                            gpu_indices=gpu_indices or None, prefetch=prefetch,
+                            pass_env=passed)
     except MeshError as exc:
         fail(str(exc))
         return

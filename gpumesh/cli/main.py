@@ -102,12 +102,16 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
 @click.option("--prefetch", type=click.IntRange(0, 1000), default=0, show_default=True,
               help="Extra tasks to hold queued beyond the slots (speeds up tiny tasks).")
 @click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
+@click.option("--pass-env", "pass_env", multiple=True, metavar="NAME",
+              help="Give every task this machine's value of variable NAME (repeatable). Tasks "
+                   "otherwise see only PATH, HOME, the locale and the like.")
 @click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
 def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetch: int,
-         no_benchmark: bool, no_save: bool, ready_fd: int | None, exit_with_parent: bool) -> None:
+         no_benchmark: bool, pass_env: tuple[str, ...], no_save: bool, ready_fd: int | None,
+         exit_with_parent: bool) -> None:
     """Join this machine to a coordinator as a worker.
 
     The machine's owner can take it back at any time with 'gpumesh pause', 'resume' and
@@ -117,12 +121,13 @@ def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetc
     Example:
       gpumesh join tcp://192.0.2.10:8000 --token $TOKEN
       gpumesh join tcp://192.0.2.10:8000 --token $TOKEN --max-slots 1   # lend one GPU only
+      gpumesh join tcp://192.0.2.10:8000 --token $TOKEN --pass-env HF_HOME
     """
     from .join import join as run_join
 
     run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
              save=not no_save, ready_fd=ready_fd, prefetch=prefetch, max_slots=max_slots,
-             exit_with_parent=exit_with_parent)
+             exit_with_parent=exit_with_parent, pass_env=pass_env)
 
 
 def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]

@@ -1,9 +1,13 @@
-"""Entry point of a runner process: ``python -m gpumesh.runner FD``.
+"""Entry point of a runner process: ``python -m gpumesh.runner FD [NAME ...]``.
 
 The worker agent starts one runner per slot and hands it one end of a socket pair. The runner
 reads a task, runs it, writes the result, and waits for the next one, so there is no process
 start per task. It never talks to the network: a task that hangs, hogs the GIL or crashes the
 interpreter cannot stop the agent's heartbeats.
+
+The NAMEs are the variables the worker's owner passes to every task (``join --pass-env``).
+Before the first task the runner cuts its own environment down to what tasks may see
+(environment.py); each task then runs with that plus its own ``env``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import time
 
 import msgpack
 
-from .execute import run_function, run_script
+from .environment import base_environment, set_environ
+from .execute import infrastructure_failure, run_task
 from .pipe import PipeClosed, recv_message, send_message
 
 MAX_TASK_BYTES = 1 << 40
@@ -38,15 +43,20 @@ def _exit_with_parent() -> None:
 def main(argv: list[str]) -> int:
     threading.Thread(target=_exit_with_parent, name="gpumesh-parent-watch", daemon=True).start()
     sock = socket.socket(fileno=int(argv[0]))
+    base_env = base_environment(os.environ, argv[1:])
+    set_environ(base_env)  # the interpreter has read its PYTHON* variables; tasks do not see them
     send_message(sock, [msgpack.packb({"ready": True})])
     while True:
         try:
             frames = recv_message(sock, MAX_TASK_BYTES)
         except PipeClosed:
             return 0
-        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
-        runner = run_script if header.get("kind") == "script" else run_function
-        result_header, result_frames = runner(header, frames[1:])
+        try:
+            header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+            result_header, result_frames = run_task(header, frames[1:], base_env)
+        except Exception as exc:
+            # A fault in the runner's own handling of one task: answer for it and stay up.
+            result_header, result_frames = infrastructure_failure("the runner failed", exc)
         del frames
         sys.stdout.flush()
         sys.stderr.flush()

@@ -2,7 +2,10 @@
 
 Returns ``(header, frames)`` for the agent. A user exception is a result like any other: its
 type, message and traceback travel in the header, and the exception itself, pickled, when it can
-be, so the caller can raise the original type.
+be, so the caller can raise the original type. A task the worker refuses (a bad ``env`` or
+script name) is an error too, reported once and never retried; a failure of the worker itself
+(it cannot start a process or write a file) is reported as ``crashed``, so the task is retried
+elsewhere, while the runner stays up.
 """
 
 from __future__ import annotations
@@ -21,18 +24,32 @@ from typing import Any
 import msgpack
 
 from ..protocol import serialize
-
-# Script tasks see only these variables: a script submitted by a peer gets no credentials that
-# happen to sit in the worker's environment.
-SCRIPT_ENV_ALLOWLIST = (
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TEMP", "TMP",
-    "SYSTEMROOT", "CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV",
-)
+from ..protocol.taskenv import check_script_name, check_task_env
+from .environment import task_environ
 
 STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error report
 
 _functions: OrderedDict[str, Any] = OrderedDict()
 _FUNCTION_CACHE = 64
+
+
+def run_task(header: dict[str, Any], frames: Sequence[Any], base_env: dict[str, str]
+             ) -> tuple[dict[str, Any], list[Any]]:
+    """Run one task of either kind with ``base_env`` plus the task's own ``env``."""
+    script = header.get("kind") == "script"
+    try:
+        task_env = check_task_env(header["env"]) if "env" in header else {}
+    except ValueError as exc:
+        return _refused(f"this worker refused the task's env: {exc}")
+    if script:
+        return run_script(header, frames, {**base_env, **task_env})
+    with task_environ(base_env, task_env):
+        return run_function(header, frames)
+
+
+def infrastructure_failure(what: str, exc: BaseException) -> tuple[dict[str, Any], list[Any]]:
+    """The worker, not the task, failed: ``crashed`` makes the coordinator retry it elsewhere."""
+    return {"status": "crashed", "diagnosis": f"{what}: {type(exc).__name__}: {exc}"}, []
 
 
 def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -99,23 +116,35 @@ def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[A
     return {"status": "error", "error": error}, frames
 
 
-def run_script(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str]
+               ) -> tuple[dict[str, Any], list[Any]]:
     """Run the script with the payload as JSON on stdin; stdout is the result.
 
-    stderr streams to the caller as it is written (through this runner's stderr), and its last
-    lines are kept for the error report when the script fails.
+    The script runs with ``env`` as its whole environment, in a temporary directory of its own
+    (its working directory, removed afterwards). stderr streams to the caller as it is written
+    (through this runner's stderr), and its last lines are kept for the error report when the
+    script fails.
     """
+    try:
+        name = check_script_name(header.get("name", ""))
+    except ValueError as exc:
+        return _refused(f"this worker refused the script: {exc}", "gpumesh.ScriptError")
     script, payload = bytes(frames[0]), bytes(frames[1]) if len(frames) > 1 else b"{}"
-    name = os.path.basename(str(header.get("name", "task.py"))) or "task.py"
-    env = {k: v for k, v in os.environ.items() if k in SCRIPT_ENV_ALLOWLIST}
-    with tempfile.TemporaryDirectory(prefix="gpumesh-script-") as tmp:
-        path = os.path.join(tmp, name if name.endswith(".py") else f"{name}.py")
-        with open(path, "wb") as handle:
-            handle.write(script)
-        proc = subprocess.Popen(
-            [sys.executable, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=env,
-        )
+    try:
+        tmp = tempfile.TemporaryDirectory(prefix="gpumesh-script-", ignore_cleanup_errors=True)
+    except OSError as exc:
+        return infrastructure_failure("could not make a temporary directory for the script", exc)
+    with tmp:
+        path = os.path.join(tmp.name, name if name.endswith(".py") else f"{name}.py")
+        try:
+            with open(path, "wb") as handle:
+                handle.write(script)
+            proc = subprocess.Popen(
+                [sys.executable, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=env, cwd=tmp.name,
+            )
+        except OSError as exc:
+            return infrastructure_failure("could not start the script", exc)
         # stderr belongs to the relay thread alone: communicate() must not read it too.
         err_pipe, proc.stderr = proc.stderr, None
         tail: deque[bytes] = deque()
@@ -138,6 +167,12 @@ def run_script(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str,
     except ValueError:
         encoding = "text"
     return {"status": "ok", "encoding": encoding}, [text.encode("utf-8")]
+
+
+def _refused(message: str, kind: str = "gpumesh.TaskRefused") -> tuple[dict[str, Any], list[Any]]:
+    """A task this worker will not run as sent: an error without frames (nothing to unpickle),
+    so it fails once, here, instead of being retried on every other worker."""
+    return {"status": "error", "error": {"type": kind, "message": message, "traceback": ""}}, []
 
 
 def _relay_stderr(pipe: Any, tail: deque[bytes]) -> None:

@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,7 @@ class WorkerAgent(OwnerControls):
         info: dict[str, Any], say: Callable[[str], None] | None = None,
         worker_id: str | None = None, gpu_indices: list[int] | None = None,
         on_joined: Callable[[str], None] | None = None, prefetch: int = 0,
-        local_control: bool = True,
+        local_control: bool = True, pass_env: Sequence[str] = (),
     ) -> None:
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
@@ -90,7 +90,8 @@ class WorkerAgent(OwnerControls):
                 slot_env["CUDA_VISIBLE_DEVICES"] = str(index)
                 gpu = by_index.get(index)
             self.slot_gpus.append(gpu)
-            self.runners.append(Runner(slot, slot_env, settings.limits.max_message_bytes))
+            self.runners.append(Runner(slot, slot_env, settings.limits.max_message_bytes,
+                                       pass_env=pass_env))
         self.queue: deque[QueuedTask] = deque()
         # lease id -> (RESULT header, frames), kept until the coordinator's RESULT_ACK
         self.unacked: dict[int, tuple[dict[str, Any], list[Any]]] = {}

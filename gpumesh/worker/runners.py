@@ -2,7 +2,8 @@
 
 Each slot has one long-lived runner (``python -m gpumesh.runner``) connected by a socket pair.
 Its stdout and stderr are pipes the agent reads, to stream what tasks print and to keep the last
-lines for a diagnosis when the runner dies.
+lines for a diagnosis when the runner dies. A runner starts with the environment tasks may see
+(gpumesh/runner/environment.py), not the agent's: the worker's credentials stay out of it.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from ..runner.environment import runner_process_environment
 from ..runner.pipe import PipeClosed, recv_message, send_message
 
 TAIL_LINES = 20
@@ -34,11 +36,17 @@ class RunningTask:
 
 
 class Runner:
-    """One runner child. Not thread-safe: the agent's loop thread owns it."""
+    """One runner child. Not thread-safe: the agent's loop thread owns it.
 
-    def __init__(self, slot: int, env: Mapping[str, str], max_bytes: int) -> None:
+    ``env`` is the agent's environment for this slot (with its GPU pinning); the runner gets the
+    allow-listed part of it plus the variables named in ``pass_env``, the owner's choice.
+    """
+
+    def __init__(self, slot: int, env: Mapping[str, str], max_bytes: int,
+                 pass_env: Iterable[str] = ()) -> None:
         self.slot = slot
-        self._env = dict(env)
+        self._pass_env = list(pass_env)
+        self._env = runner_process_environment(env, self._pass_env)
         self._max_bytes = max_bytes
         self.proc: subprocess.Popen[bytes] | None = None
         self.control: socket.socket | None = None
@@ -50,7 +58,7 @@ class Runner:
     def start(self) -> None:
         parent, child = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno())],
+            [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()), *self._pass_env],
             pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env=self._env, start_new_session=True,
         )
@@ -82,6 +90,9 @@ class Runner:
     def send(self, task: RunningTask, header: dict[str, Any], frames: list[Any]) -> None:
         assert self.control is not None
         self.task = task
+        if "env" in task.header:
+            # The submitter's variables (the runner checks them before it runs anything).
+            header = {**header, "env": task.header["env"]}
         send_message(self.control, [msgpack.packb(header, use_bin_type=True), *frames])
 
     def receive(self) -> tuple[dict[str, Any], list[bytearray]]:

@@ -122,6 +122,56 @@ def test_script_failure_is_an_error_with_output(mesh_env, tmp_path):
     assert detail.rstrip().endswith("ValueError: bad input 7")
 
 
+def test_a_script_runs_in_its_own_temporary_directory_which_is_removed(mesh_env, tmp_path):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    script = tmp_path / "where.py"
+    script.write_text(textwrap.dedent("""
+        import json, os
+        open("scratch.txt", "w").write("left behind?")
+        print(json.dumps({"cwd": os.path.realpath(os.getcwd()),
+                          "script_dir": os.path.dirname(os.path.realpath(__file__)),
+                          "files": sorted(os.listdir("."))}))
+    """))
+    job = client.submit(script=script, payloads=[{}])
+    seen = client.job_futures(job)[0].result(timeout=30)
+    assert seen["cwd"] == seen["script_dir"] != os.path.realpath(os.getcwd())
+    assert seen["files"] == ["scratch.txt", "where.py"]
+    assert not os.path.exists(seen["cwd"])  # removed before the result was sent
+
+
+def test_a_script_name_with_a_nul_fails_once_with_a_clear_error(mesh_env):
+    from gpumesh.client.tasks import TaskOptions, script_task
+
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    mesh_env.add_worker()  # a crash would be retried here: it must not be
+    client = mesh_env.client()
+    mesh_env.wait_workers(2, client)
+    spec, frames = script_task("fine.py", b"print(1)\n", {}, TaskOptions())
+    spec["name"] = "bad\x00name.py"  # what a client other than gpumesh's could send
+    future, = client._require().submit([(spec, frames)], "nuljob01", "nul")
+    with pytest.raises(RemoteError) as info:
+        future.result(timeout=30)
+    assert "control character" in str(info.value) and "rename the file" in str(info.value)
+    task, = client.status("nuljob01")["tasks"]
+    assert task["state"] == "failed" and task["attempts"] == 1
+    # The runner survived: the worker still runs tasks.
+    assert client.submit(echo, 5).result(timeout=30) == 5
+
+
+def test_the_client_refuses_a_script_name_no_worker_could_use(mesh_env, tmp_path):
+    from gpumesh.errors import ConfigError
+
+    mesh_env.start_coordinator()
+    client = mesh_env.client()
+    script = tmp_path / "two\nlines.py"  # a legal file name here, and a forged log line there
+    script.write_text("print(1)\n")
+    with pytest.raises(ConfigError, match="control character"):
+        client.submit(script=script, payloads=[{}])
+
+
 def test_task_output_reaches_the_caller(mesh_env):
     mesh_env.start_coordinator()
     mesh_env.add_worker()

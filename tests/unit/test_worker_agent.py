@@ -120,3 +120,30 @@ def test_a_task_that_needs_a_gpu_model_starts_only_in_the_slot_pinned_to_it(tmp_
     finally:
         a.link.close()
         a._ctx.term()
+
+
+def test_pass_env_reaches_every_runner_and_a_tasks_env_reaches_its_runner(tmp_path, monkeypatch):
+    import socket
+
+    from gpumesh.runner.pipe import recv_message
+
+    monkeypatch.setenv("GM_OWNER_PASSES", "yes")
+    monkeypatch.setenv("GM_OWNER_KEEPS", "no")
+    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=2, info={},
+                    local_control=False, pass_env=["GM_OWNER_PASSES"])
+    try:
+        for runner in a.runners:
+            assert runner._env["GM_OWNER_PASSES"] == "yes"
+            assert "GM_OWNER_KEEPS" not in runner._env and "GPUMESH_TOKEN" not in runner._env
+        runner = a.runners[0]
+        runner.control, theirs = socket.socketpair()
+        task = RunningTask("T", 1, 0.0, None, {"task": "T", "env": {"GM_X": "1"}})
+        runner.send(task, {"kind": "fn", "fn": "", "name": ""}, [b"f", b"a"])
+        header, *_ = recv_message(theirs, 1 << 20)
+        assert msgpack.unpackb(header)["env"] == {"GM_X": "1"}
+        theirs.close()
+        runner.control.close()
+    finally:
+        a.link.close()
+        a._ctx.term()

@@ -1,0 +1,62 @@
+"""The process environment a task runs with, function or script alike.
+
+Three layers, later ones winning: the worker's allow-listed variables (what programs, Python and
+the GPU stack need, nothing that usually holds a credential; the agent has already set
+``CUDA_VISIBLE_DEVICES`` to pin the slot), then the variables the worker's owner passes with
+``gpumesh join --pass-env NAME``, then the task's own ``env`` from its submitter (which may not
+name the variables in ``protocol.taskenv.ENV_DENIED``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+ALLOWED = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ",
+    "TMPDIR", "TEMP", "TMP", "SYSTEMROOT",
+    "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+})
+ALLOWED_PREFIXES = ("LC_",)  # the locale: LC_ALL, LC_CTYPE, ...
+
+
+def base_environment(environ: Mapping[str, str], passed: Iterable[str] = ()) -> dict[str, str]:
+    """What every task on this worker sees: ``environ`` cut to the allow-list plus ``passed``."""
+    keep = ALLOWED | set(passed)
+    return {k: v for k, v in environ.items() if k in keep or k.startswith(ALLOWED_PREFIXES)}
+
+
+def runner_process_environment(environ: Mapping[str, str], passed: Iterable[str] = ()
+                               ) -> dict[str, str]:
+    """The environment a runner process starts with: the tasks' base, plus the ``PYTHON*``
+    variables the interpreter reads at start (so the runner imports as the agent does), which
+    the runner drops before any task runs.
+
+    Filtering here, not only inside the runner, keeps what a task must not see out of the
+    runner's initial environment block, which ``/proc/self/environ`` would show it.
+    """
+    env = base_environment(environ, passed)
+    env.update((k, v) for k, v in environ.items() if k.startswith("PYTHON"))
+    return env
+
+
+def set_environ(env: Mapping[str, str]) -> None:
+    """Make ``os.environ`` exactly ``env`` (each change also reaches the C library's copy)."""
+    for name in [k for k in os.environ if k not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+@contextmanager
+def task_environ(base: Mapping[str, str], task_env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``base`` plus ``task_env`` inside, and ``base`` again after: what one
+    task set, or was sent, is not left for the next task in this runner."""
+    set_environ({**base, **task_env})
+    try:
+        yield
+    finally:
+        set_environ(base)
