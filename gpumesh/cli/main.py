@@ -169,11 +169,13 @@ def _with_client(url: str | None, token: str | None, work):  # type: ignore[no-u
               help="Runs per task when workers die under it (a script error is not retried).")
 @click.option("--priority", type=int, default=0, show_default=True,
               help="Higher runs first.")
+@click.option("--env", "env", multiple=True, metavar="NAME",
+              help="Send this shell's value of variable NAME with each task (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
 @_connection
 def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeout: float | None,
-           max_attempts: int, priority: int, as_json: bool, url: str | None,
-           token: str | None) -> None:
+           max_attempts: int, priority: int, env: tuple[str, ...], as_json: bool,
+           url: str | None, token: str | None) -> None:
     """Run SCRIPT once per payload, across the mesh.
 
     Each payload object reaches the script as JSON on stdin; what the script prints on stdout
@@ -187,7 +189,12 @@ def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeou
     from ..client.tasks import TaskOptions
     from . import jobs
 
-    options = TaskOptions(timeout=timeout, max_attempts=max_attempts, priority=priority)
+    try:
+        options = TaskOptions(timeout=timeout, max_attempts=max_attempts, priority=priority,
+                              env=env)
+    except MeshError as exc:
+        fail(str(exc))
+        raise  # unreachable: fail exits
     sys.exit(_with_client(url, token, lambda c: jobs.submit(
         c, script, payloads_file, name, wait, as_json, options)))
 

@@ -3,6 +3,10 @@
 Either path returns the identical value. The local path is taken when ``GPUMESH_LOCAL=1``, when
 no coordinator is configured, or when the configured one does not answer at call time;
 ``GPUMESH_VERBOSE=1`` says on stderr which path each call took.
+
+``env=["NAME", ...]`` sends the caller's values of those variables with each task (workers
+otherwise give tasks only an allow-listed environment); ``env={"NAME": "value"}`` sends the
+values given. A call that runs locally runs in the caller's own environment as it is.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -135,10 +139,10 @@ class MeshSource:
 
 def _options(gpu: str | bool | None, cores: int | None, memory: str | int | None,
              vram: str | int | None, timeout: float | None, max_attempts: int, priority: int,
-             cost: float) -> TaskOptions:
+             cost: float, env: Iterable[str] | Mapping[str, str] | None) -> TaskOptions:
     req = Requirements.from_mapping({"gpu": gpu, "cores": cores, "memory": memory, "vram": vram})
     return TaskOptions(timeout=timeout, max_attempts=max_attempts, priority=priority, cost=cost,
-                       requirements=req)
+                       requirements=req, env=env)
 
 
 class DefaultMesh:
@@ -177,7 +181,7 @@ class DefaultMesh:
 
 def _defaults(options: dict[str, Any]) -> dict[str, Any]:
     known = {"gpu": None, "cores": None, "memory": None, "vram": None, "timeout": None,
-             "max_attempts": 3, "priority": 0, "cost": 1.0}
+             "max_attempts": 3, "priority": 0, "cost": 1.0, "env": None}
     unknown = set(options) - set(known)
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(known)}")

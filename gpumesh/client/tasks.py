@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -11,6 +12,12 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..protocol import serialize
+from ..protocol.taskenv import (
+    ENV_MAX_ENTRIES,
+    check_script_name,
+    check_submitted_name,
+    check_task_env,
+)
 from ..scheduler import Requirements
 from .portable import SourceForm
 
@@ -18,22 +25,53 @@ from .portable import SourceForm
 # handing them to the code: four filters and the placement weight. docs/protocol.md lists them.
 SCHEDULER_KEYS = ("gpu", "cores", "memory", "vram", "cost")
 Call = tuple[tuple[Any, ...], dict[str, Any], "TaskOptions"]
+# A task's env as TaskOptions keeps it: (name, value), value None for "the submitter's own value,
+# read when the task is sent".
+EnvEntries = tuple[tuple[str, "str | None"], ...]
 
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """Per-task controls. ``requirements`` are filters the scheduler applies."""
+    """Per-task controls. ``requirements`` are filters the scheduler applies.
+
+    ``env`` adds variables to the task's environment on the worker (which otherwise holds only
+    the worker's allow-listed variables): a list of names sends this process's values of them,
+    read each time a task is sent (a missing one is a ConfigError then); a dict sends the values
+    given. Names the worker owns (``CUDA_VISIBLE_DEVICES``, ``LD_PRELOAD``, ``PYTHONPATH``, ...)
+    are refused here, at once.
+    """
 
     timeout: float | None = None
     max_attempts: int = 3
     priority: int = 0
     cost: float = 1.0
     requirements: Requirements = Requirements()
+    env: EnvEntries | Mapping[str, str] | Iterable[str] | None = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env", env_entries(self.env))
+
+    def task_env(self) -> dict[str, str]:
+        """The env a task sent now carries: this process's values for the names given alone."""
+        entries: EnvEntries = self.env  # type: ignore[assignment]
+        missing = [name for name, value in entries if value is None and name not in os.environ]
+        if missing:
+            one = len(missing) == 1
+            raise ConfigError(f"env: {', '.join(missing)} {'is' if one else 'are'} not set in "
+                              f"this process's environment: set {'it' if one else 'them'} "
+                              "before the call, or pass the values as env={'NAME': 'value'}")
+        try:
+            return check_task_env({name: os.environ[name] if value is None else value
+                                   for name, value in entries})
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def spec(self, kind: str) -> dict[str, Any]:
         spec: dict[str, Any] = {"kind": kind, "max_attempts": self.max_attempts}
+        if self.env:
+            spec["env"] = self.task_env()
         if self.timeout is not None:
             spec["timeout"] = float(self.timeout)
         if self.priority:
@@ -46,6 +84,32 @@ class TaskOptions:
         if req:
             spec["req"] = req
         return spec
+
+
+def env_entries(env: object) -> EnvEntries:
+    """``TaskOptions.env`` in its stored form, checked as far as it can be before a call."""
+    if env is None:
+        return ()
+    if isinstance(env, str):
+        raise ConfigError(f"env must be a list of variable names or a dict, not the string "
+                          f"{env[:80]!r}: write env=[{env[:80]!r}]")
+    try:
+        if isinstance(env, Mapping):
+            return tuple(check_task_env(env).items())
+        if isinstance(env, tuple) and all(isinstance(e, tuple) for e in env):
+            # Already in the stored form (dataclasses.replace builds TaskOptions again).
+            entries = tuple((check_submitted_name(name), value) for name, value in env)
+            check_task_env({name: value for name, value in entries if value is not None})
+            return entries
+        if not isinstance(env, Iterable):
+            raise ValueError(f"env must be a list of variable names or a dict, not "
+                             f"{type(env).__name__}")
+        names = list(dict.fromkeys(check_submitted_name(name) for name in env))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if len(names) > ENV_MAX_ENTRIES:
+        raise ConfigError(f"env names {len(names)} variables; at most {ENV_MAX_ENTRIES} are allowed")
+    return tuple((name, None) for name in names)
 
 
 class PickledFunction:
@@ -93,6 +157,10 @@ def call_arguments(item: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def script_task(name: str, source: bytes, payload: Any, options: TaskOptions
                 ) -> tuple[dict[str, Any], list[Any]]:
+    try:
+        check_script_name(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     spec = options.spec("script")
     spec["name"] = name
     return spec, [source, json.dumps(payload).encode("utf-8")]

@@ -130,3 +130,53 @@ def test_wait_summaries_of_big_jobs_list_only_what_did_not_succeed():
     assert "29 of 30 tasks not listed ('gpumesh status j1'" in short
     assert short.count("\n") < 12
     assert job_summary(status).count(" task t") == 30  # `status JOB` lists them all
+
+
+def test_env_names_send_the_submitters_values_read_when_the_task_is_sent(monkeypatch):
+    options = TaskOptions(env=["GM_A", "GM_B", "GM_A"])
+    monkeypatch.setenv("GM_A", "1")
+    monkeypatch.setenv("GM_B", "two")
+    assert options.spec("fn")["env"] == {"GM_A": "1", "GM_B": "two"}
+    monkeypatch.setenv("GM_A", "changed")
+    assert options.spec("script")["env"]["GM_A"] == "changed"
+
+
+def test_env_names_missing_at_call_time_are_named_together(monkeypatch):
+    monkeypatch.delenv("GM_GONE_1", raising=False)
+    monkeypatch.delenv("GM_GONE_2", raising=False)
+    options = TaskOptions(env=["GM_GONE_1", "GM_GONE_2"])  # fine until a task is sent
+    with pytest.raises(ConfigError, match="GM_GONE_1, GM_GONE_2 are not set"):
+        options.spec("fn")
+
+
+def test_env_values_given_as_a_dict_travel_as_given_and_survive_option_changes():
+    options = TaskOptions(env={"GM_LR": "0.1"})
+    assert options.spec("fn")["env"] == {"GM_LR": "0.1"}
+    _, item_options = scheduler_options({"x": 1, "cost": 3}, options)
+    assert item_options.spec("fn")["env"] == {"GM_LR": "0.1"} and item_options.cost == 3.0
+    assert "env" not in TaskOptions().spec("fn")
+
+
+@pytest.mark.parametrize("env, words", [("GM_A", "not the string"), (["LD_PRELOAD"], "LD_PRELOAD"),
+                                        ({"PYTHONPATH": "/x"}, "PYTHONPATH"), (["A B"], "name"),
+                                        ([f"V{i}" for i in range(65)], "at most 64"), (3, "int")])
+def test_bad_env_is_refused_when_the_options_are_made(env, words):
+    with pytest.raises(ConfigError, match=words):
+        TaskOptions(env=env)
+
+
+def test_the_decorators_take_env_and_keep_it_through_to(monkeypatch):
+    from gpumesh.client.decorators import DefaultMesh
+
+    monkeypatch.setenv("GM_KEY", "k")
+    fn = DefaultMesh()(env=["GM_KEY"], timeout=5)(abs)
+    assert fn.options.spec("fn")["env"] == {"GM_KEY": "k"}
+    assert fn.to("cuda").options.spec("fn")["env"] == {"GM_KEY": "k"}
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        DefaultMesh()(env={"CUDA_VISIBLE_DEVICES": "0"})(abs)
+
+
+def test_a_script_name_no_worker_could_use_is_refused_before_sending():
+    with pytest.raises(ConfigError, match="control character"):
+        script_task("bad\x00name.py", b"", {}, TaskOptions())
+    assert script_task("ok.py", b"", {}, TaskOptions())[0]["name"] == "ok.py"
