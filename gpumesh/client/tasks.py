@@ -56,6 +56,8 @@ class TaskOptions:
     def task_env(self) -> dict[str, str]:
         """The env a task sent now carries: this process's values for the names given alone."""
         entries: EnvEntries = self.env  # type: ignore[assignment]
+        if all(value is not None for _, value in entries):
+            return dict(entries)  # values given: checked once, when the options were made
         missing = [name for name, value in entries if value is None and name not in os.environ]
         if missing:
             one = len(missing) == 1
