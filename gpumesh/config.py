@@ -6,7 +6,10 @@ import time: callers ask for ``Settings.from_env()`` when they start.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
 import math
 import os
 import re
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import ConfigError
+from .tokens import new_token as new_token  # re-exported: callers have always found it here
+
+log = logging.getLogger("gpumesh.config")
 
 DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
@@ -131,6 +137,8 @@ class Settings:
     host: str = DEFAULT_HOST
     local_only: bool = False
     verbose: bool = False
+    # A coordinator started with a weak token refuses it unless this is set (GPUMESH_WEAK_TOKEN).
+    weak_token: bool = False
     timing: Timing = field(default_factory=Timing)
     limits: Limits = field(default_factory=Limits)
 
@@ -154,6 +162,7 @@ class Settings:
             host=env.get("GPUMESH_HOST") or DEFAULT_HOST,
             local_only=_env_bool(env.get("GPUMESH_LOCAL")),
             verbose=_env_bool(env.get("GPUMESH_VERBOSE")),
+            weak_token=_env_bool(env.get("GPUMESH_WEAK_TOKEN")),
             timing=timing,
         )
 
@@ -181,7 +190,7 @@ class Settings:
             )
         if not chosen_token:
             raise ConfigError(
-                "no token configured: pass --token, set GPUMESH_TOKEN, or run "
+                "no token configured: set GPUMESH_TOKEN, pass --token-file PATH, or run "
                 "'gpumesh serve' / 'gpumesh join' on this machine first"
             )
         return parse_url(chosen_url), chosen_token
@@ -189,10 +198,24 @@ class Settings:
 
 @dataclass(frozen=True)
 class SavedConnection:
-    """The coordinator this machine last served or joined, as kept in ``config.json``."""
+    """The coordinator this machine last served or joined, as kept in ``config.json``.
+
+    ``stretched`` caches the slow key-derivation step for ``token`` (see gpumesh.security), so
+    each command does not pay it again: the file already holds the token in the clear, so the
+    cache exposes nothing new. It is bound to the token and the KDF by ``check``.
+    """
 
     url: str
     token: str = field(repr=False)
+    kdf: str | None = None
+    stretched: bytes | None = field(default=None, repr=False)
+
+    def stretched_for(self, token: str, kdf: str) -> bytes | None:
+        """The cached stretched key for ``token`` under ``kdf``, or None."""
+        if (self.stretched is None or self.kdf != kdf
+                or not hmac.compare_digest(self.token.encode(), token.encode())):
+            return None
+        return self.stretched
 
 
 def load_connection(path: Path) -> SavedConnection | None:
@@ -210,7 +233,8 @@ def load_connection(path: Path) -> SavedConnection | None:
         url, token = data["url"], data["token"]
         if not (isinstance(url, str) and isinstance(token, str) and url and token):
             raise TypeError("url and token must be non-empty strings")
-        return SavedConnection(url=url, token=token)
+        kdf, stretched = _cached_stretch(data, token)
+        return SavedConnection(url=url, token=token, kdf=kdf, stretched=stretched)
     except (ValueError, KeyError, TypeError):
         raise ConfigError(
             f"{path} is not a gpumesh config file: delete it and run 'gpumesh serve' or "
@@ -218,16 +242,66 @@ def load_connection(path: Path) -> SavedConnection | None:
         ) from None
 
 
-def save_connection(path: Path, url: str, token: str) -> None:
-    """Write the connection with mode 0600 from the first byte (never world-readable)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+def _check(stretched: bytes, token: str, kdf: str) -> str:
+    return hmac.new(stretched, f"{kdf}\0{token}".encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def _cached_stretch(data: dict, token: str) -> tuple[str | None, bytes | None]:  # type: ignore[type-arg]
+    """The stretched-key cache of a config file, when present and bound to its token."""
+    cache = data.get("kdf")
+    if not isinstance(cache, dict):
+        return None, None
+    kdf, key, check = cache.get("name"), cache.get("key"), cache.get("check")
+    if not (isinstance(kdf, str) and isinstance(key, str) and isinstance(check, str)):
+        return None, None
+    try:
+        stretched = bytes.fromhex(key)
+    except ValueError:
+        return None, None
+    if not hmac.compare_digest(_check(stretched, token, kdf), check):
+        return None, None  # edited by hand, or from another token: derive afresh
+    return kdf, stretched
+
+
+def save_connection(path: Path, url: str, token: str, *, kdf: str | None = None,
+                    stretched: bytes | None = None) -> None:
+    """Write the connection with mode 0600 from the first byte (never world-readable), in a
+    folder that is 0700. ``kdf``/``stretched`` cache the token's slow derivation step."""
+    ensure_home(path.parent)
+    data: dict[str, object] = {"url": url, "token": token}
+    if kdf and stretched:
+        data["kdf"] = {"name": kdf, "key": stretched.hex(), "check": _check(stretched, token, kdf)}
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump({"url": url, "token": token}, handle)
+        json.dump(data, handle)
     os.replace(tmp, path)
 
 
-def new_token() -> str:
-    """A fresh token with 256 bits of entropy, the only strength the spec recommends."""
-    return secrets.token_urlsafe(32)
+def ensure_home(home: Path) -> Path:
+    """Make GPUMESH_HOME owner-only: created 0700, or tightened to 0700 with a one-line notice.
+
+    It holds the token, the journal (task code and data) and the worker control secrets. A
+    folder this user does not own, a shared one (sticky bit, like /tmp) and the home folder
+    itself are left as they are, with a warning instead.
+    """
+    try:
+        home.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(home, 0o700)  # mkdir's mode passes through the umask; make sure
+        return home
+    info = home.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    if not mode & 0o077:
+        return home
+    if (info.st_uid != os.geteuid() or mode & stat.S_ISVTX
+            or home.resolve() == Path.home().resolve()):
+        log.warning("%s is readable by other users (mode %04o) and is not this gpumesh's own "
+                    "folder: set GPUMESH_HOME to a private folder", home, mode)
+        return home
+    os.chmod(home, 0o700)
+    log.warning("tightened %s from mode %04o to 0700: it holds the mesh token and the journal",
+                home, mode)
+    return home

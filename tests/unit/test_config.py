@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -17,6 +18,7 @@ from gpumesh.config import (
     SavedConnection,
     Settings,
     Timing,
+    ensure_home,
     load_connection,
     new_token,
     parse_url,
@@ -400,3 +402,76 @@ def test_resolve_with_damaged_saved_file_is_config_error(tmp_path: Path) -> None
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(ConfigError):
         _settings(tmp_path).resolve_connection()
+
+
+# --------------------------------------------------------------------------- token and home
+
+
+def test_weak_token_acceptance_comes_from_the_environment(tmp_path: Path) -> None:
+    assert Settings.from_env({"GPUMESH_HOME": str(tmp_path)}).weak_token is False
+    assert _settings(tmp_path, GPUMESH_WEAK_TOKEN="1").weak_token is True
+    assert _settings(tmp_path, GPUMESH_WEAK_TOKEN="0").weak_token is False
+
+
+def test_the_saved_connection_caches_the_stretched_key_bound_to_its_token(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    stretched = bytes(range(32))
+    save_connection(path, "tcp://h:1", TOKEN, kdf="kdf-a", stretched=stretched)
+    assert stretched.hex() not in repr(load_connection(path))
+    saved = load_connection(path)
+    assert saved is not None
+    assert saved.stretched_for(TOKEN, "kdf-a") == stretched
+    assert saved.stretched_for(TOKEN, "kdf-b") is None  # another KDF: derive afresh
+    assert saved.stretched_for(TOKEN + "x", "kdf-a") is None  # another token
+    # A hand-edited token (or key) no longer matches its check: the cache is ignored.
+    data = json.loads(path.read_text())
+    data["token"] = TOKEN + "-edited"
+    path.write_text(json.dumps(data))
+    edited = load_connection(path)
+    assert edited is not None and edited.stretched is None
+    for damaged in ({"name": 1}, "text", {"name": "k", "key": "zz", "check": "c"}):
+        path.write_text(json.dumps({"url": "tcp://h:1", "token": TOKEN, "kdf": damaged}))
+        assert load_connection(path) == SavedConnection("tcp://h:1", TOKEN)
+
+
+def test_home_is_created_0700_whatever_the_umask(tmp_path: Path) -> None:
+    home = tmp_path / "a" / "gpumesh-home"
+    old = os.umask(0)
+    try:
+        assert ensure_home(home) == home
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+
+
+def test_a_loose_home_is_tightened_with_a_notice(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="gpumesh.config"):
+        ensure_home(home)
+        ensure_home(home)  # already tight: no second notice
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    notices = [r.getMessage() for r in caplog.records if r.name == "gpumesh.config"]
+    assert notices == [f"tightened {home} from mode 0755 to 0700: it holds the mesh token and "
+                       "the journal"]
+
+
+def test_a_shared_folder_is_never_tightened(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    with caplog.at_level(logging.WARNING, logger="gpumesh.config"):
+        ensure_home(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    assert "set GPUMESH_HOME to a private folder" in caplog.text
+
+
+def test_save_connection_tightens_a_loose_home(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o775)
+    save_connection(home / "config.json", "tcp://h:1", TOKEN)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
