@@ -16,7 +16,13 @@ import zmq
 from ..config import Settings
 from ..errors import ConfigError
 from ..protocol import Command, ErrorCode, ProtocolError, encode
-from ..security import MeshKeys, configure_server, derive_keys, start_authenticator
+from ..security import (
+    MeshKeys,
+    configure_server,
+    derive_keys,
+    start_authenticator,
+    watch_handshakes,
+)
 from ..store import Store
 from ..transport import apply_common_options, receive, send_frames
 from .broker import Broker
@@ -53,6 +59,7 @@ class Coordinator:
         self._router.sndhwm = 100000
         self._router.rcvhwm = 100000
         configure_server(self._router, self.keys)
+        self._handshakes = watch_handshakes(self._router, self._auth)  # before bind
         try:
             if port == 0:
                 self.port = self._router.bind_to_random_port(f"tcp://{_bind_host(host)}")
@@ -134,6 +141,7 @@ class Coordinator:
     def close(self) -> None:
         if self._router.closed:
             return
+        self._handshakes.stop()
         self._router.close(linger=0)
         self._auth.stop()
         self._ctx.term()

@@ -1,8 +1,10 @@
 """Scenario 8: unauthenticated garbage gets nothing in and crashes nothing; repeated handshake
-failures from one LAN address are rate limited, loopback exempt (gpumesh.security)."""
+failures from one LAN address are rate limited, loopback exempt (gpumesh.security), and so are
+wrong-token handshakes, which libzmq ends before ZAP (gpumesh.security.HandshakeWatch)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -12,6 +14,7 @@ import psutil
 import zmq
 from conftest import wait_for
 from faultlab import (
+    HERE,
     Driver,
     Executions,
     Lab,
@@ -115,8 +118,9 @@ def test_repeated_failures_from_a_lan_address_are_rate_limited(mesh_env, tmp_pat
                     for _ in range(policy.max_failures)]
         assert outcomes == ["auth:400"] * policy.max_failures
         # Locked out: even the right key from that address is turned away, and silently (ZAP
-        # 300: libzmq holds the connection until its 10 s handshake limit, then drops it).
-        assert attacker.call("handshake", url=url, key="right", timeout=3) == "timeout"
+        # 300: libzmq holds the connection until its handshake window ends, then drops it).
+        assert attacker.call("handshake", url=url, key="right", timeout=3) in (
+            "timeout", "no_detail:32", "disconnected")
         # Nobody else is: another LAN host, and loopback on the coordinator's own machine.
         assert friend.call("handshake", url=url, key="right", timeout=10) == "ok"
         local_url = f"tcp://127.0.0.1:{port}"
@@ -133,5 +137,62 @@ def test_repeated_failures_from_a_lan_address_are_rate_limited(mesh_env, tmp_pat
         assert lab.address("friend") not in text
         # Bounded logging: at most one burst of warnings however many failures.
         assert text.count("[gpumesh.zap]") + text.count("gpumesh.zap") <= policy.log_burst + 1
+    finally:
+        lab.close()
+
+
+def _log_entries(path) -> list[dict]:
+    """The JSON log lines (``gpumesh --json-logs``) among the coordinator's output."""
+    entries = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                continue
+    return entries
+
+
+def test_wrong_token_handshakes_from_a_lan_address_lock_it_out(mesh_env, tmp_path):
+    """1,000 handshakes with a wrong token (so a wrong server key: libzmq fails them before
+    ZAP) from another namespace: the address is locked out and logged, and prints how fast."""
+    require_netns()
+    lab = Lab(["coord", "attacker"])
+    env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
+    log_path = tmp_path / "coordinator.log"
+    try:
+        with open(log_path, "wb") as log:
+            _, line = lab.spawn("coord", ["-m", "gpumesh", "--json-logs", "serve", "--host",
+                                          "0.0.0.0", "--port", "0", "--no-self-worker",
+                                          "--no-save", "--db", str(tmp_path / "j.db")],
+                                env, ready=True, stdout=log, stderr=log)
+        url = f"tcp://{lab.address('coord')}:{int(line)}"
+        flood, _ = lab.spawn("attacker", [str(HERE / "handshake_flood.py"), url, "1000"], env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = flood.communicate(timeout=240)
+        assert flood.returncode == 0, err.decode(errors="replace")
+        report = json.loads(out)
+        assert report["outcomes"].get("ok", 0) == 0
+        # Locked out: the right token from that address is now turned away (silently).
+        assert report["right_after"] != "ok"
+        attacker = lab.address("attacker")
+        lockouts = wait_for(lambda: [e for e in _log_entries(log_path)
+                                     if f"refusing handshakes from {attacker} " in e["message"]],
+                            timeout=10, what="the lockout warning in the coordinator log")
+        text = log_path.read_text(errors="replace")
+        assert mesh_env.token not in text
+        assert mesh_env.token.split(".", 1)[-1] not in text
+        # Bounded logging: one burst of warnings however many failures.
+        assert text.count("gpumesh.zap") <= HandshakePolicy().log_burst + 1
+        locked_at = lockouts[0]["ts"]  # type: ignore[index]
+        started = report["started"]
+        before = sum(1 for t in started if t <= locked_at)
+        seconds = max(locked_at - started[0], 1e-6)
+        whole = report["finished"] - started[0]
+        print(f"\n[handshake flood] {len(started)} wrong-token handshakes in {whole:.2f}s "
+              f"({len(started) / whole:.0f}/s); locked out after {before} of them, "
+              f"{seconds * 1000:.0f} ms after the first ({before / seconds:.0f}/s before the "
+              f"lockout); outcomes {report['outcomes']}; right token afterwards: "
+              f"{report['right_after']}")
     finally:
         lab.close()

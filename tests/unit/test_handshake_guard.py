@@ -1,14 +1,17 @@
-"""Unit tests for the handshake rate limit (gpumesh.security.HandshakeGuard): plain values, no clock."""
+"""Unit tests for the handshake rate limit (gpumesh.security.HandshakeGuard) and the pairing of
+monitor events into failed handshakes (HandshakeEvents): plain values, no clock, no sockets."""
 
 from __future__ import annotations
 
 import pytest
+import zmq
 
-from gpumesh.security import HandshakeGuard, HandshakePolicy, is_exempt
+from gpumesh.security import HandshakeEvents, HandshakeGuard, HandshakePolicy, is_exempt, peer_host
 
 POLICY = HandshakePolicy(max_failures=3, window=10.0, lockout=5.0, max_lockout=20.0,
                          max_addresses=4, log_burst=2, log_interval=10.0)
 ATTACKER = "192.0.2.7"  # TEST-NET-1: a documentation address, never contacted
+FRIEND = "192.0.2.9"
 
 
 def fail_times(guard: HandshakeGuard, address: str, *times: float) -> list[float]:
@@ -88,3 +91,75 @@ def test_the_log_budget_counts_what_it_suppresses() -> None:
     assert [guard.may_log(t) for t in (0, 1, 2, 3)] == [True, True, False, False]
     assert guard.suppressed_logs == 2
     assert guard.may_log(10.5)  # the first two left the interval
+
+
+# --------------------------------------------------------------- pairing monitor events
+
+ACCEPTED, DISCONNECTED = zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED
+SUCCEEDED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+PROTOCOL, NO_DETAIL = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+AUTH = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+def feed(pairs: HandshakeEvents, *events: tuple) -> list:
+    """Feed (event, value[, address]) tuples; what each DISCONNECTED asked to count."""
+    found = []
+    for event in events:
+        result = pairs.event(*event)
+        if event[0] == DISCONNECTED:
+            found.append(result)
+    return found
+
+
+def test_a_wrong_server_key_is_counted_for_the_accepted_address() -> None:
+    # The order libzmq emits for a wrong token: the failure, then DISCONNECTED of its fd.
+    found = feed(HandshakeEvents(), (ACCEPTED, 21, ATTACKER), (PROTOCOL, 0x11000001),
+                 (DISCONNECTED, 21))
+    assert len(found) == 1 and found[0][0] == ATTACKER and "server key" in found[0][1]
+
+
+def test_a_timeout_or_a_close_mid_handshake_is_counted() -> None:
+    found = feed(HandshakeEvents(), (ACCEPTED, 9, ATTACKER), (NO_DETAIL, 11), (DISCONNECTED, 9))
+    assert found[0][0] == ATTACKER
+
+
+def test_a_connection_closed_right_after_accept_is_counted() -> None:
+    # Bytes that are not ZMTP (no 0xff signature) end without any HANDSHAKE_FAILED event.
+    found = feed(HandshakeEvents(), (ACCEPTED, 7, ATTACKER), (DISCONNECTED, 7))
+    assert found[0][0] == ATTACKER and "closed before any handshake" in found[0][1]
+
+
+def test_zap_failures_and_normal_sessions_are_not_counted_here() -> None:
+    pairs = HandshakeEvents()
+    assert feed(pairs, (ACCEPTED, 5, ATTACKER), (AUTH, 400), (DISCONNECTED, 5)) == [None]
+    assert feed(pairs, (ACCEPTED, 6, FRIEND), (SUCCEEDED, 0), (ACCEPTED, 8, ATTACKER),
+                (DISCONNECTED, 6)) == [None]
+    assert len(pairs) == 1  # fd 8 still open
+
+
+def test_failures_of_interleaved_connections_go_to_their_own_address() -> None:
+    pairs = HandshakeEvents()
+    found = feed(pairs, (ACCEPTED, 5, FRIEND), (ACCEPTED, 6, ATTACKER), (SUCCEEDED, 0),
+                 (PROTOCOL, 1), (DISCONNECTED, 6), (DISCONNECTED, 5))
+    assert [f and f[0] for f in found] == [ATTACKER, None]
+    assert len(pairs) == 0
+
+
+def test_an_unreadable_address_is_counted_as_unknown_and_fds_are_reused() -> None:
+    pairs = HandshakeEvents()
+    found = feed(pairs, (ACCEPTED, 5, None), (PROTOCOL, 1), (DISCONNECTED, 5),
+                 (ACCEPTED, 5, FRIEND), (SUCCEEDED, 0), (DISCONNECTED, 5))
+    assert found[0] is not None and found[0][0] is None
+    assert found[1] is None
+
+
+def test_a_disconnect_of_an_fd_never_seen_accepted_is_not_counted() -> None:
+    assert feed(HandshakeEvents(), (DISCONNECTED, 3)) == [None]
+    assert feed(HandshakeEvents(), (ACCEPTED, 4, ATTACKER), (DISCONNECTED, 3)) == [None]
+
+
+@pytest.mark.parametrize(("raw", "host"), [("::ffff:10.250.0.2", "10.250.0.2"),
+                                           ("10.250.0.2", "10.250.0.2"), ("::1", "::1"),
+                                           ("2001:DB8::7", "2001:db8::7"), ("odd", "odd")])
+def test_one_spelling_per_peer(raw: str, host: str) -> None:
+    assert peer_host(raw) == host

@@ -1,23 +1,35 @@
-"""Unit tests for gpumesh.security: token -> CURVE keys (no sockets)."""
+"""Unit tests for gpumesh.security: token -> CURVE keys (no sockets).
+
+Each distinct token costs one scrypt (about 0.4 s), so the tests share a few module-scoped
+derivations.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import logging
 
 import pytest
 import zmq
 from zmq.utils import z85
 
+from gpumesh import security
 from gpumesh.errors import ConfigError
 from gpumesh.security import (
-    STRONG_TOKEN_CHARS,
+    KDF,
     ZAP_DOMAIN,
     MeshKeys,
     _AllowMeshClient,
+    cached_stretch,
     derive_keys,
+    remember_stretched,
+    stretch,
 )
 
-STRONG = "Zq3-" + "k" * 40  # 44 chars, like secrets.token_urlsafe(32)
-OTHER_STRONG = "Zq3-" + "k" * 39 + "j"
-SHORT = "correct horse battery"  # < 32 chars: the scrypt path
+SALTED = "AbCdEfGhIjK." + "k" * 32  # the generated form: SALT.SECRET
+OTHER_SALT = "ZyXwVuTsRqP." + "k" * 32  # same secret, another mesh's salt
+STRONG = "Zq3-" + "k" * 40  # a saltless strong token, like secrets.token_urlsafe(32)
+WEAK = "Qm9wNTwLxkE.sunshine42"  # a weak secret with a salt, as `serve --weak-token` makes it
 
 _Z85_ALPHABET = set(
     b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
@@ -25,76 +37,89 @@ _Z85_ALPHABET = set(
 
 
 @pytest.fixture(scope="module")
-def strong_keys() -> MeshKeys:
-    return derive_keys(STRONG)
-
-
-@pytest.fixture(scope="module")
-def short_keys() -> MeshKeys:
-    return derive_keys(SHORT)
+def keys() -> dict[str, MeshKeys]:
+    return {token: derive_keys(token) for token in (SALTED, OTHER_SALT, STRONG)}
 
 
 def _all_keys(keys: MeshKeys) -> list[bytes]:
     return [keys.server_public, keys.server_secret, keys.client_public, keys.client_secret]
 
 
-def test_derive_keys_is_deterministic(strong_keys: MeshKeys, short_keys: MeshKeys) -> None:
-    assert derive_keys(STRONG) == strong_keys
-    assert derive_keys(SHORT) == short_keys
+def test_known_answers_pin_the_key_derivation(keys: dict[str, MeshKeys]) -> None:
+    # A change here changes every mesh's keys: a breaking change (docs/stability.md).
+    assert KDF == "scrypt-n17-r8-p1/gpumesh-v2"
+    assert keys[SALTED].fingerprint == "5c64e191a241"
+    assert keys[SALTED].server_public == b"&Y}rdFO?ea]w1gK=QkRABexBo<4Y:W+*h(7P0O2o"
+    assert keys[STRONG].fingerprint == "8c0d53e011f9"
+    assert keys[STRONG].server_public == b"(474<+*zpCsc(7^p25fE(<[c/SDEBgMZ@nyoX9x<"
 
 
-def test_different_tokens_give_different_keys(strong_keys: MeshKeys, short_keys: MeshKeys) -> None:
-    other = derive_keys(OTHER_STRONG)
-    for a, b in zip(_all_keys(strong_keys), _all_keys(other), strict=True):
+def test_the_salt_makes_the_same_secret_another_mesh(keys: dict[str, MeshKeys]) -> None:
+    for a, b in zip(_all_keys(keys[SALTED]), _all_keys(keys[OTHER_SALT]), strict=True):
         assert a != b
-    assert strong_keys.fingerprint != other.fingerprint
-    for a, b in zip(_all_keys(strong_keys), _all_keys(short_keys), strict=True):
-        assert a != b
+    assert keys[SALTED].fingerprint != keys[OTHER_SALT].fingerprint
 
 
-def test_server_and_client_pairs_differ(strong_keys: MeshKeys) -> None:
-    assert strong_keys.server_public != strong_keys.client_public
-    assert strong_keys.server_secret != strong_keys.client_secret
+def test_a_saltless_token_is_stretched_too_with_the_domain_salt(keys: dict[str, MeshKeys]) -> None:
+    secret = STRONG.encode()
+    plain = security._hkdf(secret, b"curve-server")  # what an unstretched token would give
+    assert z85.encode(plain) != keys[STRONG].server_secret
+    expected = hashlib.scrypt(secret, salt=b"gpumesh/v2/no-salt", n=2**17, r=8, p=1,
+                              maxmem=2**28, dklen=32)
+    assert stretch(STRONG) == expected
 
 
-@pytest.mark.parametrize("which", ["strong_keys", "short_keys"])
-def test_keys_are_z85_and_public_matches_secret(which: str, request: pytest.FixtureRequest) -> None:
-    keys: MeshKeys = request.getfixturevalue(which)
-    for key in _all_keys(keys):
-        assert isinstance(key, bytes)
-        assert len(key) == 40
-        assert set(key) <= _Z85_ALPHABET
-        assert len(z85.decode(key)) == 32
-    assert zmq.curve_public(keys.server_secret) == keys.server_public
-    assert zmq.curve_public(keys.client_secret) == keys.client_public
+def test_derivation_is_deterministic_and_cached_per_process(keys: dict[str, MeshKeys]) -> None:
+    assert cached_stretch(SALTED) is not None
+    assert derive_keys(SALTED) == keys[SALTED]
+    assert cached_stretch("never.derived-in-this-process-at-all") is None
 
 
-def test_fingerprint_is_short_hex(strong_keys: MeshKeys) -> None:
-    assert len(strong_keys.fingerprint) == 12
-    int(strong_keys.fingerprint, 16)
-    assert strong_keys.fingerprint == strong_keys.fingerprint.lower()
+def test_a_remembered_stretch_is_used_instead_of_scrypt() -> None:
+    token = "CacheTest01." + "c" * 32
+    remember_stretched(token, b"\x07" * 32)  # what the CLI does with the saved config's cache
+    assert stretch(token) == b"\x07" * 32
+    assert derive_keys(token).fingerprint == security._hkdf(b"\x07" * 32, b"fingerprint", 6).hex()
 
 
-def test_short_tokens_work_and_are_stretched(short_keys: MeshKeys) -> None:
-    assert len(SHORT) < STRONG_TOKEN_CHARS
-    assert len(short_keys.server_public) == 40
-    # The length boundary: 31 chars is stretched, 32 is not; both still derive valid keys.
-    k31 = derive_keys("a" * (STRONG_TOKEN_CHARS - 1))
-    k32 = derive_keys("a" * STRONG_TOKEN_CHARS)
-    assert k31 != k32
-    assert zmq.curve_public(k31.client_secret) == k31.client_public
-    assert zmq.curve_public(k32.client_secret) == k32.client_public
+def test_the_cache_is_bounded() -> None:
+    for i in range(security._CACHE_SIZE + 3):
+        remember_stretched(f"bound-{i:02d}", bytes([i]) * 32)
+    assert cached_stretch("bound-00") is None
+    assert cached_stretch(f"bound-{security._CACHE_SIZE + 2:02d}") is not None
 
 
-def test_single_character_token_works() -> None:
-    keys = derive_keys("x")
-    assert zmq.curve_public(keys.server_secret) == keys.server_public
+def test_server_and_client_pairs_differ(keys: dict[str, MeshKeys]) -> None:
+    assert keys[SALTED].server_public != keys[SALTED].client_public
+    assert keys[SALTED].server_secret != keys[SALTED].client_secret
 
 
-def test_unicode_token_works() -> None:
-    keys = derive_keys("pässwörd-ñ-日本")
-    assert keys == derive_keys("pässwörd-ñ-日本")
-    assert zmq.curve_public(keys.client_secret) == keys.client_public
+def test_keys_are_z85_and_public_matches_secret(keys: dict[str, MeshKeys]) -> None:
+    for derived in keys.values():
+        for key in _all_keys(derived):
+            assert len(key) == 40 and set(key) <= _Z85_ALPHABET
+            assert len(z85.decode(key)) == 32
+        assert zmq.curve_public(derived.server_secret) == derived.server_public
+        assert zmq.curve_public(derived.client_secret) == derived.client_public
+
+
+def test_fingerprint_is_short_hex(keys: dict[str, MeshKeys]) -> None:
+    fingerprint = keys[SALTED].fingerprint
+    assert len(fingerprint) == 12 and fingerprint == fingerprint.lower()
+    int(fingerprint, 16)
+
+
+def test_a_weak_token_still_derives_and_warns_once_without_quoting_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="gpumesh.security"):
+        first = derive_keys(WEAK)
+        assert derive_keys(WEAK) == first
+    warnings = [r for r in caplog.records if r.name == "gpumesh.security"]
+    assert len(warnings) == 1
+    text = warnings[0].getMessage()
+    assert "weak" in text and "gpumesh token" in text
+    assert "sunshine42" not in text and "Qm9wNTwLxkE" not in text
+    assert zmq.curve_public(first.client_secret) == first.client_public
 
 
 @pytest.mark.parametrize("token", ["", " ", "   ", "\t\n"])
@@ -103,28 +128,25 @@ def test_empty_token_is_config_error(token: str) -> None:
         derive_keys(token)
 
 
-def test_repr_hides_the_secret_keys(strong_keys: MeshKeys) -> None:
-    text = repr(strong_keys)
-    assert strong_keys.server_secret.decode() not in text
-    assert strong_keys.client_secret.decode() not in text
-    assert repr(strong_keys.server_secret) not in text
-    assert repr(strong_keys.client_secret) not in text
+def test_repr_hides_the_secret_keys(keys: dict[str, MeshKeys]) -> None:
+    derived = keys[SALTED]
+    text = repr(derived)
+    for secret in (derived.server_secret, derived.client_secret):
+        assert secret.decode() not in text and repr(secret) not in text
     assert "secret" not in text
-    assert STRONG not in text
-    # The public parts are fine to show.
-    assert strong_keys.fingerprint in text
-    assert str(strong_keys) == text
+    assert SALTED not in text
+    assert derived.fingerprint in text
+    assert str(derived) == text
 
 
-def test_mesh_keys_are_frozen(strong_keys: MeshKeys) -> None:
+def test_mesh_keys_are_frozen(keys: dict[str, MeshKeys]) -> None:
     with pytest.raises(AttributeError):
-        strong_keys.server_secret = b"x" * 40  # type: ignore[misc]
+        keys[SALTED].server_secret = b"x" * 40  # type: ignore[misc]
 
 
-def test_zap_callback_admits_only_the_derived_client_key(strong_keys: MeshKeys) -> None:
-    allow = _AllowMeshClient(strong_keys)
-    other = derive_keys(OTHER_STRONG)
-    assert allow.callback(ZAP_DOMAIN, strong_keys.client_public) is True
-    assert allow.callback(ZAP_DOMAIN, other.client_public) is False
-    assert allow.callback(ZAP_DOMAIN, strong_keys.server_public) is False
-    assert allow.callback("other-domain", strong_keys.client_public) is False
+def test_zap_callback_admits_only_the_derived_client_key(keys: dict[str, MeshKeys]) -> None:
+    allow = _AllowMeshClient(keys[SALTED])
+    assert allow.callback(ZAP_DOMAIN, keys[SALTED].client_public) is True
+    assert allow.callback(ZAP_DOMAIN, keys[OTHER_SALT].client_public) is False
+    assert allow.callback(ZAP_DOMAIN, keys[SALTED].server_public) is False
+    assert allow.callback("other-domain", keys[SALTED].client_public) is False
