@@ -88,6 +88,7 @@ class Store:
         self.path = Path(path)
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _create_private(self.path)
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         except sqlite3.DatabaseError as exc:
@@ -107,7 +108,7 @@ class Store:
 
     def _open(self, path: Path | str, synchronous: str) -> None:
         if str(path) != ":memory:":
-            os.chmod(path, 0o600)  # payloads are code and data: owner only
+            os.chmod(path, 0o600)  # an existing file made by an older gpumesh: owner only now
             self._lock = _lock_exclusively(Path(f"{path}.lock"))
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -267,13 +268,26 @@ class Store:
             self._lock = None
 
 
+def _create_private(path: Path) -> None:
+    """Create ``path`` empty and owner-only before SQLite opens it: payloads are code and data,
+    and a file that is readable even for a moment can be opened and kept open by anyone.
+    SQLite gives its -wal and -shm files the mode of the database file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise StoreError(f"cannot create the database {path}: {exc.strerror}") from None
+    os.close(fd)
+
+
 def _lock_exclusively(path: Path) -> Any:
     """Hold an exclusive lock for the life of the store: two coordinators on one journal would
     each re-run the other's tasks."""
     import fcntl
 
+    _create_private(path)
     handle = open(path, "a+b")  # noqa: SIM115 - held open until close()
-    os.chmod(path, 0o600)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -21,6 +21,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from ..config import ensure_home
+
 log = logging.getLogger("gpumesh.worker")
 
 ACTIONS = ("pause", "resume", "drain", "drain-now", "status")
@@ -41,8 +43,8 @@ class ControlServer:
         self.sock.linger = 0
         self.sock.maxmsgsize = MAX_REQUEST_BYTES  # any local user can connect: keep it cheap
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        folder = registry_dir(home)
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = registry_dir(ensure_home(home))  # GPUMESH_HOME itself 0700, not just this
+        folder.mkdir(exist_ok=True, mode=0o700)
         self.path = folder / f"{worker_id}.json"
         entry = {"worker": worker_id, "pid": os.getpid(), "port": port, "secret": self.secret,
                  "url": url, "started": time.time()}
