@@ -8,12 +8,13 @@ from collections.abc import Sequence
 
 import click
 
-from ..config import Settings, parse_url, save_connection
+from ..config import Settings, ensure_home, parse_url, save_connection
 from ..errors import ConfigError, MeshError
 from ..protocol.taskenv import check_env_name
 from ..worker import WorkerAgent, devices
 from .lifecycle import stop_with_parent
 from .output import fail
+from .tokens import save_kdf
 
 DEFAULT_CPU_SLOTS_MAX = 4
 
@@ -53,6 +54,7 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     except MeshError as exc:
         fail(str(exc))
         return
+    ensure_home(settings.home)  # 0700 before anything is written there
     inventory = devices.probe()
     if benchmark:
         figures = devices.benchmark(inventory)
@@ -71,7 +73,7 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     def joined(worker_id: str) -> None:
         # Saved only now: a wrong token must not replace a working saved connection.
         if save:
-            save_connection(settings.config_path, endpoint.zmq, token)
+            save_connection(settings.config_path, endpoint.zmq, token, **save_kdf(token))
         if ready_fd is not None:
             os.write(ready_fd, f"{worker_id}\n".encode())
 

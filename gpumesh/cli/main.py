@@ -13,16 +13,19 @@ from .._version import __version__
 from ..config import DEFAULT_PORT, Settings
 from ..errors import MeshError
 from .output import fail, setup_logging, worker_table
+from .tokens import chosen_token, prime_key_cache, token_options
 
 VERSION_LINE = f"gpumesh {__version__} ({platform.python_version()}, {platform.system()})"
 
 
 def _settings() -> Settings:
     try:
-        return Settings.from_env()
+        settings = Settings.from_env()
     except MeshError as exc:
         fail(str(exc))
         raise  # unreachable: fail exits
+    prime_key_cache(settings)
+    return settings
 
 
 def _color_option(fn):  # type: ignore[no-untyped-def]
@@ -45,6 +48,7 @@ def cli(verbose: bool, json_logs: bool) -> None:
     \b
     Quick start (one machine):
       gpumesh serve --port 8000          # coordinator + this machine as a worker
+                                         # (makes a token, saved in ~/.gpumesh/token)
       python demo.py                     # code using @mesh runs on the mesh
     Try it all in one go:
       gpumesh demo
@@ -57,8 +61,10 @@ def cli(verbose: bool, json_logs: bool) -> None:
               "0.0.0.0 lets other machines join.")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port (0 picks a free one).")
-@click.option("--token", envvar="GPUMESH_TOKEN", default=None,
-              help="The mesh token (or GPUMESH_TOKEN). Generated and printed when absent.")
+@token_options(envvar=True, what="(or GPUMESH_TOKEN; generated and saved when absent)")
+@click.option("--weak-token", is_flag=True, envvar="GPUMESH_WEAK_TOKEN",
+              help="Accept a token shorter than 22 characters (or GPUMESH_WEAK_TOKEN=1). A short "
+                   "token can be guessed offline from one recorded handshake.")
 @click.option("--db", type=click.Path(dir_okay=False), default=None,
               help="SQLite journal (default GPUMESH_HOME/coordinator-PORT.db).")
 @click.option("--no-self-worker", is_flag=True, help="Do not join this machine as a worker.")
@@ -72,20 +78,24 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
-def serve(host: str | None, port: int, token: str | None, db: str | None, no_self_worker: bool,
-          slots: int | None, safe_mode: bool, pending_timeout: float | None, no_save: bool,
-          quiet_worker: bool, ready_fd: int | None, exit_with_parent: bool) -> None:
+def serve(host: str | None, port: int, token: str | None, weak_token: bool, db: str | None,
+          no_self_worker: bool, slots: int | None, safe_mode: bool,
+          pending_timeout: float | None, no_save: bool, quiet_worker: bool,
+          ready_fd: int | None, exit_with_parent: bool) -> None:
     """Start a coordinator (and join this machine to it).
 
     \b
     Examples:
-      gpumesh serve --port 8000 --token $TOKEN
-      gpumesh serve --host 0.0.0.0 --port 8000     # let other machines join
+      gpumesh serve --port 8000                       # makes a token: ~/.gpumesh/token
+      gpumesh serve --port 8000 --token-file mesh.token
+      GPUMESH_TOKEN=$(cat mesh.token) gpumesh serve --host 0.0.0.0   # let others join
     """
     from .serve import serve as run_serve
 
     settings = _settings()
+    token = chosen_token(token)
     run_serve(settings, host=host or settings.host, port=port, token=token, db=db,
+              weak_token=weak_token or settings.weak_token,
               self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
               pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker,
               save=not no_save, exit_with_parent=exit_with_parent)
@@ -93,8 +103,7 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
 
 @cli.command()
 @click.argument("url")
-@click.option("--token", envvar="GPUMESH_TOKEN", required=True,
-              help="The mesh token (or GPUMESH_TOKEN).")
+@token_options(envvar=True, what="(or GPUMESH_TOKEN; required)")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Tasks run at once (default: one per GPU, else one per core up to 4).")
 @click.option("--max-slots", type=click.IntRange(1, 1024), default=None,
@@ -109,7 +118,7 @@ def serve(host: str | None, port: int, token: str | None, db: str | None, no_sel
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
-def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetch: int,
+def join(url: str, token: str | None, slots: int | None, max_slots: int | None, prefetch: int,
          no_benchmark: bool, pass_env: tuple[str, ...], no_save: bool, ready_fd: int | None,
          exit_with_parent: bool) -> None:
     """Join this machine to a coordinator as a worker.
@@ -119,12 +128,16 @@ def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetc
 
     \b
     Example:
-      gpumesh join tcp://192.0.2.10:8000 --token $TOKEN
-      gpumesh join tcp://192.0.2.10:8000 --token $TOKEN --max-slots 1   # lend one GPU only
-      gpumesh join tcp://192.0.2.10:8000 --token $TOKEN --pass-env HF_HOME
+      gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token
+      gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token --max-slots 1  # one GPU only
+      gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token --pass-env HF_HOME
     """
     from .join import join as run_join
 
+    token = chosen_token(token)
+    if not token:
+        fail("no token: set GPUMESH_TOKEN, or pass --token-file PATH (the file 'gpumesh serve' "
+             "saved as ~/.gpumesh/token, copied here)")
     run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
              save=not no_save, ready_fd=ready_fd, prefetch=prefetch, max_slots=max_slots,
              exit_with_parent=exit_with_parent, pass_env=pass_env)
@@ -133,6 +146,7 @@ def join(url: str, token: str, slots: int | None, max_slots: int | None, prefetc
 def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
     from ..client import GPUMesh
 
+    token = chosen_token(token)
     try:
         return GPUMesh(url, token, quiet=True, settings=_settings())
     except MeshError as exc:
@@ -140,8 +154,7 @@ def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
 
 
 def _connection(fn):  # type: ignore[no-untyped-def]
-    fn = click.option("--token", default=None,
-                      help="Mesh token (or GPUMESH_TOKEN, or the saved one).")(fn)
+    fn = token_options(envvar=False, what="(default: GPUMESH_TOKEN, then the saved one)")(fn)
     return click.option("--url", default=None,
                         help="Coordinator URL (or GPUMESH_URL, or the saved one).")(fn)
 
@@ -357,6 +370,31 @@ def workers(url: str | None, token: str | None, as_json: bool) -> None:
         click.echo(json.dumps(listing, indent=2))
     else:
         click.echo(worker_table(listing))
+
+
+@cli.command()
+@click.option("--file", "path", type=click.Path(dir_okay=False), default=None,
+              help="Write it to this new file, readable only by you, instead of printing it.")
+def token(path: str | None) -> None:
+    """Make a new mesh token: SALT.SECRET, a random salt and a 192-bit secret.
+
+    \b
+    Examples:
+      gpumesh token --file mesh.token      # then: gpumesh serve --token-file mesh.token
+      export GPUMESH_TOKEN=$(gpumesh token)
+    """
+    from ..tokens import new_token, write_token_file
+
+    if path is None:
+        click.echo(new_token())
+        return
+    try:
+        write_token_file(path, new_token())
+    except FileExistsError:
+        fail(f"{path} exists already: pick a new file (a token is never overwritten)")
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc.strerror}")
+    click.echo(f"[gpumesh] new token written to {path} (mode 0600)", err=True)
 
 
 @cli.command()

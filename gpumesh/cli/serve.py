@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import hmac
 import ipaddress
 import os
 import signal
@@ -13,12 +14,24 @@ from pathlib import Path
 
 import click
 
-from ..config import Settings, new_token, parse_url, save_connection
+from ..config import Settings, ensure_home, parse_url, save_connection
 from ..coordinator import Coordinator, Event
 from ..errors import MeshError
+from ..security import note_weak
+from ..tokens import (
+    new_token,
+    parse_token,
+    refuse_weak,
+    weak_warning,
+    with_salt,
+    write_token_file,
+)
 from ..worker import devices
 from .lifecycle import stop_with_parent
 from .output import fail, ok
+from .tokens import save_kdf
+
+TOKEN_FILE = "token"
 
 
 def is_loopback(host: str) -> bool:
@@ -63,15 +76,52 @@ def print_event(event: Event) -> None:
         click.echo(f"[mesh] worker {verb}: {w['hostname']} {w['id'][:8]} ({reason})")
 
 
+def serve_token(settings: Settings, token: str | None, weak_token: bool) -> tuple[str, str | None]:
+    """The token this coordinator uses, and the salt it added (None if it added none).
+
+    None makes a new token. A weak one is refused unless ``weak_token``; accepted, it gets a
+    salt if it has none: the one saved with the same secret, so a restart keeps the mesh's
+    keys, or a new one.
+    """
+    if token is None:
+        return new_token(), None
+    if weak_warning(token) is None:
+        return token, None
+    if not weak_token:
+        refuse_weak(token)
+    given = parse_token(token)
+    if given.salt:
+        return token, None
+    try:
+        saved = settings.saved_connection()
+    except MeshError:
+        saved = None
+    if saved is not None:
+        kept = parse_token(saved.token)
+        if kept.salt and hmac.compare_digest(kept.secret.encode(), given.secret.encode()):
+            return kept.text, kept.salt
+    salted = with_salt(token)
+    return salted, parse_token(salted).salt
+
+
 def serve(
     settings: Settings, *, host: str, port: int, token: str | None, db: str | None,
     self_worker: bool, slots: int | None, safe_mode: bool, pending_timeout: float | None,
     ready_fd: int | None, quiet: bool, save: bool = True, exit_with_parent: bool = False,
+    weak_token: bool = False,
 ) -> None:
     generated = token is None
-    token = token or new_token()
+    try:
+        token, added_salt = serve_token(settings, token, weak_token)
+    except MeshError as exc:
+        fail(str(exc))
+        return
+    warning = weak_warning(token)
+    if warning and note_weak(token):
+        click.echo(f"warning: {warning} (accepted because of --weak-token)", err=True)
     if pending_timeout is not None:
         settings = settings.with_timing(pending_timeout=pending_timeout)
+    ensure_home(settings.home)
     db_path = Path(db) if db else settings.home / f"coordinator-{port}.db"
     try:
         coordinator = Coordinator(settings, token, host=host, port=port, db_path=db_path,
@@ -82,30 +132,39 @@ def serve(
     port = coordinator.port
     local_host = host if not host or host not in ("0.0.0.0", "*", "::") else "127.0.0.1"
     local_url = parse_url(f"[{local_host}]:{port}" if ":" in local_host else f"{local_host}:{port}").zmq
+    token_path = settings.home / TOKEN_FILE
     if save:
-        save_connection(settings.config_path, local_url, token)
+        save_connection(settings.config_path, local_url, token, **save_kdf(token))
+        write_token_file(token_path, token, replace=True)
     coordinator.broker.listeners.append(print_event)
-    shown_token = token if generated else "<your token>"
+    # How the banner's commands get the token: never the token itself on a command line.
+    token_arg = f" --token-file {_home_display(token_path)}" if save else ""
 
     if save:
         click.echo(f"[gpumesh] config saved to {_home_display(settings.config_path)}")
     ok(f"Coordinator listening on {host}:{port}")
     if generated:
         click.echo(f"   Token: {token}")
-        click.echo("   (generated for you and saved with the config; pass --token or set "
-                   "GPUMESH_TOKEN to choose one)")
+        click.echo("   (generated for you; set GPUMESH_TOKEN or pass --token-file to choose one)")
+    elif added_salt:
+        click.echo(f"   Token: {added_salt}.<your token> -- share it in this form: the salt "
+                   "in front is not secret, and every worker and client needs it")
     else:
         click.echo("   Token: <your token> (as given; never printed)")
+    if save:
+        click.echo(f"   Saved, readable only by you, in {_home_display(token_path)}")
+    else:
+        click.echo("   (not saved: give it to 'gpumesh join' as GPUMESH_TOKEN or --token-file)")
     click.echo("")
-    click.echo(f"   Join from THIS machine:   gpumesh join {local_url} --token {shown_token}")
+    click.echo(f"   Join from THIS machine:   gpumesh join {local_url}{token_arg}")
     if is_loopback(host):
         click.echo(f"   Other machines CANNOT reach this coordinator (bound to {host} only).")
         click.echo("   That is the default now: a worker executes code as the user who started it.")
         click.echo("   To let other machines join, re-run with: gpumesh serve --host 0.0.0.0 "
-                   f"--port {port} --token {shown_token}")
+                   f"--port {port}{token_arg}")
         click.echo("   (or set GPUMESH_HOST=0.0.0.0). Read the warning it prints before you do.")
     else:
-        _exposed_banner(host, port, shown_token)
+        _exposed_banner(host, port)
     if safe_mode:
         click.echo("   Safe mode: pickled functions are refused; only scripts are accepted.")
     if coordinator.restored:
@@ -158,11 +217,12 @@ def serve(
     click.echo("[gpumesh] coordinator stopped")
 
 
-def _exposed_banner(host: str, port: int, shown_token: str) -> None:
+def _exposed_banner(host: str, port: int) -> None:
     lan = lan_address() if host in ("0.0.0.0", "*", "::") else host
     if lan:
-        click.echo(f"   Join from ANOTHER machine: gpumesh join tcp://{lan}:{port} --token {shown_token}")
-        click.echo("   (127.0.0.1 always works locally; the LAN IP is for other machines)")
+        click.echo(f"   Join from ANOTHER machine: gpumesh join tcp://{lan}:{port} --token-file FILE")
+        click.echo("   (FILE: a copy of the token file, readable only by you; 127.0.0.1 always "
+                   "works locally; the LAN IP is for other machines)")
     inventory = devices.probe(torch_probe=False)
     bar = "  " + "!" * 62
     click.echo("")

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from ..config import DEFAULT_HOST, Settings, new_token, parse_url
 from ..errors import MeshError
+from ..tokens import refuse_weak, weakness, with_salt
 
 
 @dataclass
@@ -131,14 +132,23 @@ def start_coordinator(
     self_worker: bool = True, slots: int | None = None, db: str | None = None,
     home: str | None = None, safe_mode: bool = False, quiet: bool = True, wait: float = 30.0,
     env: dict[str, str] | None = None, extra_args: list[str] | None = None, save: bool = False,
+    weak_token: bool | None = None,
 ) -> CoordinatorHandle:
     """Run ``gpumesh serve`` in the background. ``port=0`` picks a free port.
 
     Unlike the command, it leaves the saved connection alone unless ``save=True``: a mesh
-    started from a script should not become the user's default.
+    started from a script should not become the user's default. A token shorter than 22
+    characters is refused (ConfigError) unless ``weak_token=True`` (or GPUMESH_WEAK_TOKEN=1);
+    accepted, it gets a salt in front if it has none, and the handle's ``token`` is that.
     """
-    token = token or Settings.from_env().token or new_token()
+    settings = Settings.from_env()
+    token = token or settings.token or new_token()
     args = ["serve", "--host", host, "--port", str(port)]
+    if weakness(token):
+        if not (settings.weak_token if weak_token is None else weak_token):
+            refuse_weak(token)
+        token = with_salt(token)
+        args.append("--weak-token")
     if not self_worker:
         args.append("--no-self-worker")
     if slots is not None:
