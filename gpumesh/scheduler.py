@@ -13,83 +13,18 @@ Rules, in order:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .protocol.requirements import Gpu, Requirements, gpu_satisfies, parse_size
+
 DEFAULT_COST = 1.0
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
-
-def parse_size(value: Any) -> int:
-    """``16GB``, ``512MiB``, ``2g`` or a plain number of bytes, as bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, (int, float)):
-        return int(value)
-    match = _SIZE.match(str(value))
-    if not match:
-        raise ValueError(f"not a size: {value!r} (use e.g. '16GB' or '512MiB')")
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
-    binary = "i" in unit
-    letter = unit[:1] if unit[:1] in "kmgt" else ""
-    scale = 1024 ** "kmgt".index(letter) * 1024 if binary and letter else _UNITS[letter]
-    return int(number * scale)
-
-
-@dataclass(frozen=True)
-class Requirements:
-    gpu: str | bool | None = None
-    cores: int | None = None
-    memory: int | None = None
-    vram: int | None = None
-    python: str | None = None
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> Requirements:
-        """Read the scheduler's keys from a task header or payload dict; others are ignored."""
-        gpu = data.get("gpu")
-        if gpu is not None and not isinstance(gpu, (str, bool)):
-            raise ValueError(f"gpu must be a model name or true, not {gpu!r}")
-        cores = data.get("cores")
-        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
-            raise ValueError(f"cores must be a positive whole number, not {cores!r}")
-        memory = data.get("memory")
-        vram = data.get("vram")
-        return cls(
-            gpu=gpu if gpu not in (False, "") else None,
-            cores=cores,
-            memory=parse_size(memory) if memory is not None else None,
-            vram=parse_size(vram) if vram is not None else None,
-            python=data.get("python"),
-        )
-
-    def to_mapping(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
-
-    def describe(self) -> str:
-        parts = []
-        if self.gpu is True:
-            parts.append("a GPU")
-        elif self.gpu:
-            parts.append(f"gpu={self.gpu!r}")
-        if self.cores:
-            parts.append(f"cores>={self.cores}")
-        if self.memory:
-            parts.append(f"memory>={self.memory / 1e9:.1f}GB")
-        if self.vram:
-            parts.append(f"vram>={self.vram / 1e9:.1f}GB")
-        if self.python:
-            parts.append(f"Python {self.python}")
-        return ", ".join(parts) or "nothing"
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    vram: int = 0
+__all__ = [  # Requirements, Gpu and sizes live in the protocol; they are used here by name
+    "DEFAULT_COST", "Gpu", "Requirements", "TaskView", "WorkerView", "choose", "could_ever_run",
+    "eligible", "explain_unschedulable", "parse_size", "stragglers", "unmet",
+]
 
 
 @dataclass
@@ -124,9 +59,9 @@ def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False) -> l
     missing = []
     if req.gpu is True and not worker.gpus:
         missing.append("has no GPU")
-    elif isinstance(req.gpu, str) and not any(req.gpu.lower() in g.name.lower() for g in worker.gpus):
+    elif isinstance(req.gpu, str) and not any(gpu_satisfies(g, req.gpu, None) for g in worker.gpus):
         missing.append(f"has no {req.gpu} GPU")
-    if req.vram and not any(g.vram >= req.vram for g in worker.gpus):
+    if req.vram and not any(gpu_satisfies(g, None, req.vram) for g in worker.gpus):
         missing.append("has too little VRAM")
     if req.cores and worker.cores < req.cores:
         missing.append(f"has {worker.cores} cores")

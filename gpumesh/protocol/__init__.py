@@ -1,5 +1,24 @@
-"""The wire protocol: commands, frame codec and payload serialization. Does no I/O."""
+"""The wire protocol: commands, frame codec, typed headers, requirements and payload
+serialization. Does no I/O."""
 
+from .headers import (
+    ClientInfo,
+    Control,
+    Credit,
+    GpuInfo,
+    Heartbeat,
+    Hello,
+    Output,
+    Query,
+    Result,
+    Submit,
+    TaskIds,
+    TaskSpec,
+    WorkerInfo,
+    check_proto,
+    departure_of,
+    qid_of,
+)
 from .messages import (
     MAJOR,
     MINOR,
@@ -14,18 +33,46 @@ from .messages import (
     encode,
     field_of,
 )
+from .requirements import Gpu, Requirements, gpu_satisfies, parse_python, parse_size
+from .vocabulary import Departure, ResultEncoding, ResultStatus, TaskKind, WorkerMode
 
 __all__ = [
     "MAJOR",
     "MINOR",
     "SIGNATURE",
+    "ClientInfo",
     "Command",
+    "Control",
+    "Credit",
+    "Departure",
     "ErrorCode",
+    "Gpu",
+    "GpuInfo",
+    "Heartbeat",
+    "Hello",
     "Message",
+    "Output",
     "ProtocolError",
+    "Query",
+    "Requirements",
+    "Result",
+    "ResultEncoding",
+    "ResultStatus",
     "Role",
+    "Submit",
+    "TaskIds",
+    "TaskKind",
+    "TaskSpec",
+    "WorkerInfo",
+    "WorkerMode",
+    "check_proto",
     "check_sizes",
     "decode",
+    "departure_of",
     "encode",
     "field_of",
+    "gpu_satisfies",
+    "parse_python",
+    "parse_size",
+    "qid_of",
 ]

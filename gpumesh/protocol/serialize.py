@@ -50,8 +50,53 @@ def function_digest(pickled_function: bytes) -> str:
     return hashlib.blake2b(pickled_function, digest_size=12).hexdigest()
 
 
-def payload_nbytes(frames: Sequence[Any]) -> int:
-    total = 0
+def split_frames(frames: Sequence[Any], limit: int) -> tuple[list[Any], list[int] | None]:
+    """Frames no larger than ``limit``, for a peer whose sockets refuse bigger ones, and the
+    layout (wire frames per original frame) to rebuild them; None when nothing was split.
+
+    Big frames become memoryview slices of the original: nothing is copied to send them."""
+    if all(_nbytes(frame) <= limit for frame in frames):
+        return list(frames), None
+    wire: list[Any] = []
+    layout: list[int] = []
     for frame in frames:
-        total += frame.nbytes if isinstance(frame, memoryview) else len(frame)
-    return total
+        size = _nbytes(frame)
+        if size <= limit:
+            wire.append(frame)
+            layout.append(1)
+            continue
+        view = memoryview(_as_buffer(frame)).cast("B")
+        pieces = [view[start:start + limit] for start in range(0, size, limit)]
+        wire.extend(pieces)
+        layout.append(len(pieces))
+    return wire, layout
+
+
+def join_frames(frames: Sequence[Any], layout: Sequence[int] | None) -> list[Any]:
+    """Undo ``split_frames``: one copy for each frame that was split, none for the rest.
+
+    Raises ValueError when the layout does not match the frames."""
+    if not layout:
+        return list(frames)
+    if sum(layout) != len(frames) or any(count < 1 for count in layout):
+        raise ValueError(f"a split layout of {sum(layout)} frames for {len(frames)} frames")
+    out: list[Any] = []
+    index = 0
+    for count in layout:
+        if count == 1:
+            out.append(frames[index])
+        else:
+            out.append(b"".join(_as_buffer(frame) for frame in frames[index:index + count]))
+        index += count
+    return out
+
+
+def _nbytes(frame: Any) -> int:
+    if isinstance(frame, memoryview):
+        return frame.nbytes
+    buffer = getattr(frame, "buffer", None)  # a zmq.Frame
+    return buffer.nbytes if buffer is not None else len(frame)
+
+
+def payload_nbytes(frames: Sequence[Any]) -> int:
+    return sum(_nbytes(frame) for frame in frames)

@@ -1,0 +1,498 @@
+"""The headers the coordinator reads from peers, as frozen values parsed in one place.
+
+Each ``from_header`` checks every field's type, range and size and raises a MALFORMED
+ProtocolError naming the field; what it returns is safe to store, journal, schedule and show.
+Unknown keys are dropped (a newer peer may send more), so nothing unchecked is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import fields as f
+from .messages import ErrorCode, ProtocolError, Role
+from .requirements import MAX_CORES, Gpu, Requirements, parse_python, parse_size
+from .taskenv import check_script_name, check_task_env
+from .vocabulary import Departure, ResultEncoding, ResultStatus, TaskKind, WorkerMode
+
+ID_CHARS = 64  # peer, task and job ids
+NAME_CHARS = 200  # job names, hostnames, device names
+VERSION_CHARS = 64  # version strings ("3.11.2", "2.2.1", "2.13.0+cpu")
+MAX_GPUS = 64
+MAX_SLOTS = 1024
+SLOTS_PER_CORE = 4  # --slots beyond this many per core (or GPU) is not a machine, it is a lie
+MAX_PREFETCH = 256
+MAX_IDS = 100_000  # task ids or leases in one message
+MAX_SPECS = 10_000  # task specs in one SUBMIT (the client sends at most 500)
+MAX_ERROR_TYPE = 256
+MAX_ERROR_MESSAGE = 16 * 1024
+MAX_TRACEBACK = 256 * 1024
+MAX_DIAGNOSIS = 8 * 1024
+MAX_PRIORITY = 10**9
+MAX_COST = 1e12
+MAX_SECONDS = 1e9
+
+
+def _clip(value: Any, limit: int) -> Any:
+    """A peer's free text, cut to ``limit`` characters: a real worker's long traceback is
+    truncated rather than lost, but nothing longer is ever kept."""
+    return value[:limit] if isinstance(value, str) else value
+
+
+# ----------------------------------------------------------------- HELLO
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    vram: int  # bytes
+    backend: str
+
+    def as_gpu(self) -> Gpu:
+        return Gpu(self.name, self.vram)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "vram": self.vram, "backend": self.backend}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's inventory, as HELLO ``info`` describes it (docs/protocol.md, HELLO)."""
+
+    hostname: str = ""
+    device: str = "CPU"
+    device_name: str = ""
+    cores: int = 1
+    memory: int = 0
+    gpus: tuple[GpuInfo, ...] = ()
+    python: str = ""
+    python_full: str = ""
+    platform: str = ""
+    cloudpickle: str = ""
+    gpumesh: str = ""
+    torch: str | None = None
+    score: float = 0.0
+    gflops: float | None = None
+    bandwidth_gbps: float | None = None
+
+    @classmethod
+    def from_mapping(cls, info: Mapping[str, Any]) -> WorkerInfo:
+        gpus = tuple(_gpu(i, g) for i, g in enumerate(
+            f.items(info, "gpus", max_items=MAX_GPUS, default=[])))
+        python = f.text(info, "python", max_len=16, default="")
+        if python:
+            try:
+                parse_python(python)
+            except ValueError as exc:
+                raise f.malformed(f"info: {exc}") from None
+        return cls(
+            hostname=f.text(info, "hostname", max_len=NAME_CHARS, default=""),
+            device=f.text(info, "device", max_len=16, default="CPU"),
+            device_name=f.text(info, "device_name", max_len=NAME_CHARS, default=""),
+            cores=f.integer(info, "cores", low=1, high=MAX_CORES, default=1),
+            memory=_size(info, "memory"),
+            gpus=gpus,
+            python=python,
+            python_full=f.text(info, "python_full", max_len=VERSION_CHARS, default=""),
+            platform=f.text(info, "platform", max_len=VERSION_CHARS, default=""),
+            cloudpickle=f.text(info, "cloudpickle", max_len=VERSION_CHARS, default=""),
+            gpumesh=f.text(info, "gpumesh", max_len=VERSION_CHARS, default=""),
+            torch=f.text(info, "torch", max_len=VERSION_CHARS, default=None),
+            score=f.number(info, "score", low=0.0, high=1e12, default=0.0),
+            gflops=f.number(info, "gflops", low=0.0, high=1e12, default=None),
+            bandwidth_gbps=f.number(info, "bandwidth_gbps", low=0.0, high=1e12, default=None),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if v is not None}
+        data["gpus"] = [g.to_dict() for g in self.gpus]
+        return data
+
+
+def _gpu(position: int, raw: Any) -> GpuInfo:
+    if not isinstance(raw, dict):
+        raise f.malformed("info 'gpus' must be a list of maps")
+    return GpuInfo(
+        index=f.integer(raw, "index", low=0, high=4095, default=position),
+        name=f.text(raw, "name", max_len=NAME_CHARS, default=""),
+        vram=_size(raw, "vram"),
+        backend=f.text(raw, "backend", max_len=16, default=""),
+    )
+
+
+def _size(data: Mapping[str, Any], name: str) -> int:
+    value = data.get(name)
+    if value is None:
+        return 0
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise f.malformed(f"info {name!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """What a client says of itself: enough to name it to other users, nothing more."""
+
+    pid: int = 0
+    host: str = ""
+    user: str = ""
+
+    @classmethod
+    def from_mapping(cls, info: Mapping[str, Any]) -> ClientInfo:
+        return cls(
+            pid=f.integer(info, "pid", low=0, high=2**32, default=0),
+            host=f.text(info, "host", max_len=NAME_CHARS, default=""),
+            user=f.text(info, "user", max_len=NAME_CHARS, default=""),
+        )
+
+    def owner(self, client_id: str) -> str:
+        """The name jobs are filed under: ``user@host``, or the client id for older clients."""
+        if self.user or self.host:
+            return f"{self.user or '?'}@{self.host or '?'}"
+        return f"client {client_id[:8]}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "host": self.host, "user": self.user}
+
+
+@dataclass(frozen=True)
+class Hello:
+    role: Role
+    peer_id: str
+    info: WorkerInfo | ClientInfo
+    # A worker's session:
+    slots: int = 0
+    credit: int = 0
+    prefetch: int = 0
+    held: tuple[tuple[str, int], ...] = ()
+    release: tuple[int, ...] = ()
+    incarnation: str = ""
+    mode: WorkerMode = WorkerMode.ACTIVE
+
+    @property
+    def draining(self) -> bool:
+        return self.mode is not WorkerMode.ACTIVE
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Hello:
+        role = f.choice(h, "role", Role)
+        peer_id = f.text(h, "id", min_len=1, max_len=ID_CHARS)
+        raw_info = f.mapping(h, "info", max_items=64, default={})
+        if role is Role.CLIENT:
+            return cls(role, peer_id, ClientInfo.from_mapping(raw_info))
+        info = WorkerInfo.from_mapping(raw_info)
+        slots = f.integer(h, "slots", low=1, high=MAX_SLOTS)
+        most = max(info.cores, len(info.gpus), 1) * SLOTS_PER_CORE
+        if slots > most:
+            raise f.malformed(
+                f"{slots} slots on a machine with {info.cores} cores and {len(info.gpus)} GPUs: "
+                f"at most {most} ({SLOTS_PER_CORE} per core or GPU) are accepted")
+        prefetch = f.integer(h, "prefetch", low=0, high=MAX_PREFETCH, default=0)
+        return cls(
+            role, peer_id, info,
+            slots=slots,
+            credit=f.integer(h, "credit", low=0, high=f.INT64, default=slots),
+            prefetch=prefetch,
+            held=_held(f.items(h, "held", max_items=MAX_IDS, default=[])),
+            release=f.int_list(h, "release", max_items=MAX_IDS, default=()),
+            incarnation=f.text(h, "incarnation", max_len=ID_CHARS, default=""),
+            mode=_mode(h, WorkerMode.ACTIVE),
+        )
+
+
+def _held(pairs: list[Any]) -> tuple[tuple[str, int], ...]:
+    out = []
+    for item in pairs:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and len(item[0]) <= ID_CHARS and isinstance(item[1], int)
+                and not isinstance(item[1], bool) and 0 <= item[1] <= f.INT64):
+            raise f.malformed("held leases must be [task, lease] pairs")
+        out.append((item[0], item[1]))
+    return tuple(out)
+
+
+def _mode(h: Mapping[str, Any], current: WorkerMode) -> WorkerMode:
+    """``mode``, or the older ``draining`` flag alone: a draining worker takes no new tasks."""
+    draining = f.flag(h, "draining", default=None)
+    default = WorkerMode.DRAINING if draining else (
+        WorkerMode.ACTIVE if draining is False else current)
+    mode: WorkerMode = f.choice(h, "mode", WorkerMode, default=default)
+    if draining and mode is WorkerMode.ACTIVE:
+        return WorkerMode.DRAINING
+    return mode
+
+
+# ----------------------------------------------------------------- from workers
+
+@dataclass(frozen=True)
+class Credit:
+    granted: int
+    mode: WorkerMode
+    release: tuple[int, ...]
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any], current: WorkerMode) -> Credit:
+        return cls(
+            granted=f.integer(h, "granted", low=0, high=f.INT64),
+            mode=_mode(h, current),
+            release=f.int_list(h, "release", max_items=MAX_IDS, default=()),
+        )
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    leases: tuple[int, ...]
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Heartbeat:
+        return cls(f.int_list(h, "leases", max_items=MAX_IDS, default=()))
+
+
+@dataclass(frozen=True)
+class Output:
+    task: str
+    stream: str
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Output:
+        stream = f.text(h, "stream", max_len=8, default="out")
+        if stream not in ("out", "err"):
+            raise f.malformed(f"'stream' must be 'out' or 'err', not {stream!r}")
+        return cls(f.text(h, "task", max_len=ID_CHARS), stream)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A worker's RESULT. ``error`` and ``diagnosis`` are cut to their limits, never refused:
+    a real task's long traceback must not cost it its result."""
+
+    task: str
+    lease: int
+    status: ResultStatus
+    elapsed: float
+    granted: int | None
+    error: dict[str, str] | None
+    diagnosis: str | None
+    encoding: ResultEncoding
+    split: tuple[int, ...] = ()  # wire frames per result frame, when big ones were split
+
+    def check_frames(self, count: int) -> None:
+        if self.split and sum(self.split) != count:
+            raise f.malformed(f"'split' adds up to {sum(self.split)} frames, not {count}")
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Result:
+        status: ResultStatus = f.choice(h, "status", ResultStatus)
+        if not status.from_worker:
+            raise f.malformed(f"a worker cannot report {status.value!r}")
+        raw_error = f.mapping(h, "error", max_items=16, default=None)
+        error = None
+        if raw_error is not None:
+            error = {
+                "type": _clip(f.text(raw_error, "type", max_len=f.INT64, default="Exception"),
+                              MAX_ERROR_TYPE),
+                "message": _clip(f.text(raw_error, "message", max_len=f.INT64, default=""),
+                                 MAX_ERROR_MESSAGE),
+                "traceback": _clip(f.text(raw_error, "traceback", max_len=f.INT64, default=""),
+                                   MAX_TRACEBACK),
+            }
+        diagnosis = f.text(h, "diagnosis", max_len=f.INT64, default=None)
+        return cls(
+            task=f.text(h, "task", max_len=ID_CHARS),
+            lease=f.integer(h, "lease", low=0, high=f.INT64),
+            status=status,
+            elapsed=f.number(h, "elapsed", low=0.0, high=MAX_SECONDS, default=0.0),
+            granted=f.integer(h, "granted", low=0, high=f.INT64, default=None),
+            error=error,
+            diagnosis=_clip(diagnosis, MAX_DIAGNOSIS),
+            encoding=f.choice(h, "encoding", ResultEncoding, default=ResultEncoding.PICKLE),
+            split=f.int_list(h, "split", max_items=4096, low=1, high=4096, default=()),
+        )
+
+
+# ----------------------------------------------------------------- from clients
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of a SUBMIT. ``to_spec()`` is what is journaled and sent on in TASK."""
+
+    kind: TaskKind
+    seq: int
+    frames: int  # ``nf``: how many of the message's payload frames are this task's
+    max_attempts: int = 3
+    priority: int = 0
+    cost: float = 1.0
+    timeout: float | None = None
+    requirements: Requirements = Requirements()
+    function: str = ""  # ``fn``: the pickled function's digest
+    name: str = ""  # a script's file name
+    source_name: str = ""  # ``src``: the function's name in its source form
+    source_python: str = ""  # ``py``: the Python the source form was made on
+    env: Mapping[str, str] = field(default_factory=dict)
+    split: tuple[int, ...] = ()  # wire frames per payload frame, when big ones were split
+
+    @property
+    def portable(self) -> bool:
+        return bool(self.source_name)
+
+    @classmethod
+    def from_mapping(cls, spec: Any) -> TaskSpec:
+        if not isinstance(spec, dict):
+            raise f.malformed("each task spec must be a map")
+        kind: TaskKind = f.choice(spec, "kind", TaskKind)
+        try:
+            requirements = Requirements.from_mapping(f.mapping(spec, "req", max_items=16,
+                                                               default={}))
+        except ValueError as exc:
+            raise f.malformed(f"req: {exc}") from None
+        name = f.text(spec, "name", max_len=1024, default="")
+        py = f.text(spec, "py", max_len=16, default="")
+        try:
+            env = check_task_env(spec.get("env", {}))
+            if kind is TaskKind.SCRIPT:
+                check_script_name(name)
+            if py:
+                parse_python(py)
+        except ValueError as exc:
+            raise f.malformed(str(exc)) from None
+        frames = f.integer(spec, "nf", low=0, high=4096)
+        split = _split(spec, frames)
+        return cls(
+            kind=kind,
+            seq=f.integer(spec, "seq", low=0, high=f.INT64),
+            frames=frames,
+            split=split,
+            max_attempts=f.integer(spec, "max_attempts", low=1, high=100, default=3),
+            priority=f.integer(spec, "priority", low=-MAX_PRIORITY, high=MAX_PRIORITY, default=0),
+            cost=f.number(spec, "cost", low=0.0, high=MAX_COST, default=1.0),
+            timeout=_timeout(spec),
+            requirements=requirements,
+            function=f.text(spec, "fn", max_len=ID_CHARS, default=""),
+            name=name,
+            source_name=f.text(spec, "src", max_len=NAME_CHARS, default=""),
+            source_python=py,
+            env=env,
+        )
+
+    def to_spec(self) -> dict[str, Any]:
+        """The checked spec, in the wire's key names: journaled, and sent on in TASK."""
+        spec: dict[str, Any] = {"kind": self.kind.value, "seq": self.seq,
+                                "max_attempts": self.max_attempts}
+        optional = (("priority", self.priority, 0), ("cost", self.cost, 1.0),
+                    ("timeout", self.timeout, None), ("fn", self.function, ""),
+                    ("name", self.name, ""), ("src", self.source_name, ""),
+                    ("py", self.source_python, ""))
+        for key, value, default in optional:
+            if value != default:
+                spec[key] = value
+        if self.env:
+            spec["env"] = dict(self.env)
+        if self.split:
+            spec["split"] = list(self.split)
+        req = self.requirements.to_mapping()
+        if req:
+            spec["req"] = req
+        return spec
+
+
+def _split(h: Mapping[str, Any], frames: int) -> tuple[int, ...]:
+    """``split``: how many wire frames make each payload frame (serialize.split_frames); they
+    must add up to the frames that came."""
+    split: tuple[int, ...] = f.int_list(h, "split", max_items=4096, low=1, high=4096, default=())
+    if split and sum(split) != frames:
+        raise f.malformed(f"'split' adds up to {sum(split)} frames, not {frames}")
+    return split
+
+
+def _timeout(spec: Mapping[str, Any]) -> float | None:
+    timeout = f.number(spec, "timeout", low=0.0, high=MAX_SECONDS, default=None)
+    if timeout is not None and timeout <= 0:
+        raise f.malformed("'timeout' must be more than 0 seconds")
+    return timeout  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Submit:
+    job: str
+    name: str
+    specs: tuple[Any, ...]  # raw: each is parsed on its own, so one bad task rejects only itself
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Submit:
+        return cls(
+            job=f.text(h, "job", max_len=ID_CHARS, default=""),
+            name=_clip(f.text(h, "name", max_len=f.INT64, default=""), NAME_CHARS),
+            specs=tuple(f.items(h, "tasks", max_items=MAX_SPECS)),
+        )
+
+
+@dataclass(frozen=True)
+class TaskIds:
+    """RESULT_ACK, FETCH and CANCEL from a client: a list of task ids (and FETCH's qid)."""
+
+    tasks: tuple[str, ...]
+    qid: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> TaskIds:
+        return cls(f.text_list(h, "tasks", max_items=MAX_IDS, max_len=ID_CHARS), qid_of(h))
+
+
+@dataclass(frozen=True)
+class Query:
+    what: str
+    qid: int
+    job: str | None
+    tasks: bool
+    since: int
+    page: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Query:
+        return cls(
+            what=f.text(h, "what", max_len=32),
+            qid=qid_of(h),
+            job=f.text(h, "job", max_len=NAME_CHARS, default=None),
+            tasks=f.flag(h, "tasks", default=True),
+            since=f.integer(h, "since", low=0, high=f.INT64, default=0),
+            page=f.integer(h, "page", low=0, high=f.INT64, default=0),
+        )
+
+
+@dataclass(frozen=True)
+class Control:
+    action: str
+    target: str
+    qid: int
+    force: bool
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Control:
+        return cls(
+            action=f.text(h, "action", max_len=32),
+            target=f.text(h, "target", min_len=1, max_len=NAME_CHARS),
+            qid=qid_of(h),
+            force=f.flag(h, "force", default=False),
+        )
+
+
+def departure_of(h: Mapping[str, Any]) -> Departure:
+    return Departure.parse(h.get("reason"))
+
+
+def qid_of(h: Mapping[str, Any]) -> int:
+    """A request's id, so an ERROR can fail the one call that caused it; 0 when absent or bad
+    (it is read before anything else can fail, and must not fail itself)."""
+    qid = h.get("qid", 0)
+    return qid if isinstance(qid, int) and not isinstance(qid, bool) and 0 <= qid <= f.INT64 else 0
+
+
+def check_proto(h: Mapping[str, Any], major: int) -> bool:
+    """Whether HELLO's ``proto`` range [lowest, highest] includes ``major``."""
+    proto = f.items(h, "proto", max_items=2, default=[major, major])
+    if len(proto) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in proto):
+        raise ProtocolError(ErrorCode.MALFORMED, "proto must be [lowest, highest] major versions")
+    return bool(proto[0] <= major <= proto[1])
