@@ -119,12 +119,26 @@ class Timing:
 
 @dataclass(frozen=True)
 class Limits:
-    """Size guards applied to every received message before it is decoded."""
+    """Size guards applied to every received message before it is decoded, and the quotas on
+    what one client may keep queued.
 
-    max_frame_bytes: int = 512 * 1024 * 1024
+    ``max_frame_bytes`` is also libzmq's MAXMSGSIZE, which bounds the CURVE handshake: a peer
+    without the token can make the coordinator hold at most this much per connection, for at
+    most the handshake window. Bigger payloads travel as many frames (serialize.split_frames).
+    """
+
+    max_frame_bytes: int = 1024 * 1024
     max_message_bytes: int = 1024 * 1024 * 1024
     max_frames: int = 4096
     max_header_bytes: int = 1024 * 1024
+    max_queued_tasks: int = 1_000_000  # unfinished tasks per client
+    max_queued_bytes: int = 4 * 1024**3  # input bytes of a client's unfinished tasks
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The largest payload frame to send: CURVE adds its own bytes to every frame on the
+        wire, and MAXMSGSIZE counts them."""
+        return self.max_frame_bytes - 4096
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,8 @@ class Settings:
             verbose=_env_bool(env.get("GPUMESH_VERBOSE")),
             weak_token=_env_bool(env.get("GPUMESH_WEAK_TOKEN")),
             timing=timing,
+            limits=Limits(max_queued_bytes=int(2**30 * _env_float(
+                env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30))),
         )
 
     def with_timing(self, **changes: float) -> Settings:

@@ -1,240 +1,275 @@
-"""What the broker does for clients: submissions, results, queries, and job control.
+"""What the coordinator does for clients: submissions, results, queries, and job control.
 
-A mixin of ``Broker`` (see broker.py for the shared state). Any client holding the token may
-look at or control any job: the mesh is one trust domain, as the spec's security section says.
+Who may do what (docs/protocol.md, "Roles and ownership"): any client holding the token may
+look at every job and worker. A client acts on its own tasks (CANCEL, FETCH, RESULT_ACK
+ignore other clients' task ids), and on its owner's jobs (CONTROL ``cancel``/``retry``); another
+owner's job needs ``force``, so nobody stops a friend's work by a mistyped id. Removing a worker
+(``kill``) is open to every client, and the worker and the event stream are told who did it.
+Owners are ``user@host`` as the client says: this guards against mistakes, not against a token
+holder who lies, who can run code on every worker anyway.
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
-from .. import scheduler
-from ..protocol import Command, ErrorCode, Message, ProtocolError, field_of
+import msgpack
+
+from ..protocol import (
+    ClientInfo,
+    Command,
+    Control,
+    ErrorCode,
+    Hello,
+    ProtocolError,
+    Query,
+    Submit,
+    TaskIds,
+    TaskKind,
+    TaskSpec,
+)
+from ..protocol.serialize import payload_nbytes
 from .jobs import Job, find_job
-from .state import ClientSession, Task, TaskState, WorkerState
+from .ledger import Ledger
+from .retention import Retention
+from .state import ClientSession, Task, TaskState
+from .workers import WorkerSide
 
-if TYPE_CHECKING:
-    from .broker import Broker
-
-MAX_PENDING_PER_CLIENT = 1_000_000
+REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
 
 
 class ClientSide:
-    def _c_heartbeat(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
-        pass  # last_seen was refreshed by handle()
+    def __init__(self, ledger: Ledger, workers: WorkerSide, retention: Retention) -> None:
+        self.ledger = ledger
+        self.workers = workers
+        self.retention = retention
 
-    def _c_submit(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
-        specs = field_of(msg.header, "tasks", list)
-        job_id = field_of(msg.header, "job", str, "") or secrets.token_hex(6)
-        name = field_of(msg.header, "name", str, "")[:200]
-        if len(job_id) > 64:
-            raise ProtocolError(ErrorCode.MALFORMED, "job id longer than 64 characters")
-        frames = msg.payload
+    def hello(self, routing: bytes, hello: Hello, now: float) -> None:
+        clients = self.ledger.clients
+        client = clients.get(hello.peer_id)
+        if client is None:
+            client = clients[hello.peer_id] = ClientSession(hello.peer_id, routing, now)
+        elif client.routing not in (None, routing):
+            self.ledger.peers.pop(cast(bytes, client.routing), None)
+        client.routing, client.last_seen = routing, now
+        client.info = cast(ClientInfo, hello.info)  # Hello.from_header pairs the role with it
+
+    def disconnect(self, client: ClientSession, now: float) -> None:
+        if client.routing is not None:
+            self.ledger.peers.pop(client.routing, None)
+        client.routing = None
+
+    # ----------------------------------------------------------------- submissions
+
+    def submit(self, client: ClientSession, sub: Submit, frames: list[Any], now: float) -> None:
+        """Journal and queue each task that parses; one bad spec rejects only its own task.
+
+        The frame count is checked first, over every spec, so a message whose frames do not add
+        up is refused whole and nothing of it is journaled."""
+        ledger = self.ledger
+        parsed: list[TaskSpec | tuple[int, int, ErrorCode, str]] = []
         needed = 0
-        for spec in specs:
-            if not isinstance(spec, dict):
-                raise ProtocolError(ErrorCode.MALFORMED, "each task spec must be a map")
-            _check_spec(spec)
-            needed += spec["nf"]
+        for raw in sub.specs:
+            try:
+                spec = TaskSpec.from_mapping(raw)
+            except ProtocolError as exc:
+                nf = raw.get("nf") if isinstance(raw, dict) else None
+                seq = raw.get("seq") if isinstance(raw, dict) else None
+                if not (isinstance(nf, int) and isinstance(seq, int)) or isinstance(nf, bool) \
+                        or not 0 <= nf <= 4096:
+                    raise  # its frames cannot be told apart from the next task's
+                parsed.append((seq, nf, exc.code, exc.detail))
+                needed += nf
+                continue
+            parsed.append(spec)
+            needed += spec.frames
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")
-        job = self.jobs.get(job_id)
-        if job is None:
-            job = self.jobs[job_id] = Job(job_id, name or job_id, client.client_id, now)
-            self.store.add_job(job_id, job.name, client.client_id, now)
+        job_id = sub.job or secrets.token_hex(6)
+        job = ledger.jobs.get(job_id)
         accepted: list[list[Any]] = []
         rejected: list[list[Any]] = []
         offset = 0
-        for spec in specs:
-            count = spec["nf"]
-            payload, offset = list(frames[offset:offset + count]), offset + count
-            seq = field_of(spec, "seq", int)
-            existing = self.by_seq.get((client.client_id, seq))
+        for entry in parsed:
+            if isinstance(entry, tuple):
+                seq, nf, code, text = entry
+                rejected.append([seq, code.value, text])
+                offset += nf
+                continue
+            payload, offset = frames[offset:offset + entry.frames], offset + entry.frames
+            existing = ledger.by_seq.get((client.client_id, entry.seq))
             if existing is not None:
-                accepted.append([seq, existing])
-                task = self.tasks.get(existing)
+                accepted.append([entry.seq, existing])
+                task = ledger.tasks.get(existing)
                 if task is not None and task.state.terminal:
-                    self._deliver(task)
+                    ledger.deliver(task)
                 continue
-            refusal = self._refusal(client, spec)
+            refusal = self._refusal(client, entry, payload)
             if refusal is not None:
-                rejected.append([seq, refusal[0].value, refusal[1]])
+                rejected.append([entry.seq, refusal[0].value, refusal[1]])
                 continue
-            try:
-                requirements = scheduler.Requirements.from_mapping(field_of(spec, "req", dict, {}))
-            except ValueError as exc:
-                rejected.append([seq, ErrorCode.MALFORMED.value, str(exc)])
-                continue
-            spec = {k: v for k, v in spec.items() if k != "nf"}
-            task_id = secrets.token_hex(6)
-            task = Task(task_id, client.client_id, seq, job_id, spec, payload, now, requirements,
-                        pending_since=now)
-            self.tasks[task_id] = task
-            self.by_seq[(client.client_id, seq)] = task_id
-            self.store.add_task(task_id, client.client_id, seq, job_id, spec, payload, now)
-            self._enqueue(task)
+            if job is None:
+                job = ledger.jobs[job_id] = Job(job_id, sub.name or job_id, client.owner, now)
+                ledger.store.add_job(job_id, job.name, job.owner, now)
+            spec = entry.to_spec()
+            task = Task(secrets.token_hex(6), client.client_id, entry.seq, job_id, spec, payload,
+                        now, entry.requirements, pending_since=now)
+            ledger.tasks[task.task_id] = task
+            ledger.by_seq[(client.client_id, entry.seq)] = task.task_id
+            ledger.store.add_task(task.task_id, client.client_id, entry.seq, job_id, spec, payload,
+                                  now)
+            ledger.enqueue(task)
             job.add(task)
             job.finished_at = None
             job.last_activity = now
-            accepted.append([seq, task_id])
-            client.unfinished += 1
+            accepted.append([entry.seq, task.task_id])
+            client.queue(task)
         if accepted:
-            self.emit("submitted", now, job=job_id, count=len(accepted))
-        self._send(client.routing, Command.ACCEPTED,
-                   {"job": job_id, "accepted": accepted, "rejected": rejected})
+            ledger.emit("submitted", now, job=job_id, count=len(accepted))
+        ledger.send(client.routing, Command.ACCEPTED,
+                    {"job": job_id, "accepted": accepted, "rejected": rejected})
 
-    def _refusal(self: Broker, client: ClientSession, spec: dict[str, Any]
+    def _refusal(self, client: ClientSession, spec: TaskSpec, payload: list[Any]
                  ) -> tuple[ErrorCode, str] | None:
-        kind = field_of(spec, "kind", str)
-        if kind not in ("fn", "script"):
-            return ErrorCode.MALFORMED, f"unknown task kind {kind!r}"
-        if self.safe_mode and kind == "fn":
+        limits = self.ledger.limits
+        if self.ledger.safe_mode and spec.kind is TaskKind.FUNCTION:
             return ErrorCode.SAFE_MODE, (
                 "this coordinator runs with --safe-mode and accepts scripts only: submit a script "
                 "(mesh.submit(script=..., payloads=[...])) instead of a pickled function")
-        if client.unfinished >= MAX_PENDING_PER_CLIENT:
-            return ErrorCode.BUSY, (f"this client already has {MAX_PENDING_PER_CLIENT} unfinished "
-                                    "tasks: wait for some to finish, then submit again")
+        if client.unfinished >= limits.max_queued_tasks:
+            return ErrorCode.BUSY, (f"this client already has {client.unfinished} unfinished "
+                                    f"tasks (the limit is {limits.max_queued_tasks}): wait for "
+                                    "some to finish, then submit again")
+        size = payload_nbytes(payload)
+        if client.queued_bytes + size > limits.max_queued_bytes:
+            return ErrorCode.BUSY, (
+                f"this client's unfinished tasks already hold {_mib(client.queued_bytes)} of "
+                f"input and this one {_mib(size)} more, over the coordinator's limit of "
+                f"{_mib(limits.max_queued_bytes)} (GPUMESH_MAX_QUEUED_GB): it is sent again "
+                "as earlier tasks finish")
         return None
 
-    def _c_result_ack(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
-        for task_id in field_of(msg.header, "tasks", list):
-            task = self.tasks.get(task_id)
-            if task is None or not task.state.terminal or task.client_id != client.client_id:
+    # ----------------------------------------------------------------- results
+
+    def result_ack(self, client: ClientSession, ids: TaskIds, now: float) -> None:
+        for task in self._own(client, ids):
+            if not task.state.terminal:
                 continue
             if task.state is TaskState.DONE:
-                self._forget(task, now)
+                self.retention.forget(task, now)
             else:
                 # The owner has the failure; the task stays (input kept) so it can be retried.
                 task.collected = True
                 task.result_payload = []
 
-    def _c_fetch(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
+    def fetch(self, client: ClientSession, ids: TaskIds, now: float) -> None:
         missing = []
-        for task_id in field_of(msg.header, "tasks", list):
-            task = self.tasks.get(task_id)
+        for task_id in ids.tasks:
+            task = self.ledger.tasks.get(task_id)
             if task is None or task.client_id != client.client_id:
                 missing.append(task_id)
             elif task.state.terminal:
-                self._deliver(task)
-        self._send(client.routing, Command.REPLY,
-                   {"qid": msg.header.get("qid", 0), "data": {"missing": missing}})
+                self.ledger.deliver(task)
+        self.ledger.send(client.routing, Command.REPLY, {"qid": ids.qid,
+                                                         "data": {"missing": missing}})
 
-    def _c_cancel(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
-        for task_id in field_of(msg.header, "tasks", list):
-            task = self.tasks.get(task_id)
-            if task is not None and task.client_id == client.client_id:
-                self.cancel_task(task, now)
+    def cancel(self, client: ClientSession, ids: TaskIds, now: float) -> None:
+        for task in self._own(client, ids):
+            self.ledger.cancel_task(task, now)
 
-    def _c_query(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
-        what = field_of(msg.header, "what", str)
-        if what == "workers":
-            stragglers = self.stragglers
-            data: Any = [{**w.describe(), "straggler": w.worker_id in stragglers}
-                         for w in self.workers.values()]
-        elif what == "status":
-            job = field_of(msg.header, "job", str, None)
-            data = self.status(job, now, tasks=field_of(msg.header, "tasks", bool, True))
-        elif what == "events":
-            since = field_of(msg.header, "since", int, 0)
-            data = [[e.seq, e.time, e.kind, e.data] for e in self.events if e.seq > since]
+    def _own(self, client: ClientSession, ids: TaskIds) -> list[Task]:
+        """The listed tasks that this client submitted: others' ids are ignored."""
+        tasks = self.ledger.tasks
+        return [task for task in (tasks.get(t) for t in ids.tasks)
+                if task is not None and task.client_id == client.client_id]
+
+    # ----------------------------------------------------------------- queries and control
+
+    def query(self, client: ClientSession, q: Query, now: float) -> None:
+        ledger = self.ledger
+        data: Any
+        if q.what == "workers":
+            stragglers = self.workers.stragglers
+            data = [{**w.describe(), "straggler": w.worker_id in stragglers}
+                    for w in ledger.workers.values()]
+        elif q.what == "status":
+            data = self.retention.status(q.job, now, tasks=q.tasks)
+        elif q.what == "events":
+            data = [[e.seq, e.time, e.kind, e.data] for e in ledger.events if e.seq > q.since]
         else:
-            data = None
-        self._answer(client, msg, data, f"unknown query {what!r}")
+            ledger.error(client.routing, ErrorCode.UNSUPPORTED, f"unknown query {q.what!r}", q.qid)
+            return
+        self._answer(client, q.qid, data, q.page)
 
-    def _c_control(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
+    def control(self, client: ClientSession, c: Control, now: float) -> None:
         """``cancel``/``retry`` a job, ``kill`` a worker; the REPLY says what was done."""
-        action = field_of(msg.header, "action", str)
-        target = field_of(msg.header, "target", str)
-        if action in ("cancel", "retry"):
-            job = find_job(self.jobs, target, unique_name=True)
+        data: dict[str, Any]
+        if c.action in ("cancel", "retry"):
+            job = find_job(self.ledger.jobs, c.target, unique_name=True)
             if isinstance(job, str):
-                data: dict[str, Any] = {"error": job}
-            elif action == "cancel":
-                data = {"job": job.job_id, "cancelled": self.cancel_job(job, now)}
+                data = {"error": job}
+            elif job.owner != client.owner and not c.force:
+                data = {"error": f"job {job.job_id} ({job.name}) was submitted by {job.owner}, "
+                                 f"not by {client.owner}: pass --force to {c.action} it anyway",
+                        "owner": job.owner}
+            elif c.action == "cancel":
+                data = {"job": job.job_id, "owner": job.owner,
+                        "cancelled": self.cancel_job(job, now)}
             else:
-                data = {"job": job.job_id, "retried": self.retry_job(job, now)}
-        elif action == "kill":
-            worker = self.find_worker(target)
-            data = {"error": worker} if isinstance(worker, str) else self.kill_worker(worker, now)
+                data = {"job": job.job_id, "owner": job.owner, "retried": self.retry_job(job, now)}
+        elif c.action == "kill":
+            worker = self.workers.find(c.target)
+            data = {"error": worker} if isinstance(worker, str) else \
+                self.workers.kill(worker, now, by=client.owner)
         else:
-            data = None
-        self._answer(client, msg, data, f"unknown action {action!r}")
+            self.ledger.error(client.routing, ErrorCode.UNSUPPORTED,
+                              f"unknown action {c.action!r}", c.qid)
+            return
+        self._answer(client, c.qid, data, 0)
 
-    def _answer(self: Broker, client: ClientSession, msg: Message, data: Any, unknown: str) -> None:
-        """REPLY with ``data`` to the request's qid; None means the request was not understood."""
-        qid = msg.header.get("qid", 0)
-        if data is None:
-            self._error(client.routing, ErrorCode.UNSUPPORTED, unknown, qid)
-        else:
-            self._send(client.routing, Command.REPLY, {"qid": qid, "data": data})
+    def cancel_job(self, job: Job, now: float) -> int:
+        tasks = self.ledger.tasks
+        return sum(self.ledger.cancel_task(tasks[t], now) for t in job.task_ids if t in tasks)
 
-    def _c_disconnect(self: Broker, client: ClientSession, msg: Message, now: float) -> None:
-        if client.routing is not None:
-            self.peers.pop(client.routing, None)
-        client.routing = None
-
-    # ----------------------------------------------------------------- job control
-
-    def cancel_task(self: Broker, task: Task, now: float) -> bool:
-        """Pending tasks never start; a running one is stopped on its worker. False if finished."""
-        if task.state.terminal:
-            return False
-        if task.state is TaskState.LEASED:
-            task.cancel_requested = True
-            worker = self.workers.get(task.worker_id)
-            if worker is not None and worker.state is WorkerState.ALIVE:
-                self._cancel_on_worker(task)
-                return True
-        self._finish(task, TaskState.CANCELLED, {"status": "cancelled", "attempts": task.attempts,
-                                                 "diagnosis": "cancelled"}, [], now)
-        return True
-
-    def cancel_job(self: Broker, job: Job, now: float) -> int:
-        return sum(self.cancel_task(task, now) for task in
-                   [self.tasks[t] for t in job.task_ids if t in self.tasks])
-
-    def retry_job(self: Broker, job: Job, now: float) -> int:
+    def retry_job(self, job: Job, now: float) -> int:
         """Re-queue the job's failed and cancelled tasks whose input the coordinator still has."""
-        count = 0
-        for task_id in job.task_ids:
-            task = self.tasks.get(task_id)
-            if task is None or task.state not in (TaskState.FAILED, TaskState.CANCELLED) \
-                    or not task.payload:
-                continue
-            task.move(TaskState.PENDING)
-            # A fresh start: a new pending clock, and the old attempts' results no longer count.
-            task.pending_since = now
-            task.lease_floor = (self.epoch << 40) | next(self._lease_counter)
-            task.attempts, task.failures, task.excluded = 0, [], set()
-            task.result_header, task.result_payload = None, []
-            task.cancel_requested = task.collected = False
-            task.worker_id = ""
-            self.store.reopen_task(task_id)
-            owner = self.clients.get(task.client_id)
-            if owner is not None:
-                owner.unfinished += 1
-            job.summaries.pop(task_id, None)
-            job.finished_at = None
-            self._enqueue(task)
-            count += 1
+        tasks = self.ledger.tasks
+        count = sum(self.ledger.reopen(tasks[t], now) for t in job.task_ids if t in tasks)
         if count:
-            self.emit("retried", now, job=job.job_id, count=count)
+            self.ledger.emit("retried", now, job=job.job_id, count=count)
         return count
 
+    def _answer(self, client: ClientSession, qid: int, data: Any, page: int) -> None:
+        """REPLY with ``data``, paged when it would not fit the peer's header limit: a list (or
+        a status's ``tasks``) is cut from item ``page`` on, and ``more`` says where to go on."""
+        budget = self.ledger.limits.max_header_bytes - REPLY_MARGIN
+        header: dict[str, Any] = {"qid": qid, "data": data}
+        if page == 0 and len(msgpack.packb(data, use_bin_type=True)) <= budget:
+            self.ledger.send(client.routing, Command.REPLY, header)
+            return
+        if isinstance(data, list):
+            items, rest = data, None
+        elif isinstance(data, dict) and isinstance(data.get("tasks"), list):
+            items, rest = data["tasks"], {k: v for k, v in data.items() if k != "tasks"}
+        else:
+            self.ledger.error(client.routing, ErrorCode.TOO_LARGE, "the answer is too large", qid)
+            return
+        used = len(msgpack.packb(rest, use_bin_type=True)) if rest is not None else 16
+        end = page
+        while end < len(items):
+            used += len(msgpack.packb(items[end], use_bin_type=True))
+            if used > budget and end > page:
+                break
+            end += 1
+        chunk = items[page:end]
+        header["data"] = chunk if rest is None else {**rest, "tasks": chunk}
+        if end < len(items):
+            header["more"] = end
+        self.ledger.send(client.routing, Command.REPLY, header)
 
-def _check_spec(spec: dict[str, Any]) -> None:
-    """Refuse a SUBMIT whose specs carry mistyped values, before any of it is journaled."""
-    field_of(spec, "seq", int)
-    if not 0 <= field_of(spec, "nf", int) <= 4096:
-        raise ProtocolError(ErrorCode.MALFORMED, "nf must be 0-4096")
-    if not 1 <= field_of(spec, "max_attempts", int, 3) <= 100:
-        raise ProtocolError(ErrorCode.MALFORMED, "max_attempts must be 1-100")
-    field_of(spec, "priority", int, 0)
-    cost = field_of(spec, "cost", (int, float), 1.0)
-    timeout = field_of(spec, "timeout", (int, float), None)
-    if not 0 <= cost < 1e12 or (timeout is not None and not 0 < timeout < 1e9):
-        raise ProtocolError(ErrorCode.MALFORMED, "cost must be >= 0 and timeout > 0")
-    field_of(spec, "req", dict, {})
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f} MiB"
+

@@ -25,7 +25,7 @@ MAX_TASKS_SHOWN = 10_000  # tasks listed one by one in a job's status; the count
 class Job:
     job_id: str
     name: str
-    client_id: str
+    owner: str  # ``user@host`` of the client that submitted it (clients.py: who may control it)
     created: float
     task_ids: list[str] = field(default_factory=list)
     # Summaries of finished tasks, kept after the task itself is collected and forgotten.
@@ -75,7 +75,8 @@ class Job:
         counts = self.counts()
         end = self.finished_at if self.finished_at is not None else now
         view: dict[str, Any] = {
-            "job": self.job_id, "name": self.name, "status": self.status_word(),
+            "job": self.job_id, "name": self.name, "owner": self.owner,
+            "status": self.status_word(),
             "outcome": self.outcome(),
             "counts": counts, "total": len(self.task_ids), "created": self.created,
             "elapsed": round(max(end - self.created, 0.0), 3),
@@ -112,13 +113,13 @@ def summarize(task: Task) -> dict[str, Any]:
             summary["detail"] = trace[-DETAIL_CHARS:]
     elif header.get("diagnosis"):
         summary["error"] = str(header["diagnosis"])
-    if task.kind == "script" and len(task.payload) > 1:
+    if task.is_script and len(task.payload) > 1 and "split" not in task.spec:
         payload = _preview("json", task.payload[1:2])
         if payload is not None:
             summary["payload"] = payload
     if task.finished_at:
         summary["finished_at"] = task.finished_at
-    preview = _preview(header.get("encoding"), task.result_payload)
+    preview = None if "split" in header else _preview(header.get("encoding"), task.result_payload)
     if preview is not None:
         summary["result"] = preview
     return summary

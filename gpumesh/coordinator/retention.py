@@ -1,18 +1,16 @@
 """What the coordinator keeps and for how long: finished results, job records, client records.
 
-A mixin of ``Broker`` (see broker.py for the shared state). The rules are in docs/protocol.md,
-"Retention"; ``sweep`` runs every RETENTION_SWEEP seconds from ``Broker.tick``.
+It acts on the ``Ledger`` (the shared state). The rules are in docs/protocol.md, "Retention";
+``sweep`` runs every RETENTION_SWEEP seconds from ``Broker.tick``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .jobs import LIST_JOBS, MAX_JOBS, find_job
+from .ledger import Ledger
 from .state import Task, WorkerState
-
-if TYPE_CHECKING:
-    from .broker import Broker
 
 RETENTION_SWEEP = 10.0  # seconds between sweeps for results nobody will collect
 MAX_RETAINED_RESULT_BYTES = 2 * 1024**3  # uncollected results of absent clients, all together
@@ -20,35 +18,38 @@ MIN_JOB_AGE = 60.0  # seconds a finished job is kept even over MAX_JOBS (a .map 
 
 
 class Retention:
-    def _forget(self: Broker, task: Task, now: float) -> None:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def forget(self, task: Task, now: float) -> None:
         """Drop a finished task and its result: only its summary stays, in memory and in the
         journal, until its job is forgotten."""
-        del self.tasks[task.task_id]
-        self.by_seq.pop((task.client_id, task.seq), None)
-        job = self.jobs.get(task.job_id)
+        del self.ledger.tasks[task.task_id]
+        self.ledger.by_seq.pop((task.client_id, task.seq), None)
+        job = self.ledger.jobs.get(task.job_id)
         summary = job.summaries.get(task.task_id) if job is not None else None
         if job is not None:
             job.last_activity = max(job.last_activity, now)
         if summary is None:
-            self.store.delete_task(task.task_id)
+            self.ledger.store.delete_task(task.task_id)
         else:
-            self.store.collect_task(task.task_id, summary)
+            self.ledger.store.collect_task(task.task_id, summary)
 
-    def sweep(self: Broker, now: float) -> None:
+    def sweep(self, now: float) -> None:
         """Bound memory: results of clients gone for ``result_ttl`` are dropped, and the oldest
         uncollected ones go first when they exceed MAX_RETAINED_RESULT_BYTES; finished jobs
         beyond MAX_JOBS are forgotten, oldest first."""
-        ttl = self.timing.result_ttl
+        ttl = self.ledger.timing.result_ttl
         absent: list[Task] = []
-        for task in list(self.tasks.values()):
+        for task in list(self.ledger.tasks.values()):
             if not task.state.terminal:
                 continue
-            owner = self.clients.get(task.client_id)
+            owner = self.ledger.clients.get(task.client_id)
             if owner is not None and owner.routing is not None:
                 continue
             last_seen = owner.last_seen if owner is not None else task.finished_at
             if now - max(last_seen, task.finished_at) > ttl:
-                self._forget(task, now)
+                self.forget(task, now)
             else:
                 absent.append(task)
         retained = sum(t.result_bytes for t in absent)
@@ -56,44 +57,44 @@ class Retention:
             if retained <= MAX_RETAINED_RESULT_BYTES:
                 break
             retained -= task.result_bytes
-            self._forget(task, now)
-        finished = sorted((j for j in self.jobs.values() if j.finished_at is not None),
+            self.forget(task, now)
+        finished = sorted((j for j in self.ledger.jobs.values() if j.finished_at is not None),
                           key=lambda j: max(j.finished_at or 0.0, j.last_activity))
-        excess = len(self.jobs) - MAX_JOBS
+        excess = len(self.ledger.jobs) - MAX_JOBS
         for job in finished:
             idle = now - max(job.finished_at or now, job.last_activity)
             if idle <= MIN_JOB_AGE or (excess <= 0 and idle <= ttl):
                 break  # the rest are newer; a job that just finished may get more batches yet
-            if not any(t in self.tasks for t in job.task_ids):
-                del self.jobs[job.job_id]
-                self.store.delete_job(job.job_id)  # with its tasks' summaries
+            if not any(t in self.ledger.tasks for t in job.task_ids):
+                del self.ledger.jobs[job.job_id]
+                self.ledger.store.delete_job(job.job_id)  # with its tasks' summaries
                 excess -= 1
-        for client_id, client in list(self.clients.items()):
+        for client_id, client in list(self.ledger.clients.items()):
             if client.routing is None and now - client.last_seen > ttl and not client.unfinished:
-                del self.clients[client_id]
+                del self.ledger.clients[client_id]
 
     # ----------------------------------------------------------------- views
 
-    def status(self: Broker, job_id: str | None, now: float, *, tasks: bool = True) -> dict[str, Any]:
+    def status(self, job_id: str | None, now: float, *, tasks: bool = True) -> dict[str, Any]:
         """One job (``job_id``: id, unique prefix or name; its tasks listed unless ``tasks`` is
         false), or the queue and the recent jobs. Costs O(jobs), plus O(tasks) when listed."""
-        alive = sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE)
-        paused = sum(1 for w in self.workers.values() if w.state is WorkerState.ALIVE and w.draining)
+        alive = sum(1 for w in self.ledger.workers.values() if w.state is WorkerState.ALIVE)
+        paused = sum(1 for w in self.ledger.workers.values() if w.state is WorkerState.ALIVE and w.draining)
         if job_id:
-            job = find_job(self.jobs, job_id)
+            job = find_job(self.ledger.jobs, job_id)
             if isinstance(job, str):
                 return {"error": job, "workers": alive}
-            view = {**job.describe(self.tasks, now, tasks=tasks), "workers": alive,
+            view = {**job.describe(self.ledger.tasks, now, tasks=tasks), "workers": alive,
                     "workers_paused": paused}
             if job_id == job.name != job.job_id:  # found by name: was it the only one?
-                same_name = sum(1 for j in self.jobs.values() if j.name == job.name)
+                same_name = sum(1 for j in self.ledger.jobs.values() if j.name == job.name)
                 if same_name > 1:
                     view["same_name"] = same_name  # the newest was picked
             return view
-        counts = {state: sum(j.tally[state] for j in self.jobs.values())
+        counts = {state: sum(j.tally[state] for j in self.ledger.jobs.values())
                   for state in ("pending", "running")}
         counts = {state: n for state, n in counts.items() if n}
-        recent = sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)[:LIST_JOBS]
+        recent = sorted(self.ledger.jobs.values(), key=lambda j: j.created, reverse=True)[:LIST_JOBS]
         return {"job": None, "counts": counts, "workers": alive, "workers_paused": paused,
-                "jobs_known": len(self.jobs),
-                "jobs": [j.describe(self.tasks, now, tasks=False) for j in recent]}
+                "jobs_known": len(self.ledger.jobs),
+                "jobs": [j.describe(self.ledger.tasks, now, tasks=False) for j in recent]}

@@ -15,7 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..scheduler import DEFAULT_COST, Gpu, Requirements, TaskView, WorkerView
+from ..protocol import ClientInfo, Requirements, WorkerInfo, WorkerMode
+from ..protocol.serialize import payload_nbytes
+from ..scheduler import DEFAULT_COST, TaskView, WorkerView
+
+MAX_GRANTS = 16  # leases remembered per task: late results of that many attempts still count
 
 
 class TaskState(str, enum.Enum):
@@ -81,6 +85,9 @@ class Task:
     lease_floor: int = 0  # results of leases below this belong to attempts before a retry
     cancel_requested: bool = False  # a cancel reached it while it ran on a worker
     collected: bool = False  # the owner has its (failed) result; kept only so it can be retried
+    # Leases this coordinator run granted for the task, and to which worker: a RESULT counts
+    # only under one of them, from that worker (an earlier attempt's late result still wins).
+    granted: dict[int, str] = field(default_factory=dict)
     # Told of every state change: its job keeps its counts without scanning its tasks.
     observer: Callable[[TaskState, TaskState], None] | None = field(
         default=None, repr=False, compare=False)
@@ -92,9 +99,30 @@ class Task:
         if self.observer is not None:
             self.observer(old, new)
 
+    def grant(self, lease_id: int, worker_id: str) -> None:
+        self.granted[lease_id] = worker_id
+        if len(self.granted) > MAX_GRANTS:
+            del self.granted[next(iter(self.granted))]  # the oldest attempt's
+
+    def granted_to(self, lease_id: int, worker_id: str) -> bool:
+        return self.granted.get(lease_id) == worker_id
+
     @property
     def kind(self) -> str:
         return str(self.spec.get("kind", "fn"))
+
+    @property
+    def is_script(self) -> bool:
+        return self.spec.get("kind") == "script"
+
+    @property
+    def portable(self) -> bool:
+        """A source form rides along: the function may run on another Python."""
+        return "src" in self.spec
+
+    @property
+    def input_bytes(self) -> int:
+        return payload_nbytes(self.payload)
 
     @property
     def max_attempts(self) -> int:
@@ -115,7 +143,7 @@ class Task:
 
     def view(self) -> TaskView:
         return TaskView(self.task_id, self.requirements, self.cost, frozenset(self.excluded),
-                        portable="src" in self.spec)
+                        portable=self.portable)
 
 
 @dataclass
@@ -123,25 +151,33 @@ class WorkerSession:
     worker_id: str
     routing: bytes
     incarnation: str
-    info: dict[str, Any]
+    info: WorkerInfo
     slots: int
     joined_at: float
     last_seen: float
     granted: int = 0
     sent: int = 0
+    prefetch: int = 0  # tasks it may hold queued beyond its slots
     leases: dict[int, str] = field(default_factory=dict)  # lease id -> task id
     state: WorkerState = WorkerState.ALIVE
     last_assigned: int = 0
     completed: int = 0
     busy_seconds: float = 0.0
-    draining: bool = False  # takes no new tasks: its owner paused or drains it
     departed: str = ""  # "left" or "removed" when it went on purpose (shown instead of "lost")
-    mode: str = "active"  # active | paused | draining, as the worker's owner set it
+    mode: WorkerMode = WorkerMode.ACTIVE  # as the worker's owner set it
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
 
     @property
+    def draining(self) -> bool:
+        """Takes no new tasks: its owner paused or drains it."""
+        return self.mode is not WorkerMode.ACTIVE
+
+    @property
     def credit(self) -> int:
-        return 0 if self.draining else self.granted - self.sent
+        """Tasks it may be sent now: what it granted, never more than its slots can hold."""
+        if self.draining:
+            return 0
+        return max(min(self.granted - self.sent, self.slots + self.prefetch - len(self.leases)), 0)
 
     @property
     def short_id(self) -> str:
@@ -149,24 +185,20 @@ class WorkerSession:
 
     @property
     def label(self) -> str:
-        return str(self.info.get("hostname") or self.short_id)
+        return self.info.hostname or self.short_id
 
     def view(self) -> WorkerView:
         info = self.info
-        gpus = tuple(
-            Gpu(str(g.get("name", "")), int(g.get("vram", 0)))
-            for g in info.get("gpus", ()) if isinstance(g, dict)
-        )
         return WorkerView(
             worker_id=self.worker_id,
             free=self.credit,
             load=len(self.leases),
             capacity=max(self.slots, 1),
-            score=float(info.get("score", 0.0) or 0.0),
-            cores=int(info.get("cores", 1) or 1),
-            memory=int(info.get("memory", 0) or 0),
-            gpus=gpus,
-            python=str(info.get("python", "")),
+            score=info.score,
+            cores=info.cores,
+            memory=info.memory,
+            gpus=tuple(g.as_gpu() for g in info.gpus),
+            python=info.python,
             last_assigned=self.last_assigned,
             label=self.label,
         )
@@ -175,22 +207,22 @@ class WorkerSession:
         info = self.info
         return {
             "id": self.worker_id,
-            "device": info.get("device", "CPU"),
-            "device_name": info.get("device_name", ""),
-            "hostname": info.get("hostname", ""),
-            "score": info.get("score", 0.0),
+            "device": info.device,
+            "device_name": info.device_name,
+            "hostname": info.hostname,
+            "score": info.score,
             "alive": self.state is WorkerState.ALIVE,
-            "state": (self.mode if self.mode != "active" else "alive")
+            "state": (self.mode.value if self.draining else "alive")
             if self.state is WorkerState.ALIVE else (self.departed or self.state.value),
             "slots": self.slots,
             "running": len(self.leases),
             "completed": self.completed,
-            "python": info.get("python", ""),
-            "gpumesh": info.get("gpumesh", ""),
-            "cloudpickle": info.get("cloudpickle", ""),
-            "cores": info.get("cores", 0),
-            "memory": info.get("memory", 0),
-            "gpus": info.get("gpus", []),
+            "python": info.python,
+            "gpumesh": info.gpumesh,
+            "cloudpickle": info.cloudpickle,
+            "cores": info.cores,
+            "memory": info.memory,
+            "gpus": [g.to_dict() for g in info.gpus],
         }
 
 
@@ -199,5 +231,19 @@ class ClientSession:
     client_id: str
     routing: bytes | None
     last_seen: float
-    info: dict[str, Any] = field(default_factory=dict)
-    unfinished: int = 0  # tasks submitted and not yet terminal: the per-client queue budget
+    info: ClientInfo = ClientInfo()
+    # Tasks submitted and not yet terminal, and the bytes of their input: the per-client quota.
+    unfinished: int = 0
+    queued_bytes: int = 0
+
+    @property
+    def owner(self) -> str:
+        return self.info.owner(self.client_id)
+
+    def queue(self, task: Task) -> None:
+        self.unfinished += 1
+        self.queued_bytes += task.input_bytes
+
+    def unqueue(self, task: Task) -> None:
+        self.unfinished = max(self.unfinished - 1, 0)
+        self.queued_bytes = max(self.queued_bytes - task.input_bytes, 0)

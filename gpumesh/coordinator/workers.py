@@ -1,69 +1,80 @@
-"""What the broker does with workers: sessions, credit, results, and removing one (``kill``).
+"""What the coordinator does with workers: sessions, credit, results, and removing one (``kill``).
 
-A mixin of ``Broker`` (see broker.py for the shared state); split out so each file has one job.
+Every handler takes a header already parsed into its protocol type (``Hello``, ``Credit``,
+``Result``...), so nothing here re-checks a field. What is checked here is the role: a worker
+may report only on leases this coordinator granted to it, and hold no more tasks than its
+slots (plus prefetch) allow.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from .. import scheduler
-from ..protocol import Command, ErrorCode, Message, ProtocolError, field_of
-from .state import TaskState, WorkerSession, WorkerState
+from ..protocol import (
+    Command,
+    Credit,
+    Departure,
+    Heartbeat,
+    Hello,
+    Output,
+    Result,
+    ResultEncoding,
+    ResultStatus,
+    WorkerInfo,
+)
+from .ledger import Ledger
+from .state import Task, TaskState, WorkerSession, WorkerState
 
-if TYPE_CHECKING:
-    from .broker import Broker
-
-WORKER_MODES = ("active", "paused", "draining")
 SPEED_SMOOTHING = 0.2  # weight of the newest task in a worker's moving average of task time
 MIN_RESULTS_FOR_SPEED = 3  # results a worker needs before it can be called a straggler
+LOST_WORKER_RETENTION = 600.0  # seconds a lost worker stays listed
 
 
 class WorkerSide:
-    def _hello_worker(self: Broker, routing: bytes, worker_id: str, h: dict[str, Any], now: float
-                      ) -> list[int]:
-        info = field_of(h, "info", dict, {})
-        slots = field_of(h, "slots", int)
-        credit = field_of(h, "credit", int, slots)
-        held = _held_leases(field_of(h, "held", list, []))  # checked whole before anything moves
-        release = [lease for lease in field_of(h, "release", list, []) if isinstance(lease, int)]
-        incarnation = field_of(h, "incarnation", str, "")
-        if not 0 <= credit <= 100_000 or not 0 < slots <= 100_000:
-            raise ProtocolError(ErrorCode.MALFORMED, "slots and credit must be 0-100000")
-        draining, mode = _mode_of(h)
-        worker = self.workers.get(worker_id)
-        rejoined = worker is not None and worker.state is WorkerState.LOST
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.stragglers: set[str] = set()  # worker ids kept from heavy tasks (refresh_stragglers)
+        self._assign_counter = 0
+
+    # ----------------------------------------------------------------- sessions
+
+    def hello(self, routing: bytes, hello: Hello, now: float) -> list[int]:
+        """Open or resume a worker's session; returns the held leases it must abort."""
+        ledger = self.ledger
+        info = cast(WorkerInfo, hello.info)  # Hello.from_header pairs the role with it
+        worker_id = hello.peer_id
+        worker = ledger.workers.get(worker_id)
+        rejoined = worker is None or worker.state is WorkerState.LOST
         if worker is None:
-            worker = WorkerSession(worker_id, routing, incarnation, info, slots, now, now)
-            self.workers[worker_id] = worker
-            rejoined = True
+            worker = WorkerSession(worker_id, routing, hello.incarnation, info, hello.slots, now,
+                                   now)
+            ledger.workers[worker_id] = worker
         else:
             if worker.routing != routing:
-                self.peers.pop(worker.routing, None)
-            if worker.incarnation != incarnation:
+                ledger.peers.pop(worker.routing, None)
+            if worker.incarnation != hello.incarnation:
                 # The agent restarted: whatever it held under the old incarnation is gone.
-                self._release_leases(worker, now, f"worker {worker.label} restarted", infra=True)
-            worker.routing, worker.incarnation, worker.info = routing, incarnation, info
-            worker.slots, worker.last_seen, worker.state = slots, now, WorkerState.ALIVE
+                ledger.release_leases(worker, now, f"worker {worker.label} restarted", infra=True)
+            worker.routing, worker.incarnation, worker.info = routing, hello.incarnation, info
+            worker.slots, worker.last_seen, worker.state = hello.slots, now, WorkerState.ALIVE
             worker.departed = ""
-        worker.granted, worker.sent = credit, 0
-        worker.draining, worker.mode = draining, mode
+        worker.granted, worker.sent, worker.prefetch = hello.credit, 0, hello.prefetch
+        worker.mode = hello.mode
         # Handed back while the link was down (the owner paused it): no attempt is charged.
-        self._release(worker, release, now)
+        self._release(worker, hello.release, now)
         abort: list[int] = []
         claimed: dict[int, str] = {}
-        for task_id, lease_id in held:
-            task = self.tasks.get(task_id)
-            if task is not None and not task.cancel_requested and (
-                (task.state is TaskState.LEASED and task.lease_id == lease_id
-                 and task.worker_id == worker_id)
-                or task.state is TaskState.RESTORED
-            ):
+        for task_id, lease_id in hello.held:
+            task = ledger.tasks.get(task_id)
+            if task is not None and self._may_claim(task, lease_id, worker_id) \
+                    and len(claimed) < worker.slots + worker.prefetch:
                 if task.state is TaskState.RESTORED:
                     task.move(TaskState.LEASED)
                     task.attempts = max(task.attempts, 1)
+                    task.grant(lease_id, worker_id)
                 task.lease_id, task.worker_id = lease_id, worker_id
-                task.lease_expires = now + self.timing.lease_ttl
+                task.lease_expires = now + ledger.timing.lease_ttl
                 claimed[lease_id] = task_id
             else:
                 abort.append(lease_id)
@@ -71,160 +82,213 @@ class WorkerSide:
         for lease_id, task_id in list(worker.leases.items()):
             if lease_id not in claimed:
                 worker.leases.pop(lease_id)
-                self._requeue(self.tasks.get(task_id), worker, now, "lost across a reconnect",
-                              infra=True)
+                ledger.requeue(ledger.tasks.get(task_id), worker, now, "lost across a reconnect",
+                               infra=True)
         worker.leases = claimed
         if rejoined:
-            self.emit("worker_joined", now, worker=worker.describe())
+            ledger.emit("worker_joined", now, worker=worker.describe())
         return abort
 
-    def _release(self: Broker, worker: WorkerSession, leases: list[int], now: float) -> None:
+    def _may_claim(self, task: Task, lease_id: int, worker_id: str) -> bool:
+        """A worker keeps a task across a reconnect only under the lease it was granted; after
+        a coordinator restart (nothing granted yet) only under a lease of an earlier run."""
+        if task.cancel_requested:
+            return False
+        if task.state is TaskState.LEASED:
+            return task.lease_id == lease_id and task.worker_id == worker_id \
+                and task.granted_to(lease_id, worker_id)
+        return task.state is TaskState.RESTORED and lease_id >> 40 < self.ledger.epoch \
+            and lease_id >= task.lease_floor
+
+    def _release(self, worker: WorkerSession, leases: tuple[int, ...], now: float) -> None:
         """Tasks the worker hands back unstarted (its owner paused it): no attempt is spent."""
         for lease_id in leases:
             task_id = worker.leases.pop(lease_id, None)
-            task = self.tasks.get(task_id) if task_id else None
+            task = self.ledger.tasks.get(task_id) if task_id else None
             if task is not None and task.lease_id == lease_id:
-                self._requeue(task, worker, now, f"handed back by {worker.label}", infra=False)
+                self.ledger.requeue(task, worker, now, f"handed back by {worker.label}",
+                                    infra=False)
 
     # ----------------------------------------------------------------- worker messages
 
-    def _w_heartbeat(self: Broker, worker: WorkerSession, msg: Message, now: float) -> None:
-        leases = field_of(msg.header, "leases", list, [])
-        expires = now + self.timing.lease_ttl
-        for lease_id in leases:
+    def heartbeat(self, worker: WorkerSession, beat: Heartbeat, now: float) -> None:
+        expires = now + self.ledger.timing.lease_ttl
+        tasks = self.ledger.tasks
+        for lease_id in beat.leases:
             task_id = worker.leases.get(lease_id)
-            task = self.tasks.get(task_id) if task_id else None
+            task = tasks.get(task_id) if task_id else None
             if task is not None and task.lease_id == lease_id:
                 task.lease_expires = expires
 
-    def _w_credit(self: Broker, worker: WorkerSession, msg: Message, now: float) -> None:
-        h = msg.header
-        worker.granted = max(worker.granted, field_of(h, "granted", int))
-        before = worker.mode
-        worker.draining, worker.mode = _mode_of(h, worker.draining)
-        self._release(worker, [lease for lease in field_of(h, "release", list, [])
-                               if isinstance(lease, int)], now)
-        if worker.mode != before:
-            self.emit("worker_mode", now, worker=worker.worker_id, mode=worker.mode)
+    def credit(self, worker: WorkerSession, credit: Credit, now: float) -> None:
+        worker.granted = max(worker.granted, credit.granted)
+        before, worker.mode = worker.mode, credit.mode
+        self._release(worker, credit.release, now)
+        if worker.mode is not before:
+            self.ledger.emit("worker_mode", now, worker=worker.worker_id, mode=worker.mode.value)
 
-    def _w_output(self: Broker, worker: WorkerSession, msg: Message, now: float) -> None:
-        task = self.tasks.get(field_of(msg.header, "task", str))
-        if task is None or task.worker_id != worker.worker_id or len(msg.payload) != 1:
+    def output(self, worker: WorkerSession, out: Output, payload: list[Any], now: float) -> None:
+        task = self.ledger.tasks.get(out.task)
+        if task is None or task.worker_id != worker.worker_id or len(payload) != 1:
             return
-        client = self.clients.get(task.client_id)
+        client = self.ledger.clients.get(task.client_id)
         if client is not None and client.routing is not None:
-            header = {"task": task.task_id, "stream": msg.header.get("stream", "out"),
-                      "worker": worker.short_id}
-            self._send(client.routing, Command.OUTPUT, header, msg.payload)
+            header = {"task": task.task_id, "stream": out.stream, "worker": worker.short_id}
+            self.ledger.send(client.routing, Command.OUTPUT, header, payload)
 
-    def _w_result(self: Broker, worker: WorkerSession, msg: Message, now: float) -> None:
-        h = msg.header
-        task_id = field_of(h, "task", str)
-        lease_id = field_of(h, "lease", int)
-        status = field_of(h, "status", str)
-        if status not in ("ok", "error", "timeout", "cancelled", "crashed"):
-            raise ProtocolError(ErrorCode.MALFORMED, f"unknown result status {status!r}")
-        if "granted" in h:
-            worker.granted = max(worker.granted, field_of(h, "granted", int))
-        held = worker.leases.pop(lease_id, None)
-        elapsed = field_of(h, "elapsed", (int, float), 0.0)
-        task = self.tasks.get(task_id)
+    def result(self, worker: WorkerSession, res: Result, payload: list[Any], now: float) -> None:
+        ledger = self.ledger
+        if res.granted is not None:
+            worker.granted = max(worker.granted, res.granted)
+        task = ledger.tasks.get(res.task)
+        ack = {"task": res.task, "lease": res.lease}
+        if task is not None and not task.granted_to(res.lease, worker.worker_id):
+            # Not a lease this coordinator run gave this worker: forged, or from before a
+            # restart and never re-claimed. Either way it must not decide the task.
+            ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "rejected"})
+            return
+        held = worker.leases.pop(res.lease, None)
         if held is not None:
             worker.completed += 1
-            worker.busy_seconds += elapsed
-            if task is not None and status in ("ok", "error"):
-                self._record_speed(worker, elapsed / max(task.cost, 1e-3))
-        ack = {"task": task_id, "lease": lease_id}
+            worker.busy_seconds += res.elapsed
+            if task is not None and res.status in (ResultStatus.OK, ResultStatus.ERROR):
+                self._record_speed(worker, res.elapsed / max(task.cost, 1e-3))
         stale = task is not None and (
-            lease_id < task.lease_floor  # from an attempt before `gpumesh retry`
+            res.lease < task.lease_floor  # from an attempt before `gpumesh retry`
             # A cancellation is about that attempt only; another one may be running now.
-            or (status == "cancelled" and lease_id != task.lease_id))
+            or (res.status is ResultStatus.CANCELLED and res.lease != task.lease_id))
         if task is None or task.state.terminal or stale:
-            self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
+            ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
             return
-        if status == "crashed":
-            if held is not None and task.lease_id == lease_id:
-                self._requeue(task, worker, now, str(h.get("diagnosis", "runner crashed")),
-                              infra=True)
-            self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
+        if res.status is ResultStatus.CRASHED:
+            if held is not None and task.lease_id == res.lease:
+                ledger.requeue(task, worker, now, res.diagnosis or "runner crashed", infra=True)
+            ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
             return
-        if task.lease_id != lease_id and task.state is TaskState.LEASED:
+        if task.lease_id != res.lease and task.state is TaskState.LEASED:
             # An earlier attempt finished first: its result is as good; stop the current one.
-            self._cancel_on_worker(task)
-        state = {"ok": TaskState.DONE, "cancelled": TaskState.CANCELLED}.get(status, TaskState.FAILED)
-        result = {"status": status, "worker": worker.worker_id, "attempts": task.attempts,
-                  "elapsed": elapsed}
-        for key in ("error", "diagnosis", "encoding"):
-            if key in h:
-                result[key] = h[key]
-        self._finish(task, state, result, msg.payload, now)
-        self._send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
+            ledger.cancel_on_worker(task)
+        problem = _unreadable(task, res, payload)
+        if problem:
+            ledger.fail(task, ResultStatus.ERROR, problem, now, worker.worker_id)
+        else:
+            self._finish(task, worker, res, payload, now)
+        ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
 
-    def _w_disconnect(self: Broker, worker: WorkerSession, msg: Message, now: float) -> None:
-        reason = str(msg.header.get("reason", "left"))
-        self._release_leases(worker, now, f"worker {worker.label} {reason}", infra=False)
-        self._lose(worker, now, reason)
+    def _finish(self, task: Task, worker: WorkerSession, res: Result, payload: list[Any],
+                now: float) -> None:
+        state = {ResultStatus.OK: TaskState.DONE,
+                 ResultStatus.CANCELLED: TaskState.CANCELLED}.get(res.status, TaskState.FAILED)
+        result: dict[str, Any] = {"status": res.status.value, "worker": worker.worker_id,
+                                  "attempts": task.attempts, "elapsed": res.elapsed}
+        if res.error is not None:
+            result["error"] = res.error
+        if res.diagnosis is not None:
+            result["diagnosis"] = res.diagnosis
+        if res.encoding is not ResultEncoding.PICKLE:
+            result["encoding"] = res.encoding.value
+        if res.split and payload:
+            result["split"] = list(res.split)  # the submitter rebuilds the big frames
+        if task.is_script and res.status is not ResultStatus.OK:
+            payload = []  # a failed script says it all in its error; no frames go on
+        self.ledger.finish(task, state, result, payload, now)
+
+    def disconnect(self, worker: WorkerSession, reason: Departure, now: float) -> None:
+        word = reason.value
+        self.ledger.release_leases(worker, now, f"worker {worker.label} {word}", infra=False)
+        departed = "left" if reason in (Departure.LEFT, Departure.DRAINED) else ""
+        self.ledger.lose(worker, now, word, departed)
+
+    def expire(self, now: float) -> None:
+        """Workers silent past the liveness limit are lost; leases past their time go back."""
+        ledger = self.ledger
+        silence = ledger.timing.silence_limit
+        for worker in list(ledger.workers.values()):
+            if worker.state is WorkerState.ALIVE and now - worker.last_seen > silence:
+                why = f"silent for {now - worker.last_seen:.0f}s"
+                ledger.release_leases(worker, now, f"worker {worker.label} {why}", infra=True)
+                ledger.lose(worker, now, why)
+            elif worker.state is WorkerState.LOST and now - worker.last_seen > LOST_WORKER_RETENTION:
+                del ledger.workers[worker.worker_id]
+                continue
+            for lease_id, task_id in list(worker.leases.items()):
+                task = ledger.tasks.get(task_id)
+                if task is None or task.lease_id != lease_id:
+                    worker.leases.pop(lease_id)
+                elif now > task.lease_expires:
+                    worker.leases.pop(lease_id)
+                    ledger.requeue(task, worker, now,
+                                   f"lease expired on {worker.label} (no heartbeat for "
+                                   f"{ledger.timing.lease_ttl:.0f}s)", infra=True)
+
+    def assigned(self, worker: WorkerSession) -> None:
+        """Remember the order of assignments: the scheduler breaks ties least recently used."""
+        self._assign_counter += 1
+        worker.last_assigned = self._assign_counter
 
     # ----------------------------------------------------------------- speed and stragglers
 
-    def _record_speed(self: Broker, worker: WorkerSession, seconds_per_cost: float) -> None:
+    def _record_speed(self, worker: WorkerSession, seconds_per_cost: float) -> None:
         if worker.completed <= 1 or worker.seconds_per_cost == 0.0:
             worker.seconds_per_cost = seconds_per_cost
         else:
             worker.seconds_per_cost += SPEED_SMOOTHING * (seconds_per_cost - worker.seconds_per_cost)
 
-    def refresh_stragglers(self: Broker) -> set[str]:
+    def refresh_stragglers(self) -> set[str]:
         """Alive workers over twice the median task time per unit of cost (scheduler rule 4).
 
         Recomputed once a second by ``tick``, not on every dispatch: speeds move slowly.
         """
-        speeds = {w.worker_id: w.seconds_per_cost for w in self.workers.values()
+        speeds = {w.worker_id: w.seconds_per_cost for w in self.ledger.workers.values()
                   if w.state is WorkerState.ALIVE and w.completed >= MIN_RESULTS_FOR_SPEED}
         self.stragglers = scheduler.stragglers(speeds)
         return self.stragglers
 
     # ----------------------------------------------------------------- removing a worker
 
-    def find_worker(self: Broker, key: str) -> WorkerSession | str:
+    def find(self, key: str) -> WorkerSession | str:
         """A worker by id, unique id prefix or hostname; an error message when none or many match."""
-        if key in self.workers:
-            return self.workers[key]
-        alive = [w for w in self.workers.values() if w.state is WorkerState.ALIVE]
+        workers = self.ledger.workers
+        if key in workers:
+            return workers[key]
+        alive = [w for w in workers.values() if w.state is WorkerState.ALIVE]
         if len(key) < 4 and any(w.worker_id.startswith(key) for w in alive):
             return f"{key!r} is too short: give at least 4 characters of the worker id"
         matches = [w for w in alive if w.worker_id.startswith(key)] if len(key) >= 4 else []
-        matches = matches or [w for w in alive if w.info.get("hostname") == key]
+        matches = matches or [w for w in alive if w.info.hostname == key]
         if len(matches) == 1:
             return matches[0]
         if matches:
             return f"{key!r} matches {len(matches)} workers: use the worker id ('gpumesh workers')"
         return f"no worker {key!r} is connected: 'gpumesh workers' lists them"
 
-    def kill_worker(self: Broker, worker: WorkerSession, now: float) -> dict[str, Any]:
+    def kill(self, worker: WorkerSession, now: float, by: str) -> dict[str, Any]:
         """Take a worker out of the pool: its tasks go back to the queue, and it is told to leave."""
         handed_back = len(worker.leases)
-        self._release_leases(worker, now, f"worker {worker.label} was removed", infra=False)
+        self.ledger.release_leases(worker, now, f"worker {worker.label} was removed", infra=False)
         if worker.state is WorkerState.ALIVE:
-            self._send(worker.routing, Command.DISCONNECT, {"reason": "kill"})
-        self._lose(worker, now, "removed by 'gpumesh kill'")
-        return {"worker": worker.worker_id, "hostname": worker.info.get("hostname", ""),
+            self.ledger.send(worker.routing, Command.DISCONNECT,
+                             {"reason": Departure.KILL.value, "by": by})
+        self.ledger.lose(worker, now, f"removed by 'gpumesh kill' from {by}", "removed")
+        return {"worker": worker.worker_id, "hostname": worker.info.hostname,
                 "handed_back": handed_back}
 
 
-def _held_leases(items: list[Any]) -> list[tuple[str, int]]:
-    pairs = []
-    for item in items:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], int) and not isinstance(item[1], bool)):
-            raise ProtocolError(ErrorCode.MALFORMED, "held leases must be [task, lease] pairs")
-        pairs.append((item[0], item[1]))
-    return pairs
+def _unreadable(task: Task, res: Result, payload: list[Any]) -> str:
+    """Why a result's frames cannot be what its task produces; empty when they can.
 
-
-def _mode_of(h: dict[str, Any], draining: bool = False) -> tuple[bool, str]:
-    """(draining, mode) from a HELLO or CREDIT: a paused or draining worker takes no new tasks."""
-    draining = field_of(h, "draining", bool, draining)
-    mode = field_of(h, "mode", str, "draining" if draining else "active")
-    if mode not in WORKER_MODES:
-        raise ProtocolError(ErrorCode.MALFORMED, f"unknown worker mode {mode!r}")
-    return draining or mode != "active", mode
+    A script's result is JSON or text in one UTF-8 frame, and nobody ever unpickles it; a
+    function's result is a pickle for its submitter alone."""
+    if res.status is not ResultStatus.OK:
+        return ""
+    if task.is_script:
+        if res.encoding is ResultEncoding.PICKLE or len(payload) != 1:
+            return "the worker sent a script result that is not JSON or text; it was refused"
+        frame = payload[0]
+        try:
+            (frame.bytes if hasattr(frame, "bytes") else bytes(frame)).decode("utf-8")
+        except UnicodeDecodeError:
+            return "the worker sent a script result that is not UTF-8 text; it was refused"
+    elif res.encoding is not ResultEncoding.PICKLE:
+        return "the worker sent a function result as JSON or text; it was refused"
+    return ""

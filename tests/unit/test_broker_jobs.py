@@ -30,8 +30,10 @@ def hello_worker(b: Broker, routing: bytes, worker_id: str, slots: int = 1, now:
 def broker() -> Broker:
     b = Broker(Store(":memory:"), Timing(result_ttl=100.0), Limits(), epoch=1, now=0.0)
     hello_worker(b, W, "w1")
+    # Two sessions of one person (a script and the CLI in another terminal): one owner.
     for routing, client in ((C, "c1"), (C2, "c2")):
-        b.handle(routing, msg(Command.HELLO, {"role": "client", "id": client, "proto": [1, 1]}), 0.0)
+        b.handle(routing, msg(Command.HELLO, {"role": "client", "id": client, "proto": [1, 1],
+                                              "info": {"user": "ana", "host": "lab"}}), 0.0)
     b.outbox.clear()
     return b
 
@@ -49,8 +51,10 @@ def submit(b: Broker, count: int, job: str = "job1", name: str = "grid", now: fl
     return [task_id for _, task_id in sent(b, Command.ACCEPTED)[-1]["accepted"]]
 
 
-def control(b: Broker, action: str, target: str, routing: bytes = C2, now: float = 1.0) -> dict:
-    b.handle(routing, msg(Command.CONTROL, {"qid": 7, "action": action, "target": target}), now)
+def control(b: Broker, action: str, target: str, routing: bytes = C2, now: float = 1.0,
+            **extra) -> dict:
+    b.handle(routing, msg(Command.CONTROL, {"qid": 7, "action": action, "target": target,
+                                            **extra}), now)
     reply = sent(b, Command.REPLY, routing)[-1]
     assert reply["qid"] == 7
     return reply["data"]
@@ -96,7 +100,7 @@ def test_cancel_job_stops_running_tasks_and_never_starts_pending_ones(broker):
     broker.dispatch(0.0)
     lease = broker.tasks[running].lease_id
     broker.outbox.clear()
-    assert control(broker, "cancel", "job1") == {"job": "job1", "cancelled": 2}
+    assert control(broker, "cancel", "job1") == {"job": "job1", "owner": "ana@lab", "cancelled": 2}
     assert sent(broker, Command.CANCEL, W) == [{"leases": [lease]}]
     assert broker.tasks[pending].state is TaskState.CANCELLED
     # The worker dies before it reports the cancellation: the task must not run again.
@@ -115,11 +119,11 @@ def test_retry_job_requeues_failed_tasks_even_after_the_owner_collected_them(bro
     result(broker, bad_task, status="error", routing=W2)
     broker.handle(C, msg(Command.RESULT_ACK, {"tasks": [ok_task, bad_task]}), 2.0)
     assert broker.tasks[bad_task].collected
-    assert control(broker, "retry", "job1") == {"job": "job1", "retried": 1}
+    assert control(broker, "retry", "job1") == {"job": "job1", "owner": "ana@lab", "retried": 1}
     task = broker.tasks[bad_task]
     assert task.state is TaskState.PENDING and task.attempts == 0 and task.payload == [b"p1"]
     assert broker.status("job1", 3.0)["counts"] == {"done": 1, "pending": 1}
-    assert control(broker, "retry", "job1") == {"job": "job1", "retried": 0}
+    assert control(broker, "retry", "job1") == {"job": "job1", "owner": "ana@lab", "retried": 0}
 
 
 def test_unknown_job_and_unknown_action_are_clear_errors(broker):
@@ -134,7 +138,7 @@ def test_kill_hands_tasks_back_without_spending_attempts_and_tells_the_worker(br
     broker.dispatch(0.0)
     answer = control(broker, "kill", "w1-host")
     assert answer == {"worker": "w1", "hostname": "w1-host", "handed_back": 1}
-    assert sent(broker, Command.DISCONNECT, W) == [{"reason": "kill"}]
+    assert sent(broker, Command.DISCONNECT, W) == [{"reason": "kill", "by": "ana@lab"}]
     task = broker.tasks[task_id]
     assert task.state is TaskState.PENDING and task.attempts == 0
     assert broker.workers["w1"].describe()["alive"] is False
@@ -259,7 +263,8 @@ def test_retrying_an_unschedulable_task_restarts_its_clock_and_never_trips_the_c
     broker.handle(W, msg(Command.HEARTBEAT, {}), limit + 0.5)
     broker.tick(limit + 1)
     assert broker.tasks[task_id].result_header["status"] == "unschedulable"
-    broker.handle(C2, msg(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1]}), limit + 2)
+    broker.handle(C2, msg(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1],
+                                          "info": {"user": "ana", "host": "lab"}}), limit + 2)
     assert control(broker, "retry", "job1", now=limit + 2)["retried"] == 1
     broker.handle(W, msg(Command.HEARTBEAT, {}), limit + 2.5)
     broker.tick(limit + 3)  # two heap entries for one task: must not finish it twice
@@ -341,3 +346,14 @@ def test_cancel_and_retry_by_a_shared_name_refuse_to_guess(broker):
 
 def test_short_worker_prefixes_say_so(broker):
     assert "too short" in control(broker, "kill", "w1"[:1])["error"]
+
+
+def test_another_owners_job_needs_force_and_the_refusal_names_the_owner(broker):
+    submit(broker, 2)
+    C3 = b"c3-routing"
+    broker.handle(C3, msg(Command.HELLO, {"role": "client", "id": "c3", "proto": [1, 1],
+                                          "info": {"user": "bo", "host": "desk"}}), 0.5)
+    refused = control(broker, "cancel", "job1", routing=C3)
+    assert refused["owner"] == "ana@lab" and "--force" in refused["error"]
+    assert all(not t.state.terminal for t in broker.tasks.values())
+    assert control(broker, "cancel", "job1", routing=C3, force=True)["cancelled"] == 2

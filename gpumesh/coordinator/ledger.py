@@ -1,0 +1,259 @@
+"""The coordinator's shared state and the task lifecycle: the one object every part changes.
+
+It owns the tasks, the queue, the sessions and the jobs, and the moves a task makes (queue,
+lease, finish, requeue, cancel, reopen), each journaled through the store and announced on the
+event stream. It owns no socket and reads no clock: messages it wants sent wait in ``outbox``
+until the server loop has committed the journal, so nothing is acknowledged before it is
+durable. ``workers.py``, ``clients.py`` and ``retention.py`` act on it; ``broker.py`` routes
+messages to them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Limits, Timing
+from ..protocol import Command, ErrorCode, Requirements, ResultStatus, Role, encode
+from ..store import Store
+from .jobs import Job, summarize
+from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
+
+log = logging.getLogger("gpumesh.coordinator")
+
+EVENT_HISTORY = 10_000
+MAX_PEER_COUNTERS = 10_000
+
+
+@dataclass(frozen=True)
+class Event:
+    """One state change, for monitors (``gpumesh serve`` output, QUERY events, dashboards)."""
+
+    seq: int
+    time: float
+    kind: str
+    data: dict[str, Any]
+
+
+class Ledger:
+    def __init__(
+        self, store: Store, timing: Timing, limits: Limits, *, epoch: int, now: float,
+        safe_mode: bool = False,
+    ) -> None:
+        self.store = store
+        self.timing = timing
+        self.limits = limits
+        self.epoch = epoch
+        self.safe_mode = safe_mode
+        self.started_at = now
+        self.session_id = secrets.token_hex(6)
+        self.tasks: dict[str, Task] = {}
+        self.by_seq: dict[tuple[str, int], str] = {}
+        self.workers: dict[str, WorkerSession] = {}
+        self.clients: dict[str, ClientSession] = {}
+        self.jobs: dict[str, Job] = {}
+        self.peers: dict[bytes, tuple[Role, str]] = {}
+        self.pending: list[tuple[int, int, str]] = []  # heap of (-priority, order, task id)
+        # Kinds (requirements, portable) of the tasks queued: the unschedulable check scans the
+        # queue only when some kind has no worker that could ever run it.
+        self.kinds: set[tuple[Requirements, bool]] = set()
+        self.outbox: list[tuple[bytes, list[Any]]] = []
+        self.events: deque[Event] = deque(maxlen=EVENT_HISTORY)
+        self.listeners: list[Callable[[Event], None]] = []
+        self.malformed: dict[bytes, int] = {}
+        self._order = itertools.count()
+        self._lease_counter = itertools.count(1)
+        self._event_seq = itertools.count(1)
+
+    # ----------------------------------------------------------------- plumbing
+
+    def send(self, routing: bytes | None, command: Command, header: dict[str, Any],
+             payload: Sequence[Any] = ()) -> None:
+        if routing is not None:
+            self.outbox.append((routing, encode(command, header, payload)))
+
+    def error(self, routing: bytes | None, code: ErrorCode, text: str, qid: int = 0) -> None:
+        header: dict[str, Any] = {"code": code.value, "message": text}
+        if qid:
+            header["qid"] = qid  # so the client can fail the one call that caused it
+        self.send(routing, Command.ERROR, header)
+
+    def emit(self, kind: str, now: float, **data: Any) -> None:
+        event = Event(next(self._event_seq), now, kind, data)
+        self.events.append(event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # a monitor's bug must never stop the broker
+                log.exception("event listener failed")
+
+    def count_malformed(self, routing: bytes) -> None:
+        if len(self.malformed) > MAX_PEER_COUNTERS:
+            self.malformed.clear()  # bounded: a counter per peer is a diagnostic, not a ledger
+        self.malformed[routing] = self.malformed.get(routing, 0) + 1
+
+    def new_lease_id(self) -> int:
+        """Lease ids rise monotonically and carry the coordinator run (epoch) in their top bits."""
+        return (self.epoch << 40) | next(self._lease_counter)
+
+    # ----------------------------------------------------------------- task lifecycle
+
+    def enqueue(self, task: Task) -> None:
+        heapq.heappush(self.pending, (-task.priority, next(self._order), task.task_id))
+        self.kinds.add((task.requirements, task.portable))
+
+    def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
+        task.move(TaskState.LEASED)
+        task.attempts += 1
+        task.lease_id = self.new_lease_id()
+        task.grant(task.lease_id, worker.worker_id)
+        task.worker_id = worker.worker_id
+        task.lease_expires = now + self.timing.lease_ttl
+        worker.leases[task.lease_id] = task.task_id
+        worker.sent += 1
+        header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
+        need = {k: v for k, v in (("gpu", task.requirements.gpu), ("vram", task.requirements.vram))
+                if v is not None}
+        if need:
+            header["need"] = need  # the worker picks the slot whose own GPU satisfies it
+        header.update(task=task.task_id, lease=task.lease_id, attempt=task.attempts)
+        self.send(worker.routing, Command.TASK, header, task.payload)
+
+    def finish(self, task: Task, state: TaskState, result: dict[str, Any], payload: list[Any],
+               now: float) -> None:
+        task.move(state)
+        owner = self.clients.get(task.client_id)
+        if owner is not None:
+            owner.unqueue(task)
+        result = {**result, "finished_at": now}  # journaled: a restart keeps the job's timings
+        task.result_header = result
+        task.result_payload = payload
+        task.finished_at = now
+        if task.worker_id:
+            worker = self.workers.get(task.worker_id)
+            if worker is not None:
+                worker.leases.pop(task.lease_id, None)
+        retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
+        self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
+                               keep_input=retryable)
+        job = self.jobs.get(task.job_id)
+        if job is not None:
+            job.summaries[task.task_id] = summarize(task)
+        if not retryable:
+            task.payload = []
+        if job is not None and len(job.summaries) >= len(job.task_ids):  # only its tasks
+            job.finished_at = now
+        self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
+                  worker=result.get("worker", ""))
+        self.deliver(task)
+
+    def fail(self, task: Task, status: ResultStatus, diagnosis: str, now: float,
+             worker: str = "") -> None:
+        """Finish ``task`` as failed by the coordinator's own decision, saying why."""
+        result: dict[str, Any] = {"status": status.value, "attempts": task.attempts,
+                                  "diagnosis": diagnosis}
+        if worker:
+            result["worker"] = worker
+        self.finish(task, TaskState.FAILED, result, [], now)
+
+    def deliver(self, task: Task) -> None:
+        client = self.clients.get(task.client_id)
+        if client is None or client.routing is None or task.result_header is None \
+                or task.collected:
+            return  # kept until the client comes back and FETCHes it
+        header = {**task.result_header, "task": task.task_id, "seq": task.seq}
+        self.send(client.routing, Command.RESULT, header, task.result_payload)
+
+    def requeue(self, task: Task | None, worker: WorkerSession | None, now: float, why: str,
+                *, infra: bool) -> None:
+        """Take a task back from a worker. Infrastructure failures count against max_attempts."""
+        if task is None or task.state.terminal:
+            return
+        if task.cancel_requested:
+            # Cancelled while its worker was unreachable: it must not start again anywhere.
+            self.finish(task, TaskState.CANCELLED, _cancelled_result(task), [], now)
+            return
+        if infra:
+            task.failures.append(why)
+            del task.failures[:-3]  # only the last three are ever shown
+            if worker is not None:
+                task.excluded.add(worker.worker_id)
+            if task.attempts >= task.max_attempts:
+                self.fail(task, ResultStatus.CRASHED,
+                          f"gave up after {task.attempts} attempts: {'; '.join(task.failures)}",
+                          now, worker.worker_id if worker else "")
+                return
+        else:
+            task.attempts = max(task.attempts - 1, 0)  # a polite hand-back costs no attempt
+        task.move(TaskState.PENDING)
+        task.worker_id = ""
+        self.store.set_attempts(task.task_id, task.attempts)
+        self.enqueue(task)
+
+    def release_leases(self, worker: WorkerSession, now: float, why: str, *, infra: bool) -> None:
+        leases, worker.leases = worker.leases, {}
+        for lease_id, task_id in leases.items():
+            task = self.tasks.get(task_id)
+            if task is not None and task.lease_id == lease_id:
+                self.requeue(task, worker, now, why, infra=infra)
+
+    def cancel_on_worker(self, task: Task) -> None:
+        worker = self.workers.get(task.worker_id)
+        if worker is not None and worker.state is WorkerState.ALIVE:
+            self.send(worker.routing, Command.CANCEL, {"leases": [task.lease_id]})
+
+    def cancel_task(self, task: Task, now: float) -> bool:
+        """Pending tasks never start; a running one is stopped on its worker. False if finished."""
+        if task.state.terminal:
+            return False
+        if task.state is TaskState.LEASED:
+            task.cancel_requested = True
+            worker = self.workers.get(task.worker_id)
+            if worker is not None and worker.state is WorkerState.ALIVE:
+                self.cancel_on_worker(task)
+                return True
+        self.finish(task, TaskState.CANCELLED, _cancelled_result(task), [], now)
+        return True
+
+    def reopen(self, task: Task, now: float) -> bool:
+        """``gpumesh retry``: a failed or cancelled task whose input is still here runs again."""
+        if task.state not in (TaskState.FAILED, TaskState.CANCELLED) or not task.payload:
+            return False
+        task.move(TaskState.PENDING)
+        # A fresh start: a new pending clock, and the old attempts' results no longer count.
+        task.pending_since = now
+        task.lease_floor = self.new_lease_id()
+        task.attempts, task.failures, task.excluded = 0, [], set()
+        task.result_header, task.result_payload = None, []
+        task.cancel_requested = task.collected = False
+        task.worker_id = ""
+        self.store.reopen_task(task.task_id)
+        owner = self.clients.get(task.client_id)
+        if owner is not None:
+            owner.queue(task)
+        job = self.jobs.get(task.job_id)
+        if job is not None:
+            job.summaries.pop(task.task_id, None)
+            job.finished_at = None
+        self.enqueue(task)
+        return True
+
+    def lose(self, worker: WorkerSession, now: float, reason: str, departed: str = "") -> None:
+        """Mark a worker gone; ``departed`` ("left", "removed") when it went on purpose."""
+        if worker.state is WorkerState.LOST:
+            return
+        worker.state = WorkerState.LOST
+        worker.departed = departed
+        self.peers.pop(worker.routing, None)
+        self.emit("worker_lost", now, worker=worker.describe(), reason=reason)
+
+
+def _cancelled_result(task: Task) -> dict[str, Any]:
+    return {"status": ResultStatus.CANCELLED.value, "attempts": task.attempts,
+            "diagnosis": "cancelled"}

@@ -1,0 +1,289 @@
+"""Issue 8's findings, each pinned with plain values: hostile peers holding the token, a poisoned
+journal, and bugs of our own, none of which may stop the coordinator, the agent or the client."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import msgpack
+import pytest
+
+from gpumesh import scheduler
+from gpumesh.client.engine import decode_result
+from gpumesh.config import Limits, Timing
+from gpumesh.coordinator.broker import Broker
+from gpumesh.coordinator.state import TaskState
+from gpumesh.errors import TaskError
+from gpumesh.protocol import Command, Message, decode, encode, serialize
+from gpumesh.store import Store
+
+W, W2, C = b"w1-routing", b"w2-routing", b"c1-routing"
+CLIENT_INFO = {"user": "ana", "host": "lab"}
+
+
+def msg(command: Command, header: dict, payload: list | None = None) -> Message:
+    return decode(encode(command, header, payload or []), Limits())
+
+
+def sent(b: Broker, command: Command, to: bytes | None = None) -> list[dict]:
+    out = [(routing, decode(frames, Limits())) for routing, frames in b.outbox]
+    return [m.header for routing, m in out if m.command is command and to in (None, routing)]
+
+
+def worker_hello(worker_id: str = "w1", **extra) -> dict:
+    return {"role": "worker", "id": worker_id, "slots": 1, "proto": [1, 1],
+            "info": {"python": "3.11", "cores": 4}, **extra}
+
+
+def new_broker(store: Store, now: float = 0.0, limits: Limits | None = None) -> Broker:
+    b = Broker(store, Timing(), limits or Limits(), epoch=store.next_epoch(), now=now)
+    b.restore(now)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1],
+                                    "info": CLIENT_INFO}), now)
+    return b
+
+
+@pytest.fixture
+def broker() -> Broker:
+    b = new_broker(Store(":memory:"))
+    b.handle(W, msg(Command.HELLO, worker_hello()), 0.0)
+    b.outbox.clear()
+    return b
+
+
+def submit(b: Broker, spec: dict, payload: list | None = None, seq: int = 1) -> list:
+    payload = payload if payload is not None else [b"payload"]
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": seq, "nf": len(payload), "kind": "fn",
+                                                **spec}]}, payload), 0.0)
+    return sent(b, Command.ACCEPTED)[-1]["accepted"]
+
+
+# ----------------------------------------------------------------- 1. a poisoned journal
+
+def test_a_requirement_of_the_wrong_type_is_refused_before_the_journal_and_restarts_stay_up(tmp_path):
+    store = Store(tmp_path / "j.db")
+    b = new_broker(store)
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "fn",
+                                                "req": {"python": ["3.11"]}}]}, [b"f"]), 0.0)
+    (rejected,) = sent(b, Command.ACCEPTED)[-1]["rejected"]
+    assert rejected[1] == "malformed" and "python" in rejected[2]
+    store.commit()
+    assert list(store.load()) == []
+    store.close()
+    again = new_broker(Store(tmp_path / "j.db"), now=10.0)
+    again.tick(20.0)  # the old coordinator died here, every time, about 5 s after a restart
+    assert again.tasks == {}
+    again.store.close()
+
+
+def test_a_journal_row_that_no_longer_parses_fails_its_task_at_restore(tmp_path, caplog):
+    store = Store(tmp_path / "j.db")
+    b = new_broker(store)
+    (good,) = [t for _, t in submit(b, {})]
+    store.add_task("bad000000001", "c1", 2, "job", {"kind": "fn", "req": {"python": ["3.11"]}},
+                   [b"f"], 0.0)  # as a bug of ours, or a hand edit, might have left it
+    store.commit()
+    store.close()
+    with caplog.at_level(logging.WARNING, "gpumesh.coordinator"):
+        again = new_broker(Store(tmp_path / "j.db"), now=10.0)
+    bad = again.tasks["bad000000001"]
+    assert bad.state is TaskState.FAILED
+    assert "journal entry for this task no longer parses" in bad.result_header["diagnosis"]
+    assert again.tasks[good].state is TaskState.RESTORED
+    assert "no longer parses" in caplog.text
+    again.tick(10.0 + Timing().restore_grace + 1)  # and the loop goes on
+    assert again.tasks[good].state is TaskState.PENDING
+    again.store.close()
+
+
+# ----------------------------------------------------------------- 2. a worker's inventory
+
+@pytest.mark.parametrize("info", [
+    {"cores": "many"}, {"memory": [1]}, {"gpus": "x"}, {"gpus": [{"name": 5}]},
+    {"score": "fast"}, {"score": float("nan")}, {"python": ["3.11"]}, {"hostname": "h" * 5000},
+    {"gpus": [{"name": "A100", "vram": "a lot"}]},
+])
+def test_a_mistyped_inventory_is_refused_at_hello_and_the_coordinator_goes_on(info):
+    b = new_broker(Store(":memory:"))
+    b.handle(W, msg(Command.HELLO, {**worker_hello(), "info": info}), 0.0)
+    assert "w1" not in b.workers
+    assert sent(b, Command.ERROR, W)[-1]["code"] == "malformed"
+    for now in (0.5, 1.5, 2.5):  # `state.py` called int()/float() on peer data once a second
+        b.tick(now)
+        b.dispatch(now)
+
+
+def test_an_inventory_with_sizes_as_the_readme_writes_them_is_understood():
+    b = new_broker(Store(":memory:"))
+    info = {"cores": 8, "memory": "64GB", "gpus": [{"name": "A100", "vram": "40GB"}]}
+    b.handle(W, msg(Command.HELLO, {**worker_hello(), "info": info}), 0.0)
+    view = b.workers["w1"].view()
+    assert view.memory == 64 * 10**9 and view.gpus == (scheduler.Gpu("A100", 40 * 10**9),)
+
+
+# ----------------------------------------------------------------- 3. forged results
+
+def test_a_result_for_a_lease_never_granted_to_that_worker_decides_nothing(broker):
+    broker.handle(W2, msg(Command.HELLO, worker_hello("w2")), 0.0)
+    ((_, task_id),) = submit(broker, {})
+    broker.dispatch(0.0)
+    task = broker.tasks[task_id]
+    holder = W if task.worker_id == "w1" else W2
+    forger = W2 if holder == W else W
+    for lease in (2**62, task.lease_id):  # a made-up lease, and the real one from another worker
+        broker.handle(forger, msg(Command.RESULT, {"task": task_id, "lease": lease,
+                                                   "status": "ok"}, [b"forged"]), 0.1)
+        assert task.state is TaskState.LEASED
+        assert sent(broker, Command.RESULT_ACK, forger)[-1]["disposition"] == "rejected"
+    assert sent(broker, Command.RESULT, C) == []
+    broker.handle(holder, msg(Command.RESULT, {"task": task_id, "lease": task.lease_id,
+                                               "status": "ok"}, [b"real"]), 0.2)
+    assert task.state is TaskState.DONE
+
+
+def test_a_script_result_that_is_a_pickle_is_refused_by_the_coordinator(broker):
+    ((_, task_id),) = submit(broker, {"kind": "script", "name": "job.py"}, [b"src", b"{}"])
+    broker.dispatch(0.0)
+    lease = broker.tasks[task_id].lease_id
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok"},
+                         [pickle.dumps({"x": 1})]), 0.1)
+    task = broker.tasks[task_id]
+    assert task.state is TaskState.FAILED and task.result_payload == []
+    assert "not JSON or text" in task.result_header["diagnosis"]
+
+
+class _Tripwire:
+    fired = False
+
+    def __reduce__(self):
+        return (_fire, ())
+
+
+def _fire():
+    _Tripwire.fired = True
+    return "unpickled"
+
+
+def test_the_client_never_unpickles_a_scripts_result_whatever_the_header_says():
+    payload = [pickle.dumps(_Tripwire())]
+    for header in ({"status": "ok"}, {"status": "error", "error": {"message": "m"}}):
+        with pytest.raises(TaskError):
+            decode_result({**header, "task": "t"}, payload, script=True)
+    assert not _Tripwire.fired
+    assert decode_result({"status": "ok"}, payload) == "unpickled"  # a function's result is
+
+
+# ----------------------------------------------------------------- 8. unbounded peers
+
+def test_a_worker_cannot_claim_more_slots_than_its_machine_or_hold_more_than_them():
+    b = new_broker(Store(":memory:"))
+    b.handle(W, msg(Command.HELLO, worker_hello(slots=100_000)), 0.0)
+    assert "w1" not in b.workers and "slots" in sent(b, Command.ERROR, W)[-1]["message"]
+    b.handle(W, msg(Command.HELLO, worker_hello(slots=2, credit=10**9)), 0.0)
+    for seq in range(1, 51):
+        submit(b, {}, seq=seq)
+    assert b.dispatch(0.0) == 2  # its two slots, not the credit it claimed
+    b.handle(W, msg(Command.CREDIT, {"granted": 10**12}), 0.1)
+    assert b.dispatch(0.1) == 0
+
+
+def test_client_info_is_schema_checked_and_nothing_else_is_kept():
+    b = new_broker(Store(":memory:"))
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1],
+                                    "info": {**CLIENT_INFO, "junk": "x" * 900_000}}), 0.0)
+    assert b.clients["c1"].info.to_dict() == {"pid": 0, "host": "lab", "user": "ana"}
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1],
+                                    "info": {"host": ["x"]}}), 0.0)
+    assert "c2" not in b.clients
+
+
+def test_a_client_over_its_byte_quota_is_told_busy_and_nothing_is_journaled():
+    b = new_broker(Store(":memory:"), limits=Limits(max_queued_bytes=1000))
+    assert submit(b, {}, [b"x" * 600], seq=1) != []
+    assert submit(b, {}, [b"y" * 600], seq=2) == []
+    rejected = sent(b, Command.ACCEPTED)[-1]["rejected"]
+    assert rejected[0][1] == "busy" and "GPUMESH_MAX_QUEUED_GB" in rejected[0][2]
+    assert len(list(b.store.load())) == 1
+
+
+def test_a_reply_too_big_for_the_header_limit_is_paged_and_each_page_fits():
+    limits = Limits(max_header_bytes=64 * 1024)
+    b = new_broker(Store(":memory:"), limits=limits)
+    big = {"python": "3.11", "cores": 4, "hostname": "h" * 200, "device_name": "d" * 200,
+           "gpus": [{"name": "n" * 200, "vram": 1} for _ in range(4)]}
+    for i in range(200):
+        b.handle(b"w%d" % i, msg(Command.HELLO, {**worker_hello(f"w{i}"), "info": big}), 0.0)
+    b.outbox.clear()
+    seen: list = []
+    page = 0
+    while True:
+        b.handle(C, msg(Command.QUERY, {"qid": 5, "what": "workers", "page": page}), 1.0)
+        routing, frames = b.outbox[-1]
+        assert len(frames[2]) <= limits.max_header_bytes
+        reply = msgpack.unpackb(frames[2])
+        seen += reply["data"]
+        if "more" not in reply:
+            break
+        page = reply["more"]
+    assert len(seen) == 200 and len({w["id"] for w in seen}) == 200
+
+
+# ----------------------------------------------------------------- the loop survives our bugs
+
+def test_a_bug_while_handling_one_message_is_answered_and_contained(broker, monkeypatch, caplog):
+    def explode(*args):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(broker.client_side, "query", explode)
+    with caplog.at_level(logging.ERROR, "gpumesh.coordinator"):
+        broker.handle(C, msg(Command.QUERY, {"qid": 9, "what": "workers"}), 0.0)
+    error = sent(broker, Command.ERROR, C)[-1]
+    assert error["qid"] == 9 and "could not handle this QUERY" in error["message"]
+    assert "QUERY" in caplog.text
+    assert submit(broker, {}) != []  # and the next message is served
+
+
+def test_a_bug_while_dispatching_one_task_fails_that_task_and_the_rest_go_out(broker, monkeypatch):
+    broker.handle(W, msg(Command.HELLO, worker_hello(slots=2, info={"cores": 4})), 0.0)
+    (first,) = [t for _, t in submit(broker, {}, seq=1)]
+    (second,) = [t for _, t in submit(broker, {"priority": -1}, seq=2)]
+    real = scheduler.choose
+    calls = []
+
+    def choose_once_badly(task, workers):
+        calls.append(task.task_id)
+        if len(calls) == 1:
+            raise RuntimeError("a bug of ours")
+        return real(task, workers)
+
+    monkeypatch.setattr(scheduler, "choose", choose_once_badly)
+    assert broker.dispatch(0.0) == 1
+    assert broker.tasks[first].state is TaskState.FAILED
+    assert "could not schedule" in broker.tasks[first].result_header["diagnosis"]
+    assert broker.tasks[second].state is TaskState.LEASED
+
+
+def test_a_bug_in_one_timer_duty_leaves_the_others_running(broker, monkeypatch, caplog):
+    ((_, task_id),) = submit(broker, {})
+    broker.dispatch(0.0)
+
+    def explode(now):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(broker.retention, "sweep", explode)
+    monkeypatch.setattr(broker, "_fail_unschedulable", explode)
+    with caplog.at_level(logging.ERROR, "gpumesh.coordinator"):
+        broker.tick(Timing().silence_limit + 60)
+    assert broker.workers["w1"].state.value == "lost"  # expiry still ran
+    assert broker.tasks[task_id].state is TaskState.PENDING
+    assert "fail unschedulable tasks" in caplog.text and "sweep" in caplog.text
+
+
+def test_big_frames_are_split_under_the_frame_limit_and_rebuilt_whole():
+    data = bytes(range(256)) * 20_000  # 5 MB
+    wire, layout = serialize.split_frames([b"head", data, memoryview(data)], 1 << 20)
+    assert max(len(memoryview(f)) for f in wire) <= 1 << 20 and layout == [1, 5, 5]
+    assert serialize.join_frames(wire, layout) == [b"head", data, data]
+    with pytest.raises(ValueError):
+        serialize.join_frames(wire, [1, 5, 4])
