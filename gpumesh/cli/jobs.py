@@ -229,14 +229,15 @@ def devices_table(pool: list[dict[str, Any]], workers: list[dict[str, Any]]) -> 
     return "\n".join(lines) + "\n"
 
 
-def control(mesh: GPUMesh, action: str, target: str, wait: bool = False) -> int:
+def control(mesh: GPUMesh, action: str, target: str, wait: bool = False,
+            force: bool = False) -> int:
     try:
         if action == "cancel":
-            count = mesh.cancel_job(target)
+            count = mesh.cancel_job(target, force=force)
             ok(f"Cancelled {count} unfinished task(s) of job {target}" if count else
                f"Job {target} had no unfinished tasks: nothing to cancel")
         elif action == "retry":
-            count = mesh.retry_job(target)
+            count = mesh.retry_job(target, force=force)
             if not count:
                 ok(f"Nothing to retry in job {target}: no failed or cancelled task whose input "
                    "the coordinator still holds (results expire after GPUMESH_RESULT_TTL)")
@@ -252,7 +253,8 @@ def control(mesh: GPUMesh, action: str, target: str, wait: bool = False) -> int:
             answer = mesh.kill_worker(target)
             host = f" ({answer['hostname']})" if answer.get("hostname") else ""
             ok(f"Removed worker {answer['worker']}{host}; {answer['handed_back']} running "
-               "task(s) went back to the queue")
+               "task(s) went back to the queue. Its owner sees who removed it, and can join "
+               "it again")
     except MeshError as exc:
         fail(str(exc))
     return 0

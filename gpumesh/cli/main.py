@@ -230,11 +230,20 @@ def status(job: str | None, as_json: bool, url: str | None, token: str | None) -
     _with_client(url, token, lambda c: jobs.status(c, job, as_json))
 
 
+_FORCE = click.option(
+    "--force", is_flag=True,
+    help="Act on a job another account or machine submitted (refused without it).")
+
+
 @cli.command()
 @click.argument("job")
+@_FORCE
 @_connection
-def cancel(job: str, url: str | None, token: str | None) -> None:
+def cancel(job: str, force: bool, url: str | None, token: str | None) -> None:
     """Cancel a job: pending tasks never start, running ones are stopped.
+
+    You may cancel the jobs submitted from your account on this machine (user@host);
+    another owner's job needs --force.
 
     \b
     Example:
@@ -242,18 +251,19 @@ def cancel(job: str, url: str | None, token: str | None) -> None:
     """
     from . import jobs
 
-    sys.exit(_with_client(url, token, lambda c: jobs.control(c, "cancel", job)))
+    sys.exit(_with_client(url, token, lambda c: jobs.control(c, "cancel", job, force=force)))
 
 
 @cli.command()
 @click.argument("job")
 @click.option("--wait", is_flag=True, help="Show progress until the re-run ends.")
+@_FORCE
 @_connection
-def retry(job: str, wait: bool, url: str | None, token: str | None) -> None:
+def retry(job: str, wait: bool, force: bool, url: str | None, token: str | None) -> None:
     """Run a job's failed and cancelled tasks again.
 
     Each task runs as it was submitted: the same script and payload. To run an edited script,
-    submit it again.
+    submit it again. Another owner's job needs --force.
 
     \b
     Example:
@@ -261,7 +271,7 @@ def retry(job: str, wait: bool, url: str | None, token: str | None) -> None:
     """
     from . import jobs
 
-    sys.exit(_with_client(url, token, lambda c: jobs.control(c, "retry", job, wait)))
+    sys.exit(_with_client(url, token, lambda c: jobs.control(c, "retry", job, wait, force)))
 
 
 @cli.command()
@@ -271,6 +281,7 @@ def kill(worker: str, url: str | None, token: str | None) -> None:
     """Remove a worker (id, id prefix or hostname) from the mesh.
 
     Its running tasks go back to the queue and run elsewhere; the worker process exits.
+    Any client of the mesh may remove any worker; the worker's owner is told who did.
 
     \b
     Example:

@@ -331,16 +331,21 @@ class GPUMesh:
                 raise MeshTimeout(f"job {job_id} did not finish within {timeout:g}s")
             time.sleep(JOB_POLL)
 
-    def cancel_job(self, job_id: str) -> int:
-        """Cancel a job: pending tasks never start, running ones are stopped. Returns how many."""
-        return int(self._require().control("cancel", job_id)["cancelled"])
+    def cancel_job(self, job_id: str, *, force: bool = False) -> int:
+        """Cancel a job: pending tasks never start, running ones are stopped. Returns how many.
 
-    def retry_job(self, job_id: str) -> int:
-        """Run a job's failed and cancelled tasks again. Returns how many were re-queued."""
-        return int(self._require().control("retry", job_id)["retried"])
+        A job submitted from another account or machine (another ``user@host``) is refused
+        unless ``force``: the mesh is shared, and a mistyped id must not stop a friend's work."""
+        return int(self._require().control("cancel", job_id, force=force)["cancelled"])
+
+    def retry_job(self, job_id: str, *, force: bool = False) -> int:
+        """Run a job's failed and cancelled tasks again. Returns how many were re-queued.
+        Another owner's job needs ``force``, as for ``cancel_job``."""
+        return int(self._require().control("retry", job_id, force=force)["retried"])
 
     def kill_worker(self, worker: str) -> dict[str, Any]:
-        """Remove a worker (id, unique prefix or hostname): its tasks go back to the queue."""
+        """Remove a worker (id, unique prefix or hostname): its tasks go back to the queue.
+        Any client may; the worker's owner is told who did it."""
         return self._require().control("kill", worker)
 
     @staticmethod

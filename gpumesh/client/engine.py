@@ -10,6 +10,7 @@ message costs time, never a result.
 from __future__ import annotations
 
 import concurrent.futures
+import getpass
 import itertools
 import json
 import logging
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import zmq
 
 from ..config import Endpoint, Settings
@@ -43,6 +45,7 @@ from ..transport import Backoff, DealerLink, LinkEvent
 log = logging.getLogger("gpumesh.client")
 
 RESEND_AFTER = 2.0  # seconds an unaccepted submission waits before it is sent again
+BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
 OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
 
 
@@ -68,6 +71,13 @@ class _Submission:
     name: str = ""
     task_id: str = ""
     sent_at: float = 0.0
+    busy: bool = False  # refused for now by the coordinator's per-client quota: sent again later
+
+    @property
+    def header_bytes(self) -> int:
+        """Roughly what this task adds to a SUBMIT header: its spec, packed, plus the fields
+        added on sending (seq, nf, split)."""
+        return len(msgpack.packb(self.spec, use_bin_type=True)) + 64 + 4 * len(self.frames)
 
 
 @dataclass
@@ -76,6 +86,7 @@ class _Query:
     future: concurrent.futures.Future  # type: ignore[type-arg]
     sent: bool = False
     command: Command = Command.QUERY  # or CONTROL
+    parts: list[Any] = field(default_factory=list)  # earlier pages of a paged answer
 
 
 @dataclass
@@ -109,6 +120,7 @@ class Engine:
         self._by_task: dict[str, _Submission] = {}
         self._queries: dict[int, _Query] = {}
         self._acks: list[str] = []
+        self._parked: list[_Submission] = []  # refused as busy: sent again as tasks finish
         self._closing = threading.Event()
         self._connected = threading.Event()
         self.fatal: MeshError | None = None
@@ -161,10 +173,15 @@ class Engine:
         """Ask the coordinator (``workers``, ``status``, ``events``) and wait for the answer."""
         return self._ask(_Query({"what": what, **args}, concurrent.futures.Future()), what, timeout)
 
-    def control(self, action: str, target: str, timeout: float = 10.0) -> dict[str, Any]:
-        """``cancel``/``retry`` a job or ``kill`` a worker; the coordinator's account of it."""
-        query = _Query({"action": action, "target": target}, concurrent.futures.Future(),
-                       command=Command.CONTROL)
+    def control(self, action: str, target: str, timeout: float = 10.0, *, force: bool = False
+                ) -> dict[str, Any]:
+        """``cancel``/``retry`` a job or ``kill`` a worker; the coordinator's account of it.
+
+        Another owner's job is refused unless ``force`` (docs/protocol.md, CONTROL)."""
+        header: dict[str, Any] = {"action": action, "target": target}
+        if force:
+            header["force"] = True
+        query = _Query(header, concurrent.futures.Future(), command=Command.CONTROL)
         answer = self._ask(query, action, timeout)
         if not isinstance(answer, dict):
             raise MeshError(f"the coordinator gave an unexpected answer to {action}")
@@ -221,6 +238,7 @@ class Engine:
             self._reconnect_at: float | None = None
             self._last_heartbeat = 0.0
             self._last_resend_check = 0.0
+            self._last_unpark = 0.0
             self._hello()
             while not self._closing.is_set():
                 self._turn()
@@ -318,6 +336,17 @@ class Engine:
         if batches and self._connected.is_set():
             self._send_submissions(batches, now)
 
+    def _unpark(self, now: float, count: int) -> None:
+        """Send again up to ``count`` submissions the coordinator refused as busy: one for each
+        task of ours that finished, and all of them every BUSY_RETRY seconds."""
+        if not self._parked or not self._connected.is_set():
+            return
+        self._last_unpark = now
+        batch, self._parked = self._parked[:count], self._parked[count:]
+        for sub in batch:
+            sub.busy = False
+        self._send_submissions([s for s in batch if s.seq in self._outstanding], now)
+
     def _on_future_done(self, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
         if future.cancelled():
             self._command(("cancel", [future]))
@@ -332,21 +361,34 @@ class Engine:
                 # A cancelled one that was sent may be durable already: sending it again gets
                 # its task id back (seq dedupe), and ACCEPTED then cancels it.
                 by_job.setdefault((sub.job, sub.name), []).append(sub)
+        # A SUBMIT's header must stay well inside the coordinator's header limit (specs can
+        # carry up to 32 KiB of env each), or the coordinator drops the whole message.
+        header_budget = self.settings.limits.max_header_bytes // 2
         for job, group in by_job.items():
             chunk: list[_Submission] = []
-            size = 0
+            size = header = 0
             for sub in group:
                 chunk.append(sub)
                 size += serialize.payload_nbytes(sub.frames)
-                if len(chunk) >= 500 or size >= 8 * 1024 * 1024:
+                header += sub.header_bytes
+                if len(chunk) >= 500 or size >= 8 * 1024 * 1024 or header >= header_budget:
                     self._send_chunk(job, chunk, now)
-                    chunk, size = [], 0
+                    chunk, size, header = [], 0, 0
             if chunk:
                 self._send_chunk(job, chunk, now)
 
     def _send_chunk(self, job: tuple[str, str], chunk: list[_Submission], now: float) -> None:
-        specs = [{**sub.spec, "seq": sub.seq, "nf": len(sub.frames)} for sub in chunk]
-        frames = [frame for sub in chunk for frame in sub.frames]
+        specs: list[dict[str, Any]] = []
+        frames: list[Any] = []
+        limit = self.settings.limits.chunk_bytes
+        for sub in chunk:
+            # Frames over the coordinator's frame limit travel as slices of themselves.
+            wire, layout = serialize.split_frames(sub.frames, limit)
+            spec = {**sub.spec, "seq": sub.seq, "nf": len(wire)}
+            if layout is not None:
+                spec["split"] = layout
+            specs.append(spec)
+            frames += wire
         header = {"job": job[0], "name": job[1], "tasks": specs}
         if self._link.send(encode(Command.SUBMIT, header, frames)):
             for sub in chunk:
@@ -357,13 +399,20 @@ class Engine:
     def _hello(self) -> None:
         self._connected.clear()
         header = {"role": Role.CLIENT.value, "id": self.client_id, "proto": [MAJOR, MAJOR],
-                  "info": {"pid": os.getpid(), "host": socket.gethostname()}}
+                  "info": {"pid": os.getpid(), "host": socket.gethostname(), "user": _user()}}
         self._link.send(encode(Command.HELLO, header))
 
     def _on_message(self, msg: Message, now: float) -> None:
         handler = _HANDLERS.get(msg.command)
-        if handler is not None:
+        if handler is None:
+            return
+        try:
             handler(self, msg, now)
+        except MeshError:
+            raise  # fatal by design: a protocol mismatch ends the session
+        except Exception:  # one bad message (or a bug of ours) must not stop the client
+            log.exception("dropped a %s from the coordinator that could not be handled",
+                          msg.command.name)
 
     def _on_welcome(self, msg: Message, now: float) -> None:
         self.welcome = msg.header
@@ -403,9 +452,20 @@ class Engine:
                     cancelled.append(task_id)  # cancelled while the SUBMIT was in flight
         if cancelled:
             self._link.send(encode(Command.CANCEL, {"tasks": cancelled}))
-        for seq, _code, text in msg.header.get("rejected", []):
-            sub = self._outstanding.pop(seq, None)
-            if sub is not None and not sub.future.done():
+        for seq, code, text in msg.header.get("rejected", []):
+            sub = self._outstanding.get(seq)
+            if sub is None or sub.task_id:
+                continue
+            if code == ErrorCode.BUSY.value and not sub.future.done():
+                # Over this client's queue quota: it goes again as earlier tasks finish.
+                if not self._parked:
+                    log.warning("the coordinator's queue for this client is full: %s", text)
+                if not sub.busy:
+                    sub.busy = True
+                    self._parked.append(sub)
+                continue
+            self._outstanding.pop(seq, None)
+            if not sub.future.done():
                 sub.future.set_exception(SubmitRejected(f"the coordinator refused the task: {text}"))
 
     def _on_result(self, msg: Message, now: float) -> None:
@@ -418,6 +478,7 @@ class Engine:
             if sub is None or (sub.task_id and sub.task_id != task_id):
                 return  # a duplicate delivery: acknowledged above, otherwise ignored
         self._outstanding.pop(sub.seq, None)
+        self._unpark(now, 1)
         future = sub.future
         future.task_id = task_id
         future.worker = str(msg.header.get("worker", ""))
@@ -425,7 +486,8 @@ class Engine:
         if future.done():
             return
         try:
-            future.set_result(decode_result(msg.header, msg.payload))
+            future.set_result(decode_result(msg.header, msg.payload,
+                                            script=sub.spec.get("kind") == "script"))
         except BaseException as exc:  # the remote exception, rebuilt
             future.set_exception(exc)
 
@@ -446,8 +508,17 @@ class Engine:
                 self._send_submissions(missing, now)
             return
         query = self._queries.pop(qid, None)
-        if query is not None and not query.future.done():
-            query.future.set_result(data)
+        if query is None or query.future.done():
+            return
+        more = msg.header.get("more")
+        if isinstance(more, int) and not isinstance(more, bool) and more > 0:
+            # A paged answer: keep this part, ask for the rest under the same qid.
+            query.parts.append(data)
+            query.header["page"] = more
+            self._queries[qid] = query
+            query.sent = self._link.send(encode(query.command, query.header))
+            return
+        query.future.set_result(_joined(query.parts, data))
 
     def _on_error(self, msg: Message, now: float) -> None:
         code = msg.header.get("code")
@@ -498,11 +569,13 @@ class Engine:
             if now - self._last_heartbeat >= self._heartbeat:
                 self._last_heartbeat = now
                 self._link.send(encode(Command.HEARTBEAT, {}))
+            if self._parked and now - self._last_unpark >= BUSY_RETRY:
+                self._unpark(now, len(self._parked))
             if now - self._last_resend_check >= RESEND_AFTER / 4:
                 # A scan of everything outstanding: a few times per RESEND_AFTER, not per turn.
                 self._last_resend_check = now
                 stale = [s for s in self._outstanding.values()
-                         if not s.task_id and now - s.sent_at > RESEND_AFTER]
+                         if not s.task_id and not s.busy and now - s.sent_at > RESEND_AFTER]
                 if stale:
                     self._send_submissions(stale, now)
 
@@ -518,23 +591,31 @@ _HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
 }
 
 
-def decode_result(header: dict[str, Any], payload: list[Any]) -> Any:
-    """A task's value, or raise what the task ended with (the original type where possible)."""
+def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = False) -> Any:
+    """A task's value, or raise what the task ended with (the original type where possible).
+
+    A script's result is JSON or text and is never unpickled, whatever the header says: only a
+    function's submitter, who sent the function, unpickles what comes back for it."""
     status = header.get("status")
     task_id = str(header.get("task", ""))
     worker = str(header.get("worker", ""))
+    split = header.get("split")
+    payload = serialize.join_frames(payload, split if isinstance(split, list) else None)
     if status == "ok":
         encoding = header.get("encoding")
         if encoding in ("json", "text"):
             text = _frame_bytes(payload[0]).decode("utf-8") if payload else ""
             return json.loads(text) if encoding == "json" else text
+        if script:
+            raise TaskError(f"task {task_id}: the worker sent a script result that is not JSON "
+                            "or text; it was not read", task_id=task_id)
         return serialize.loads(payload)
     diagnosis = str(header.get("diagnosis", ""))
     if status == "error":
         error = header.get("error") or {}
         remote_tb = str(error.get("traceback", ""))
         message = str(error.get("message", "the task raised an exception"))
-        if payload:
+        if payload and not script:
             try:
                 original = serialize.loads(payload)
             except Exception:
@@ -556,6 +637,26 @@ def decode_result(header: dict[str, Any], payload: list[Any]) -> Any:
     if status == "cancelled":
         raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
     raise TaskError(f"task {task_id} ended with status {status!r}: {diagnosis}", task_id=task_id)
+
+
+def _joined(parts: list[Any], last: Any) -> Any:
+    """A paged answer put back together: lists end to end, or a status's ``tasks`` lists."""
+    if not parts:
+        return last
+    if isinstance(last, list):
+        return [item for part in parts for item in part] + last
+    if isinstance(last, dict) and isinstance(last.get("tasks"), list):
+        tasks = [t for part in parts if isinstance(part, dict) for t in part.get("tasks", [])]
+        return {**last, "tasks": tasks + last["tasks"]}
+    return last
+
+
+def _user() -> str:
+    """This account's name, for the owner label of jobs (``user@host``)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no name for this uid (containers): the owner is then ?@host
+        return ""
 
 
 def _frame_bytes(frame: Any) -> bytes:

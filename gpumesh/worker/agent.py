@@ -25,8 +25,20 @@ from typing import Any
 import zmq
 
 from ..config import Endpoint, Settings
-from ..errors import ProtocolMismatch
-from ..protocol import MAJOR, Command, ErrorCode, Message, Role, encode
+from ..errors import MeshError, ProtocolMismatch
+from ..protocol import (
+    MAJOR,
+    Command,
+    ErrorCode,
+    Gpu,
+    Message,
+    Role,
+    WorkerMode,
+    encode,
+    gpu_satisfies,
+    serialize,
+)
+from ..protocol.requirements import parse_size
 from ..runner.pipe import PipeClosed
 from ..security import derive_keys
 from ..transport import Backoff, DealerLink, LinkEvent
@@ -47,7 +59,7 @@ class QueuedTask:
     frames: list[Any]
 
 
-class WorkerAgent(OwnerControls):
+class WorkerAgent:
     """Serve tasks until ``stop()``. ``say`` receives the user-facing lines ([worker] ...)."""
 
     def __init__(
@@ -79,7 +91,7 @@ class WorkerAgent(OwnerControls):
         self.runners = []
         # The GPU each slot is pinned to: a task that needs a given model or VRAM is started
         # only in a slot whose own GPU has it (the coordinator checks the worker as a whole).
-        self.slot_gpus: list[dict[str, Any] | None] = []
+        self.slot_gpus: list[Gpu | None] = []
         by_index = {g.get("index"): g for g in info.get("gpus", []) if isinstance(g, dict)}
         for slot in range(slots):
             slot_env = dict(env)
@@ -88,7 +100,8 @@ class WorkerAgent(OwnerControls):
                 # One GPU per slot: the runner sees exactly its own device as cuda:0.
                 index = gpu_indices[slot % len(gpu_indices)]
                 slot_env["CUDA_VISIBLE_DEVICES"] = str(index)
-                gpu = by_index.get(index)
+                found = by_index.get(index)
+                gpu = Gpu(str(found.get("name", "")), _size(found.get("vram"))) if found else None
             self.slot_gpus.append(gpu)
             self.runners.append(Runner(slot, slot_env, settings.limits.max_message_bytes,
                                        pass_env=pass_env))
@@ -99,9 +112,9 @@ class WorkerAgent(OwnerControls):
         self.joined_once = False
         self.granted = 0
         self.received = 0  # TASKs received in this session: the coordinator's count of sent
-        self.mode = "active"  # active | paused | draining: the owner's choice
+        self.mode = WorkerMode.ACTIVE  # the owner's choice (gpumesh pause/resume/drain)
         self.removed = False  # `gpumesh kill` took this worker out of the mesh
-        self._drain_idle_since: float | None = None
+        self.owner = OwnerControls(self)
         self._local_control = local_control
         self.control: ControlServer | None = None
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
@@ -123,7 +136,7 @@ class WorkerAgent(OwnerControls):
     @property
     def draining(self) -> bool:
         """True when the owner paused or drains this worker: it takes no new tasks."""
-        return self.mode != "active"
+        return self.mode is not WorkerMode.ACTIVE
 
     def run(self) -> None:
         """Serve until stopped. Raises AuthenticationError/ProtocolMismatch on a fatal mismatch."""
@@ -150,7 +163,7 @@ class WorkerAgent(OwnerControls):
     def _leave(self) -> None:
         """Tell the coordinator we are going, so it re-queues our tasks at once."""
         if self.welcomed and not self.removed:
-            reason = "drained" if self.mode == "draining" else "left"
+            reason = "drained" if self.mode is WorkerMode.DRAINING else "left"
             self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
             time.sleep(0.05)  # let the I/O thread flush the goodbye before the socket closes
 
@@ -179,9 +192,15 @@ class WorkerAgent(OwnerControls):
                 if msg is None:
                     break
                 self._last_heard = now
-                self._on_message(msg, now)
+                try:
+                    self._on_message(msg, now)
+                except MeshError:
+                    raise  # fatal by design: refused, removed, or another protocol version
+                except Exception:  # one bad message (or a bug of ours) must not stop the worker
+                    log.exception("dropped a %s from the coordinator that could not be handled",
+                                  msg.command.name)
         if self.control is not None and self.control.sock in ready:
-            self.control.serve(lambda action: self._on_control(action, now))
+            self.control.serve(lambda action: self.owner.on_control(action, now))
         for fd in ready:
             if isinstance(fd, int) and fd in fd_owner:
                 runner, what = fd_owner[fd]
@@ -192,8 +211,8 @@ class WorkerAgent(OwnerControls):
         self._check_runners(now)
         self._start_queued(now)
         self._timers(now)
-        if self.mode == "draining":
-            self._finish_drain(now)
+        if self.mode is WorkerMode.DRAINING:
+            self.owner.finish_drain(now)
 
     def _poll_timeout(self) -> int:
         waits = [self._heartbeat / 2]
@@ -210,18 +229,38 @@ class WorkerAgent(OwnerControls):
     def _hello(self) -> None:
         held = [[r.task.task_id, r.task.lease_id] for r in self.runners if r.task is not None]
         held += [[q.task.task_id, q.task.lease_id] for q in self.queue]
-        self.granted = self._free_slots()
+        # Finished but not yet acknowledged: claimed too, so their results count after a
+        # coordinator restart (only leases a coordinator granted or re-claimed are accepted).
+        held += [[result["task"], lease] for lease, (result, _) in self.unacked.items()]
+        self.granted = self.free_slots()
         header = {
             "role": Role.WORKER.value, "id": self.worker_id, "incarnation": self.incarnation,
             "proto": [MAJOR, MAJOR], "slots": self.slots, "credit": self.granted,
-            "held": held, "info": self.info, "draining": self.draining, "mode": self.mode,
+            "prefetch": self.prefetch,
+            "held": held, "info": self.info, "draining": self.draining,
+            "mode": self.mode.value,
             "release": list(self._pending_release),
         }
         self.welcomed = False
         self.received = 0
         self.link.send(encode(Command.HELLO, header))
 
-    def _free_slots(self) -> int:
+    @property
+    def url(self) -> str:
+        return self.endpoint.zmq
+
+    def send_credit(self, release: Sequence[int] = ()) -> None:
+        if not self.welcomed:
+            # The next HELLO carries the mode and these leases: nothing is charged for them.
+            self._pending_release.extend(release)
+            return
+        header: dict[str, Any] = {"granted": self.granted, "draining": self.draining,
+                                  "mode": self.mode.value}
+        if release:
+            header["release"] = list(release)
+        self.link.send(encode(Command.CREDIT, header))
+
+    def free_slots(self) -> int:
         busy = sum(1 for r in self.runners if r.task is not None) + len(self.queue)
         return 0 if self.draining else max(self.slots + self.prefetch - busy, 0)
 
@@ -243,6 +282,10 @@ class WorkerAgent(OwnerControls):
                 self._hello()
             elif code == ErrorCode.VERSION.value:
                 raise ProtocolMismatch(str(msg.header.get("message", "protocol version mismatch")))
+            elif code == ErrorCode.MALFORMED.value and not self.welcomed:
+                # Our HELLO was refused (e.g. more slots than the coordinator accepts for this
+                # machine): saying HELLO again would be refused the same way.
+                raise MeshError(f"the coordinator refused this worker: {msg.header.get('message')}")
             else:
                 log.warning("coordinator error: %s", msg.header.get("message"))
         elif command is Command.DISCONNECT:
@@ -251,7 +294,9 @@ class WorkerAgent(OwnerControls):
                 raise ProtocolMismatch("the coordinator speaks another gpumesh protocol version")
             if reason == "kill":
                 # The coordinator already re-queued our tasks: stop them and leave for good.
-                self.say("[worker] removed from the mesh ('gpumesh kill'): stopping")
+                by = msg.header.get("by")
+                self.say("[worker] removed from the mesh ('gpumesh kill'"
+                         + (f" by {str(by)[:200]}" if by else "") + "): stopping")
                 self.removed = True
                 self.queue.clear()
                 self.unacked.clear()
@@ -272,7 +317,7 @@ class WorkerAgent(OwnerControls):
             # HELLO counted those slots as busy; they are free again. (A lease whose task
             # finished meanwhile was already credited when it reported.)
             self.granted += dropped
-            self._send_credit()
+            self.send_credit()
         for header, frames in self.unacked.values():
             # Credit is per session: re-sent results carry this session's grant, not the old one.
             self.link.send(encode(Command.RESULT, {**header, "granted": self.granted}, frames))
@@ -288,7 +333,7 @@ class WorkerAgent(OwnerControls):
         h = msg.header
         if self.draining:
             # Sent before the coordinator heard we stopped taking work: hand it straight back.
-            self._send_credit(release=[int(h["lease"])])
+            self.send_credit(release=[int(h["lease"])])
             return
         task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h)
         runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
@@ -296,7 +341,14 @@ class WorkerAgent(OwnerControls):
             # The pickle only loads on the submitter's Python; elsewhere run the source form.
             foreign = str(h.get("py", "")) != str(self.info.get("python", ""))
             runner_header.update(src=str(h["src"]), form="source" if foreign else "pickle")
-        self.queue.append(QueuedTask(task, runner_header, msg.payload))
+        try:
+            frames = serialize.join_frames(msg.payload, h.get("split"))
+        except (ValueError, TypeError) as exc:
+            self._report(task, {"status": "error", "error": {
+                "type": "gpumesh.BadTask", "message": f"the task's frames do not add up: {exc}",
+                "traceback": ""}}, [], now)
+            return
+        self.queue.append(QueuedTask(task, runner_header, frames))
         self._start_queued(now)
 
     def _start_queued(self, now: float) -> None:
@@ -325,15 +377,15 @@ class WorkerAgent(OwnerControls):
                 return
 
     def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
+        """Whether the GPU this slot is pinned to meets the task's ``need`` (the scheduler's
+        rule, gpu_satisfies, applied to one GPU)."""
         need = header.get("need")
         gpu = self.slot_gpus[slot] if slot < len(self.slot_gpus) else None
         if not isinstance(need, dict) or gpu is None:
             return True  # no GPU requirement, or no pinning to judge it by
-        model = need.get("gpu")
-        if isinstance(model, str) and model.lower() not in str(gpu.get("name", "")).lower():
-            return False
-        vram = need.get("vram")
-        return not (isinstance(vram, (int, float)) and int(gpu.get("vram", 0) or 0) < vram)
+        model, vram = need.get("gpu"), need.get("vram")
+        return gpu_satisfies(gpu, model if isinstance(model, (str, bool)) else None,
+                             vram if isinstance(vram, int) else None)
 
     def _cancel(self, lease_id: int, now: float, *, report: bool) -> bool:
         """Drop a queued or running task; False when this agent no longer has it."""
@@ -423,6 +475,9 @@ class WorkerAgent(OwnerControls):
             self.granted += 1
         result = {**header, "task": task.task_id, "lease": task.lease_id,
                   "elapsed": round(now - task.started, 6)}
+        frames, layout = serialize.split_frames(frames, self.settings.limits.chunk_bytes)
+        if layout is not None:
+            result["split"] = layout
         self.unacked[task.lease_id] = (result, frames)
         if self.welcomed:
             self.link.send(encode(Command.RESULT, {**result, "granted": self.granted}, frames))
@@ -459,3 +514,11 @@ class WorkerAgent(OwnerControls):
             leases = [r.task.lease_id for r in self.runners if r.task is not None]
             leases += [q.task.lease_id for q in self.queue]
             self.link.send(encode(Command.HEARTBEAT, {"leases": leases}))
+
+
+def _size(value: Any) -> int:
+    """A GPU's VRAM from the inventory (bytes, or a size such as 40GB); 0 when unreadable."""
+    try:
+        return parse_size(value) if value is not None else 0
+    except ValueError:
+        return 0

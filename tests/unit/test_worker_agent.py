@@ -48,7 +48,7 @@ def test_tasks_handed_back_while_disconnected_travel_in_the_next_hello(agent):
     agent._on_task(decode(encode(Command.TASK, {"task": "T", "lease": 5, "kind": "fn"}),
                           Limits()), 0.0)
     agent.welcomed = False  # the link dropped
-    answer = agent._on_control("pause", 1.0)
+    answer = agent.owner.on_control("pause", 1.0)
     assert answer["handed_back"] == 1 and sent(agent, Command.CREDIT) == []
     agent._hello()
     hello = sent(agent, Command.HELLO)[-1]
