@@ -87,6 +87,9 @@ class ClientSide:
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")
+        # Every client's queued input together may hold twice one client's quota: a token
+        # holder who opens many connections cannot make the coordinator hold more than that.
+        queued_total = sum(c.queued_bytes for c in ledger.clients.values())
         job_id = sub.job or secrets.token_hex(6)
         job = ledger.jobs.get(job_id)
         accepted: list[list[Any]] = []
@@ -106,7 +109,7 @@ class ClientSide:
                 if task is not None and task.state.terminal:
                     ledger.deliver(task)
                 continue
-            refusal = self._refusal(client, entry, payload)
+            refusal = self._refusal(client, entry, payload, queued_total)
             if refusal is not None:
                 rejected.append([entry.seq, refusal[0].value, refusal[1]])
                 continue
@@ -126,13 +129,14 @@ class ClientSide:
             job.last_activity = now
             accepted.append([entry.seq, task.task_id])
             client.queue(task)
+            queued_total += task.input_bytes
         if accepted:
             ledger.emit("submitted", now, job=job_id, count=len(accepted))
         ledger.send(client.routing, Command.ACCEPTED,
                     {"job": job_id, "accepted": accepted, "rejected": rejected})
 
-    def _refusal(self, client: ClientSession, spec: TaskSpec, payload: list[Any]
-                 ) -> tuple[ErrorCode, str] | None:
+    def _refusal(self, client: ClientSession, spec: TaskSpec, payload: list[Any],
+                 queued_total: int) -> tuple[ErrorCode, str] | None:
         limits = self.ledger.limits
         if self.ledger.safe_mode and spec.kind is TaskKind.FUNCTION:
             return ErrorCode.SAFE_MODE, (
@@ -149,6 +153,11 @@ class ClientSide:
                 f"input and this one {_mib(size)} more, over the coordinator's limit of "
                 f"{_mib(limits.max_queued_bytes)} (GPUMESH_MAX_QUEUED_GB): it is sent again "
                 "as earlier tasks finish")
+        if queued_total + size > 2 * limits.max_queued_bytes:
+            return ErrorCode.BUSY, (
+                f"the coordinator already holds {_mib(queued_total)} of queued input from all "
+                f"clients, its limit is {_mib(2 * limits.max_queued_bytes)} (twice "
+                "GPUMESH_MAX_QUEUED_GB): it is sent again as earlier tasks finish")
         return None
 
     # ----------------------------------------------------------------- results

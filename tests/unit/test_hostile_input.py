@@ -205,6 +205,16 @@ def test_a_client_over_its_byte_quota_is_told_busy_and_nothing_is_journaled():
     rejected = sent(b, Command.ACCEPTED)[-1]["rejected"]
     assert rejected[0][1] == "busy" and "GPUMESH_MAX_QUEUED_GB" in rejected[0][2]
     assert len(list(b.store.load())) == 1
+    b.handle(b"c2-routing", msg(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1],
+                                                "info": CLIENT_INFO}), 0.0)
+    b.handle(b"c2-routing", msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "fn"}]},
+                                [b"z" * 900]), 0.0)
+    b.handle(b"c3-routing", msg(Command.HELLO, {"role": "client", "id": "c3", "proto": [1, 1],
+                                                "info": CLIENT_INFO}), 0.0)
+    b.handle(b"c3-routing", msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "fn"}]},
+                                [b"w" * 900]), 0.0)  # its own quota is free; all together not
+    refused = sent(b, Command.ACCEPTED, b"c3-routing")[-1]["rejected"][0]
+    assert refused[1] == "busy" and "from all clients" in refused[2]
 
 
 def test_a_reply_too_big_for_the_header_limit_is_paged_and_each_page_fits():
