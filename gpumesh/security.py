@@ -254,7 +254,9 @@ class HandshakeGuard:
         self._trim(now)
         if len(record.failures) < policy.max_failures or record.locked_until > now:
             return 0.0
-        seconds = min(policy.lockout * 2**record.strikes, policy.max_lockout)
+        # The exponent is capped: past 2**1023 the product no longer converts to a float, and
+        # an address that kept failing that many lockouts would crash the ZAP handler.
+        seconds = min(policy.lockout * 2.0 ** min(record.strikes, 64), policy.max_lockout)
         record.strikes += 1
         record.failures.clear()
         record.locked_until = now + seconds

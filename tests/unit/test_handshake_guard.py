@@ -49,6 +49,16 @@ def test_repeat_offenders_get_doubling_lockouts_up_to_the_cap() -> None:
     assert lockouts == [5.0, 10.0, 20.0, 20.0]
 
 
+def test_an_address_that_never_stops_stays_at_the_cap() -> None:
+    # Past 1,024 lockouts the doubling overflowed a float and raised in the ZAP handler.
+    guard = HandshakeGuard(POLICY)
+    now = 0.0
+    for _ in range(1100):
+        got = fail_times(guard, ATTACKER, now, now + 0.1, now + 0.2)
+        now += got[-1] + 1
+    assert got[-1] == POLICY.max_lockout
+
+
 def test_an_address_clean_for_the_longest_lockout_starts_afresh() -> None:
     guard = HandshakeGuard(POLICY)
     fail_times(guard, ATTACKER, 0, 0.1, 0.2)
