@@ -70,7 +70,9 @@ class MeshFunction(Generic[P, R]):
 
     def _say(self, text: str) -> None:
         if self._source.settings().verbose:
-            print(f"[gpumesh] {self.__name__}: {text}", file=sys.stderr)
+            # Not self.__name__: update_wrapper copies it only when the callable has one.
+            name = getattr(self.fn, "__name__", repr(self.fn))
+            print(f"[gpumesh] {name}: {text}", file=sys.stderr)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         mesh = self._mesh()
@@ -78,7 +80,7 @@ class MeshFunction(Generic[P, R]):
             return self.fn(*args, **kwargs)
         self._say(f"sent to the mesh at {mesh.endpoint}")
         futures = mesh.submit_calls(self.fn, [(args, kwargs)], self.options)
-        return mesh.gather(futures, fallback=lambda _: self.fn(*args, **kwargs))[0]  # type: ignore[no-any-return]
+        return mesh.gather(futures, fallback=lambda _: self.fn(*args, **kwargs))[0]
 
     def map(self, items: Iterable[Any]) -> list[R]:
         """One task per item (a dict is keyword arguments); results in input order.

@@ -180,3 +180,16 @@ def test_a_script_name_no_worker_could_use_is_refused_before_sending():
     with pytest.raises(ConfigError, match="control character"):
         script_task("bad\x00name.py", b"", {}, TaskOptions())
     assert script_task("ok.py", b"", {}, TaskOptions())[0]["name"] == "ok.py"
+
+
+def test_a_decorated_callable_without_a_name_runs_when_verbose(monkeypatch, tmp_path, capsys):
+    import functools
+
+    from gpumesh.client.decorators import DefaultMesh
+
+    monkeypatch.setenv("GPUMESH_HOME", str(tmp_path))
+    monkeypatch.setenv("GPUMESH_LOCAL", "1")
+    monkeypatch.setenv("GPUMESH_VERBOSE", "1")
+    fn = DefaultMesh()(functools.partial(pow, 2))
+    assert fn(10) == 1024
+    assert "running locally" in capsys.readouterr().err
