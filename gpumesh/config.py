@@ -18,6 +18,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 from .tokens import new_token as new_token  # re-exported: callers have always found it here
@@ -182,7 +183,8 @@ class Settings:
                 env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30))),
         )
 
-    def with_timing(self, **changes: float) -> Settings:
+    def with_timing(self, **changes: Any) -> Settings:
+        """A copy with the named ``Timing`` fields replaced (``liveness`` is an int)."""
         return replace(self, timing=replace(self.timing, **changes))
 
     @property
@@ -262,7 +264,7 @@ def _check(stretched: bytes, token: str, kdf: str) -> str:
     return hmac.new(stretched, f"{kdf}\0{token}".encode(), hashlib.sha256).hexdigest()[:16]
 
 
-def _cached_stretch(data: dict, token: str) -> tuple[str | None, bytes | None]:  # type: ignore[type-arg]
+def _cached_stretch(data: Mapping[str, object], token: str) -> tuple[str | None, bytes | None]:
     """The stretched-key cache of a config file, when present and bound to its token."""
     cache = data.get("kdf")
     if not isinstance(cache, dict):

@@ -152,7 +152,7 @@ def require_curve() -> None:
         )
 
 
-def configure_server(sock: zmq.Socket, keys: MeshKeys) -> None:
+def configure_server(sock: zmq.Socket[bytes], keys: MeshKeys) -> None:
     """Make ``sock`` a CURVE server guarded by the ZAP domain. Call before ``bind``."""
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
@@ -160,7 +160,7 @@ def configure_server(sock: zmq.Socket, keys: MeshKeys) -> None:
     sock.zap_domain = ZAP_DOMAIN.encode()
 
 
-def configure_client(sock: zmq.Socket, keys: MeshKeys) -> None:
+def configure_client(sock: zmq.Socket[bytes], keys: MeshKeys) -> None:
     """Make ``sock`` a CURVE client of the mesh's coordinator. Call before ``connect``."""
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.client_public
@@ -311,7 +311,8 @@ class MeshAuthenticator(zmq.auth.thread.ThreadAuthenticator):
     thread: the guard is shared under a lock.
     """
 
-    def __init__(self, ctx: zmq.Context, keys: MeshKeys, *, policy: HandshakePolicy | None = None,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], keys: MeshKeys, *,
+                 policy: HandshakePolicy | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(ctx, log=logging.getLogger("gpumesh.zap"))
         # zmq.auth's own debug lines are noise here; warnings are this handler's output.
@@ -381,7 +382,7 @@ def _more(suppressed: int) -> str:
 
 
 def start_authenticator(
-    ctx: zmq.Context, keys: MeshKeys, *, policy: HandshakePolicy | None = None,
+    ctx: zmq.Context[zmq.Socket[bytes]], keys: MeshKeys, *, policy: HandshakePolicy | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> MeshAuthenticator:
     """Start the one ZAP handler of this context. It must run before the server socket binds."""
@@ -392,7 +393,7 @@ def start_authenticator(
 
 # --------------------------------------------------------------- handshakes libzmq ends itself
 
-_FAILED = {
+_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "it does not know this mesh's server key (a wrong "
                                          "token?) or does not speak ZMTP",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "it closed or timed out before finishing a handshake",
@@ -471,7 +472,7 @@ class HandshakeWatch:
     unknown origin. Needs a context with one I/O thread (the default).
     """
 
-    def __init__(self, sock: zmq.Socket, auth: MeshAuthenticator) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], auth: MeshAuthenticator) -> None:
         if sock.context.get(zmq.IO_THREADS) != 1:
             raise MeshError("the handshake watch needs a context with one I/O thread")
         self._sock = sock
@@ -536,7 +537,7 @@ def _read_event(frames: list[bytes]) -> tuple[int, int]:
     return event, value
 
 
-def _drain(monitor: zmq.Socket) -> list[tuple[int, int]]:
+def _drain(monitor: zmq.Socket[bytes]) -> list[tuple[int, int]]:
     events = []
     while True:
         try:
@@ -549,6 +550,6 @@ def _closed_later(fd: int, batch: list[tuple[int, int]], index: int) -> bool:
     return any(event == zmq.EVENT_DISCONNECTED and value == fd for event, value in batch[index + 1:])
 
 
-def watch_handshakes(sock: zmq.Socket, auth: MeshAuthenticator) -> HandshakeWatch:
+def watch_handshakes(sock: zmq.Socket[bytes], auth: MeshAuthenticator) -> HandshakeWatch:
     """Count the handshakes ``sock`` (a CURVE server) fails before ZAP. Call before ``bind``."""
     return HandshakeWatch(sock, auth)

@@ -228,7 +228,7 @@ class Store:
     def load_jobs(self) -> list[tuple[str, str, str, float]]:
         """(job id, name, client id, created) of every job on record, oldest first."""
         self._flush()
-        return [tuple(row) for row in self._db.execute(  # type: ignore[misc]
+        return [tuple(row) for row in self._db.execute(
             "SELECT job_id, name, client_id, created FROM jobs ORDER BY created")]
 
     def delete_task(self, task_id: str) -> None:

@@ -8,13 +8,15 @@ store, journal and compare.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from .messages import ErrorCode, ProtocolError
 
-E = TypeVar("E")
+E = TypeVar("E", bound=enum.Enum)
+D = TypeVar("D")
 
 # A value that stands for "the field is required": a reader called without a default raises
 # when the field is missing.
@@ -34,6 +36,15 @@ def _get(header: Mapping[str, Any], name: str, default: Any) -> Any:
     return value
 
 
+# Each reader has two signatures: without ``default`` the field is required and the result is of
+# the reader's type; with one, the result may also be the default (often None).
+
+
+@overload
+def text(header: Mapping[str, Any], name: str, *, max_len: int, min_len: int = 0) -> str: ...
+@overload
+def text(header: Mapping[str, Any], name: str, *, max_len: int, default: D,
+         min_len: int = 0) -> str | D: ...
 def text(header: Mapping[str, Any], name: str, *, max_len: int, default: Any = _REQUIRED,
          min_len: int = 0) -> Any:
     """A str of ``min_len``..``max_len`` characters (or ``default`` when absent)."""
@@ -47,6 +58,11 @@ def text(header: Mapping[str, Any], name: str, *, max_len: int, default: Any = _
     return value
 
 
+@overload
+def integer(header: Mapping[str, Any], name: str, *, low: int, high: int) -> int: ...
+@overload
+def integer(header: Mapping[str, Any], name: str, *, low: int, high: int,
+            default: D) -> int | D: ...
 def integer(header: Mapping[str, Any], name: str, *, low: int, high: int,
             default: Any = _REQUIRED) -> Any:
     """An int (never a bool) within ``low``..``high``."""
@@ -60,6 +76,11 @@ def integer(header: Mapping[str, Any], name: str, *, low: int, high: int,
     return value
 
 
+@overload
+def number(header: Mapping[str, Any], name: str, *, low: float, high: float) -> float: ...
+@overload
+def number(header: Mapping[str, Any], name: str, *, low: float, high: float,
+           default: D) -> float | D: ...
 def number(header: Mapping[str, Any], name: str, *, low: float, high: float,
            default: Any = _REQUIRED) -> Any:
     """A finite int or float within ``low``..``high``, as a float."""
@@ -73,6 +94,10 @@ def number(header: Mapping[str, Any], name: str, *, low: float, high: float,
     return float(value)
 
 
+@overload
+def flag(header: Mapping[str, Any], name: str) -> bool: ...
+@overload
+def flag(header: Mapping[str, Any], name: str, *, default: D) -> bool | D: ...
 def flag(header: Mapping[str, Any], name: str, *, default: Any = _REQUIRED) -> Any:
     value = _get(header, name, default)
     if value is default and default is not _REQUIRED:
@@ -82,20 +107,31 @@ def flag(header: Mapping[str, Any], name: str, *, default: Any = _REQUIRED) -> A
     return value
 
 
-def choice(header: Mapping[str, Any], name: str, kind: type[E], *, default: Any = _REQUIRED) -> E:
+@overload
+def choice(header: Mapping[str, Any], name: str, kind: type[E]) -> E: ...
+@overload
+def choice(header: Mapping[str, Any], name: str, kind: type[E], *, default: D) -> E | D: ...
+def choice(header: Mapping[str, Any], name: str, kind: type[E], *,
+           default: Any = _REQUIRED) -> Any:
     """A value of the str enum ``kind``."""
     value = _get(header, name, default)
     if value is default and default is not _REQUIRED:
-        return value  # type: ignore[no-any-return]
+        return value
     try:
-        return kind(value)  # type: ignore[call-arg]
+        return kind(value)
     except (ValueError, TypeError):
-        allowed = ", ".join(repr(v.value) for v in kind)  # type: ignore[attr-defined]
+        allowed = ", ".join(repr(v.value) for v in kind)
         raise malformed(f"{name!r} must be one of {allowed}, not {_short(value)}") from None
 
 
+@overload
+def mapping(header: Mapping[str, Any], name: str, *, max_items: int) -> dict[Any, Any]: ...
+@overload
+def mapping(header: Mapping[str, Any], name: str, *, max_items: int,
+            default: D) -> dict[Any, Any] | D: ...
 def mapping(header: Mapping[str, Any], name: str, *, max_items: int,
             default: Any = _REQUIRED) -> Any:
+    """A map of at most ``max_items`` entries (keys and values are the caller's to check)."""
     value = _get(header, name, default)
     if value is default and default is not _REQUIRED:
         return value
@@ -106,6 +142,11 @@ def mapping(header: Mapping[str, Any], name: str, *, max_items: int,
     return value
 
 
+@overload
+def items(header: Mapping[str, Any], name: str, *, max_items: int) -> list[Any]: ...
+@overload
+def items(header: Mapping[str, Any], name: str, *, max_items: int,
+          default: D) -> list[Any] | D: ...
 def items(header: Mapping[str, Any], name: str, *, max_items: int,
           default: Any = _REQUIRED) -> Any:
     """A list of at most ``max_items`` entries (their own checks are the caller's)."""
@@ -119,6 +160,12 @@ def items(header: Mapping[str, Any], name: str, *, max_items: int,
     return value
 
 
+@overload
+def text_list(header: Mapping[str, Any], name: str, *, max_items: int,
+              max_len: int) -> tuple[str, ...]: ...
+@overload
+def text_list(header: Mapping[str, Any], name: str, *, max_items: int, max_len: int,
+              default: D) -> tuple[str, ...] | D: ...
 def text_list(header: Mapping[str, Any], name: str, *, max_items: int, max_len: int,
               default: Any = _REQUIRED) -> Any:
     """A list of strings, each at most ``max_len`` characters."""
@@ -131,6 +178,12 @@ def text_list(header: Mapping[str, Any], name: str, *, max_items: int, max_len: 
     return tuple(value)
 
 
+@overload
+def int_list(header: Mapping[str, Any], name: str, *, max_items: int, low: int = 0,
+             high: int = INT64) -> tuple[int, ...]: ...
+@overload
+def int_list(header: Mapping[str, Any], name: str, *, max_items: int, low: int = 0,
+             high: int = INT64, default: D) -> tuple[int, ...] | D: ...
 def int_list(header: Mapping[str, Any], name: str, *, max_items: int, low: int = 0,
              high: int = INT64, default: Any = _REQUIRED) -> Any:
     """A list of ints (never bools) within ``low``..``high``."""

@@ -411,7 +411,7 @@ def _timeout(spec: Mapping[str, Any]) -> float | None:
     timeout = f.number(spec, "timeout", low=0.0, high=MAX_SECONDS, default=None)
     if timeout is not None and timeout <= 0:
         raise f.malformed("'timeout' must be more than 0 seconds")
-    return timeout  # type: ignore[no-any-return]
+    return timeout
 
 
 @dataclass(frozen=True)
