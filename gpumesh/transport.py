@@ -27,7 +27,7 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 AUTH_FAILED_MESSAGE = "authentication failed: the token does not match this coordinator"
 
 
-def apply_common_options(sock: zmq.Socket, limits: Limits) -> None:
+def apply_common_options(sock: zmq.Socket[bytes], limits: Limits) -> None:
     sock.linger = 0
     sock.maxmsgsize = limits.max_frame_bytes
     # ZMTP heartbeats catch dead TCP links even in the middle of a long transfer.
@@ -42,7 +42,7 @@ _LAST = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
-def send_frames(sock: zmq.Socket, frames: Sequence[Any]) -> bool:
+def send_frames(sock: zmq.Socket[bytes], frames: Sequence[Any]) -> bool:
     """Send without ever blocking the loop. False when the peer's queue is full or it is gone.
 
     A multipart message is atomic: only its first frame can meet a full queue.
@@ -90,13 +90,14 @@ class DealerLink:
     handshake failure means the token is wrong, and is raised as AuthenticationError.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: Endpoint, keys: MeshKeys, limits: Limits) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: Endpoint, keys: MeshKeys,
+                 limits: Limits) -> None:
         self._ctx = ctx
         self.endpoint = endpoint
         self._keys = keys
         self.limits = limits
-        self.sock: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None
+        self.sock: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None
         self._generation = 0
         self._handshake_failures = 0
         self.refusals = 0

@@ -11,12 +11,12 @@ from collections import Counter
 import click
 
 from ..client import GPUMesh
-from ..client.launch import start_coordinator, start_worker
+from ..client.launch import ProcessHandle, start_coordinator, start_worker
 from ..config import Settings, new_token
 from ..errors import MeshError
 
 
-def monte_carlo_pi(seed: int, samples: int) -> dict:  # type: ignore[type-arg]
+def monte_carlo_pi(seed: int, samples: int) -> dict[str, object]:
     """The demo's task: a slice of a Monte Carlo estimate of pi, and where it ran."""
     import random
 
@@ -33,7 +33,7 @@ def run_demo(worker_count: int, tasks: int) -> int:
         env = {"GPUMESH_HOME": home}
         click.echo("[demo] starting a coordinator on 127.0.0.1 (temporary state, random port) ...")
         coordinator = start_coordinator(port=0, token=token, home=home, slots=1, env=env)
-        handles = [coordinator]
+        handles: list[ProcessHandle] = [coordinator]
         try:
             click.echo(f"[demo] coordinator up at {coordinator.url}; self-worker joining")
             for index in range(worker_count):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -19,7 +20,7 @@ from .tokens import save_kdf
 DEFAULT_CPU_SLOTS_MAX = 4
 
 
-def default_slots(inventory: dict) -> int:  # type: ignore[type-arg]
+def default_slots(inventory: dict[str, Any]) -> int:
     """One slot per GPU; on a CPU-only machine one per core, at most four (polite by default)."""
     if inventory["gpus"]:
         return len(inventory["gpus"])

@@ -6,6 +6,8 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -15,6 +17,12 @@ from ..errors import MeshError
 from .output import fail, setup_logging, worker_table
 from .tokens import chosen_token, prime_key_cache, token_options
 
+if TYPE_CHECKING:
+    from ..client import GPUMesh
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
+
 VERSION_LINE = f"gpumesh {__version__} ({platform.python_version()}, {platform.system()})"
 
 
@@ -23,12 +31,11 @@ def _settings() -> Settings:
         settings = Settings.from_env()
     except MeshError as exc:
         fail(str(exc))
-        raise  # unreachable: fail exits
     prime_key_cache(settings)
     return settings
 
 
-def _color_option(fn):  # type: ignore[no-untyped-def]
+def _color_option(fn: _F) -> _F:
     def set_color(ctx: click.Context, param: click.Parameter, value: bool | None) -> None:
         if value is not None:
             # The flag works through the variable, so runner children inherit the choice.
@@ -143,7 +150,7 @@ def join(url: str, token: str | None, slots: int | None, max_slots: int | None, 
              exit_with_parent=exit_with_parent, pass_env=pass_env)
 
 
-def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
+def _client(url: str | None, token: str | None) -> GPUMesh:
     from ..client import GPUMesh
 
     token = chosen_token(token)
@@ -153,13 +160,13 @@ def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
         fail(str(exc))
 
 
-def _connection(fn):  # type: ignore[no-untyped-def]
+def _connection(fn: _F) -> _F:
     fn = token_options(envvar=False, what="(default: GPUMESH_TOKEN, then the saved one)")(fn)
     return click.option("--url", default=None,
                         help="Coordinator URL (or GPUMESH_URL, or the saved one).")(fn)
 
 
-def _with_client(url: str | None, token: str | None, work):  # type: ignore[no-untyped-def]
+def _with_client(url: str | None, token: str | None, work: Callable[[GPUMesh], _T]) -> _T:
     """Run ``work(client)``; a MeshError becomes a one-line error and exit status 1."""
     client = _client(url, token)
     try:
@@ -207,7 +214,6 @@ def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeou
                               env=env)
     except MeshError as exc:
         fail(str(exc))
-        raise  # unreachable: fail exits
     sys.exit(_with_client(url, token, lambda c: jobs.submit(
         c, script, payloads_file, name, wait, as_json, options)))
 
@@ -305,7 +311,7 @@ def devices(as_json: bool, url: str | None, token: str | None) -> None:
     """
     from . import jobs
 
-    def show(client):  # type: ignore[no-untyped-def]
+    def show(client: GPUMesh) -> None:
         pool, listing = client.devices(), client.workers()
         if as_json:
             click.echo(json.dumps(pool, indent=2))

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -31,7 +31,7 @@ def warn(text: str) -> None:
     click.echo(click.style(text, fg="yellow") if color_enabled() else text, color=color_enabled())
 
 
-def fail(text: str, code: int = 1) -> None:
+def fail(text: str, code: int = 1) -> NoReturn:
     """Print ``error: text`` on stderr and exit."""
     click.echo(f"error: {text}", err=True)
     sys.exit(code)
@@ -62,8 +62,9 @@ def setup_logging(verbose: bool, json_logs: bool) -> None:
     if json_logs:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler.formatter.converter = time.localtime  # type: ignore[union-attr]
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        formatter.converter = time.localtime
+        handler.setFormatter(formatter)
     root = logging.getLogger("gpumesh")
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.WARNING)

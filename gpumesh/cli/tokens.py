@@ -59,7 +59,6 @@ def chosen_token(token: str | None) -> str | None:
         text = read_token_file(path)
     except MeshError as exc:
         fail(str(exc))
-        raise  # unreachable: fail exits
     warning = loose_file_warning(path)
     if warning:
         click.echo(warning, err=True)

@@ -212,9 +212,10 @@ class GPUMesh:
         while waiting:
             done, waiting = concurrent.futures.wait(waiting, timeout=0.25)
             for future in done:
-                if future.exception() is not None:
+                error = future.exception()
+                if error is not None:
                     self._cancel(waiting)
-                    raise future.exception()  # type: ignore[misc]
+                    raise error
             now = time.time()
             if deadline is not None and now >= deadline and waiting:
                 self._cancel(waiting)
@@ -298,9 +299,12 @@ class GPUMesh:
                     f"the coordinator at {self.endpoint} did not accept job {job} within "
                     f"{timeout:g}s; it may still run: check with 'gpumesh status {job}'")
             time.sleep(0.005)
-        refused = [f for f in futures if not f.task_id and f.done() and not f.cancelled()]
-        if refused:
-            raise refused[0].exception()  # type: ignore[misc]
+        for future in futures:
+            if future.task_id or not future.done() or future.cancelled():
+                continue
+            error = future.exception()  # done without a task id: the coordinator refused it
+            if error is not None:
+                raise error
 
     def job_futures(self, job_id: str) -> list[TaskFuture]:
         """Futures of a job this GPUMesh submitted (results arrive here, not to other clients)."""
@@ -315,7 +319,7 @@ class GPUMesh:
         answer = self._require().query("status", job=job_id, tasks=tasks)
         if isinstance(answer, dict) and "error" in answer:
             raise MeshError(str(answer["error"]))
-        return answer  # type: ignore[no-any-return]
+        return answer
 
     def wait_job(self, job_id: str, *, timeout: float | None = None,
                  progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -359,7 +363,7 @@ class GPUMesh:
 
     def workers(self) -> list[dict[str, Any]]:
         """``[{'id', 'device', 'device_name', 'hostname', 'score', 'alive', ...}]``"""
-        return self._require().query("workers")  # type: ignore[no-any-return]
+        return self._require().query("workers")
 
     def devices(self) -> list[dict[str, Any]]:
         """The unified pool: one entry per GPU of every alive worker, one per CPU-only worker."""

@@ -49,7 +49,7 @@ BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue
 OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
 
 
-class TaskFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+class TaskFuture(concurrent.futures.Future[Any]):
     """A future for one task; ``task_id`` and ``worker`` are filled in as they become known."""
 
     def __init__(self) -> None:
@@ -83,7 +83,7 @@ class _Submission:
 @dataclass
 class _Query:
     header: dict[str, Any]
-    future: concurrent.futures.Future  # type: ignore[type-arg]
+    future: concurrent.futures.Future[Any]
     sent: bool = False
     command: Command = Command.QUERY  # or CONTROL
     parts: list[Any] = field(default_factory=list)  # earlier pages of a paged answer
@@ -347,7 +347,7 @@ class Engine:
             sub.busy = False
         self._send_submissions([s for s in batch if s.seq in self._outstanding], now)
 
-    def _on_future_done(self, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
+    def _on_future_done(self, future: concurrent.futures.Future[Any]) -> None:
         if future.cancelled():
             self._command(("cancel", [future]))
 
@@ -622,6 +622,7 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
                 original = None
             if isinstance(original, BaseException):
                 _add_note(original, f"Remote traceback (worker {worker[:8]}):\n{remote_tb}")
+                # An attribute of our own on the user's exception type.
                 original.remote_traceback = remote_tb  # type: ignore[attr-defined]
                 raise original
         raise RemoteError(message, remote_type=str(error.get("type", "Exception")),

@@ -91,8 +91,9 @@ def _module_globals(fn: Callable[..., Any], node: ast.FunctionDef, imports: list
     helpers defined there, which the source form would not carry."""
     bound = {node.name}
     for statement in imports:
-        for alias in ast.parse(statement).body[0].names:  # type: ignore[attr-defined]
-            bound.add((alias.asname or alias.name).split(".")[0])
+        for parsed in ast.parse(statement).body:
+            if isinstance(parsed, (ast.Import, ast.ImportFrom)):
+                bound.update((alias.asname or alias.name).split(".")[0] for alias in parsed.names)
     assigned = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
                 and isinstance(n.ctx, (ast.Store, ast.Del))}
     arguments = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}

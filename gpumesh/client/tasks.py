@@ -55,9 +55,10 @@ class TaskOptions:
 
     def task_env(self) -> dict[str, str]:
         """The env a task sent now carries: this process's values for the names given alone."""
-        entries: EnvEntries = self.env  # type: ignore[assignment]
+        entries: EnvEntries = self.env  # type: ignore[assignment]  # __post_init__ stored it so
         if all(value is not None for _, value in entries):
-            return dict(entries)  # values given: checked once, when the options were made
+            # Values given: checked once, when the options were made.
+            return {name: value for name, value in entries if value is not None}
         missing = [name for name, value in entries if value is None and name not in os.environ]
         if missing:
             one = len(missing) == 1
@@ -140,8 +141,8 @@ class PickledFunction:
         except Exception as exc:
             raise _unpicklable(f"the arguments of {self.name}", exc) from exc
         extra = portable.frames(args, kwargs) if portable is not None else None
-        if extra is not None:
-            spec["src"] = portable.name  # type: ignore[union-attr]
+        if portable is not None and extra is not None:
+            spec["src"] = portable.name
             spec["py"] = PYTHON  # the worker compares it with its own to pick the form
             frames += extra
         return spec, frames

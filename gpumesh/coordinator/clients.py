@@ -51,7 +51,7 @@ class ClientSide:
         if client is None:
             client = clients[hello.peer_id] = ClientSession(hello.peer_id, routing, now)
         elif client.routing not in (None, routing):
-            self.ledger.peers.pop(cast(bytes, client.routing), None)
+            self.ledger.peers.pop(client.routing, None)
         client.routing, client.last_seen = routing, now
         client.info = cast(ClientInfo, hello.info)  # Hello.from_header pairs the role with it
 
@@ -72,7 +72,7 @@ class ClientSide:
         needed = 0
         for raw in sub.specs:
             try:
-                spec = TaskSpec.from_mapping(raw)
+                checked = TaskSpec.from_mapping(raw)
             except ProtocolError as exc:
                 nf = raw.get("nf") if isinstance(raw, dict) else None
                 seq = raw.get("seq") if isinstance(raw, dict) else None
@@ -82,8 +82,8 @@ class ClientSide:
                 parsed.append((seq, nf, exc.code, exc.detail))
                 needed += nf
                 continue
-            parsed.append(spec)
-            needed += spec.frames
+            parsed.append(checked)
+            needed += checked.frames
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")

@@ -37,7 +37,8 @@ def registry_dir(home: Path) -> Path:
 class ControlServer:
     """The listening side, owned and polled by the worker agent's loop."""
 
-    def __init__(self, ctx: zmq.Context, home: Path, worker_id: str, url: str) -> None:  # type: ignore[type-arg]
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], home: Path, worker_id: str,
+                 url: str) -> None:
         self.secret = secrets.token_hex(16)
         self.sock = ctx.socket(zmq.REP)
         self.sock.linger = 0
@@ -137,7 +138,7 @@ def is_registered(home: Path, worker_id: str) -> bool:
 
 def send(entry: dict[str, Any], action: str, timeout: float = 5.0) -> dict[str, Any]:
     """Ask one local worker; the answer, or ``{'error': ...}`` when it does not answer."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.linger = 0
     try:
@@ -145,6 +146,6 @@ def send(entry: dict[str, Any], action: str, timeout: float = 5.0) -> dict[str, 
         sock.send(msgpack.packb({"secret": entry["secret"], "action": action}, use_bin_type=True))
         if not sock.poll(int(timeout * 1000)):
             return {"error": f"worker {entry['worker']} did not answer within {timeout:g}s"}
-        return msgpack.unpackb(sock.recv(), raw=False)  # type: ignore[no-any-return]
+        return msgpack.unpackb(sock.recv(), raw=False)
     finally:
         sock.close()
