@@ -1,5 +1,7 @@
 """The public API is a hand-picked list; adding or removing a name is a deliberate act."""
 
+from pathlib import Path
+
 import gpumesh
 
 EXPECTED = {
@@ -23,3 +25,8 @@ def test_errors_share_one_root():
     for name in EXPECTED - {"GPUMesh", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate",
                             "mesh", "__version__"}:
         assert issubclass(getattr(gpumesh, name), gpumesh.MeshError)
+
+
+def test_the_package_says_it_is_typed():
+    # PEP 561: without the marker, type checkers ignore the annotations of an installed gpumesh.
+    assert (Path(gpumesh.__file__).parent / "py.typed").is_file()
