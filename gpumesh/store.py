@@ -51,6 +51,9 @@ CREATE TABLE IF NOT EXISTS jobs (
 """
 
 
+CORRUPT = "__corrupt__"  # spec key of a row whose columns no longer decode (Store.load)
+
+
 class StoreError(MeshError):
     """The database cannot be used (wrong schema, unreadable file)."""
 
@@ -248,17 +251,27 @@ class Store:
             "result_header, result_payload, submitted_at FROM tasks ORDER BY rowid"
         )
         for row in rows:
-            yield StoredTask(
-                task_id=row[0], client_id=row[1], seq=row[2], job_id=row[3],
-                spec=msgpack.unpackb(row[4], raw=False, strict_map_key=False),
-                payload=msgpack.unpackb(row[5], raw=False) if row[5] else [],
-                state=row[6], attempts=row[7],
-                result_header=(
-                    msgpack.unpackb(row[8], raw=False, strict_map_key=False) if row[8] else None
-                ),
-                result_payload=msgpack.unpackb(row[9], raw=False) if row[9] else None,
-                submitted_at=row[10],
-            )
+            try:
+                yield StoredTask(
+                    task_id=row[0], client_id=row[1], seq=row[2], job_id=row[3],
+                    spec=msgpack.unpackb(row[4], raw=False, strict_map_key=False),
+                    payload=msgpack.unpackb(row[5], raw=False) if row[5] else [],
+                    state=row[6], attempts=row[7],
+                    result_header=(
+                        msgpack.unpackb(row[8], raw=False, strict_map_key=False) if row[8]
+                        else None
+                    ),
+                    result_payload=msgpack.unpackb(row[9], raw=False) if row[9] else None,
+                    submitted_at=row[10],
+                )
+            except Exception as exc:  # msgpack raises several unrelated types on garbage
+                # A row that no longer decodes still names its task: the restore fails that
+                # task with the reason instead of stopping (spec None says it is broken).
+                yield StoredTask(task_id=str(row[0]), client_id=str(row[1]), seq=int(row[2]),
+                                 job_id=str(row[3]), spec={CORRUPT: f"{type(exc).__name__}"},
+                                 payload=[], state=str(row[6]), attempts=int(row[7] or 0),
+                                 result_header=None, result_payload=None,
+                                 submitted_at=float(row[10] or 0.0))
 
     def close(self) -> None:
         self.commit()

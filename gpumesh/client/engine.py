@@ -45,6 +45,7 @@ from ..transport import Backoff, DealerLink, LinkEvent
 log = logging.getLogger("gpumesh.client")
 
 RESEND_AFTER = 2.0  # seconds an unaccepted submission waits before it is sent again
+IDS_PER_MESSAGE = 20_000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
 OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
 
@@ -332,7 +333,7 @@ class Engine:
             elif isinstance(command, tuple) and command[0] == "cancel":
                 tasks = [f.task_id for f in command[1] if f.task_id]
                 if tasks and self._connected.is_set():
-                    self._link.send(encode(Command.CANCEL, {"tasks": tasks}))
+                    self._send_ids(Command.CANCEL, tasks)
         if batches and self._connected.is_set():
             self._send_submissions(batches, now)
 
@@ -429,11 +430,11 @@ class Engine:
         # cancels the old session may have lost.
         accepted = [sub.task_id for sub in self._outstanding.values() if sub.task_id]
         if accepted:
-            self._link.send(encode(Command.FETCH, {"tasks": accepted, "qid": 0}))
+            self._send_ids(Command.FETCH, accepted, qid=0)
         cancelled = [sub.task_id for sub in self._outstanding.values()
                      if sub.task_id and sub.future.cancelled()]
         if cancelled:
-            self._link.send(encode(Command.CANCEL, {"tasks": cancelled}))
+            self._send_ids(Command.CANCEL, cancelled)
         self._send_submissions([s for s in self._outstanding.values() if not s.task_id], now)
         for q in self._queries.values():
             q.sent = self._link.send(encode(q.command, q.header))
@@ -451,7 +452,7 @@ class Engine:
                 if sub.future.cancelled():
                     cancelled.append(task_id)  # cancelled while the SUBMIT was in flight
         if cancelled:
-            self._link.send(encode(Command.CANCEL, {"tasks": cancelled}))
+            self._send_ids(Command.CANCEL, cancelled)
         for seq, code, text in msg.header.get("rejected", []):
             sub = self._outstanding.get(seq)
             if sub is None or sub.task_id:
@@ -544,9 +545,16 @@ class Engine:
             raise ProtocolMismatch(f"the coordinator at {self.endpoint} speaks another protocol")
         self._hello()
 
+    def _send_ids(self, command: Command, task_ids: list[str], **extra: Any) -> None:
+        """CANCEL, FETCH or RESULT_ACK in messages of at most IDS_PER_MESSAGE task ids, so a
+        client with a huge job in flight stays under the coordinator's header limit."""
+        for start in range(0, len(task_ids), IDS_PER_MESSAGE):
+            chunk = task_ids[start:start + IDS_PER_MESSAGE]
+            self._link.send(encode(command, {"tasks": chunk, **extra}))
+
     def _flush_acks(self) -> None:
         if self._acks and self._connected.is_set():
-            self._link.send(encode(Command.RESULT_ACK, {"tasks": self._acks}))
+            self._send_ids(Command.RESULT_ACK, self._acks)
             self._acks = []
 
     def _timers(self, now: float) -> None:

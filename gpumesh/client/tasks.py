@@ -52,6 +52,16 @@ class TaskOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", env_entries(self.env))
+        # The coordinator refuses these at submit; say so at once, where the option was given.
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
+                or not 1 <= self.max_attempts <= 100:
+            raise ConfigError(f"max_attempts must be a whole number 1-100, not "
+                              f"{self.max_attempts!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) \
+                or abs(self.priority) > 2**62:
+            raise ConfigError(f"priority must be a whole number, not {self.priority!r}")
+        if not isinstance(self.cost, (int, float)) or not 0 <= self.cost <= 1e12:
+            raise ConfigError(f"cost must be a number 0-1e12, not {self.cost!r}")
 
     def task_env(self) -> dict[str, str]:
         """The env a task sent now carries: this process's values for the names given alone."""

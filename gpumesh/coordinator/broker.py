@@ -46,7 +46,7 @@ from ..protocol import (
     departure_of,
     qid_of,
 )
-from ..store import COLLECTED, Store, StoredTask
+from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
 from .jobs import Job, summarize
 from .ledger import Event, Ledger
@@ -152,6 +152,8 @@ class Broker:
             job = self._restored_job(row.job_id, row.submitted_at)
             job.add_collected(row.task_id, row.result_header or {"id": row.task_id})
             return 0
+        if CORRUPT in row.spec:
+            raise ValueError(f"its row does not decode: {row.spec[CORRUPT]}")
         stored = {**row.spec, "nf": len(row.payload)}
         if not row.payload:
             stored.pop("split", None)  # a finished task's input is gone, and its layout with it

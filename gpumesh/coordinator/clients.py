@@ -12,6 +12,7 @@ holder who lies, who can run code on every worker anyway.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgpack
@@ -29,14 +30,19 @@ from ..protocol import (
     TaskKind,
     TaskSpec,
 )
+from ..protocol import fields as f
 from ..protocol.serialize import payload_nbytes
 from .jobs import Job, find_job
 from .ledger import Ledger
 from .retention import Retention
-from .state import ClientSession, Task, TaskState
+from .state import MIN_TASK_BYTES, ClientSession, Task, TaskState
 from .workers import WorkerSide
 
 REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
+# What a task counts against the byte quotas at least: its record costs the coordinator memory
+# even without input, so a million empty tasks are not free.
+MAX_CLIENT_RECORDS = 10_000  # connected and gone together (results wait for gone ones)
+QUERY_RATE = 20.0  # queries (QUERY, CONTROL) a client may make per second, in a burst of as many
 
 
 class ClientSide:
@@ -49,11 +55,26 @@ class ClientSide:
         clients = self.ledger.clients
         client = clients.get(hello.peer_id)
         if client is None:
+            self._make_room()
             client = clients[hello.peer_id] = ClientSession(hello.peer_id, routing, now)
         elif client.routing not in (None, routing):
             self.ledger.peers.pop(client.routing, None)
         client.routing, client.last_seen = routing, now
         client.info = cast(ClientInfo, hello.info)  # Hello.from_header pairs the role with it
+
+    def _make_room(self) -> None:
+        """Bound the client records (kept for the result TTL after a client leaves): the oldest
+        gone clients with nothing unfinished make room; past that, a new client is refused."""
+        clients = self.ledger.clients
+        if len(clients) < MAX_CLIENT_RECORDS:
+            return
+        gone = sorted((c for c in clients.values() if c.routing is None and not c.unfinished),
+                      key=lambda c: c.last_seen)
+        for client in gone[:max(len(clients) - MAX_CLIENT_RECORDS + 1, 0)]:
+            del clients[client.client_id]
+        if len(clients) >= MAX_CLIENT_RECORDS:
+            raise ProtocolError(ErrorCode.BUSY, f"this coordinator already serves "
+                                f"{MAX_CLIENT_RECORDS} clients")
 
     def disconnect(self, client: ClientSession, now: float) -> None:
         if client.routing is not None:
@@ -66,74 +87,84 @@ class ClientSide:
         """Journal and queue each task that parses; one bad spec rejects only its own task.
 
         The frame count is checked first, over every spec, so a message whose frames do not add
-        up is refused whole and nothing of it is journaled."""
+        up is refused whole and nothing of it is journaled. A spec whose ``(client, seq)`` is
+        already known is a re-send: only its seq and frame count are read."""
         ledger = self.ledger
-        parsed: list[TaskSpec | tuple[int, int, ErrorCode, str]] = []
+        entries: list[tuple[int, int, TaskSpec | str | tuple[ErrorCode, str]]] = []
         needed = 0
         for raw in sub.specs:
-            try:
-                checked = TaskSpec.from_mapping(raw)
-            except ProtocolError as exc:
-                nf = raw.get("nf") if isinstance(raw, dict) else None
-                seq = raw.get("seq") if isinstance(raw, dict) else None
-                if not (isinstance(nf, int) and isinstance(seq, int)) or isinstance(nf, bool) \
-                        or not 0 <= nf <= 4096:
-                    raise  # its frames cannot be told apart from the next task's
-                parsed.append((seq, nf, exc.code, exc.detail))
-                needed += nf
+            seq, nf = _seq_and_frames(raw)
+            needed += nf
+            existing = ledger.by_seq.get((client.client_id, seq))
+            if existing is not None:
+                entries.append((seq, nf, existing))
                 continue
-            parsed.append(checked)
-            needed += checked.frames
+            try:
+                entries.append((seq, nf, TaskSpec.from_mapping(raw)))
+            except ProtocolError as exc:
+                entries.append((seq, nf, (exc.code, exc.detail)))
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")
+        job_id = sub.job or secrets.token_hex(6)
+        job = ledger.jobs.get(job_id)
+        if job is not None and job.owned and job.owner != client.owner:
+            refusal = (ErrorCode.UNEXPECTED, f"job {job_id} belongs to {job.owner}: submit "
+                       "under another job id")
+            entries = [(seq, nf, e if isinstance(e, str) else refusal) for seq, nf, e in entries]
         # Every client's queued input together may hold twice one client's quota: a token
         # holder who opens many connections cannot make the coordinator hold more than that.
         queued_total = sum(c.queued_bytes for c in ledger.clients.values())
-        job_id = sub.job or secrets.token_hex(6)
-        job = ledger.jobs.get(job_id)
         accepted: list[list[Any]] = []
         rejected: list[list[Any]] = []
+        redeliver: dict[str, Task] = {}
         offset = 0
-        for entry in parsed:
-            if isinstance(entry, tuple):
-                seq, nf, code, text = entry
-                rejected.append([seq, code.value, text])
-                offset += nf
-                continue
-            payload, offset = frames[offset:offset + entry.frames], offset + entry.frames
-            existing = ledger.by_seq.get((client.client_id, entry.seq))
-            if existing is not None:
-                accepted.append([entry.seq, existing])
-                task = ledger.tasks.get(existing)
+        for seq, nf, entry in entries:
+            payload, offset = frames[offset:offset + nf], offset + nf
+            if isinstance(entry, str):  # a re-send of a task already accepted
+                accepted.append([seq, entry])
+                task = ledger.tasks.get(entry)
                 if task is not None and task.state.terminal:
-                    ledger.deliver(task)
+                    redeliver[task.task_id] = task
                 continue
-            refusal = self._refusal(client, entry, payload, queued_total)
-            if refusal is not None:
-                rejected.append([entry.seq, refusal[0].value, refusal[1]])
+            if isinstance(entry, tuple):
+                rejected.append([seq, entry[0].value, entry[1]])
+                continue
+            over = self._refusal(client, entry, payload, queued_total)
+            if over is not None:
+                rejected.append([seq, over[0].value, over[1]])
                 continue
             if job is None:
                 job = ledger.jobs[job_id] = Job(job_id, sub.name or job_id, client.owner, now)
                 ledger.store.add_job(job_id, job.name, job.owner, now)
-            spec = entry.to_spec()
-            task = Task(secrets.token_hex(6), client.client_id, entry.seq, job_id, spec, payload,
-                        now, entry.requirements, pending_since=now)
-            ledger.tasks[task.task_id] = task
-            ledger.by_seq[(client.client_id, entry.seq)] = task.task_id
-            ledger.store.add_task(task.task_id, client.client_id, entry.seq, job_id, spec, payload,
-                                  now)
-            ledger.enqueue(task)
-            job.add(task)
-            job.finished_at = None
-            job.last_activity = now
-            accepted.append([entry.seq, task.task_id])
-            client.queue(task)
-            queued_total += task.input_bytes
+            task = self._accept(client, job, entry, payload, now)
+            accepted.append([seq, task.task_id])
+            queued_total += max(task.input_bytes, MIN_TASK_BYTES)
+        for task in redeliver.values():
+            ledger.redeliver(task, now)
         if accepted:
             ledger.emit("submitted", now, job=job_id, count=len(accepted))
         ledger.send(client.routing, Command.ACCEPTED,
                     {"job": job_id, "accepted": accepted, "rejected": rejected})
+
+    def _accept(self, client: ClientSession, job: Job, entry: TaskSpec, payload: list[Any],
+                now: float) -> Task:
+        ledger = self.ledger
+        task_id = secrets.token_hex(6)
+        while task_id in ledger.tasks:  # 48 random bits: a clash is rare, never silent
+            task_id = secrets.token_hex(6)
+        spec = entry.to_spec()
+        task = Task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now,
+                    entry.requirements, pending_since=now)
+        ledger.tasks[task_id] = task
+        ledger.by_seq[(client.client_id, entry.seq)] = task_id
+        ledger.store.add_task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now)
+        ledger.enqueue(task)
+        job.add(task)
+        job.finished_at = None
+        job.last_activity = now
+        client.queue(task)
+        return task
 
     def _refusal(self, client: ClientSession, spec: TaskSpec, payload: list[Any],
                  queued_total: int) -> tuple[ErrorCode, str] | None:
@@ -146,7 +177,7 @@ class ClientSide:
             return ErrorCode.BUSY, (f"this client already has {client.unfinished} unfinished "
                                     f"tasks (the limit is {limits.max_queued_tasks}): wait for "
                                     "some to finish, then submit again")
-        size = payload_nbytes(payload)
+        size = max(payload_nbytes(payload), MIN_TASK_BYTES)
         if client.queued_bytes + size > limits.max_queued_bytes:
             return ErrorCode.BUSY, (
                 f"this client's unfinished tasks already hold {_mib(client.queued_bytes)} of "
@@ -175,12 +206,12 @@ class ClientSide:
 
     def fetch(self, client: ClientSession, ids: TaskIds, now: float) -> None:
         missing = []
-        for task_id in ids.tasks:
+        for task_id in dict.fromkeys(ids.tasks):  # each task once, however often it is named
             task = self.ledger.tasks.get(task_id)
             if task is None or task.client_id != client.client_id:
                 missing.append(task_id)
             elif task.state.terminal:
-                self.ledger.deliver(task)
+                self.ledger.redeliver(task, now)
         self.ledger.send(client.routing, Command.REPLY, {"qid": ids.qid,
                                                          "data": {"missing": missing}})
 
@@ -198,6 +229,8 @@ class ClientSide:
 
     def query(self, client: ClientSession, q: Query, now: float) -> None:
         ledger = self.ledger
+        if not self._may_ask(client, q.qid, now):
+            return
         data: Any
         if q.what == "workers":
             stragglers = self.workers.stragglers
@@ -206,20 +239,34 @@ class ClientSide:
         elif q.what == "status":
             data = self.retention.status(q.job, now, tasks=q.tasks)
         elif q.what == "events":
-            data = [[e.seq, e.time, e.kind, e.data] for e in ledger.events if e.seq > q.since]
+            # Paged by sequence number, not by position: events arrive (and the oldest go)
+            # between pages.
+            since = max(q.since, q.page)
+            data = [[e.seq, e.time, e.kind, e.data] for e in ledger.events if e.seq > since]
+            self._answer(client, q.qid, data, 0, resume=lambda chunk: int(chunk[-1][0]))
+            return
         else:
             ledger.error(client.routing, ErrorCode.UNSUPPORTED, f"unknown query {q.what!r}", q.qid)
             return
         self._answer(client, q.qid, data, q.page)
 
+    def _may_ask(self, client: ClientSession, qid: int, now: float) -> bool:
+        if client.may_query(now, QUERY_RATE):
+            return True
+        self.ledger.error(client.routing, ErrorCode.BUSY,
+                          f"more than {QUERY_RATE:.0f} requests a second: ask again later", qid)
+        return False
+
     def control(self, client: ClientSession, c: Control, now: float) -> None:
         """``cancel``/``retry`` a job, ``kill`` a worker; the REPLY says what was done."""
+        if not self._may_ask(client, c.qid, now):
+            return
         data: dict[str, Any]
         if c.action in ("cancel", "retry"):
             job = find_job(self.ledger.jobs, c.target, unique_name=True)
             if isinstance(job, str):
                 data = {"error": job}
-            elif job.owner != client.owner and not c.force:
+            elif job.owned and job.owner != client.owner and not c.force:
                 data = {"error": f"job {job.job_id} ({job.name}) was submitted by {job.owner}, "
                                  f"not by {client.owner}: pass --force to {c.action} it anyway",
                         "owner": job.owner}
@@ -250,35 +297,52 @@ class ClientSide:
             self.ledger.emit("retried", now, job=job.job_id, count=count)
         return count
 
-    def _answer(self, client: ClientSession, qid: int, data: Any, page: int) -> None:
-        """REPLY with ``data``, paged when it would not fit the peer's header limit: a list (or
-        a status's ``tasks``) is cut from item ``page`` on, and ``more`` says where to go on."""
+    def _answer(self, client: ClientSession, qid: int, data: Any, page: int,
+                resume: Callable[[list[Any]], int] | None = None) -> None:
+        """REPLY with ``data``, paged so that no REPLY passes the header limit: a list (or a
+        status's ``tasks``) is sent from item ``page`` on, as many items as fit, and ``more``
+        says where the next page starts (``resume`` of the items sent, when given).
+
+        Items are sized one by one, and only as many as fit: a query costs the size of one
+        page, however big the whole answer is."""
         budget = self.ledger.limits.max_header_bytes - REPLY_MARGIN
-        header: dict[str, Any] = {"qid": qid, "data": data}
-        if page == 0 and len(msgpack.packb(data, use_bin_type=True)) <= budget:
-            self.ledger.send(client.routing, Command.REPLY, header)
-            return
         if isinstance(data, list):
             items, rest = data, None
         elif isinstance(data, dict) and isinstance(data.get("tasks"), list):
             items, rest = data["tasks"], {k: v for k, v in data.items() if k != "tasks"}
         else:
-            self.ledger.error(client.routing, ErrorCode.TOO_LARGE, "the answer is too large", qid)
+            if len(_packed(data)) > budget:
+                self.ledger.error(client.routing, ErrorCode.TOO_LARGE, "the answer is too large",
+                                  qid)
+            else:
+                self.ledger.send(client.routing, Command.REPLY, {"qid": qid, "data": data})
             return
-        used = len(msgpack.packb(rest, use_bin_type=True)) if rest is not None else 16
+        used = len(_packed(rest)) if rest is not None else 16
         end = page
         while end < len(items):
-            used += len(msgpack.packb(items[end], use_bin_type=True))
+            used += len(_packed(items[end]))
             if used > budget and end > page:
                 break
             end += 1
         chunk = items[page:end]
-        header["data"] = chunk if rest is None else {**rest, "tasks": chunk}
+        header: dict[str, Any] = {"qid": qid,
+                                  "data": chunk if rest is None else {**rest, "tasks": chunk}}
         if end < len(items):
-            header["more"] = end
+            header["more"] = resume(chunk) if resume is not None else end
         self.ledger.send(client.routing, Command.REPLY, header)
+
+
+def _packed(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
 
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:,.0f} MiB"
 
+
+def _seq_and_frames(raw: Any) -> tuple[int, int]:
+    """A spec's ``seq`` and ``nf``, read before anything else: without them its frames cannot be
+    told apart from the next task's, and the whole message is refused."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "each task spec must be a map")
+    return (f.integer(raw, "seq", low=0, high=f.INT64), f.integer(raw, "nf", low=0, high=4096))

@@ -38,6 +38,12 @@ class Job:
     # so status queries cost nothing per task.
     tally: Counter[str] = field(default_factory=Counter)
 
+    @property
+    def owned(self) -> bool:
+        """Whether the owner is known: journals from before owners filed jobs under a client
+        id, which no client can prove to be; such jobs are anybody's to control."""
+        return "@" in self.owner
+
     def add(self, task: Task) -> None:
         """Count a task in (new, or restored from the journal) and follow its state changes."""
         self.task_ids.append(task.task_id)

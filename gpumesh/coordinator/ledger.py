@@ -23,7 +23,7 @@ from ..config import Limits, Timing
 from ..protocol import Command, ErrorCode, Requirements, ResultStatus, Role, encode
 from ..store import Store
 from .jobs import Job, summarize
-from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
+from .state import REDELIVER_AFTER, ClientSession, Task, TaskState, WorkerSession, WorkerState
 
 log = logging.getLogger("gpumesh.coordinator")
 
@@ -151,7 +151,7 @@ class Ledger:
             job.finished_at = now
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
                   worker=result.get("worker", ""))
-        self.deliver(task)
+        self.deliver(task, now)
 
     def fail(self, task: Task, status: ResultStatus, diagnosis: str, now: float,
              worker: str = "") -> None:
@@ -162,13 +162,22 @@ class Ledger:
             result["worker"] = worker
         self.finish(task, TaskState.FAILED, result, [], now)
 
-    def deliver(self, task: Task) -> None:
+    def deliver(self, task: Task, now: float) -> None:
         client = self.clients.get(task.client_id)
         if client is None or client.routing is None or task.result_header is None \
                 or task.collected:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
+        task.delivered = (client.routing, now)
         self.send(client.routing, Command.RESULT, header, task.result_payload)
+
+    def redeliver(self, task: Task, now: float) -> None:
+        """Send a finished task's result again (FETCH, a re-sent SUBMIT), at most once a second
+        to one connection: asking again and again must not multiply what we queue for it."""
+        client = self.clients.get(task.client_id)
+        if client is None or task.delivered is None or task.delivered[0] != client.routing \
+                or now - task.delivered[1] >= REDELIVER_AFTER:
+            self.deliver(task, now)
 
     def requeue(self, task: Task | None, worker: WorkerSession | None, now: float, why: str,
                 *, infra: bool) -> None:
@@ -251,7 +260,7 @@ class Ledger:
         worker.state = WorkerState.LOST
         worker.departed = departed
         self.peers.pop(worker.routing, None)
-        self.emit("worker_lost", now, worker=worker.describe(), reason=reason)
+        self.emit("worker_lost", now, worker=worker.summary(), reason=reason)
 
 
 def _cancelled_result(task: Task) -> dict[str, Any]:

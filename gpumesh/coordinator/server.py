@@ -31,6 +31,7 @@ from .broker import Broker
 log = logging.getLogger("gpumesh.coordinator")
 
 BATCH = 2000
+TURN_BUDGET = 0.1  # seconds of message handling per loop turn
 HANDSHAKE_WINDOW_MS = 2000
 
 
@@ -103,7 +104,12 @@ class Coordinator:
 
     def _drain(self, now: float) -> None:
         router, broker, limits = self._router, self.broker, self.settings.limits
+        # Bounded by time as well as count: however costly the messages, the turn moves on to
+        # heartbeats and lease expiry in time.
+        deadline = time.monotonic() + TURN_BUDGET
         for _ in range(BATCH):
+            if time.monotonic() > deadline:
+                return
             try:
                 frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:

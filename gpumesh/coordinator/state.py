@@ -20,6 +20,10 @@ from ..protocol.serialize import payload_nbytes
 from ..scheduler import DEFAULT_COST, TaskView, WorkerView
 
 MAX_GRANTS = 16  # leases remembered per task: late results of that many attempts still count
+# What a task counts against its owner's byte quota at least: its record costs memory even
+# without input, so a million empty tasks are not free.
+MIN_TASK_BYTES = 1024
+REDELIVER_AFTER = 1.0  # seconds before a result is sent again to the same connection
 
 
 class TaskState(str, enum.Enum):
@@ -88,6 +92,8 @@ class Task:
     # Leases this coordinator run granted for the task, and to which worker: a RESULT counts
     # only under one of them, from that worker (an earlier attempt's late result still wins).
     granted: dict[int, str] = field(default_factory=dict)
+    charged: int = 0  # bytes counted against its owner's quota (0: not counted, e.g. restored)
+    delivered: tuple[bytes, float] | None = None  # (routing, when) of the last RESULT sent
     # Told of every state change: its job keeps its counts without scanning its tasks.
     observer: Callable[[TaskState, TaskState], None] | None = field(
         default=None, repr=False, compare=False)
@@ -203,6 +209,12 @@ class WorkerSession:
             label=self.label,
         )
 
+    def summary(self) -> dict[str, Any]:
+        """The few fields events carry: a worker's full record can be tens of KiB."""
+        return {"id": self.worker_id, "hostname": self.info.hostname, "device": self.info.device,
+                "device_name": self.info.device_name, "score": self.info.score,
+                "slots": self.slots}
+
     def describe(self) -> dict[str, Any]:
         info = self.info
         return {
@@ -240,10 +252,28 @@ class ClientSession:
     def owner(self) -> str:
         return self.info.owner(self.client_id)
 
+    # Queries (QUERY, CONTROL) it may still make now: a bucket refilled at QUERY_RATE a second.
+    query_allowance: float = 0.0
+    query_checked: float = 0.0
+
     def queue(self, task: Task) -> None:
+        task.charged = max(task.input_bytes, MIN_TASK_BYTES)
         self.unfinished += 1
-        self.queued_bytes += task.input_bytes
+        self.queued_bytes += task.charged
 
     def unqueue(self, task: Task) -> None:
+        """Give back what ``queue`` counted; a task it never counted (restored after a restart,
+        before this session) gives back nothing."""
+        if not task.charged:
+            return
         self.unfinished = max(self.unfinished - 1, 0)
-        self.queued_bytes = max(self.queued_bytes - task.input_bytes, 0)
+        self.queued_bytes = max(self.queued_bytes - task.charged, 0)
+        task.charged = 0
+
+    def may_query(self, now: float, rate: float) -> bool:
+        self.query_allowance = min(self.query_allowance + (now - self.query_checked) * rate, rate)
+        self.query_checked = now
+        if self.query_allowance < 1.0:
+            return False
+        self.query_allowance -= 1.0
+        return True

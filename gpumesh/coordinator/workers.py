@@ -8,6 +8,7 @@ slots (plus prefetch) allow.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, cast
 
 from .. import scheduler
@@ -15,9 +16,11 @@ from ..protocol import (
     Command,
     Credit,
     Departure,
+    ErrorCode,
     Heartbeat,
     Hello,
     Output,
+    ProtocolError,
     Result,
     ResultEncoding,
     ResultStatus,
@@ -29,6 +32,7 @@ from .state import Task, TaskState, WorkerSession, WorkerState
 SPEED_SMOOTHING = 0.2  # weight of the newest task in a worker's moving average of task time
 MIN_RESULTS_FOR_SPEED = 3  # results a worker needs before it can be called a straggler
 LOST_WORKER_RETENTION = 600.0  # seconds a lost worker stays listed
+MAX_WORKER_RECORDS = 10_000  # alive and lost together; the oldest lost ones make room
 
 
 class WorkerSide:
@@ -47,10 +51,17 @@ class WorkerSide:
         worker = ledger.workers.get(worker_id)
         rejoined = worker is None or worker.state is WorkerState.LOST
         if worker is None:
+            self._make_room()
             worker = WorkerSession(worker_id, routing, hello.incarnation, info, hello.slots, now,
                                    now)
             ledger.workers[worker_id] = worker
         else:
+            if worker.state is WorkerState.ALIVE and worker.incarnation != hello.incarnation:
+                # Ids are random per agent process: a second process under a live worker's id
+                # is an impostor (or a copied state folder), and must not take its leases.
+                raise ProtocolError(ErrorCode.UNEXPECTED, (
+                    f"worker id {worker_id} is in use by a connected worker; "
+                    "start this worker with its own id"))
             if worker.routing != routing:
                 ledger.peers.pop(worker.routing, None)
             if worker.incarnation != hello.incarnation:
@@ -86,8 +97,22 @@ class WorkerSide:
                                infra=True)
         worker.leases = claimed
         if rejoined:
-            ledger.emit("worker_joined", now, worker=worker.describe())
+            ledger.emit("worker_joined", now, worker=worker.summary())
         return abort
+
+    def _make_room(self) -> None:
+        """Bound the worker records: a peer that joins under ever new ids makes the oldest lost
+        records go, and is refused once every record is a live worker."""
+        workers = self.ledger.workers
+        if len(workers) < MAX_WORKER_RECORDS:
+            return
+        lost = sorted((w for w in workers.values() if w.state is WorkerState.LOST),
+                      key=lambda w: w.last_seen)
+        for worker in lost[:max(len(workers) - MAX_WORKER_RECORDS + 1, 0)]:
+            del workers[worker.worker_id]
+        if len(workers) >= MAX_WORKER_RECORDS:
+            raise ProtocolError(ErrorCode.BUSY, f"this coordinator already has "
+                                f"{MAX_WORKER_RECORDS} workers connected")
 
     def _may_claim(self, task: Task, lease_id: int, worker_id: str) -> bool:
         """A worker keeps a task across a reconnect only under the lease it was granted; after
@@ -129,7 +154,8 @@ class WorkerSide:
 
     def output(self, worker: WorkerSession, out: Output, payload: list[Any], now: float) -> None:
         task = self.ledger.tasks.get(out.task)
-        if task is None or task.worker_id != worker.worker_id or len(payload) != 1:
+        if task is None or task.worker_id != worker.worker_id or len(payload) != 1 \
+                or task.state is not TaskState.LEASED:
             return
         client = self.ledger.clients.get(task.client_id)
         if client is not None and client.routing is not None:
@@ -187,10 +213,10 @@ class WorkerSide:
             result["diagnosis"] = res.diagnosis
         if res.encoding is not ResultEncoding.PICKLE:
             result["encoding"] = res.encoding.value
-        if res.split and payload:
-            result["split"] = list(res.split)  # the submitter rebuilds the big frames
         if task.is_script and res.status is not ResultStatus.OK:
             payload = []  # a failed script says it all in its error; no frames go on
+        if res.split and payload:
+            result["split"] = list(res.split)  # the submitter rebuilds the big frames
         self.ledger.finish(task, state, result, payload, now)
 
     def disconnect(self, worker: WorkerSession, reason: Departure, now: float) -> None:
@@ -282,11 +308,14 @@ def _unreadable(task: Task, res: Result, payload: list[Any]) -> str:
     if res.status is not ResultStatus.OK:
         return ""
     if task.is_script:
-        if res.encoding is ResultEncoding.PICKLE or len(payload) != 1:
+        # One frame of output, which may travel as several pieces (split) when it is big.
+        if res.encoding is ResultEncoding.PICKLE or len(res.split or payload) != 1:
             return "the worker sent a script result that is not JSON or text; it was refused"
-        frame = payload[0]
+        decoder = codecs.getincrementaldecoder("utf-8")()
         try:
-            (frame.bytes if hasattr(frame, "bytes") else bytes(frame)).decode("utf-8")
+            for frame in payload:
+                decoder.decode(frame.buffer if hasattr(frame, "buffer") else frame)
+            decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             return "the worker sent a script result that is not UTF-8 text; it was refused"
     elif res.encoding is not ResultEncoding.PICKLE:

@@ -23,14 +23,14 @@ VERSION_CHARS = 64  # version strings ("3.11.2", "2.2.1", "2.13.0+cpu")
 MAX_GPUS = 64
 MAX_SLOTS = 1024
 SLOTS_PER_CORE = 4  # --slots beyond this many per core (or GPU) is not a machine, it is a lie
-MAX_PREFETCH = 256
+MAX_PREFETCH = 1000
 MAX_IDS = 100_000  # task ids or leases in one message
 MAX_SPECS = 10_000  # task specs in one SUBMIT (the client sends at most 500)
 MAX_ERROR_TYPE = 256
 MAX_ERROR_MESSAGE = 16 * 1024
 MAX_TRACEBACK = 256 * 1024
 MAX_DIAGNOSIS = 8 * 1024
-MAX_PRIORITY = 10**9
+MAX_PRIORITY = 2**62
 MAX_COST = 1e12
 MAX_SECONDS = 1e9
 
@@ -88,9 +88,9 @@ class WorkerInfo:
             except ValueError as exc:
                 raise f.malformed(f"info: {exc}") from None
         return cls(
-            hostname=f.text(info, "hostname", max_len=NAME_CHARS, default=""),
-            device=f.text(info, "device", max_len=16, default="CPU"),
-            device_name=f.text(info, "device_name", max_len=NAME_CHARS, default=""),
+            hostname=_shown(info, "hostname"),
+            device=_shown(info, "device", 16) or "CPU",
+            device_name=_shown(info, "device_name"),
             cores=f.integer(info, "cores", low=1, high=MAX_CORES, default=1),
             memory=_size(info, "memory"),
             gpus=gpus,
@@ -116,10 +116,18 @@ def _gpu(position: int, raw: Any) -> GpuInfo:
         raise f.malformed("info 'gpus' must be a list of maps")
     return GpuInfo(
         index=f.integer(raw, "index", low=0, high=4095, default=position),
-        name=f.text(raw, "name", max_len=NAME_CHARS, default=""),
+        name=_shown(raw, "name"),
         vram=_size(raw, "vram"),
         backend=f.text(raw, "backend", max_len=16, default=""),
     )
+
+
+def _shown(data: Mapping[str, Any], name: str, max_len: int = NAME_CHARS) -> str:
+    """A string other users will see in a terminal: printable, so no escape codes."""
+    value = f.text(data, name, max_len=max_len, default="")
+    if not value.isprintable():
+        raise f.malformed(f"{name!r} must be printable text")
+    return value
 
 
 def _size(data: Mapping[str, Any], name: str) -> int:
@@ -144,8 +152,8 @@ class ClientInfo:
     def from_mapping(cls, info: Mapping[str, Any]) -> ClientInfo:
         return cls(
             pid=f.integer(info, "pid", low=0, high=2**32, default=0),
-            host=f.text(info, "host", max_len=NAME_CHARS, default=""),
-            user=f.text(info, "user", max_len=NAME_CHARS, default=""),
+            host=_shown(info, "host"),
+            user=_shown(info, "user"),
         )
 
     def owner(self, client_id: str) -> str:
@@ -304,7 +312,7 @@ class Result:
             task=f.text(h, "task", max_len=ID_CHARS),
             lease=f.integer(h, "lease", low=0, high=f.INT64),
             status=status,
-            elapsed=f.number(h, "elapsed", low=0.0, high=MAX_SECONDS, default=0.0),
+            elapsed=_elapsed(h),
             granted=f.integer(h, "granted", low=0, high=f.INT64, default=None),
             error=error,
             diagnosis=_clip(diagnosis, MAX_DIAGNOSIS),
@@ -407,11 +415,17 @@ def _split(h: Mapping[str, Any], frames: int) -> tuple[int, ...]:
     return split
 
 
+def _elapsed(h: Mapping[str, Any]) -> float:
+    """A worker's own clock can step back: a negative or huge ``elapsed`` is clamped, never a
+    reason to refuse a real result."""
+    value = f.number(h, "elapsed", low=-MAX_SECONDS, high=MAX_SECONDS, default=0.0)
+    return max(value, 0.0)
+
+
 def _timeout(spec: Mapping[str, Any]) -> float | None:
-    timeout = f.number(spec, "timeout", low=0.0, high=MAX_SECONDS, default=None)
-    if timeout is not None and timeout <= 0:
-        raise f.malformed("'timeout' must be more than 0 seconds")
-    return timeout
+    """Seconds a task may run; 0 or less means no limit, as the client documents it."""
+    timeout = f.number(spec, "timeout", low=-MAX_SECONDS, high=MAX_SECONDS, default=None)
+    return timeout if timeout is not None and timeout > 0 else None
 
 
 @dataclass(frozen=True)

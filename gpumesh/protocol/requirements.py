@@ -16,7 +16,7 @@ from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 _DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
-_PYTHON = re.compile(r"^\d{1,2}\.\d{1,3}$")
+_PYTHON = re.compile(r"\d{1,2}\.\d{1,3}")
 
 MAX_SIZE = 2**60  # an exabyte: past any machine, and far inside int64
 MAX_CORES = 4096
@@ -44,7 +44,7 @@ def parse_size(value: Any) -> int:
 
 def parse_python(value: Any) -> str:
     """A Python ``major.minor`` such as ``3.11``."""
-    if not isinstance(value, str) or not _PYTHON.match(value):
+    if not isinstance(value, str) or not _PYTHON.fullmatch(value):
         raise ValueError(f"python must be a version such as '3.11', not {_short(value)}")
     return value
 

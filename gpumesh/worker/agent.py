@@ -474,7 +474,7 @@ class WorkerAgent:
         if not self.draining:
             self.granted += 1
         result = {**header, "task": task.task_id, "lease": task.lease_id,
-                  "elapsed": round(now - task.started, 6)}
+                  "elapsed": round(max(now - task.started, 0.0), 6)}
         frames, layout = serialize.split_frames(frames, self.settings.limits.chunk_bytes)
         if layout is not None:
             result["split"] = layout

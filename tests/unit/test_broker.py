@@ -61,7 +61,7 @@ def test_unknown_result_status_keeps_the_lease(broker):
 
 
 @pytest.mark.parametrize("bad", [{"cost": "heavy"}, {"max_attempts": 0}, {"priority": "high"},
-                                 {"timeout": -1}, {"nf": -1}, {"req": "gpu"}])
+                                 {"timeout": "soon"}, {"nf": -1}, {"req": "gpu"}])
 def test_mistyped_specs_are_refused_before_journaling(broker, bad):
     spec = {"seq": 1, "nf": 1, "kind": "script", **bad}
     broker.handle(C, msg(Command.SUBMIT, {"tasks": [spec]}, [b"p"]), 0.0)

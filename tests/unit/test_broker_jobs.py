@@ -300,7 +300,8 @@ def test_a_client_may_submit_a_seq_again_once_its_result_was_dropped(broker):
     result(broker, task_id)
     broker.handle(C, msg(Command.DISCONNECT, {}), 1.0)
     broker.sweep(102.0)  # gone past the TTL: the result is dropped, the summary kept
-    broker.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 103.0)
+    broker.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1],
+                                         "info": {"user": "ana", "host": "lab"}}), 103.0)
     (again,) = submit(broker, 1, now=103.0)  # FETCH said missing: the client resubmits seq 1
     assert again != task_id
     broker.store.commit()

@@ -199,20 +199,20 @@ def test_client_info_is_schema_checked_and_nothing_else_is_kept():
 
 
 def test_a_client_over_its_byte_quota_is_told_busy_and_nothing_is_journaled():
-    b = new_broker(Store(":memory:"), limits=Limits(max_queued_bytes=1000))
-    assert submit(b, {}, [b"x" * 600], seq=1) != []
-    assert submit(b, {}, [b"y" * 600], seq=2) == []
+    b = new_broker(Store(":memory:"), limits=Limits(max_queued_bytes=3000))
+    assert submit(b, {}, [b"x" * 2500], seq=1) != []
+    assert submit(b, {}, [b"y" * 2500], seq=2) == []
     rejected = sent(b, Command.ACCEPTED)[-1]["rejected"]
     assert rejected[0][1] == "busy" and "GPUMESH_MAX_QUEUED_GB" in rejected[0][2]
     assert len(list(b.store.load())) == 1
     b.handle(b"c2-routing", msg(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1],
                                                 "info": CLIENT_INFO}), 0.0)
     b.handle(b"c2-routing", msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "fn"}]},
-                                [b"z" * 900]), 0.0)
+                                [b"z" * 2500]), 0.0)
     b.handle(b"c3-routing", msg(Command.HELLO, {"role": "client", "id": "c3", "proto": [1, 1],
                                                 "info": CLIENT_INFO}), 0.0)
     b.handle(b"c3-routing", msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "fn"}]},
-                                [b"w" * 900]), 0.0)  # its own quota is free; all together not
+                                [b"w" * 2500]), 0.0)  # its own quota is free; all together not
     refused = sent(b, Command.ACCEPTED, b"c3-routing")[-1]["rejected"][0]
     assert refused[1] == "busy" and "from all clients" in refused[2]
 
@@ -297,3 +297,174 @@ def test_big_frames_are_split_under_the_frame_limit_and_rebuilt_whole():
     assert serialize.join_frames(wire, layout) == [b"head", data, data]
     with pytest.raises(ValueError):
         serialize.join_frames(wire, [1, 5, 4])
+
+
+# ----------------------------------------------------------------- from the adversarial review
+
+def _leased_script(b: Broker) -> tuple[str, int]:
+    ((_, task_id),) = submit(b, {"kind": "script", "name": "job.py"}, [b"src", b"{}"])
+    b.dispatch(0.0)
+    return task_id, b.tasks[task_id].lease_id
+
+
+def test_a_big_script_output_split_over_several_frames_is_one_result(broker):
+    task_id, lease = _leased_script(broker)
+    text = "é" * 700_000  # 1.4 MB of UTF-8, cut inside a character by the split
+    wire, layout = serialize.split_frames([text.encode()], (1 << 20) - 4096)
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                          "encoding": "text", "split": layout}, wire), 0.1)
+    task = broker.tasks[task_id]
+    assert task.state is TaskState.DONE and task.result_header["split"] == layout
+    assert decode_result(task.result_header, task.result_payload, script=True) == text
+
+
+def test_asking_again_and_again_for_one_result_queues_it_once(broker):
+    ((_, task_id),) = submit(broker, {})
+    broker.dispatch(0.0)
+    lease = broker.tasks[task_id].lease_id
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok"},
+                         [b"r" * 1000]), 0.1)
+    broker.outbox.clear()
+    broker.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": [task_id] * 5000}), 0.2)
+    broker.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": [task_id]}), 0.3)
+    assert len(sent(broker, Command.RESULT, C)) == 0  # delivered at 0.1: not again within 1 s
+    broker.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": [task_id] * 5000}), 1.5)
+    assert len(sent(broker, Command.RESULT, C)) == 1
+
+
+def test_a_client_asking_faster_than_the_query_rate_is_told_busy(broker):
+    for _ in range(40):
+        broker.handle(C, msg(Command.QUERY, {"qid": 1, "what": "workers"}), 5.0)
+    busy = [e for e in sent(broker, Command.ERROR, C) if e["code"] == "busy"]
+    assert 15 <= len(busy) <= 25 and "requests a second" in busy[0]["message"]
+    broker.outbox.clear()
+    broker.handle(C, msg(Command.QUERY, {"qid": 2, "what": "workers"}), 6.0)  # refilled
+    assert sent(broker, Command.REPLY, C)[-1]["qid"] == 2
+
+
+def test_a_second_process_under_a_live_workers_id_takes_nothing_from_it(broker):
+    ((_, task_id),) = submit(broker, {})
+    broker.dispatch(0.0)
+    lease = broker.tasks[task_id].lease_id
+    broker.handle(W2, msg(Command.HELLO, worker_hello("w1", incarnation="other")), 0.5)
+    assert sent(broker, Command.ERROR, W2)[-1]["code"] == "unexpected"
+    broker.handle(W2, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok"},
+                          [b"forged"]), 0.6)
+    task = broker.tasks[task_id]
+    assert task.state is TaskState.LEASED and task.attempts == 1
+    assert broker.workers["w1"].routing == W
+
+
+def test_worker_and_client_records_stay_bounded_under_churn(monkeypatch):
+    from gpumesh.coordinator import clients, workers
+
+    monkeypatch.setattr(workers, "MAX_WORKER_RECORDS", 50)
+    monkeypatch.setattr(clients, "MAX_CLIENT_RECORDS", 50)
+    b = new_broker(Store(":memory:"))
+    for i in range(300):
+        b.handle(W, msg(Command.HELLO, worker_hello(f"w{i}")), i * 0.01)
+        b.handle(W, msg(Command.DISCONNECT, {"reason": "left"}), i * 0.01)
+        b.handle(C, msg(Command.HELLO, {"role": "client", "id": f"c{i}", "proto": [1, 1]}),
+                 i * 0.01)
+        b.handle(C, msg(Command.DISCONNECT, {}), i * 0.01)
+    assert len(b.workers) <= 50 and len(b.clients) <= 50
+    assert "worker_joined" in {e.kind for e in b.ledger.events}
+    assert all(len(msgpack.packb(e.data)) < 1024 for e in b.ledger.events)  # slim events
+
+
+def test_a_result_whose_elapsed_time_went_backwards_still_counts(broker):
+    ((_, task_id),) = submit(broker, {})
+    broker.dispatch(0.0)
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": broker.tasks[task_id].lease_id,
+                                          "status": "ok", "elapsed": -3.5}, [b"r"]), 0.1)
+    assert broker.tasks[task_id].state is TaskState.DONE
+
+
+def test_tasks_restored_after_a_restart_do_not_unbalance_their_owners_quota(tmp_path):
+    store = Store(tmp_path / "j.db")
+    b = new_broker(store)
+    submit(b, {}, [b"x" * 5000], seq=1)
+    store.commit()
+    store.close()
+    again = new_broker(Store(tmp_path / "j.db"), now=10.0)
+    submit(again, {}, [b"y" * 3000], seq=2)
+    client = again.clients["c1"]
+    assert client.queued_bytes == 3000 and client.unfinished == 1
+    restored = next(t for t in again.tasks.values() if t.seq == 1)
+    assert again.ledger.cancel_task(restored, 11.0)  # it finishes: it was never counted here
+    assert client.queued_bytes == 3000 and client.unfinished == 1
+    again.store.close()
+
+
+def test_a_timeout_of_zero_means_no_limit_as_the_client_documents_it(broker):
+    ((_, task_id),) = submit(broker, {"timeout": 0})
+    assert "timeout" not in broker.tasks[task_id].spec
+
+
+def test_nobody_adds_tasks_to_another_owners_job_and_old_jobs_are_anybodys(broker):
+    broker.handle(C, msg(Command.SUBMIT, {"job": "j1", "tasks": [{"seq": 1, "nf": 0,
+                                                                  "kind": "fn"}]}), 0.0)
+    bo = b"bo-routing"
+    broker.handle(bo, msg(Command.HELLO, {"role": "client", "id": "bo", "proto": [1, 1],
+                                          "info": {"user": "bo", "host": "desk"}}), 0.0)
+    broker.handle(bo, msg(Command.SUBMIT, {"job": "j1", "tasks": [{"seq": 1, "nf": 0,
+                                                                   "kind": "fn"}]}), 0.0)
+    refused = sent(broker, Command.ACCEPTED, bo)[-1]["rejected"][0]
+    assert refused[1] == "unexpected" and "ana@lab" in refused[2]
+    broker.jobs["j1"].owner = "0123456789abcdef"  # a journal from before owners: a client id
+    broker.handle(bo, msg(Command.CONTROL, {"qid": 3, "action": "cancel", "target": "j1"}), 0.1)
+    assert sent(broker, Command.REPLY, bo)[-1]["data"]["cancelled"] == 1
+
+
+def test_a_journal_row_that_does_not_decode_fails_its_task_and_the_restart_goes_on(tmp_path):
+    store = Store(tmp_path / "j.db")
+    b = new_broker(store)
+    (good,) = [t for _, t in submit(b, {})]
+    (bad,) = [t for _, t in submit(b, {}, seq=2)]
+    store.commit()
+    store._db.execute("UPDATE tasks SET spec = ? WHERE task_id = ?", (b"\xc1\xc1garbage", bad))
+    store._db.commit()
+    store.close()
+    again = new_broker(Store(tmp_path / "j.db"), now=10.0)
+    assert again.tasks[bad].state is TaskState.FAILED
+    assert "does not decode" in again.tasks[bad].result_header["diagnosis"]
+    assert again.tasks[good].state is TaskState.RESTORED
+    again.store.close()
+
+
+def test_events_are_paged_by_sequence_so_none_is_lost_between_pages():
+    b = new_broker(Store(":memory:"), limits=Limits(max_header_bytes=16 * 1024))
+    for i in range(300):
+        b.handle(b"w%d" % i, msg(Command.HELLO, worker_hello(f"w{i}")), 0.0)
+    seen: list[int] = []
+    page, now = 0, 1.0
+    while True:
+        b.outbox.clear()
+        b.handle(C, msg(Command.QUERY, {"qid": 4, "what": "events", "page": page}), now)
+        reply = msgpack.unpackb(b.outbox[-1][1][2])
+        seen += [e[0] for e in reply["data"]]
+        b.handle(b"late%d" % now, msg(Command.HELLO, worker_hello(f"late{now}")), now)
+        if "more" not in reply:
+            break
+        page, now = reply["more"], now + 1.0
+    assert seen == sorted(set(seen)) and seen[0] == 1
+    assert set(range(1, seen[-1] + 1)) <= set(seen)
+
+
+@pytest.mark.parametrize("info", [{"hostname": "evil\x1b[2J"}, {"python": "3.11\n"},
+                                  {"gpus": [{"name": "A100\x07"}]}])
+def test_display_strings_with_terminal_escapes_are_refused(info):
+    b = new_broker(Store(":memory:"))
+    b.handle(W, msg(Command.HELLO, {**worker_hello(), "info": info}), 0.0)
+    assert "w1" not in b.workers
+
+
+def test_output_of_a_task_that_already_finished_is_not_forwarded(broker):
+    ((_, task_id),) = submit(broker, {})
+    broker.dispatch(0.0)
+    lease = broker.tasks[task_id].lease_id
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok"},
+                         [b"r"]), 0.1)
+    broker.outbox.clear()
+    broker.handle(W, msg(Command.OUTPUT, {"task": task_id, "stream": "out"}, [b"late"]), 0.2)
+    assert sent(broker, Command.OUTPUT, C) == []
