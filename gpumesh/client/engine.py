@@ -38,7 +38,17 @@ from ..errors import (
     TaskTimeout,
     Unschedulable,
 )
-from ..protocol import MAJOR, Command, ErrorCode, Message, Role, encode, serialize
+from ..protocol import (
+    MAJOR,
+    Command,
+    ErrorCode,
+    Message,
+    ResultEncoding,
+    ResultStatus,
+    Role,
+    encode,
+    serialize,
+)
 from ..security import derive_keys
 from ..transport import Backoff, DealerLink, LinkEvent
 
@@ -609,17 +619,17 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     worker = str(header.get("worker", ""))
     split = header.get("split")
     payload = serialize.join_frames(payload, split if isinstance(split, list) else None)
-    if status == "ok":
+    if status == ResultStatus.OK.value:
         encoding = header.get("encoding")
-        if encoding in ("json", "text"):
+        if encoding in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value):
             text = _frame_bytes(payload[0]).decode("utf-8") if payload else ""
-            return json.loads(text) if encoding == "json" else text
+            return json.loads(text) if encoding == ResultEncoding.JSON.value else text
         if script:
             raise TaskError(f"task {task_id}: the worker sent a script result that is not JSON "
                             "or text; it was not read", task_id=task_id)
         return serialize.loads(payload)
     diagnosis = str(header.get("diagnosis", ""))
-    if status == "error":
+    if status == ResultStatus.ERROR.value:
         error = header.get("error") or {}
         remote_tb = str(error.get("traceback", ""))
         message = str(error.get("message", "the task raised an exception"))
@@ -635,15 +645,15 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
                 raise original
         raise RemoteError(message, remote_type=str(error.get("type", "Exception")),
                           remote_traceback=remote_tb, task_id=task_id, worker=worker)
-    if status == "timeout":
+    if status == ResultStatus.TIMEOUT.value:
         error = header.get("error") or {}
         raise TaskTimeout(str(error.get("message", "the task timed out")), task_id=task_id,
                           worker=worker)
-    if status == "crashed":
+    if status == ResultStatus.CRASHED.value:
         raise RunnerCrashed(f"task {task_id} failed: {diagnosis}", task_id=task_id, worker=worker)
-    if status == "unschedulable":
+    if status == ResultStatus.UNSCHEDULABLE.value:
         raise Unschedulable(diagnosis, task_id=task_id)
-    if status == "cancelled":
+    if status == ResultStatus.CANCELLED.value:
         raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
     raise TaskError(f"task {task_id} ended with status {status!r}: {diagnosis}", task_id=task_id)
 

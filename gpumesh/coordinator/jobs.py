@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocol import ResultEncoding
 from .state import Task, TaskState
 
 MAX_JOBS = 1000  # finished jobs beyond this are forgotten, oldest first
@@ -120,7 +121,7 @@ def summarize(task: Task) -> dict[str, Any]:
     elif header.get("diagnosis"):
         summary["error"] = str(header["diagnosis"])
     if task.is_script and len(task.payload) > 1 and "split" not in task.spec:
-        payload = _preview("json", task.payload[1:2])
+        payload = _preview(ResultEncoding.JSON.value, task.payload[1:2])
         if payload is not None:
             summary["payload"] = payload
     if task.finished_at:
@@ -133,14 +134,14 @@ def summarize(task: Task) -> dict[str, Any]:
 
 def _preview(encoding: Any, payload: list[Any]) -> Any:
     """A script's JSON or text output, when small: pickled values stay opaque to the coordinator."""
-    if encoding not in ("json", "text") or len(payload) != 1:
+    if encoding not in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value) or len(payload) != 1:
         return None
     frame = payload[0]
     data = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
     if len(data) > PREVIEW_BYTES:
         return None
     text = data.decode("utf-8", "replace")
-    if encoding == "text":
+    if encoding == ResultEncoding.TEXT.value:
         return text
     try:
         return json.loads(text)

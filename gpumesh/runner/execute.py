@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from ..protocol import serialize
+from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.taskenv import check_script_name, check_task_env
 from .environment import task_environ
 
@@ -49,7 +49,7 @@ def run_task(header: dict[str, Any], frames: Sequence[Any], base_env: dict[str, 
 
 def infrastructure_failure(what: str, exc: BaseException) -> tuple[dict[str, Any], list[Any]]:
     """The worker, not the task, failed: ``crashed`` makes the coordinator retry it elsewhere."""
-    return {"status": "crashed", "diagnosis": f"{what}: {type(exc).__name__}: {exc}"}, []
+    return {"status": ResultStatus.CRASHED.value, "diagnosis": f"{what}: {type(exc).__name__}: {exc}"}, []
 
 
 def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -76,7 +76,7 @@ def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[st
     except BaseException as exc:  # SystemExit and KeyboardInterrupt from user code are results too
         return _error(exc)
     try:
-        return {"status": "ok"}, serialize.dumps(value)
+        return {"status": ResultStatus.OK.value}, serialize.dumps(value)
     except Exception as exc:
         return _error(exc, "the function's return value could not be pickled: ")
 
@@ -100,7 +100,7 @@ def run_source(name: str, frames: Sequence[Any]) -> tuple[dict[str, Any], list[A
     except BaseException as exc:
         return _error(exc)
     try:
-        return {"status": "ok"}, serialize.dumps(value)
+        return {"status": ResultStatus.OK.value}, serialize.dumps(value)
     except Exception as exc:
         return _error(exc, "the function's return value could not be pickled: ")
 
@@ -113,7 +113,7 @@ def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[A
         frames = serialize.dumps(exc.with_traceback(None))
     except Exception:
         frames = []
-    return {"status": "error", "error": error}, frames
+    return {"status": ResultStatus.ERROR.value, "error": error}, frames
 
 
 def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str]
@@ -159,20 +159,20 @@ def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str
         error = {"type": "gpumesh.ScriptError",
                  "message": f"script {name} exited with code {proc.returncode}{detail}",
                  "traceback": stderr or out.decode("utf-8", "replace")[-STDERR_TAIL:]}
-        return {"status": "error", "error": error}, []
+        return {"status": ResultStatus.ERROR.value, "error": error}, []
     text = out.decode("utf-8", "replace").strip()
     try:
         json.loads(text)
-        encoding = "json"
+        encoding = ResultEncoding.JSON.value
     except ValueError:
-        encoding = "text"
-    return {"status": "ok", "encoding": encoding}, [text.encode("utf-8")]
+        encoding = ResultEncoding.TEXT.value
+    return {"status": ResultStatus.OK.value, "encoding": encoding}, [text.encode("utf-8")]
 
 
 def _refused(message: str, kind: str = "gpumesh.TaskRefused") -> tuple[dict[str, Any], list[Any]]:
     """A task this worker will not run as sent: an error without frames (nothing to unpickle),
     so it fails once, here, instead of being retried on every other worker."""
-    return {"status": "error", "error": {"type": kind, "message": message, "traceback": ""}}, []
+    return {"status": ResultStatus.ERROR.value, "error": {"type": kind, "message": message, "traceback": ""}}, []
 
 
 def _relay_stderr(pipe: Any, tail: deque[bytes]) -> None:

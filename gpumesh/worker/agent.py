@@ -29,9 +29,11 @@ from ..errors import MeshError, ProtocolMismatch
 from ..protocol import (
     MAJOR,
     Command,
+    Departure,
     ErrorCode,
     Gpu,
     Message,
+    ResultStatus,
     Role,
     WorkerMode,
     encode,
@@ -163,7 +165,7 @@ class WorkerAgent:
     def _leave(self) -> None:
         """Tell the coordinator we are going, so it re-queues our tasks at once."""
         if self.welcomed and not self.removed:
-            reason = "drained" if self.mode is WorkerMode.DRAINING else "left"
+            reason = (Departure.DRAINED if self.mode is WorkerMode.DRAINING else Departure.LEFT).value
             self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
             time.sleep(0.05)  # let the I/O thread flush the goodbye before the socket closes
 
@@ -393,7 +395,7 @@ class WorkerAgent:
             if queued.task.lease_id == lease_id:
                 self.queue.remove(queued)
                 if report:
-                    self._report(queued.task, {"status": "cancelled"}, [], now)
+                    self._report(queued.task, {"status": ResultStatus.CANCELLED.value}, [], now)
                 return True
         for runner in self.runners:
             if runner.task is not None and runner.task.lease_id == lease_id:
@@ -402,7 +404,7 @@ class WorkerAgent:
                 runner.kill()
                 runner.start()
                 if report:
-                    self._report(task, {"status": "cancelled"}, [], now)
+                    self._report(task, {"status": ResultStatus.CANCELLED.value}, [], now)
                 return True
         return False
 
@@ -449,7 +451,7 @@ class WorkerAgent:
                 runner.kill()
                 runner.start()
                 timeout = float(task.header.get("timeout", 0))
-                self._report(task, {"status": "timeout", "error": {
+                self._report(task, {"status": ResultStatus.TIMEOUT.value, "error": {
                     "type": "gpumesh.TaskTimeout",
                     "message": f"the task ran past its timeout of {timeout:g}s and was stopped",
                     "traceback": ""}}, [], now)
@@ -465,7 +467,7 @@ class WorkerAgent:
         diagnosis = runner.diagnosis(code)
         if task is not None:
             log.warning("task %s: %s", task.task_id, diagnosis)
-            self._report(task, {"status": "crashed", "diagnosis": diagnosis}, [], now)
+            self._report(task, {"status": ResultStatus.CRASHED.value, "diagnosis": diagnosis}, [], now)
         elif not runner.ready:
             log.warning("runner %d failed to start: %s", runner.slot, diagnosis)
         runner.start()
