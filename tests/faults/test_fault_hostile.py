@@ -55,6 +55,7 @@ OBSERVE = 1.5
 MAX_FRESH = 24  # new connections per batch for HELLOs under other identities
 KEEPALIVE = 0.15  # seconds between heartbeats of every hostile session (liveness is 1 s here)
 NORMAL_TASKS = 6
+SETTLE = 15.0  # at most this long, for all hostile connections together, to hear the sentinels
 
 # The findings of issue 8 and of this suite's first runs, sent after the generated messages of
 # every run (batch b gets SEEDS[b::batches]). Inventories go out on connections of their own, so
@@ -158,7 +159,9 @@ class _Attack:
         """Wait until the coordinator has read everything the hostile peers sent; how many of
         them it answered. Best effort: a coordinator may cut off a peer that misbehaves, and a
         hung one fails the normal task anyway."""
-        return sum(peer.sync(10, lambda: self.coordinator.alive) for peer in self.all_peers)
+        deadline = time.time() + SETTLE
+        return sum(peer.sync(max(deadline - time.time(), 0.5), lambda: self.coordinator.alive)
+                   for peer in self.all_peers)
 
     def close(self) -> None:
         for peer in self.all_peers:
