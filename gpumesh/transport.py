@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 import random
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .config import Endpoint, Limits
 from .errors import AuthenticationError
-from .protocol import Message, ProtocolError, decode
+from .protocol import Command, Message, ProtocolError, batches, decode, unbundle
 from .security import MeshKeys, configure_client
 
 log = logging.getLogger("gpumesh.transport")
@@ -102,6 +103,15 @@ class DealerLink:
         self._handshake_failures = 0
         self.refusals = 0
         self.handshakes = 0
+        # The messages of a BATCH not yet handed out by recv(), and those post()ed for flush().
+        self._inbox: deque[Message] = deque()
+        self._outbox: list[list[Any]] = []
+        self.batching = False  # the coordinator reads BATCH: set from its WELCOME
+
+    @property
+    def backlog(self) -> bool:
+        """Messages already received and not yet handed out: poll with no wait."""
+        return bool(self._inbox)
 
     def open(self) -> None:
         self._generation += 1
@@ -140,23 +150,53 @@ class DealerLink:
 
     def reset(self) -> None:
         self.close()
+        self._inbox.clear()
+        self._outbox.clear()  # a new session re-sends what matters (HELLO, unacked results)
+        self.batching = False
         self.open()
 
     def send(self, frames: Sequence[Any]) -> bool:
         return self.sock is not None and send_frames(self.sock, frames)
 
+    def post(self, frames: list[Any]) -> None:
+        """Queue a message for ``flush()``: what one turn posts goes out as one BATCH."""
+        self._outbox.append(frames)
+
+    def flush(self) -> bool:
+        """Send what was posted, in order. False if some of it could not be sent."""
+        if not self._outbox:
+            return True
+        out, self._outbox = self._outbox, []
+        if len(out) > 1 and self.batching:
+            out = batches(out, self.limits)
+        sent = True
+        for frames in out:
+            sent = self.send(frames) and sent
+        return sent
+
     def recv(self) -> Message | None:
-        """One decoded message if one is waiting; malformed input is logged and dropped."""
+        """One decoded message if one is waiting; malformed input is logged and dropped. The
+        messages of a BATCH come out one by one, in order."""
+        if self._inbox:
+            return self._inbox.popleft()
         assert self.sock is not None
         try:
             frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
         try:
-            return receive(frames, self.limits)
+            msg = receive(frames, self.limits)
+            if msg.command is not Command.BATCH:
+                return msg
+            for item in unbundle(msg, self.limits):
+                if isinstance(item, ProtocolError):
+                    log.warning("dropped a message from the coordinator: %s", item.detail)
+                else:
+                    self._inbox.append(item)
         except ProtocolError as exc:
             log.warning("dropped a malformed message from the coordinator: %s", exc.detail)
             return None
+        return self._inbox.popleft() if self._inbox else None
 
     def monitor_events(self) -> list[LinkEvent]:
         """Drain the monitor. Raises AuthenticationError when the token is wrong."""

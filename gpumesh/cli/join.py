@@ -47,7 +47,7 @@ def passed_variables(names: Sequence[str]) -> list[str]:
 
 
 def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
-         save: bool, ready_fd: int | None, prefetch: int = 0, max_slots: int | None = None,
+         save: bool, ready_fd: int | None, prefetch: int | None = None, max_slots: int | None = None,
          exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
     try:
         endpoint = parse_url(url)

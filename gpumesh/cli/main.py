@@ -108,6 +108,19 @@ def serve(host: str | None, port: int, token: str | None, weak_token: bool, db: 
               save=not no_save, exit_with_parent=exit_with_parent)
 
 
+def _prefetch(value: str) -> int | None:
+    """``auto`` (None) or a count from 0 to 256."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number or 'auto'") from None
+    if not 0 <= count <= 256:
+        raise click.BadParameter(f"{count} is not between 0 and 256")
+    return count
+
+
 @cli.command()
 @click.argument("url")
 @token_options(envvar=True, what="(or GPUMESH_TOKEN; required)")
@@ -115,8 +128,11 @@ def serve(host: str | None, port: int, token: str | None, weak_token: bool, db: 
               help="Tasks run at once (default: one per GPU, else one per core up to 4).")
 @click.option("--max-slots", type=click.IntRange(1, 1024), default=None,
               help="Never run more than this many tasks at once, whatever the machine has.")
-@click.option("--prefetch", type=click.IntRange(0, 1000), default=0, show_default=True,
-              help="Extra tasks to hold queued beyond the slots (speeds up tiny tasks).")
+@click.option("--prefetch", default="auto", show_default=True, metavar="N|auto",
+              callback=lambda ctx, param, value: _prefetch(value),
+              help="Extra tasks to hold queued beyond the slots. 'auto' queues a few while "
+                   "tasks are short (under 50 ms), which hides the round trip, and none "
+                   "otherwise; 0 never queues.")
 @click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
 @click.option("--pass-env", "pass_env", multiple=True, metavar="NAME",
               help="Give every task this machine's value of variable NAME (repeatable). Tasks "
@@ -125,7 +141,8 @@ def serve(host: str | None, port: int, token: str | None, weak_token: bool, db: 
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
-def join(url: str, token: str | None, slots: int | None, max_slots: int | None, prefetch: int,
+def join(url: str, token: str | None, slots: int | None, max_slots: int | None,
+         prefetch: int | None,
          no_benchmark: bool, pass_env: tuple[str, ...], no_save: bool, ready_fd: int | None,
          exit_with_parent: bool) -> None:
     """Join this machine to a coordinator as a worker.

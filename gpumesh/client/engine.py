@@ -54,7 +54,10 @@ from ..transport import Backoff, DealerLink, LinkEvent
 
 log = logging.getLogger("gpumesh.client")
 
-RESEND_AFTER = 2.0  # seconds an unaccepted submission waits before it is sent again
+# An unaccepted submission is sent again only when the coordinator has accepted nothing for
+# this long: it answers SUBMITs in order, so while acceptances keep coming, later ones are
+# queued behind them, not lost (a huge one-shot .map was once sent three times over).
+RESEND_AFTER = 2.0
 IDS_PER_MESSAGE = 20_000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
 OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
@@ -249,6 +252,7 @@ class Engine:
             self._reconnect_at: float | None = None
             self._last_heartbeat = 0.0
             self._last_resend_check = 0.0
+            self._last_accepted = self._welcomed_at = 0.0
             self._last_unpark = 0.0
             self._hello()
             while not self._closing.is_set():
@@ -299,7 +303,7 @@ class Engine:
         if self._link.monitor is not None:
             poller.register(self._link.monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        poller.poll(int(self._heartbeat * 250))
+        poller.poll(0 if self._link.backlog else int(self._heartbeat * 250))
         now = time.time()
         for event in self._link.monitor_events():
             if event is LinkEvent.DROPPED:
@@ -410,7 +414,8 @@ class Engine:
     def _hello(self) -> None:
         self._connected.clear()
         header = {"role": Role.CLIENT.value, "id": self.client_id, "proto": [MAJOR, MAJOR],
-                  "info": {"pid": os.getpid(), "host": socket.gethostname(), "user": _user()}}
+                  "info": {"pid": os.getpid(), "host": socket.gethostname(), "user": _user()},
+                  "batch": True}
         self._link.send(encode(Command.HELLO, header))
 
     def _on_message(self, msg: Message, now: float) -> None:
@@ -427,6 +432,7 @@ class Engine:
 
     def _on_welcome(self, msg: Message, now: float) -> None:
         self.welcome = msg.header
+        self._welcomed_at = now
         self._heartbeat = float(msg.header.get("heartbeat", self._heartbeat))
         self._silence_limit = self._heartbeat * int(msg.header.get("liveness", 5))
         self._backoff.reset()
@@ -450,6 +456,7 @@ class Engine:
             q.sent = self._link.send(encode(q.command, q.header))
 
     def _on_accepted(self, msg: Message, now: float) -> None:
+        self._last_accepted = now
         job = str(msg.header.get("job", ""))
         cancelled = []
         for seq, task_id in msg.header.get("accepted", []):
@@ -592,8 +599,10 @@ class Engine:
             if now - self._last_resend_check >= RESEND_AFTER / 4:
                 # A scan of everything outstanding: a few times per RESEND_AFTER, not per turn.
                 self._last_resend_check = now
+                quiet = now - max(self._last_accepted, self._welcomed_at) > RESEND_AFTER
                 stale = [s for s in self._outstanding.values()
-                         if not s.task_id and not s.busy and now - s.sent_at > RESEND_AFTER]
+                         if quiet and not s.task_id and not s.busy
+                         and now - s.sent_at > RESEND_AFTER]
                 if stale:
                     self._send_submissions(stale, now)
 

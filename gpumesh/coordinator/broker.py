@@ -45,6 +45,7 @@ from ..protocol import (
     check_proto,
     departure_of,
     qid_of,
+    unbundle,
 )
 from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
@@ -206,6 +207,9 @@ class Broker:
             if msg.command is Command.HELLO:
                 self._on_hello(routing, msg, now)
                 return
+            if msg.command is Command.BATCH:
+                self._on_batch(routing, msg, now)
+                return
             peer = ledger.peers.get(routing)
             if peer is None:
                 # Unknown routing id: a coordinator restart, or a reconnect under a new socket.
@@ -236,6 +240,15 @@ class Broker:
                          f"the coordinator could not handle this {msg.command.name} "
                          f"({type(exc).__name__}); it was dropped", qid_of(msg.header))
 
+    def _on_batch(self, routing: bytes, batch: Message, now: float) -> None:
+        """Each message of a BATCH as if it came alone: one bad message is answered alone."""
+        for item in unbundle(batch, self.ledger.limits):
+            if isinstance(item, ProtocolError):
+                self.ledger.count_malformed(routing)
+                self.ledger.error(routing, item.code, item.detail)
+            else:
+                self.handle(routing, item, now)
+
     def _on_hello(self, routing: bytes, msg: Message, now: float) -> None:
         ledger = self.ledger
         if not check_proto(msg.header, MAJOR):
@@ -256,12 +269,16 @@ class Broker:
             "max_frame_bytes": ledger.limits.max_frame_bytes,
             "max_message_bytes": ledger.limits.max_message_bytes,
             "max_frames": ledger.limits.max_frames, "safe_mode": ledger.safe_mode,
+            "batch": True,
         }
         if hello.role is Role.WORKER:
             welcome["abort"] = self.worker_side.hello(routing, hello, now)
         else:
             self.client_side.hello(routing, hello, now)
         ledger.peers[routing] = (hello.role, hello.peer_id)
+        session = (ledger.workers if hello.role is Role.WORKER else ledger.clients).get(hello.peer_id)
+        if session is not None:
+            session.batch = hello.batch
         ledger.send(routing, Command.WELCOME, welcome)
 
     def _worker_result(self, worker: WorkerSession, msg: Message, now: float) -> None:

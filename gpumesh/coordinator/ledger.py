@@ -78,6 +78,13 @@ class Ledger:
         if routing is not None:
             self.outbox.append((routing, encode(command, header, payload)))
 
+    def reads_batches(self, routing: bytes) -> bool:
+        peer = self.peers.get(routing)
+        if peer is None:
+            return False
+        session = (self.workers if peer[0] is Role.WORKER else self.clients).get(peer[1])
+        return session is not None and session.batch
+
     def error(self, routing: bytes | None, code: ErrorCode, text: str, qid: int = 0) -> None:
         header: dict[str, Any] = {"code": code.value, "message": text}
         if qid:

@@ -11,12 +11,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
 from ..config import Settings
 from ..errors import ConfigError
-from ..protocol import Command, ErrorCode, ProtocolError, encode
+from ..protocol import Command, ErrorCode, ProtocolError, batches, encode
 from ..security import (
     MeshKeys,
     configure_server,
@@ -147,9 +148,23 @@ class Coordinator:
 
     def _flush(self, now: float) -> None:
         outbox, self.broker.outbox = self.broker.outbox, []
-        for routing, frames in outbox:
+        if len(outbox) == 1:
+            routing, frames = outbox[0]
             if not send_frames(self._router, [routing, *frames]):
                 self.broker.unreachable(routing, now)
+            return
+        # One send per peer per turn where it reads BATCH; the order to each peer is kept.
+        by_peer: dict[bytes, list[list[Any]]] = {}
+        for routing, frames in outbox:
+            by_peer.setdefault(routing, []).append(frames)
+        ledger, limits = self.broker.ledger, self.settings.limits
+        for routing, messages in by_peer.items():
+            if len(messages) > 1 and ledger.reads_batches(routing):
+                messages = batches(messages, limits)
+            for frames in messages:
+                if not send_frames(self._router, [routing, *frames]):
+                    self.broker.unreachable(routing, now)
+                    break
 
     def close(self) -> None:
         if self._router.closed:

@@ -172,6 +172,7 @@ class WorkerSession:
     departed: str = ""  # "left" or "removed" when it went on purpose (shown instead of "lost")
     mode: WorkerMode = WorkerMode.ACTIVE  # as the worker's owner set it
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
+    batch: bool = False  # it reads BATCH messages (its HELLO said so)
 
     @property
     def draining(self) -> bool:
@@ -247,6 +248,7 @@ class ClientSession:
     # Tasks submitted and not yet terminal, and the bytes of their input: the per-client quota.
     unfinished: int = 0
     queued_bytes: int = 0
+    batch: bool = False  # it reads BATCH messages (its HELLO said so)
 
     @property
     def owner(self) -> str:

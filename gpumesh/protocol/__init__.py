@@ -28,10 +28,13 @@ from .messages import (
     Message,
     ProtocolError,
     Role,
+    batches,
+    bundle,
     check_sizes,
     decode,
     encode,
     field_of,
+    unbundle,
 )
 from .requirements import Gpu, Requirements, gpu_satisfies, parse_python, parse_size
 from .vocabulary import Departure, ResultEncoding, ResultStatus, TaskKind, WorkerMode
@@ -65,6 +68,8 @@ __all__ = [
     "TaskSpec",
     "WorkerInfo",
     "WorkerMode",
+    "batches",
+    "bundle",
     "check_proto",
     "check_sizes",
     "decode",
@@ -75,4 +80,5 @@ __all__ = [
     "parse_python",
     "parse_size",
     "qid_of",
+    "unbundle",
 ]

@@ -179,6 +179,7 @@ class Hello:
     release: tuple[int, ...] = ()
     incarnation: str = ""
     mode: WorkerMode = WorkerMode.ACTIVE
+    batch: bool = False  # the peer reads BATCH messages (since 1.3)
 
     @property
     def draining(self) -> bool:
@@ -189,8 +190,9 @@ class Hello:
         role = f.choice(h, "role", Role)
         peer_id = f.text(h, "id", min_len=1, max_len=ID_CHARS)
         raw_info = f.mapping(h, "info", max_items=64, default={})
+        batch = bool(f.flag(h, "batch", default=False))
         if role is Role.CLIENT:
-            return cls(role, peer_id, ClientInfo.from_mapping(raw_info))
+            return cls(role, peer_id, ClientInfo.from_mapping(raw_info), batch=batch)
         info = WorkerInfo.from_mapping(raw_info)
         slots = f.integer(h, "slots", low=1, high=MAX_SLOTS)
         most = max(info.cores, len(info.gpus), 1) * SLOTS_PER_CORE
@@ -208,6 +210,7 @@ class Hello:
             release=f.int_list(h, "release", max_items=MAX_IDS, default=()),
             incarnation=f.text(h, "incarnation", max_len=ID_CHARS, default=""),
             mode=_mode(h, WorkerMode.ACTIVE),
+            batch=batch,
         )
 
 

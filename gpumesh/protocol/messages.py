@@ -22,7 +22,7 @@ from ..config import Limits
 
 MAGIC = b"GPM"
 MAJOR = 1
-MINOR = 2
+MINOR = 3
 SIGNATURE = MAGIC + bytes([MAJOR])
 
 
@@ -44,6 +44,10 @@ class Command(enum.IntEnum):
     DISCONNECT = 0x10  # either way: session over, HELLO again (or leave)
     ERROR = 0x11  # coordinator -> peer: a control error, with a code and text
     CONTROL = 0x12  # client -> coordinator: cancel/retry a job, remove a worker (since v1.1)
+    # Either way (since v1.3): several messages for one peer in one, so a burst of tiny tasks
+    # costs one send, one wake-up and one CURVE box per turn instead of one per message. Sent
+    # only to a peer that said it reads them (HELLO/WELCOME ``batch``).
+    BATCH = 0x13
 
 
 class Role(str, enum.Enum):
@@ -89,6 +93,102 @@ def encode(command: Command, header: dict[str, Any] | None = None, payload: Sequ
 
 _COMMAND_BYTES = {command: bytes([command]) for command in Command}
 _COMMANDS = {int(command): command for command in Command}
+
+MAX_BATCHED = 4096  # messages in one BATCH
+# A BATCH is one frame: its header holds every message's header and frames, so a burst of tiny
+# tasks costs one send and one CURVE box instead of several per message. Messages whose frames
+# pass BATCH_ALONE_BYTES go alone (big buffers are not copied into a header); a BATCH holds at
+# most BATCH_BYTES, well under the header limit (Limits.max_header_bytes, 1 MiB).
+BATCH_ALONE_BYTES = 64 * 1024
+BATCH_BYTES = 256 * 1024
+
+
+def bundle(messages: Sequence[Sequence[Any]]) -> list[Any]:
+    """One BATCH carrying ``messages`` (each as ``encode`` made it), in order. Each inner
+    header travels as the bytes encode() already packed, its frames as bytes beside it."""
+    index = [[frames[1][0], frames[2], [_as_bytes(f) for f in frames[3:]]] for frames in messages]
+    return encode(Command.BATCH, {"m": index})
+
+
+def _as_bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    buffer = getattr(frame, "bytes", None)  # a received zmq.Frame
+    return buffer if isinstance(buffer, bytes) else bytes(frame)
+
+
+def batches(messages: Sequence[list[Any]], limits: Limits) -> list[list[Any]]:
+    """What to send for ``messages`` to one peer that reads BATCH: runs of small messages as
+    BATCHes, a lone or big message as it is; the order is kept."""
+    out: list[list[Any]] = []
+    run: list[list[Any]] = []
+    size = 0
+    most = min(BATCH_BYTES, limits.max_header_bytes // 2)
+
+    def close_run() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append(bundle(run))
+        run.clear()
+
+    for message in messages:
+        body = sum(frame_size(f) for f in message[2:])
+        if body - frame_size(message[2]) >= BATCH_ALONE_BYTES or body >= most:
+            close_run()
+            size = 0
+            out.append(message)
+            continue
+        if run and (len(run) >= MAX_BATCHED or size + body > most):
+            close_run()
+            size = 0
+        run.append(message)
+        size += body + 8 * (len(message) - 1)
+    close_run()
+    return out
+
+
+def unbundle(batch: Message, limits: Limits) -> list[Message | ProtocolError]:
+    """The messages of a BATCH, in order. A structural fault (not a list, a nested BATCH, a
+    frame that is not bytes) refuses the whole BATCH; an inner message of a command this side
+    does not know becomes an UNSUPPORTED ProtocolError in its place, as it would alone."""
+    items = batch.header.get("m")
+    if batch.payload or not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCHED:
+        raise ProtocolError(ErrorCode.MALFORMED,
+                            f"a BATCH is one frame holding 1 to {MAX_BATCHED} messages in 'm'")
+    out: list[Message | ProtocolError] = []
+    frames_left = limits.max_frames
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise ProtocolError(ErrorCode.MALFORMED, "a BATCH entry is not [command, header, frames]")
+        raw_command, raw_header, frames = item
+        if not isinstance(raw_command, int) or isinstance(raw_command, bool):
+            raise ProtocolError(ErrorCode.MALFORMED, "a BATCH entry's command is not a byte")
+        if not isinstance(raw_header, bytes):
+            raise ProtocolError(ErrorCode.MALFORMED, "a BATCH entry's header is not packed bytes")
+        if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):
+            raise ProtocolError(ErrorCode.MALFORMED, "a BATCH entry's frames are not bytes")
+        frames_left -= len(frames)
+        if frames_left < 0:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"a BATCH of more than {limits.max_frames} frames")
+        command = _COMMANDS.get(raw_command)
+        if command is Command.BATCH:
+            raise ProtocolError(ErrorCode.MALFORMED, "a BATCH inside a BATCH")
+        if command is None:
+            out.append(ProtocolError(ErrorCode.UNSUPPORTED, f"unknown command 0x{raw_command & 0xff:02x}"))
+            continue
+        out.append(Message(command, _unpack_header(raw_header), frames))
+    return out
+
+
+def _unpack_header(raw_header: Any) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(raw_header, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(ErrorCode.MALFORMED, f"undecodable header: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "header is not a map")
+    return header
 
 
 def frame_size(frame: Any) -> int:
@@ -146,13 +246,7 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
     raw_header = frames[2]
     if frame_size(raw_header) > limits.max_header_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, "header frame too large")
-    try:
-        header = msgpack.unpackb(raw_header, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(ErrorCode.MALFORMED, f"undecodable header: {type(exc).__name__}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(ErrorCode.MALFORMED, "header is not a map")
-    return Message(command, header, list(frames[3:]))
+    return Message(command, _unpack_header(raw_header), list(frames[3:]))
 
 
 def field_of(header: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

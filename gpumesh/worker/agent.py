@@ -51,6 +51,12 @@ from .runners import Runner, RunningTask
 log = logging.getLogger("gpumesh.worker")
 
 NEVER_JOINED_HINT = 60.0  # seconds without ever reaching the coordinator before a hint
+# Auto prefetch: queue about this many seconds of work per slot, judged by recent run times, at
+# most AUTO_PREFETCH_PER_SLOT tasks each. Tasks over PREFETCH_HORIZON get no queue at all.
+PREFETCH_HORIZON = 0.05
+AUTO_PREFETCH_PER_SLOT = 16
+MAX_PREFETCH = 256  # what a HELLO may announce (protocol.headers)
+RUN_TIME_WEIGHT = 0.2  # of the newest task in the moving average
 
 
 
@@ -68,7 +74,7 @@ class WorkerAgent:
         self, settings: Settings, endpoint: Endpoint, token: str, *, slots: int,
         info: dict[str, Any], say: Callable[[str], None] | None = None,
         worker_id: str | None = None, gpu_indices: list[int] | None = None,
-        on_joined: Callable[[str], None] | None = None, prefetch: int = 0,
+        on_joined: Callable[[str], None] | None = None, prefetch: int | None = 0,
         local_control: bool = True, pass_env: Sequence[str] = (),
     ) -> None:
         if slots < 1:
@@ -77,9 +83,14 @@ class WorkerAgent:
         self.endpoint = endpoint
         self.keys = derive_keys(token)
         self.slots = slots
-        # Tasks granted beyond the free slots wait here, hiding the round trip for tiny tasks; a
-        # long task would hold them back, so the default is none.
-        self.prefetch = max(prefetch, 0)
+        # Tasks granted beyond the free slots wait here, hiding the round trip for tiny tasks.
+        # A long task would hold queued ones back from idle workers elsewhere, so ``None``
+        # (auto) queues only while recent tasks are short, and only as deep as PREFETCH_HORIZON.
+        self.auto_prefetch = prefetch is None
+        self.prefetch = (min(AUTO_PREFETCH_PER_SLOT * slots, MAX_PREFETCH) if prefetch is None
+                         else max(prefetch, 0))  # the most it may hold: announced in HELLO
+        self._mean_run: float | None = None  # moving average of task run time, seconds
+        self._granted_depth = 0  # the prefetch depth included in what was granted so far
         self.info = info
         self.say = say or (lambda line: None)
         self.on_joined = on_joined
@@ -166,6 +177,7 @@ class WorkerAgent:
         """Tell the coordinator we are going, so it re-queues our tasks at once."""
         if self.welcomed and not self.removed:
             reason = (Departure.DRAINED if self.mode is WorkerMode.DRAINING else Departure.LEFT).value
+            self.link.flush()
             self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
             time.sleep(0.05)  # let the I/O thread flush the goodbye before the socket closes
 
@@ -215,8 +227,11 @@ class WorkerAgent:
         self._timers(now)
         if self.mode is WorkerMode.DRAINING:
             self.owner.finish_drain(now)
+        self.link.flush()  # what this turn said goes out together, as one BATCH
 
     def _poll_timeout(self) -> int:
+        if self.link.backlog:
+            return 0
         waits = [self._heartbeat / 2]
         now = time.time()
         for runner in self.runners:
@@ -234,6 +249,7 @@ class WorkerAgent:
         # Finished but not yet acknowledged: claimed too, so their results count after a
         # coordinator restart (only leases a coordinator granted or re-claimed are accepted).
         held += [[result["task"], lease] for lease, (result, _) in self.unacked.items()]
+        self._granted_depth = self.prefetch_depth()
         self.granted = self.free_slots()
         header = {
             "role": Role.WORKER.value, "id": self.worker_id, "incarnation": self.incarnation,
@@ -241,10 +257,11 @@ class WorkerAgent:
             "prefetch": self.prefetch,
             "held": held, "info": self.info, "draining": self.draining,
             "mode": self.mode.value,
-            "release": list(self._pending_release),
+            "release": list(self._pending_release), "batch": True,
         }
         self.welcomed = False
         self.received = 0
+        self.link.flush()  # in order: what was said before this HELLO goes first
         self.link.send(encode(Command.HELLO, header))
 
     @property
@@ -260,11 +277,33 @@ class WorkerAgent:
                                   "mode": self.mode.value}
         if release:
             header["release"] = list(release)
-        self.link.send(encode(Command.CREDIT, header))
+        self.link.post(encode(Command.CREDIT, header))
 
     def free_slots(self) -> int:
         busy = sum(1 for r in self.runners if r.task is not None) + len(self.queue)
-        return 0 if self.draining else max(self.slots + self.prefetch - busy, 0)
+        return 0 if self.draining else max(self.slots + self._granted_depth - busy, 0)
+
+    def prefetch_depth(self) -> int:
+        """Tasks to hold queued beyond the slots now: fixed, or (auto) by recent run times."""
+        if not self.auto_prefetch:
+            return self.prefetch
+        if self._mean_run is None or self._mean_run >= PREFETCH_HORIZON:
+            return 0
+        per_slot = int(PREFETCH_HORIZON / max(self._mean_run, 1e-6))
+        return min(per_slot * self.slots, self.prefetch)
+
+    def _note_run_time(self, seconds: float) -> None:
+        """Fold a finished task's run time in, and move the grant toward the new depth: up at
+        once, down by one task per finished task (what was granted cannot be taken back)."""
+        mean = self._mean_run
+        self._mean_run = seconds if mean is None else mean + RUN_TIME_WEIGHT * (seconds - mean)
+        depth = self.prefetch_depth()
+        if depth > self._granted_depth:
+            self.granted += depth - self._granted_depth
+            self._granted_depth = depth
+        elif depth < self._granted_depth:
+            self.granted -= 1
+            self._granted_depth -= 1
 
     def _on_message(self, msg: Message, now: float) -> None:
         command = msg.command
@@ -309,6 +348,7 @@ class WorkerAgent:
     def _on_welcome(self, msg: Message) -> None:
         h = msg.header
         self.welcomed = True
+        self.link.batching = h.get("batch") is True
         self._backoff.reset()
         self._heartbeat = float(h.get("heartbeat", self._heartbeat))
         self._silence_limit = self._heartbeat * int(h.get("liveness", 5))
@@ -322,7 +362,7 @@ class WorkerAgent:
             self.send_credit()
         for header, frames in self.unacked.values():
             # Credit is per session: re-sent results carry this session's grant, not the old one.
-            self.link.send(encode(Command.RESULT, {**header, "granted": self.granted}, frames))
+            self.link.post(encode(Command.RESULT, {**header, "granted": self.granted}, frames))
         if not self.joined_once:
             self.joined_once = True
             self.say(f"[worker] joined mesh as {self.worker_id}")
@@ -437,7 +477,7 @@ class WorkerAgent:
                 log.debug("runner %d printed outside a task: %r", runner.slot, chunk[:200])
                 continue
             if self.welcomed:
-                self.link.send(encode(Command.OUTPUT, {"task": task.task_id, "stream": stream},
+                self.link.post(encode(Command.OUTPUT, {"task": task.task_id, "stream": stream},
                                       [chunk]))
         return bool(chunks)
 
@@ -473,16 +513,19 @@ class WorkerAgent:
         runner.start()
 
     def _report(self, task: RunningTask, header: dict[str, Any], frames: list[Any], now: float) -> None:
+        elapsed = max(now - task.started, 0.0)
         if not self.draining:
             self.granted += 1
+            if header.get("status") == ResultStatus.OK.value:
+                self._note_run_time(elapsed)
         result = {**header, "task": task.task_id, "lease": task.lease_id,
-                  "elapsed": round(max(now - task.started, 0.0), 6)}
+                  "elapsed": round(elapsed, 6)}
         frames, layout = serialize.split_frames(frames, self.settings.limits.chunk_bytes)
         if layout is not None:
             result["split"] = layout
         self.unacked[task.lease_id] = (result, frames)
         if self.welcomed:
-            self.link.send(encode(Command.RESULT, {**result, "granted": self.granted}, frames))
+            self.link.post(encode(Command.RESULT, {**result, "granted": self.granted}, frames))
 
     # ----------------------------------------------------------------- timers
 
@@ -515,7 +558,7 @@ class WorkerAgent:
             self._last_sent_heartbeat = now
             leases = [r.task.lease_id for r in self.runners if r.task is not None]
             leases += [q.task.lease_id for q in self.queue]
-            self.link.send(encode(Command.HEARTBEAT, {"leases": leases}))
+            self.link.post(encode(Command.HEARTBEAT, {"leases": leases}))
 
 
 def _size(value: Any) -> int:

@@ -23,6 +23,7 @@ def agent(tmp_path):
                     local_control=False)
     a.sent = []
     a.link.send = lambda frames: a.sent.append(decode(frames, Limits())) or True
+    a.link.post = lambda frames: a.sent.append(decode(frames, Limits()))  # flushed at once
     yield a
     a.link.close()
     a._ctx.term()
