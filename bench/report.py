@@ -1,0 +1,209 @@
+"""Results into Markdown and JSON. Pure: a results dict in, text out (no I/O, no clock)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Results = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    higher_is_better: bool
+    digits: int = 2
+
+    @property
+    def header(self) -> str:
+        return f"{self.label} {'↑' if self.higher_is_better else '↓'}"
+
+
+METRICS = [
+    Metric("tasks_per_s", "tiny tasks/s", True, 0),
+    Metric("p50_ms", "call p50 ms", False, 3),
+    Metric("p99_ms", "call p99 ms", False, 3),
+    Metric("big_mb_s", "64 MiB round trip MB/s", True, 0),
+    Metric("sleep_efficiency", "sleep efficiency", True, 3),
+    Metric("cold_start_s", "cold start s", False, 2),
+    Metric("cpu_us_per_task", "CPU µs/task", False, 0),
+]
+GPUMESH = "gpumesh"
+
+
+def number(value: float | None, digits: int = 2) -> str:
+    """A figure for a table: thousands separated, ``digits`` decimals, but at least three
+    significant figures for small values."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if value != 0 and abs(value) < 10 ** (2 - digits):
+        return f"{value:.3g}"
+    return f"{value:,.{digits}f}"
+
+
+def ratio(mine: float | None, theirs: float | None) -> float | None:
+    if mine is None or theirs is None or theirs == 0:
+        return None
+    return mine / theirs
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
+    """A Markdown table; ``align`` has one letter per column, l or r."""
+    aligns = ["---" if c == "l" else "---:" for c in align]
+    return [_row(header), _row(aligns), *(_row(r) for r in rows)]
+
+
+def by_key(results: Results) -> dict[str, dict[str, Any]]:
+    return {s["key"]: s for s in results.get("systems", [])}
+
+
+def comparison_table(results: Results) -> list[str]:
+    """Every system's figures, then one row per other system: gpumesh's figure divided by its."""
+    systems = results.get("systems", [])
+    header = ["system", *(m.header for m in METRICS)]
+    rows = []
+    for system in systems:
+        if system["status"] in ("skipped", "failed"):
+            why = system.get("reason") or "; ".join(system.get("errors", {}).values())
+            rows.append([system["name"], f"{system['status']}: {why}", *([""] * (len(METRICS) - 1))])
+            continue
+        rows.append([system["name"], *(number(system.get(m.key), m.digits) for m in METRICS)])
+    mine = by_key(results).get(GPUMESH)
+    if mine is not None and mine["status"] not in ("skipped", "failed"):
+        for other in systems:
+            if other["key"] == GPUMESH or other["status"] in ("skipped", "failed"):
+                continue
+            cells = []
+            for m in METRICS:
+                r = ratio(mine.get(m.key), other.get(m.key))
+                cells.append("–" if r is None else f"{r:.2f}×")
+            rows.append([f"**gpumesh / {other['name']}**", *cells])
+    return _table(header, rows, "l" + "r" * len(METRICS))
+
+
+@dataclass(frozen=True)
+class Target:
+    """A stated goal: ``measure(results)`` gives (the measured value as text, met or not),
+    or None when a system it compares with did not run."""
+
+    text: str
+    measure: Callable[[dict[str, dict[str, Any]]], tuple[str, bool] | None]
+
+
+def _versus(key: str, other: str, at_least: float, *, inverse: bool = False, digits: int = 2
+            ) -> Callable[[dict[str, dict[str, Any]]], tuple[str, bool] | None]:
+    def measure(systems: dict[str, dict[str, Any]]) -> tuple[str, bool] | None:
+        mine = systems.get(GPUMESH, {}).get(key)
+        theirs = systems.get(other, {}).get(key)
+        r = ratio(mine, theirs)
+        if r is None:
+            return None
+        shown = f"{r:.2f}× ({number(mine, digits)} vs {number(theirs, digits)})"
+        return shown, (r <= at_least if inverse else r >= at_least)
+    return measure
+
+
+def _absolute(key: str, limit: float, *, below: bool, unit: str = ""
+              ) -> Callable[[dict[str, dict[str, Any]]], tuple[str, bool] | None]:
+    def measure(systems: dict[str, dict[str, Any]]) -> tuple[str, bool] | None:
+        value = systems.get(GPUMESH, {}).get(key)
+        if value is None:
+            return None
+        return f"{number(value, 3)}{unit}", (value < limit if below else value >= limit)
+    return measure
+
+
+TARGETS = [
+    Target(".map throughput ≥ 1.0× the floor", _versus("tasks_per_s", "floor", 1.0, digits=0)),
+    Target(".map throughput ≥ 5× Ray", _versus("tasks_per_s", "ray", 5.0, digits=0)),
+    Target("single-call p50 ≤ 2× the floor's", _versus("p50_ms", "floor", 2.0, inverse=True, digits=3)),
+    Target("single-call p99 ≤ 3 ms", _absolute("p99_ms", 3.0000001, below=True, unit=" ms")),
+    Target("64 MiB round trip ≥ Ray's MB/s", _versus("big_mb_s", "ray", 1.0, digits=0)),
+    Target("sleep efficiency ≥ 0.97", _absolute("sleep_efficiency", 0.97, below=False)),
+    Target("cold start < 1.5 s", _absolute("cold_start_s", 1.5, below=True, unit=" s")),
+]
+
+
+def targets_table(results: Results) -> list[str]:
+    systems = by_key(results)
+    rows = []
+    for target in TARGETS:
+        outcome = target.measure(systems)
+        if outcome is None:
+            rows.append([target.text, "not measured", "–"])
+        else:
+            rows.append([target.text, outcome[0], "met" if outcome[1] else "**not met**"])
+    return _table(["target", "measured (gpumesh)", ""], rows, "lll")
+
+
+def cpu_table(results: Results) -> list[str]:
+    """CPU per tiny task, by process, for every system that ran the throughput measurement."""
+    rows = []
+    for system in results.get("systems", []):
+        split = system.get("cpu_split_us_per_task")
+        if not split:
+            continue
+        for role, micros in split.items():
+            rows.append([system["name"], role, number(micros, 0)])
+        rows.append([system["name"], "**total**", f"**{number(system['cpu_us_per_task'], 0)}**"])
+    return _table(["system", "process", "CPU µs per task"], rows, "llr")
+
+
+def machine_lines(machine: dict[str, Any]) -> list[str]:
+    versions = ", ".join(f"{k} {v}" for k, v in machine.get("versions", {}).items())
+    return [
+        f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+        f"{number(machine.get('ram_gib'), 1)} GiB RAM, {machine.get('os', '?')}; "
+        f"Python {machine.get('python', '?')}.",
+        f"Versions: {versions}.",
+    ]
+
+
+def params_line(results: Results) -> str:
+    p = results.get("params", {})
+    return (f"Run: {results.get('mode', '?')} ({results.get('started', '?')}); "
+            f"{p.get('workers')} workers; {p.get('tiny_tasks')} tiny tasks; "
+            f"{p.get('round_trips')} sequential calls; 64 MiB best of {p.get('big_repeats')}; "
+            f"{p.get('sleep_tasks')} × sleep({p.get('sleep_seconds')}).")
+
+
+def scale_lines(scale: dict[str, Any]) -> list[str]:
+    if "skipped" in scale:
+        return ["## Scale", "", f"Skipped: {scale['skipped']}", ""]
+    rows = [[label, value] for label, value in scale.get("rows", [])]
+    return ["## Scale (coordinator alone)", "", *_table(["measure", "value"], rows, "lr"), ""]
+
+
+def two_hosts_lines(section: dict[str, Any]) -> list[str]:
+    if "skipped" in section:
+        return ["## Two hosts", "", f"Skipped: {section['skipped']}", ""]
+    rows = [[row["name"], number(row.get("mb_s"), 0), row.get("note", "")]
+            for row in section.get("rows", [])]
+    return ["## Two hosts (network namespaces, veth)", "",
+            *_table(["path", "64 MiB round trip MB/s ↑", "note"], rows, "lrl"), ""]
+
+
+def markdown(results: Results) -> str:
+    lines = ["# gpumesh benchmark", "", *machine_lines(results.get("machine", {})),
+             params_line(results), "", "## Comparison", "", *comparison_table(results), "",
+             "Ratio rows divide gpumesh's figure by the other system's: above 1 is better for ↑ "
+             "columns, below 1 is better for ↓ columns.", "",
+             "## Targets", "", *targets_table(results), "",
+             "## CPU per tiny task, by process", "", *cpu_table(results), ""]
+    if "scale" in results:
+        lines += scale_lines(results["scale"])
+    if "two_hosts" in results:
+        lines += two_hosts_lines(results["two_hosts"])
+    return "\n".join(lines)
+
+
+def to_json(results: Results) -> str:
+    return json.dumps(results, indent=2, sort_keys=False, default=str)

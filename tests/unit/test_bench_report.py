@@ -1,0 +1,41 @@
+"""bench/report.py: Markdown and JSON from a results dict (pure code; no speed is measured)."""
+
+from __future__ import annotations
+
+import json
+
+from bench.report import markdown, number, targets_table, to_json
+
+
+def _results() -> dict:
+    def system(key: str, name: str, rate: float, p50: float) -> dict:
+        return {"key": key, "name": name, "status": "ok", "tasks_per_s": rate, "p50_ms": p50,
+                "p99_ms": 2.0, "big_mb_s": 100.0, "sleep_efficiency": 0.98, "cold_start_s": 1.0,
+                "cpu_us_per_task": 50.0, "cpu_split_us_per_task": {"client": 50.0}}
+
+    return {"mode": "quick", "machine": {"cpu": "Test CPU", "cores": 2}, "params": {},
+            "systems": [system("floor", "floor", 1000.0, 0.5),
+                        {"key": "ray", "name": "Ray", "status": "skipped",
+                         "reason": "ray is not installed"},
+                        system("gpumesh", "gpumesh", 2000.0, 1.5)]}
+
+
+def test_ratio_rows_divide_gpumesh_by_each_system_that_ran() -> None:
+    text = markdown(_results())
+    assert "| **gpumesh / floor** | 2.00× | 3.00× |" in text
+    assert "gpumesh / Ray" not in text
+    assert "skipped: ray is not installed" in text
+
+
+def test_targets_say_met_not_met_or_not_measured() -> None:
+    rows = "\n".join(targets_table(_results()))
+    assert "| .map throughput ≥ 1.0× the floor | 2.00× (2,000 vs 1,000) | met |" in rows
+    assert "| single-call p50 ≤ 2× the floor's | 3.00× (1.500 vs 0.500) | **not met** |" in rows
+    assert "| .map throughput ≥ 5× Ray | not measured | – |" in rows
+
+
+def test_json_round_trips_and_numbers_read_well() -> None:
+    assert json.loads(to_json(_results()))["systems"][2]["tasks_per_s"] == 2000.0
+    assert number(12345.678, 0) == "12,346"
+    assert number(0.0306, 2) == "0.0306"
+    assert number(None) == "–"
