@@ -4,6 +4,11 @@ The in-memory queue is the working copy; this is what survives ``kill -9``. Writ
 open transaction and ``commit()`` closes it once per loop turn (group commit), so the coordinator
 pays one commit for a whole burst of submissions. ACCEPTED and RESULT_ACK are sent only after
 the commit that holds them.
+
+Payloads of ``BLOB_THRESHOLD`` bytes or more are kept in blob files beside the database
+(blobs.py); their rows hold a reference. A blob is written before its row is committed and
+deleted only after the commit that drops the reference, so a crash leaves at worst an orphan
+file, which the next open sweeps away.
 """
 
 from __future__ import annotations
@@ -18,11 +23,19 @@ from typing import Any
 
 import msgpack
 
+from .blobs import BLOB_THRESHOLD, BlobFolder
 from .errors import MeshError
 
 log = logging.getLogger("gpumesh.store")
 
-SCHEMA_VERSION = 1
+# v2: payload_ref/result_ref columns (blob files) and incremental auto-vacuum; v1 is migrated.
+SCHEMA_VERSION = 2
+# Freed rows after which commit() gives space back by itself; idle_maintenance() does it sooner.
+MAINTENANCE_AFTER = 20_000
+# ... and idle_maintenance() once this many were freed.
+IDLE_AFTER = 256
+# The WAL is cut back to this size whenever SQLite restarts it after a checkpoint.
+WAL_SIZE_LIMIT = 4 << 20
 # A task whose result its owner has collected: the row keeps only its job's summary of it.
 COLLECTED = "collected"
 
@@ -40,6 +53,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     result_header  BLOB,
     result_payload BLOB,
     submitted_at   REAL NOT NULL,
+    payload_ref    BLOB,
+    result_ref     BLOB,
     UNIQUE (client_id, seq)
 );
 CREATE TABLE IF NOT EXISTS jobs (
@@ -65,23 +80,18 @@ class StoredTask:
     seq: int
     job_id: str
     spec: dict[str, Any]
-    payload: list[bytes]
+    payload: list[bytes | memoryview]
     state: str
     attempts: int
     result_header: dict[str, Any] | None
-    result_payload: list[bytes] | None
+    result_payload: list[bytes | memoryview] | None
     submitted_at: float
 
 
-def _pack_frames(frames: Sequence[Any]) -> bytes:
-    return msgpack.packb([_frame_bytes(f) for f in frames], use_bin_type=True)
-
-
-def _frame_bytes(frame: Any) -> bytes:
-    if isinstance(frame, bytes):
-        return frame
-    buffer = getattr(frame, "buffer", None)
-    return bytes(buffer if buffer is not None else frame)
+def _frame_view(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame, without importing zmq
+    view = memoryview(buffer if buffer is not None else frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class Store:
@@ -89,14 +99,22 @@ class Store:
 
     def __init__(self, path: Path | str, *, synchronous: str = "NORMAL") -> None:
         self.path = Path(path)
+        self._blobs: BlobFolder | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             _create_private(self.path)
+            self._blobs = BlobFolder(Path(f"{path}.blobs"),
+                                     sync=synchronous.upper() in ("FULL", "EXTRA", "2", "3"))
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot open the database {path}: {exc}") from None
         self._lock: Any = None
+        # task id -> [input blob, result blob] names, for the tasks that have one
+        self._refs: dict[str, list[str | None]] = {}
+        # blobs whose references the open transaction drops: deleted once it is committed
+        self._doomed: list[str] = []
+        self._freed = 0  # rows deleted or emptied since space was last given back
         try:
             self._open(path, synchronous)
         except BaseException:
@@ -114,19 +132,63 @@ class Store:
             os.chmod(path, 0o600)  # an existing file made by an older gpumesh: owner only now
             self._lock = _lock_exclusively(Path(f"{path}.lock"))
         try:
+            if self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
+                # Only a new file takes it, and before the switch to WAL: freed pages go back to
+                # the system (idle_maintenance), not only to SQLite's free list.
+                self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self._db.executescript(_SCHEMA)
             version = self._meta("schema_version")
+            if version is None:
+                self._set_meta("schema_version", SCHEMA_VERSION)
+            elif version == 1:
+                self._migrate_v1(path)
+            elif version != SCHEMA_VERSION:
+                raise StoreError(
+                    f"the database {path} has schema v{version}, this gpumesh uses "
+                    f"v{SCHEMA_VERSION}: finish its jobs with the matching gpumesh, or start "
+                    "with another --db"
+                )
+            self._load_refs()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot use the database {path}: {exc}") from None
-        if version is None:
+
+    def _migrate_v1(self, path: Path | str) -> None:
+        """v1 → v2 in place: two new columns (v1 rows have no blobs), then one VACUUM to turn
+        on incremental auto-vacuum, which also gives back what the v1 file had grown to."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("ALTER TABLE tasks ADD COLUMN payload_ref BLOB")
+            self._db.execute("ALTER TABLE tasks ADD COLUMN result_ref BLOB")
             self._set_meta("schema_version", SCHEMA_VERSION)
-        elif version != SCHEMA_VERSION:
-            raise StoreError(
-                f"the database {path} has schema v{version}, this gpumesh uses v{SCHEMA_VERSION}: "
-                "finish its jobs with the matching gpumesh, or start with another --db"
-            )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        log.info("journal %s: schema v1 migrated to v%d", path, SCHEMA_VERSION)
+        try:
+            self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            self._db.execute("VACUUM")
+        except sqlite3.OperationalError as exc:  # e.g. no room for the copy: it can wait
+            log.warning("journal %s: could not compact it (%s); it stays as large as it is",
+                        path, exc)
+
+    def _load_refs(self) -> None:
+        """Which task owns which blob; and away with every blob file no row refers to."""
+        if self._blobs is None:
+            return
+        rows = self._db.execute(
+            "SELECT task_id, payload_ref, result_ref FROM tasks "
+            "WHERE payload_ref IS NOT NULL OR result_ref IS NOT NULL")
+        for task_id, payload_ref, result_ref in rows:
+            self._refs[task_id] = [_ref_name(payload_ref), _ref_name(result_ref)]
+        if self._blobs.exists():
+            kept = {name for names in self._refs.values() for name in names if name}
+            swept = self._blobs.sweep(kept)
+            if swept:
+                log.info("journal %s: removed %d blob files no task refers to", self.path, swept)
 
     def _meta(self, key: str) -> int | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -176,16 +238,55 @@ class Store:
             self._db.execute(sql, row)
         except sqlite3.IntegrityError as exc:
             log.error("journal refused a write (%s): %s", exc, sql.split("(")[0])
+            if sql is _INSERT_TASK and row[7] is not None:  # its blob belongs to no row
+                name = _ref_name(row[7])
+                refs = self._refs.get(str(row[0]))
+                if refs is not None and refs[0] == name:
+                    refs[0] = None
+                if name:
+                    self._doomed.append(name)
+
+    def _store_frames(self, frames: Sequence[Any]) -> tuple[bytes | None, bytes | None, str | None]:
+        """(inline column value, reference column value, blob name) for a payload."""
+        views = [_frame_view(f) for f in frames]
+        lengths = [v.nbytes for v in views]
+        if self._blobs is not None and sum(lengths) >= BLOB_THRESHOLD:
+            try:
+                name = self._blobs.write(views)
+            except OSError as exc:
+                log.warning("journal: cannot write a blob (%s); keeping the payload in the "
+                            "database", exc.strerror)
+            else:
+                return None, msgpack.packb([name, lengths], use_bin_type=True), name
+        packed = [f if isinstance(f, bytes) else v.tobytes() for f, v in zip(frames, views, strict=True)]
+        return msgpack.packb(packed, use_bin_type=True), None, None
+
+    def _drop_blob(self, task_id: str, which: int) -> None:
+        """The open transaction drops the task's input (0) or result (1) blob."""
+        refs = self._refs.get(task_id)
+        name = None if refs is None else refs[which]
+        if refs is None or name is None:
+            return
+        refs[which] = None
+        self._doomed.append(name)
+        if refs == [None, None]:
+            del self._refs[task_id]
+
+    def _keep_blob(self, task_id: str, which: int, name: str | None) -> None:
+        self._drop_blob(task_id, which)
+        if name is not None:
+            self._refs.setdefault(task_id, [None, None])[which] = name
 
     def add_task(
         self, task_id: str, client_id: str, seq: int, job_id: str, spec: dict[str, Any],
         payload: Sequence[Any], submitted_at: float,
     ) -> None:
+        inline, ref, name = self._store_frames(payload)
+        self._keep_blob(task_id, 0, name)
         self._write(
-            "INSERT INTO tasks (task_id, client_id, seq, job_id, spec, payload, state, "
-            "submitted_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+            _INSERT_TASK,
             (task_id, client_id, seq, job_id, msgpack.packb(spec, use_bin_type=True),
-             _pack_frames(payload), submitted_at),
+             b"" if inline is None else inline, submitted_at, ref),
         )
 
     def set_attempts(self, task_id: str, attempts: int) -> None:
@@ -196,18 +297,24 @@ class Store:
         *, keep_input: bool = False,
     ) -> None:
         """Record a terminal outcome. The task's input is dropped unless it may be retried."""
+        inline, ref, name = self._store_frames(payload)
+        self._keep_blob(task_id, 1, name)
+        if not keep_input:
+            self._drop_blob(task_id, 0)
+            self._freed += 1
         self._write(
-            "UPDATE tasks SET state = ?, attempts = ?, result_header = ?, result_payload = ?"
-            + ("" if keep_input else ", payload = x''") + " WHERE task_id = ?",
-            (state, attempts, msgpack.packb(header, use_bin_type=True), _pack_frames(payload),
-             task_id),
+            "UPDATE tasks SET state = ?, attempts = ?, result_header = ?, result_payload = ?, "
+            "result_ref = ?" + ("" if keep_input else ", payload = x'', payload_ref = NULL")
+            + " WHERE task_id = ?",
+            (state, attempts, msgpack.packb(header, use_bin_type=True), inline, ref, task_id),
         )
 
     def reopen_task(self, task_id: str) -> None:
         """A failed task goes back to the queue (``gpumesh retry``)."""
+        self._drop_blob(task_id, 1)
         self._write(
             "UPDATE tasks SET state = 'pending', attempts = 0, result_header = NULL, "
-            "result_payload = NULL WHERE task_id = ?", (task_id,),
+            "result_payload = NULL, result_ref = NULL WHERE task_id = ?", (task_id,),
         )
 
     def add_job(self, job_id: str, name: str, client_id: str, created: float) -> None:
@@ -216,16 +323,22 @@ class Store:
 
     def delete_job(self, job_id: str) -> None:
         """Forget a job and the summaries of its collected tasks."""
+        # Collected rows have no blobs left (collect_task dropped them).
         self._write("DELETE FROM tasks WHERE job_id = ? AND state = 'collected'", (job_id,))
         self._write("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+        self._freed += 1
 
     def collect_task(self, task_id: str, summary: dict[str, Any]) -> None:
         """Keep only the job's summary of a task whose result is no longer needed."""
+        self._drop_blob(task_id, 0)
+        self._drop_blob(task_id, 1)
+        self._freed += 1
         # seq = -rowid frees (client, seq): if that client submits the seq again (its result was
         # dropped before it came back for it), the new task must be journaled, not refused.
         self._write(
             "UPDATE tasks SET state = 'collected', seq = -rowid, payload = x'', "
-            "result_header = ?, result_payload = NULL WHERE task_id = ?",
+            "result_header = ?, result_payload = NULL, payload_ref = NULL, result_ref = NULL "
+            "WHERE task_id = ?",
             (msgpack.packb(summary, use_bin_type=True), task_id))
 
     def load_jobs(self) -> list[tuple[str, str, str, float]]:
@@ -235,6 +348,9 @@ class Store:
             "SELECT job_id, name, client_id, created FROM jobs ORDER BY created")]
 
     def delete_task(self, task_id: str) -> None:
+        self._drop_blob(task_id, 0)
+        self._drop_blob(task_id, 1)
+        self._freed += 1
         self._write("DELETE FROM tasks WHERE task_id = ?", (task_id,))
 
     def commit(self) -> None:
@@ -242,36 +358,82 @@ class Store:
         if self._in_transaction:
             self._db.execute("COMMIT")
             self._in_transaction = False
+        if self._doomed and self._blobs is not None:
+            # Only now: before this commit a crash would bring back rows that still name them.
+            doomed, self._doomed = self._doomed, []
+            self._blobs.unlink(doomed)
+        if self._freed >= MAINTENANCE_AFTER:
+            self._give_back()
+
+    def idle_maintenance(self) -> None:
+        """Commit, and give the journal's freed space back to the system: the pages of deleted
+        rows and the write-ahead log. Call it when the queue is empty (nothing pending or
+        leased): it does nothing until IDLE_AFTER rows were freed since it last ran, and then
+        costs a checkpoint (milliseconds). ``commit()`` does the same every MAINTENANCE_AFTER
+        freed rows, so a journal that is never idle does not grow without end either."""
+        self.commit()
+        if self._freed >= IDLE_AFTER:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        self._freed = 0
+        try:
+            # executescript: sqlite3's execute() steps a pragma once, which frees one page.
+            self._db.executescript("PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);")
+        except sqlite3.OperationalError as exc:  # busy, or a full disk: try again next time
+            log.warning("journal maintenance failed: %s", exc)
 
     def load(self) -> Iterator[StoredTask]:
-        """Every task still in the journal, oldest first, for restoring after a restart."""
+        """Every task still in the journal, oldest first, for restoring after a restart.
+
+        A row that does not decode, or whose blob file is missing or short, comes back with
+        ``spec == {CORRUPT: reason}`` and empty payloads. Payloads kept in blob files come back
+        as memoryviews into one buffer per file."""
         self._flush()
         rows = self._db.execute(
             "SELECT task_id, client_id, seq, job_id, spec, payload, state, attempts, "
-            "result_header, result_payload, submitted_at FROM tasks ORDER BY rowid"
+            "result_header, result_payload, submitted_at, payload_ref, result_ref "
+            "FROM tasks ORDER BY rowid"
         )
         for row in rows:
             try:
                 yield StoredTask(
                     task_id=row[0], client_id=row[1], seq=row[2], job_id=row[3],
                     spec=msgpack.unpackb(row[4], raw=False, strict_map_key=False),
-                    payload=msgpack.unpackb(row[5], raw=False) if row[5] else [],
+                    payload=self._load_frames(row[5], row[11]) or [],
                     state=row[6], attempts=row[7],
                     result_header=(
                         msgpack.unpackb(row[8], raw=False, strict_map_key=False) if row[8]
                         else None
                     ),
-                    result_payload=msgpack.unpackb(row[9], raw=False) if row[9] else None,
+                    result_payload=self._load_frames(row[9], row[12]),
                     submitted_at=row[10],
                 )
             except Exception as exc:  # msgpack raises several unrelated types on garbage
                 # A row that no longer decodes still names its task: the restore fails that
                 # task with the reason instead of stopping (spec None says it is broken).
+                reason = str(exc) if isinstance(exc, _BlobMissing) else type(exc).__name__
                 yield StoredTask(task_id=str(row[0]), client_id=str(row[1]), seq=int(row[2]),
-                                 job_id=str(row[3]), spec={CORRUPT: f"{type(exc).__name__}"},
+                                 job_id=str(row[3]), spec={CORRUPT: reason},
                                  payload=[], state=str(row[6]), attempts=int(row[7] or 0),
                                  result_header=None, result_payload=None,
                                  submitted_at=float(row[10] or 0.0))
+
+    def _load_frames(self, inline: Any, ref: Any) -> list[bytes | memoryview] | None:
+        if ref is not None:
+            name, lengths = msgpack.unpackb(ref, raw=False)
+            if self._blobs is None:
+                raise _BlobMissing("a blob reference in an in-memory journal")
+            try:
+                return list(self._blobs.read(name, lengths))
+            except (ValueError, OSError) as exc:
+                raise _BlobMissing(str(exc)) from None
+        if not inline:
+            return None
+        frames = msgpack.unpackb(inline, raw=False)
+        if not isinstance(frames, list):
+            raise TypeError("payload is not a list of frames")
+        return frames
 
     def close(self) -> None:
         self.commit()
@@ -279,6 +441,28 @@ class Store:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+_INSERT_TASK = (
+    "INSERT INTO tasks (task_id, client_id, seq, job_id, spec, payload, state, submitted_at, "
+    "payload_ref) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)"
+)
+
+
+class _BlobMissing(ValueError):
+    """A row's blob file is gone or short: the row is reported CORRUPT with this reason."""
+
+
+def _ref_name(ref: Any) -> str | None:
+    """The blob name in a reference column, or None (also for a reference that does not
+    decode: load() reports that row as CORRUPT)."""
+    if ref is None:
+        return None
+    try:
+        name = msgpack.unpackb(ref, raw=False)[0]
+    except Exception:
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _create_private(path: Path) -> None:

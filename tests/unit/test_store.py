@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 
-from gpumesh.store import SCHEMA_VERSION, Store, StoredTask, StoreError
+from gpumesh.blobs import BLOB_THRESHOLD
+from gpumesh.store import CORRUPT, SCHEMA_VERSION, Store, StoredTask, StoreError
 
 SPEC = {"fn": "abc123", "gpu": "A100", "cores": 2, "nested": {"k": [1, 2]}}
 PAYLOAD = [b"main-pickle", b"\x00" * 10, b""]
@@ -352,3 +356,243 @@ def test_a_second_store_on_a_live_journal_is_refused(db_path: Path) -> None:
     finally:
         s.close()
     Store(db_path).close()  # released on close
+
+
+# ----------------------------------------------------------------- blob files (big payloads)
+
+BIG = [b"main-pickle", bytes(range(256)) * 256, b"", b"\x07" * (BLOB_THRESHOLD // 2)]
+
+
+def _blob_dir(db_path: Path) -> Path:
+    return Path(f"{db_path}.blobs")
+
+
+def _blob_files(db_path: Path) -> list[Path]:
+    folder = _blob_dir(db_path)
+    return sorted(folder.iterdir()) if folder.exists() else []
+
+
+def test_small_payloads_stay_in_the_database(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s, payload=[b"x" * (BLOB_THRESHOLD - 1)])
+    s.close()
+    assert _blob_files(db_path) == []
+
+
+def test_big_payload_and_result_round_trip_through_a_reopen(db_path: Path) -> None:
+    class FakeFrame:
+        def __init__(self, data: bytes) -> None:
+            self.buffer = memoryview(data)
+
+    s = Store(db_path)
+    _add(s, payload=[FakeFrame(BIG[0]), memoryview(BIG[1]), bytearray(BIG[2]), BIG[3]])
+    s.commit()
+    assert len(_blob_files(db_path)) == 1
+    result = [b"r" * 10, b"\xee" * BLOB_THRESHOLD]
+    s.finish_task("t1", "failed", 1, {"status": "error"}, result, keep_input=True)
+    s.close()
+    assert len(_blob_files(db_path)) == 2
+
+    (task,) = _reopen_and_load(db_path)
+    assert [bytes(f) for f in task.payload] == BIG
+    assert task.result_payload is not None
+    assert [bytes(f) for f in task.result_payload] == result
+    assert task.spec == SPEC
+    # One buffer per file, handed out as views: no copy per frame.
+    assert all(isinstance(f, memoryview) for f in task.payload)
+    assert task.payload[1].obj is task.payload[3].obj
+
+
+def test_blob_folder_is_0700_and_files_0600(db_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        s = Store(db_path)
+        _add(s, payload=BIG)
+        s.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(_blob_dir(db_path).stat().st_mode) == 0o700
+    (blob,) = _blob_files(db_path)
+    assert stat.S_IMODE(blob.stat().st_mode) == 0o600
+
+
+def test_a_loose_blob_folder_is_tightened(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    _blob_dir(db_path).mkdir(mode=0o755)
+    os.chmod(_blob_dir(db_path), 0o755)
+    s = Store(db_path)
+    _add(s, payload=BIG)
+    s.close()
+    assert stat.S_IMODE(_blob_dir(db_path).stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("damage", ["missing", "short", "long"])
+def test_a_missing_or_short_blob_makes_a_corrupt_row_not_an_exception(
+        db_path: Path, damage: str) -> None:
+    s = Store(db_path)
+    _add(s, task_id="bad", seq=1, payload=BIG)
+    _add(s, task_id="good", seq=2)
+    s.close()
+    (blob,) = _blob_files(db_path)
+    if damage == "missing":
+        blob.unlink()
+    elif damage == "short":
+        os.truncate(blob, blob.stat().st_size - 1)
+    else:
+        with open(blob, "ab") as handle:
+            handle.write(b"!")
+    bad, good = _reopen_and_load(db_path)
+    assert bad.task_id == "bad" and CORRUPT in bad.spec
+    assert bad.payload == [] and bad.client_id == "c1" and bad.state == "pending"
+    assert good.task_id == "good" and good.payload == PAYLOAD
+
+
+def test_a_reference_to_a_file_outside_the_folder_is_corrupt(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s, payload=BIG)
+    s.close()
+    raw = sqlite3.connect(db_path)
+    with raw:
+        raw.execute("UPDATE tasks SET payload_ref = ?",
+                    (msgpack.packb(["../mesh.db", [1]], use_bin_type=True),))
+    raw.close()
+    (task,) = _reopen_and_load(db_path)
+    assert CORRUPT in task.spec
+
+
+def test_the_result_blob_replaces_the_input_blob_when_the_task_is_done(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s, payload=BIG)
+    s.commit()
+    (input_blob,) = _blob_files(db_path)
+    s.finish_task("t1", "done", 1, {"status": "ok"}, BIG[:2])
+    assert input_blob.exists()  # until the commit: a crash would bring the pending row back
+    s.commit()
+    (result_blob,) = _blob_files(db_path)
+    assert result_blob != input_blob
+    s.reopen_task("t1")
+    s.commit()
+    assert _blob_files(db_path) == []
+    s.close()
+
+
+def test_blobs_go_with_deleted_and_collected_tasks(db_path: Path) -> None:
+    s = Store(db_path)
+    _add(s, task_id="a", seq=1, payload=BIG)
+    _add(s, task_id="b", seq=2, payload=BIG)
+    s.finish_task("b", "failed", 1, {"status": "error"}, BIG, keep_input=True)
+    s.commit()
+    assert len(_blob_files(db_path)) == 3
+    s.delete_task("a")
+    s.collect_task("b", {"id": "b"})
+    s.commit()
+    assert _blob_files(db_path) == []
+    s.close()
+    (task,) = _reopen_and_load(db_path)
+    assert task.task_id == "b" and task.state == "collected" and task.payload == []
+
+
+def test_uncommitted_blob_is_an_orphan_swept_at_open(db_path: Path) -> None:
+    s = Store(db_path)
+    s._lock.close()  # as after a crash
+    _add(s, task_id="kept", seq=1, payload=BIG)
+    s.commit()
+    _add(s, task_id="lost", seq=2, payload=BIG)  # written, never committed
+    (_blob_dir(db_path) / ".tmp-0123456789abcdef01234567").write_bytes(b"half")
+    s._db.close()
+    assert len(_blob_files(db_path)) == 3
+    (task,) = _reopen_and_load(db_path)
+    assert task.task_id == "kept" and [bytes(f) for f in task.payload] == BIG
+    assert len(_blob_files(db_path)) == 1
+
+
+def test_a_deleted_task_keeps_its_blob_until_the_commit(db_path: Path) -> None:
+    s = Store(db_path)
+    s._lock.close()
+    _add(s, payload=BIG)
+    s.commit()
+    s.delete_task("t1")
+    s._db.close()  # crash before the commit: the row comes back, and its blob with it
+    (task,) = _reopen_and_load(db_path)
+    assert [bytes(f) for f in task.payload] == BIG
+
+
+def test_a_refused_insert_does_not_leave_its_blob(store: Store, db_path: Path) -> None:
+    _add(store, task_id="t1", seq=1)
+    _add(store, task_id="t2", seq=1, payload=BIG)  # same (client, seq): refused
+    store.commit()
+    assert [t.task_id for t in store.load()] == ["t1"]
+    assert _blob_files(db_path) == []
+
+
+def test_in_memory_store_keeps_big_payloads_inline() -> None:
+    s = Store(":memory:")
+    try:
+        _add(s, payload=BIG)
+        s.commit()
+        (task,) = s.load()
+        assert task.payload == BIG
+    finally:
+        s.close()
+
+
+# ----------------------------------------------------------------- space and schema v1
+
+def _size(db_path: Path) -> int:
+    return sum(Path(f"{db_path}{suffix}").stat().st_size for suffix in ("", "-wal")
+               if Path(f"{db_path}{suffix}").exists())
+
+
+def test_idle_maintenance_gives_the_space_back(db_path: Path) -> None:
+    s = Store(db_path)
+    try:
+        filler = [b"p" * 2000]
+        for i in range(3000):
+            _add(s, task_id=f"t{i}", seq=i, payload=filler)
+        s.commit()
+        grown = _size(db_path)
+        for i in range(3000):
+            s.delete_task(f"t{i}")
+        s.idle_maintenance()
+        assert _size(db_path) < grown / 10
+        assert list(s.load()) == []
+    finally:
+        s.close()
+
+
+_V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE tasks (
+    task_id TEXT PRIMARY KEY, client_id TEXT NOT NULL, seq INTEGER NOT NULL,
+    job_id TEXT NOT NULL, spec BLOB NOT NULL, payload BLOB NOT NULL, state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, result_header BLOB, result_payload BLOB,
+    submitted_at REAL NOT NULL, UNIQUE (client_id, seq)
+);
+INSERT INTO meta VALUES ('schema_version', 1);
+INSERT INTO meta VALUES ('epoch', 4);
+"""
+
+
+def test_a_v1_journal_is_migrated_in_place(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.executescript("PRAGMA journal_mode=WAL;" + _V1_SCHEMA)
+    with raw:
+        raw.execute("INSERT INTO tasks (task_id, client_id, seq, job_id, spec, payload, state, "
+                    "submitted_at) VALUES ('old', 'c1', 1, 'job-1', ?, ?, 'pending', 1.0)",
+                    (msgpack.packb(SPEC), msgpack.packb(PAYLOAD)))
+    raw.close()
+    s = Store(db_path)
+    try:
+        assert s.next_epoch() == 5
+        (task,) = s.load()
+        assert task.task_id == "old" and task.payload == PAYLOAD
+        _add(s, task_id="new", seq=2, payload=BIG)
+        s.commit()
+    finally:
+        s.close()
+    raw = sqlite3.connect(db_path)
+    assert raw.execute("PRAGMA auto_vacuum").fetchone() == (2,)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (2,)
+    raw.close()
+    assert [t.task_id for t in _reopen_and_load(db_path)] == ["old", "new"]

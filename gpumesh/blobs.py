@@ -1,0 +1,161 @@
+"""Blob files of the coordinator's journal (store.py): big payloads live beside the database.
+
+A payload whose frames total ``BLOB_THRESHOLD`` bytes or more is written, frame after frame
+straight from its buffers, into one file of a private folder ``<db>.blobs/`` (0700, files 0600);
+the journal row keeps only the file's name and the frame lengths. SQLite then never copies,
+packs or logs the bulk bytes: its WAL would hold them twice, and its COMMIT would pay for them.
+
+A file is written under a temporary name and renamed when complete, so a referenced name never
+holds half a payload. Names are random, never reused, so a row can only ever meet its own bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from collections import deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+log = logging.getLogger("gpumesh.store")
+
+BLOB_THRESHOLD = 64 * 1024
+_NAME = re.compile(r"[0-9a-f]{24}")
+_TEMP_PREFIX = ".tmp-"
+try:
+    _IOV_MAX = min(int(os.sysconf("SC_IOV_MAX")), 1024)
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 16
+
+
+class BlobFolder:
+    """The blob files of one journal. Owned by the store's thread, like the database."""
+
+    def __init__(self, path: Path, *, sync: bool) -> None:
+        self.path = path
+        # synchronous=NORMAL (the coordinator's setting) does not fsync a commit either: both the
+        # row and its blob survive a crash of the process (the bytes are in the page cache) and
+        # may be lost to a power cut. FULL/EXTRA fsync the WAL at every commit, so then each blob
+        # and its folder entry are fsynced before the row that names it can be committed.
+        self.sync = sync
+        self._ready = False
+
+    def _ensure(self) -> None:
+        if self._ready:
+            return
+        try:
+            self.path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        os.chmod(self.path, 0o700)  # mkdir applies the umask; an older folder is tightened too
+        self._ready = True
+
+    def write(self, views: Sequence[memoryview]) -> str:
+        """Write the frames as one new blob and return its name. Raises OSError."""
+        self._ensure()
+        name = secrets.token_hex(12)
+        temp = self.path / f"{_TEMP_PREFIX}{name}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                _write_all(fd, views)
+                if self.sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, self.path / name)
+        except BaseException:
+            _unlink(temp)
+            raise
+        if self.sync:
+            _fsync_dir(self.path)
+        return name
+
+    def read(self, name: str, lengths: Sequence[int]) -> list[memoryview]:
+        """The frames of a blob: views into one buffer, read with one copy.
+
+        Raises ValueError when the name is not one this folder makes, or the file is missing
+        or not exactly as long as the frames."""
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError("a blob reference that this gpumesh does not write")
+        if not all(isinstance(n, int) and n >= 0 for n in lengths):
+            raise ValueError("bad frame lengths in a blob reference")
+        total = sum(lengths)
+        try:
+            fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ValueError(f"its payload file {name} is missing") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != total:
+                raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
+            buf = bytearray(total)
+            view = memoryview(buf)
+            got = 0
+            while got < total:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise ValueError(f"its payload file {name} ended at {got} of {total} bytes")
+                got += n
+        finally:
+            os.close(fd)
+        frames, start = [], 0
+        for n in lengths:
+            frames.append(view[start:start + n])
+            start += n
+        return frames
+
+    def unlink(self, names: Iterable[str]) -> None:
+        for name in names:
+            _unlink(self.path / name)
+
+    def sweep(self, referenced: set[str]) -> int:
+        """Delete every file no row refers to (a crash between writing a blob and committing
+        its row, or between a commit and the unlink it allowed). Returns how many went."""
+        try:
+            entries = list(os.scandir(self.path))
+        except FileNotFoundError:
+            return 0
+        self._ensure()
+        gone = 0
+        for entry in entries:
+            if entry.name not in referenced:
+                _unlink(Path(entry.path))
+                gone += 1
+        return gone
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+
+def _write_all(fd: int, views: Sequence[memoryview]) -> None:
+    pending = deque(v for v in views if v.nbytes)
+    while pending:
+        written = os.writev(fd, [pending[i] for i in range(min(len(pending), _IOV_MAX))])
+        while written:
+            head = pending[0]
+            if written >= head.nbytes:
+                written -= head.nbytes
+                pending.popleft()
+            else:
+                pending[0] = head[written:]
+                written = 0
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a stray directory, a read-only disk: keep the journal running
+        log.warning("cannot delete the journal's blob %s: %s", path, exc.strerror)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
