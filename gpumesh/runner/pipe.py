@@ -1,20 +1,55 @@
 """Framing for the agent <-> runner control socket: a count, the lengths, then the frames.
 
 A local stream socket has no message boundaries, so each message is written as
-``[u32 frame count][u64 length]*count[frame bytes]*count``. Large frames are written straight
-from their buffers and read straight into preallocated ones, without an intermediate join.
+``[u32 frame count][u32 flags][u64 length]*count[socket frame bytes]*``. Frames of
+``SHARED_THRESHOLD`` bytes or more do not pass through the socket at all: they are written
+once into a sealed memfd whose descriptor travels with the message (SCM_RIGHTS), and the
+receiver maps it, so the bytes are neither copied into the kernel's socket buffers nor out
+again. Where memfd or descriptor passing is missing, every frame goes through the socket.
+Smaller frames are written straight from their buffers and read straight into preallocated
+ones, without an intermediate join.
+
+Both ends treat the other as untrusted: a count, a length, a descriptor or a file that does not
+match the header raises ValueError before anything is mapped or allocated.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import socket
+import stat
 import struct
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-_COUNT = struct.Struct("<I")
+try:
+    import fcntl
+except ImportError:  # not POSIX: no descriptor passing either
+    fcntl = None  # type: ignore[assignment]
+
+_HEAD = struct.Struct("<II")
 _LENGTH = struct.Struct("<Q")
 MAX_FRAMES = 4096
+SHARED_THRESHOLD = 64 * 1024
+# flags: one descriptor came with the first bytes of this message
+_SHARED = 1
+# in a length: this frame lies in the shared file, not on the socket
+_IN_FILE = 1 << 63
+_ALIGN = 64  # each frame in the shared file starts at a multiple of this (numpy likes it)
+_MAX_FDS = 4  # room to see (and close) a few more than the one we accept
+_SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE", "F_SEAL_SEAL")
+# Descriptor passing and memfd seals (Linux): without them every frame uses the socket.
+_FD_PASSING = (
+    hasattr(socket, "send_fds") and hasattr(socket, "SCM_RIGHTS") and fcntl is not None
+    and hasattr(fcntl, "F_GET_SEALS") and all(hasattr(fcntl, name) for name in _SEALS)
+)
+_memfd_ok = _FD_PASSING and hasattr(os, "memfd_create")  # False after memfd_create failed
+try:
+    _IOV_MAX = min(int(os.sysconf("SC_IOV_MAX")), 1024)
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 16
 
 
 class PipeClosed(EOFError):
@@ -22,27 +57,181 @@ class PipeClosed(EOFError):
 
 
 def send_message(sock: socket.socket, frames: Sequence[Any]) -> None:
-    views = [memoryview(_buffer(f)).cast("B") for f in frames]
-    head = _COUNT.pack(len(views)) + b"".join(_LENGTH.pack(v.nbytes) for v in views)
-    sock.sendall(head)
-    for view in views:
-        if view.nbytes:
+    views = [_view(f) for f in frames]
+    big = [v.nbytes >= SHARED_THRESHOLD for v in views]
+    fd = _shared_file([v for v, b in zip(views, big, strict=True) if b]) \
+        if any(big) and sock.family == socket.AF_UNIX else None
+    if fd is None:
+        big = [False] * len(views)
+    head = _HEAD.pack(len(views), 0 if fd is None else _SHARED) + b"".join(
+        _LENGTH.pack(v.nbytes | (_IN_FILE if b else 0)) for v, b in zip(views, big, strict=True))
+    try:
+        if fd is None:
+            sock.sendall(head)
+        else:
+            sent = socket.send_fds(sock, [head], [fd])
+            if sent < len(head):
+                sock.sendall(memoryview(head)[sent:])
+    finally:
+        if fd is not None:
+            os.close(fd)  # the message holds its own reference to the file
+    for view, in_file in zip(views, big, strict=True):
+        if view.nbytes and not in_file:
             sock.sendall(view)
 
 
-def _buffer(frame: Any) -> Any:
+def _view(frame: Any) -> memoryview:
     buffer = getattr(frame, "buffer", None)  # zmq.Frame, without importing zmq
-    return buffer if buffer is not None else frame
+    view = memoryview(buffer if buffer is not None else frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def recv_message(sock: socket.socket, max_bytes: int) -> list[bytearray]:
-    (count,) = _COUNT.unpack(_recv_exact(sock, _COUNT.size))
-    if count > MAX_FRAMES:
-        raise ValueError(f"{count} frames on the runner pipe")
-    lengths = [_LENGTH.unpack(_recv_exact(sock, _LENGTH.size))[0] for _ in range(count)]
-    if sum(lengths) > max_bytes:
-        raise ValueError(f"a {sum(lengths)}-byte message on the runner pipe exceeds {max_bytes}")
-    return [_recv_exact(sock, n) for n in lengths]
+def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of frames laid out back to back at aligned starts, and the file size."""
+    offsets, end = [], 0
+    for n in lengths:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+def _shared_file(views: Sequence[memoryview]) -> int | None:
+    """A sealed memfd holding the frames, or None where there is none (then the socket)."""
+    global _memfd_ok
+    if not _memfd_ok:
+        return None
+    try:
+        fd = os.memfd_create("gpumesh-frames", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError:  # a kernel or sandbox without memfd: remember, and use the socket
+        _memfd_ok = False
+        return None
+    try:
+        offsets, size = _layout([v.nbytes for v in views])
+        pieces: list[memoryview] = []
+        end = 0
+        for view, start in zip(views, offsets, strict=True):
+            if start > end:
+                pieces.append(memoryview(bytes(start - end)))
+            pieces.append(view)
+            end = start + view.nbytes
+        _write_all(fd, pieces)
+        # Sealed: the receiver maps it, and a file that shrank under a mapping would kill the
+        # receiver with SIGBUS. Nobody can change the bytes after this, the sender included.
+        assert fcntl is not None
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        if os.fstat(fd).st_size != size:
+            raise OSError("short write into the shared file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, views: Sequence[memoryview]) -> None:
+    pending = deque(v for v in views if v.nbytes)
+    while pending:
+        written = os.writev(fd, [pending[i] for i in range(min(len(pending), _IOV_MAX))])
+        while written:
+            head = pending[0]
+            if written >= head.nbytes:
+                written -= head.nbytes
+                pending.popleft()
+            else:
+                pending[0] = head[written:]
+                written = 0
+
+
+def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
+    """One message's frames: bytearrays, or writable memoryviews of a private mapping of the
+    shared file, which stays mapped while any of them is referenced. Both are what
+    ``pickle.loads(frames[0], buffers=frames[1:])`` takes.
+
+    Raises PipeClosed at end of stream, ValueError for a message that breaks the format or
+    the limits (the stream is then out of step: drop the pipe)."""
+    head, fds = _recv_head(sock)
+    try:
+        count, flags = _HEAD.unpack(head)
+        if count > MAX_FRAMES:
+            raise ValueError(f"{count} frames on the runner pipe")
+        if flags & ~_SHARED:
+            raise ValueError(f"unknown flags {flags:#x} on the runner pipe")
+        if len(fds) != (1 if flags & _SHARED else 0):
+            raise ValueError(f"{len(fds)} file descriptors with a message on the runner pipe "
+                             f"that {'has one' if flags & _SHARED else 'has none'}")
+        words = struct.unpack(f"<{count}Q", _recv_exact(sock, _LENGTH.size * count))
+        lengths = [w & ~_IN_FILE for w in words]
+        in_file = [bool(w & _IN_FILE) for w in words]
+        if sum(lengths) > max_bytes:
+            raise ValueError(
+                f"a {sum(lengths)}-byte message on the runner pipe exceeds {max_bytes}")
+        if any(in_file) != bool(fds):
+            raise ValueError("frames in a shared file without one, or a file without frames")
+        shared: list[memoryview] = []
+        if fds:
+            shared = _map_shared(fds[0], [n for n, f in zip(lengths, in_file, strict=True) if f])
+    finally:
+        for fd in fds:
+            os.close(fd)  # a mapping keeps the file; nothing else needs the descriptor
+    files = iter(shared)
+    return [next(files) if f else _recv_exact(sock, n)
+            for n, f in zip(lengths, in_file, strict=True)]
+
+
+def _recv_head(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The fixed head of a message, and any descriptors that came with it."""
+    data = b""
+    fds: list[int] = []
+    space = socket.CMSG_SPACE(_MAX_FDS * 4) if _FD_PASSING else 0
+    try:
+        while len(data) < _HEAD.size:
+            if space:
+                chunk, ancdata, msg_flags, _ = sock.recvmsg(_HEAD.size - len(data), space)
+                for level, kind, payload in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        whole = len(payload) - len(payload) % 4
+                        fds.extend(struct.unpack(f"{whole // 4}i", payload[:whole]))
+                    else:
+                        raise ValueError("unexpected ancillary data on the runner pipe")
+                if msg_flags & socket.MSG_CTRUNC:
+                    raise ValueError("too many file descriptors on the runner pipe")
+            else:
+                chunk = sock.recv(_HEAD.size - len(data))
+            if not chunk:
+                raise PipeClosed("the other end of the runner pipe closed")
+            data += chunk
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return data, fds
+
+
+def _map_shared(fd: int, lengths: Sequence[int]) -> list[memoryview]:
+    """Map the sender's sealed memfd privately (copy on write: the views are writable, like a
+    bytearray, and writes stay ours) and cut it into the frames."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError("the runner pipe passed a descriptor that is not a file")
+    assert fcntl is not None  # _recv_head takes descriptors only where fcntl is there
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ValueError("the runner pipe passed a file that is not a memfd") from None
+    needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE
+    if seals & needed != needed:
+        raise ValueError("the runner pipe passed a memfd that is not sealed")
+    offsets, size = _layout(lengths)
+    if info.st_size != size:
+        raise ValueError(f"the runner pipe's shared file has {info.st_size} bytes, "
+                         f"its frames need {size}")
+    try:
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    except PermissionError:  # a kernel that refuses private writable maps of a sealed memfd
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    whole = memoryview(mapped)
+    return [whole[start:start + n] for start, n in zip(offsets, lengths, strict=True)]
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:
