@@ -57,10 +57,13 @@ class PipeClosed(EOFError):
 
 
 def send_message(sock: socket.socket, frames: Sequence[Any]) -> None:
+    """Write one message. Frames are bytes-like objects or zmq Frames; none is copied on the way
+    to the socket, and big ones are copied once, into the shared file."""
     views = [_view(f) for f in frames]
     big = [v.nbytes >= SHARED_THRESHOLD for v in views]
-    fd = _shared_file([v for v, b in zip(views, big, strict=True) if b]) \
-        if any(big) and sock.family == socket.AF_UNIX else None
+    fd = None
+    if any(big) and sock.family == socket.AF_UNIX:
+        fd = _shared_file([v for v, b in zip(views, big, strict=True) if b])
     if fd is None:
         big = [False] * len(views)
     head = _HEAD.pack(len(views), 0 if fd is None else _SHARED) + b"".join(
