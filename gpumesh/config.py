@@ -154,6 +154,9 @@ class Settings:
     verbose: bool = False
     # A coordinator started with a weak token refuses it unless this is set (GPUMESH_WEAK_TOKEN).
     weak_token: bool = False
+    # Big frames between processes of one machine travel through a shared-memory folder
+    # instead of the sockets (gpumesh.sharedmem). GPUMESH_SHARED_MEMORY=0 turns it off.
+    share_memory: bool = True
     timing: Timing = field(default_factory=Timing)
     limits: Limits = field(default_factory=Limits)
 
@@ -178,6 +181,7 @@ class Settings:
             local_only=_env_bool(env.get("GPUMESH_LOCAL")),
             verbose=_env_bool(env.get("GPUMESH_VERBOSE")),
             weak_token=_env_bool(env.get("GPUMESH_WEAK_TOKEN")),
+            share_memory=_env_bool(env.get("GPUMESH_SHARED_MEMORY", "1")),
             timing=timing,
             limits=Limits(max_queued_bytes=int(2**30 * _env_float(
                 env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30))),

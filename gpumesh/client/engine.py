@@ -49,7 +49,9 @@ from ..protocol import (
     encode,
     serialize,
 )
+from ..protocol.refs import Ref, parse_refs, ref_names
 from ..security import derive_keys
+from ..sharedmem import SharedFolder, materialize
 from ..transport import Backoff, DealerLink, LinkEvent
 
 log = logging.getLogger("gpumesh.client")
@@ -86,6 +88,8 @@ class _Submission:
     task_id: str = ""
     sent_at: float = 0.0
     busy: bool = False  # refused for now by the coordinator's per-client quota: sent again later
+    # Its big frames as left in a shared-memory folder: (folder path, frames, references).
+    shared: tuple[str, list[Any], list[Ref]] | None = None
 
     @property
     def header_bytes(self) -> int:
@@ -125,6 +129,7 @@ class Engine:
         self.on_connect = on_connect
         self._ctx = zmq.Context()
         self._link = DealerLink(self._ctx, endpoint, self._keys, settings.limits)
+        self._shm: SharedFolder | None = None  # the coordinator's, when this machine shares it
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -277,6 +282,8 @@ class Engine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for sub in list(self._outstanding.values()):
+            if not sub.task_id:
+                self._unshare(sub)  # never accepted: nobody else will remove its files
             if not sub.future.done():
                 sub.future.set_exception(exc)
         self._outstanding.clear()
@@ -397,9 +404,12 @@ class Engine:
         frames: list[Any] = []
         limit = self.settings.limits.chunk_bytes
         for sub in chunk:
+            task_frames, refs = self._shared_frames(sub)
             # Frames over the coordinator's frame limit travel as slices of themselves.
-            wire, layout = serialize.split_frames(sub.frames, limit)
+            wire, layout = serialize.split_frames(task_frames, limit)
             spec = {**sub.spec, "seq": sub.seq, "nf": len(wire)}
+            if refs:
+                spec["shm"] = [list(ref) for ref in refs]
             if layout is not None:
                 spec["split"] = layout
             specs.append(spec)
@@ -408,6 +418,23 @@ class Engine:
         if self._link.send(encode(Command.SUBMIT, header, frames)):
             for sub in chunk:
                 sub.sent_at = now
+
+    def _shared_frames(self, sub: _Submission) -> tuple[list[Any], list[Ref]]:
+        """A function task's big frames go through the coordinator's shared-memory folder when
+        this process can use it (same machine): written once, whatever the re-sends."""
+        folder = self._shm
+        if folder is None or sub.spec.get("kind") != "fn":
+            return sub.frames, []
+        if sub.shared is None or sub.shared[0] != str(folder.path):
+            frames, refs = folder.share(sub.frames)
+            sub.shared = (str(folder.path), frames, refs)
+        return sub.shared[1], sub.shared[2]
+
+    def _unshare(self, sub: _Submission) -> None:
+        """The coordinator will never own this submission's shared files: remove them."""
+        if sub.shared is not None and self._shm is not None:
+            self._shm.remove(ref_names(sub.shared[2]))
+        sub.shared = None
 
     # ----------------------------------------------------------------- coordinator messages
 
@@ -433,6 +460,11 @@ class Engine:
     def _on_welcome(self, msg: Message, now: float) -> None:
         self.welcome = msg.header
         self._welcomed_at = now
+        self._shm = (SharedFolder.join(msg.header.get("shm")) if self.settings.share_memory
+                     else None)
+        if self._shm is not None:
+            # Before any SUBMIT that names a shared file: the coordinator reads in order.
+            self._link.send(encode(Command.HEARTBEAT, {"shm": self._shm.proof}))
         self._heartbeat = float(msg.header.get("heartbeat", self._heartbeat))
         self._silence_limit = self._heartbeat * int(msg.header.get("liveness", 5))
         self._backoff.reset()
@@ -483,6 +515,7 @@ class Engine:
                     self._parked.append(sub)
                 continue
             self._outstanding.pop(seq, None)
+            self._unshare(sub)
             if not sub.future.done():
                 sub.future.set_exception(SubmitRejected(f"the coordinator refused the task: {text}"))
 
@@ -505,7 +538,8 @@ class Engine:
             return
         try:
             future.set_result(decode_result(msg.header, msg.payload,
-                                            script=sub.spec.get("kind") == "script"))
+                                            script=sub.spec.get("kind") == "script",
+                                            shm=self._shm))
         except BaseException as exc:  # the remote exception, rebuilt
             future.set_exception(exc)
 
@@ -618,7 +652,8 @@ _HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
 }
 
 
-def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = False) -> Any:
+def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = False,
+                  shm: SharedFolder | None = None) -> Any:
     """A task's value, or raise what the task ended with (the original type where possible).
 
     A script's result is JSON or text and is never unpickled, whatever the header says: only a
@@ -628,6 +663,10 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     worker = str(header.get("worker", ""))
     split = header.get("split")
     payload = serialize.join_frames(payload, split if isinstance(split, list) else None)
+    refs = parse_refs(header.get("shm"), len(payload)) if not script else ()
+    if refs:
+        # Mapped copy-on-write: no copy, and the value stays writable.
+        payload = materialize(payload, refs, shm)
     if status == ResultStatus.OK.value:
         encoding = header.get("encoding")
         if encoding in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value):
@@ -636,7 +675,7 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
         if script:
             raise TaskError(f"task {task_id}: the worker sent a script result that is not JSON "
                             "or text; it was not read", task_id=task_id)
-        return serialize.loads(payload)
+        return serialize.loads(serialize.writable(payload))
     diagnosis = str(header.get("diagnosis", ""))
     if status == ResultStatus.ERROR.value:
         error = header.get("error") or {}

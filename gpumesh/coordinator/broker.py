@@ -47,6 +47,8 @@ from ..protocol import (
     qid_of,
     unbundle,
 )
+from ..protocol.refs import ref_names, refs_of
+from ..sharedmem import SharedFolder
 from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
 from .jobs import Job, summarize
@@ -65,9 +67,10 @@ MAX_SKIPPED = 1000  # unplaceable tasks put back per dispatch pass before it giv
 class Broker:
     def __init__(
         self, store: Store, timing: Timing, limits: Limits, *, epoch: int, now: float,
-        safe_mode: bool = False,
+        safe_mode: bool = False, shm: SharedFolder | None = None,
     ) -> None:
         self.ledger = Ledger(store, timing, limits, epoch=epoch, now=now, safe_mode=safe_mode)
+        self.ledger.shm = shm
         self.worker_side = WorkerSide(self.ledger)
         self.retention = Retention(self.ledger)
         self.client_side = ClientSide(self.ledger, self.worker_side, self.retention)
@@ -145,6 +148,15 @@ class Broker:
             if len(job.summaries) >= len(job.task_ids):
                 job.finished_at = max((float(s.get("finished_at", 0.0) or 0.0)
                                        for s in job.summaries.values()), default=job.created)
+        if ledger.shm is not None:
+            # Shared frames no journaled task refers to: from a client that never got its
+            # ACCEPTED, or a result acknowledged just before a crash.
+            keep = {name for task in ledger.tasks.values()
+                    for header in (task.spec, task.result_header or {})
+                    for name in ref_names(refs_of(header.get("shm")))}
+            swept = ledger.shm.sweep(keep, now)
+            if swept:
+                log.info("removed %d shared-memory file(s) nothing refers to", swept)
         return count
 
     def _restore_row(self, row: StoredTask, now: float) -> int:
@@ -157,7 +169,9 @@ class Broker:
             raise ValueError(f"its row does not decode: {row.spec[CORRUPT]}")
         stored = {**row.spec, "nf": len(row.payload)}
         if not row.payload:
-            stored.pop("split", None)  # a finished task's input is gone, and its layout with it
+            # A finished task's input is gone, and its layout and shared frames with it.
+            stored.pop("split", None)
+            stored.pop("shm", None)
         spec = TaskSpec.from_mapping(stored)
         task = Task(
             task_id=row.task_id, client_id=row.client_id, seq=row.seq, job_id=row.job_id,
@@ -271,6 +285,8 @@ class Broker:
             "max_frames": ledger.limits.max_frames, "safe_mode": ledger.safe_mode,
             "batch": True,
         }
+        if ledger.shm is not None:
+            welcome["shm"] = ledger.shm.offer()
         if hello.role is Role.WORKER:
             welcome["abort"] = self.worker_side.hello(routing, hello, now)
         else:
@@ -279,6 +295,7 @@ class Broker:
         session = (ledger.workers if hello.role is Role.WORKER else ledger.clients).get(hello.peer_id)
         if session is not None:
             session.batch = hello.batch
+            session.shm = False  # until this session's HEARTBEAT proves it reads the folder
         ledger.send(routing, Command.WELCOME, welcome)
 
     def _worker_result(self, worker: WorkerSession, msg: Message, now: float) -> None:
@@ -379,6 +396,10 @@ class Broker:
             self._last_pending_check = now
             _guarded("fail unschedulable tasks", self._fail_unschedulable, now)
             _guarded("find stragglers", lambda _now: self.worker_side.refresh_stragglers(), now)
+            if not ledger.pending and not any(w.leases for w in ledger.workers.values()):
+                # Idle: give the journal's freed pages and WAL back (once 256 rows were freed).
+                _guarded("give back journal space",
+                         lambda _now: ledger.store.idle_maintenance(), now)
         if now - self._last_sweep >= RETENTION_SWEEP:
             self._last_sweep = now
             _guarded("sweep retained results", self.retention.sweep, now)
@@ -445,7 +466,8 @@ _WORKER_HANDLERS: dict[Command, Callable[[Broker, Any, Message, float], None]] =
         w, departure_of(m.header), now),
 }
 _CLIENT_HANDLERS: dict[Command, Callable[[Broker, Any, Message, float], None]] = {
-    Command.HEARTBEAT: lambda b, c, m, now: None,  # last_seen was refreshed by handle()
+    Command.HEARTBEAT: lambda b, c, m, now: b.client_side.heartbeat(
+        c, Heartbeat.from_header(m.header)),  # last_seen was refreshed by handle()
     Command.SUBMIT: Broker._client_submit,
     Command.RESULT_ACK: lambda b, c, m, now: b.client_side.result_ack(
         c, TaskIds.from_header(m.header), now),

@@ -22,6 +22,7 @@ from ..protocol import (
     Command,
     Control,
     ErrorCode,
+    Heartbeat,
     Hello,
     ProtocolError,
     Query,
@@ -31,6 +32,7 @@ from ..protocol import (
     TaskSpec,
 )
 from ..protocol import fields as f
+from ..protocol.refs import shared_bytes
 from ..protocol.serialize import payload_nbytes
 from .jobs import Job, find_job
 from .ledger import Ledger
@@ -75,6 +77,10 @@ class ClientSide:
         if len(clients) >= MAX_CLIENT_RECORDS:
             raise ProtocolError(ErrorCode.BUSY, f"this coordinator already serves "
                                 f"{MAX_CLIENT_RECORDS} clients")
+
+    def heartbeat(self, client: ClientSession, beat: Heartbeat) -> None:
+        if beat.shm:
+            client.shm = self.ledger.shares_memory(beat.shm)
 
     def disconnect(self, client: ClientSession, now: float) -> None:
         if client.routing is not None:
@@ -169,6 +175,10 @@ class ClientSide:
     def _refusal(self, client: ClientSession, spec: TaskSpec, payload: list[Any],
                  queued_total: int) -> tuple[ErrorCode, str] | None:
         limits = self.ledger.limits
+        if spec.shared and not client.shm:
+            return ErrorCode.MALFORMED, (
+                "its frames are in a shared-memory folder this client has not shown it can "
+                "read: send the bytes instead")
         if self.ledger.safe_mode and spec.kind is TaskKind.FUNCTION:
             return ErrorCode.SAFE_MODE, (
                 "this coordinator runs with --safe-mode and accepts scripts only: submit a script "
@@ -177,7 +187,7 @@ class ClientSide:
             return ErrorCode.BUSY, (f"this client already has {client.unfinished} unfinished "
                                     f"tasks (the limit is {limits.max_queued_tasks}): wait for "
                                     "some to finish, then submit again")
-        size = max(payload_nbytes(payload), MIN_TASK_BYTES)
+        size = max(payload_nbytes(payload) + shared_bytes(spec.shared), MIN_TASK_BYTES)
         if client.queued_bytes + size > limits.max_queued_bytes:
             return ErrorCode.BUSY, (
                 f"this client's unfinished tasks already hold {_mib(client.queued_bytes)} of "
@@ -203,6 +213,7 @@ class ClientSide:
                 # The owner has the failure; the task stays (input kept) so it can be retried.
                 task.collected = True
                 task.result_payload = []
+                self.ledger.drop_shared(task.result_header)
 
     def fetch(self, client: ClientSession, ids: TaskIds, now: float) -> None:
         missing = []

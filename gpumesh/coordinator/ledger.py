@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Limits, Timing
-from ..protocol import Command, ErrorCode, Requirements, ResultStatus, Role, encode
+from ..protocol import Command, ErrorCode, Requirements, ResultStatus, Role, encode, serialize
+from ..protocol.refs import ref_names, refs_of
+from ..sharedmem import SharedFolder, materialize
 from ..store import Store
 from .jobs import Job, summarize
 from .state import REDELIVER_AFTER, ClientSession, Task, TaskState, WorkerSession, WorkerState
@@ -67,6 +69,9 @@ class Ledger:
         self.events: deque[Event] = deque(maxlen=EVENT_HISTORY)
         self.listeners: list[Callable[[Event], None]] = []
         self.malformed: dict[bytes, int] = {}
+        # This machine's shared-memory folder, where same-machine peers leave big frames
+        # (gpumesh.sharedmem); None where there is none. Set by the server.
+        self.shm: SharedFolder | None = None
         self._order = itertools.count()
         self._lease_counter = itertools.count(1)
         self._event_seq = itertools.count(1)
@@ -77,6 +82,10 @@ class Ledger:
              payload: Sequence[Any] = ()) -> None:
         if routing is not None:
             self.outbox.append((routing, encode(command, header, payload)))
+
+    def shares_memory(self, proof: str) -> bool:
+        """Whether a peer's HEARTBEAT ``shm`` proves it reads this machine's memory folder."""
+        return self.shm is not None and self.shm.verifies(proof)
 
     def reads_batches(self, routing: bytes) -> bool:
         peer = self.peers.get(routing)
@@ -116,6 +125,9 @@ class Ledger:
         self.kinds.add((task.requirements, task.portable))
 
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
+        header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
+        # Raises (and the task fails, saying why) when its shared input is gone.
+        payload = self.outgoing(header, task.payload, worker.shm)
         task.move(TaskState.LEASED)
         task.attempts += 1
         task.lease_id = self.new_lease_id()
@@ -124,13 +136,33 @@ class Ledger:
         task.lease_expires = now + self.timing.lease_ttl
         worker.leases[task.lease_id] = task.task_id
         worker.sent += 1
-        header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
         need = {k: v for k, v in (("gpu", task.requirements.gpu), ("vram", task.requirements.vram))
                 if v is not None}
         if need:
             header["need"] = need  # the worker picks the slot whose own GPU satisfies it
         header.update(task=task.task_id, lease=task.lease_id, attempt=task.attempts)
-        self.send(worker.routing, Command.TASK, header, task.payload)
+        self.send(worker.routing, Command.TASK, header, payload)
+
+    def outgoing(self, header: dict[str, Any], payload: list[Any], shares: bool) -> list[Any]:
+        """The frames to send a peer: as they are for one that shares this machine's memory
+        folder; with the shared frames read back in (and ``shm`` dropped) for one that does not.
+        Raises ValueError when a shared frame is gone."""
+        refs = refs_of(header.get("shm"))
+        if not refs or shares:
+            return payload
+        frames = serialize.join_frames(payload, header.get("split"))
+        frames = materialize(frames, refs, self.shm)
+        wire, layout = serialize.split_frames(frames, self.limits.chunk_bytes)
+        header.pop("shm")
+        header.pop("split", None)
+        if layout is not None:
+            header["split"] = layout
+        return wire
+
+    def drop_shared(self, header: dict[str, Any] | None) -> None:
+        """Remove the shared-memory files a spec or result refers to: nobody needs them now."""
+        if header and "shm" in header and self.shm is not None:
+            self.shm.remove(ref_names(refs_of(header["shm"])))
 
     def finish(self, task: Task, state: TaskState, result: dict[str, Any], payload: list[Any],
                now: float) -> None:
@@ -154,6 +186,7 @@ class Ledger:
             job.summaries[task.task_id] = summarize(task)
         if not retryable:
             task.payload = []
+            self.drop_shared(task.spec)
         if job is not None and len(job.summaries) >= len(job.task_ids):  # only its tasks
             job.finished_at = now
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
@@ -175,8 +208,17 @@ class Ledger:
                 or task.collected:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
+        try:
+            payload = self.outgoing(header, task.result_payload, client.shm)
+        except ValueError as exc:
+            log.warning("the result of task %s is lost: %s", task.task_id, exc)
+            header = {"status": ResultStatus.ERROR.value, "task": task.task_id, "seq": task.seq,
+                      "worker": header.get("worker", ""), "attempts": task.attempts,
+                      "error": {"type": "gpumesh.ResultLost", "traceback": "",
+                                "message": f"the task finished, but its result is lost: {exc}"}}
+            payload = []
         task.delivered = (client.routing, now)
-        self.send(client.routing, Command.RESULT, header, task.result_payload)
+        self.send(client.routing, Command.RESULT, header, payload)
 
     def redeliver(self, task: Task, now: float) -> None:
         """Send a finished task's result again (FETCH, a re-sent SUBMIT), at most once a second
@@ -246,6 +288,7 @@ class Ledger:
         task.pending_since = now
         task.lease_floor = self.new_lease_id()
         task.attempts, task.failures, task.excluded = 0, [], set()
+        self.drop_shared(task.result_header)
         task.result_header, task.result_payload = None, []
         task.cancel_requested = task.collected = False
         task.worker_id = ""

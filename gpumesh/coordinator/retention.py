@@ -25,6 +25,8 @@ class Retention:
         """Drop a finished task and its result: only its summary stays, in memory and in the
         journal, until its job is forgotten."""
         del self.ledger.tasks[task.task_id]
+        self.ledger.drop_shared(task.spec)
+        self.ledger.drop_shared(task.result_header)
         self.ledger.by_seq.pop((task.client_id, task.seq), None)
         job = self.ledger.jobs.get(task.job_id)
         summary = job.summaries.get(task.task_id) if job is not None else None

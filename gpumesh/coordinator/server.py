@@ -6,7 +6,9 @@ out work, commit the journal once, then send everything the turn produced.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +27,7 @@ from ..security import (
     start_authenticator,
     watch_handshakes,
 )
+from ..sharedmem import SharedFolder
 from ..store import Store
 from ..transport import apply_common_options, receive, send_frames
 from .broker import Broker
@@ -50,8 +53,11 @@ class Coordinator:
         self.epoch = self.store.next_epoch()
         self.store.commit()
         now = time.time()
+        # Big frames between processes of this machine go through files, not sockets; the
+        # folder is named after the journal, so journaled references survive a restart.
+        shm = SharedFolder.create(_journal_key(db_path)) if settings.share_memory else None
         self.broker = Broker(self.store, settings.timing, settings.limits, epoch=self.epoch,
-                             now=now, safe_mode=safe_mode)
+                             now=now, safe_mode=safe_mode, shm=shm)
         self.restored = self.broker.restore(now)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -174,6 +180,15 @@ class Coordinator:
         self._auth.stop()
         self._ctx.term()
         self.store.close()
+        if self.broker.ledger.shm is not None:
+            self.broker.ledger.shm.close()
+
+
+def _journal_key(db_path: Path | str) -> str:
+    where = str(db_path) if str(db_path) == ":memory:" else str(Path(db_path).resolve())
+    if where == ":memory:":
+        where += secrets.token_hex(8)  # nothing outlives this process: a folder of its own
+    return hashlib.blake2b(where.encode(), digest_size=8).hexdigest()
 
 
 def _bind_host(host: str) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol import ClientInfo, Requirements, WorkerInfo, WorkerMode
+from ..protocol.refs import refs_of, shared_bytes
 from ..protocol.serialize import payload_nbytes
 from ..scheduler import DEFAULT_COST, TaskView, WorkerView
 
@@ -128,7 +129,7 @@ class Task:
 
     @property
     def input_bytes(self) -> int:
-        return payload_nbytes(self.payload)
+        return payload_nbytes(self.payload) + shared_bytes(refs_of(self.spec.get("shm")))
 
     @property
     def max_attempts(self) -> int:
@@ -144,8 +145,9 @@ class Task:
 
     @property
     def result_bytes(self) -> int:
-        return sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
-                   for f in self.result_payload)
+        shared = shared_bytes(refs_of((self.result_header or {}).get("shm")))
+        return shared + sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
+                            for f in self.result_payload)
 
     def view(self) -> TaskView:
         return TaskView(self.task_id, self.requirements, self.cost, frozenset(self.excluded),
@@ -173,6 +175,7 @@ class WorkerSession:
     mode: WorkerMode = WorkerMode.ACTIVE  # as the worker's owner set it
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
+    shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
 
     @property
     def draining(self) -> bool:
@@ -249,6 +252,7 @@ class ClientSession:
     unfinished: int = 0
     queued_bytes: int = 0
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
+    shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
 
     @property
     def owner(self) -> str:

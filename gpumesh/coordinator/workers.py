@@ -137,6 +137,8 @@ class WorkerSide:
     # ----------------------------------------------------------------- worker messages
 
     def heartbeat(self, worker: WorkerSession, beat: Heartbeat, now: float) -> None:
+        if beat.shm:
+            worker.shm = self.ledger.shares_memory(beat.shm)
         expires = now + self.ledger.timing.lease_ttl
         tasks = self.ledger.tasks
         for lease_id in beat.leases:
@@ -164,6 +166,9 @@ class WorkerSide:
 
     def result(self, worker: WorkerSession, res: Result, payload: list[Any], now: float) -> None:
         ledger = self.ledger
+        if res.shared and not worker.shm:
+            raise ProtocolError(ErrorCode.MALFORMED, "result frames in a shared-memory folder "
+                                "this worker has not shown it can use: send the bytes instead")
         if res.granted is not None:
             worker.granted = max(worker.granted, res.granted)
         task = ledger.tasks.get(res.task)
@@ -172,6 +177,7 @@ class WorkerSide:
             # Not a lease this coordinator run gave this worker: forged, or from before a
             # restart and never re-claimed. Either way it must not decide the task.
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "rejected"})
+            ledger.drop_shared({"shm": [list(r) for r in res.shared]})
             return
         held = worker.leases.pop(res.lease, None)
         if held is not None:
@@ -185,6 +191,7 @@ class WorkerSide:
             or (res.status is ResultStatus.CANCELLED and res.lease != task.lease_id))
         if task is None or task.state.terminal or stale:
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
+            ledger.drop_shared({"shm": [list(r) for r in res.shared]})
             return
         if res.status is ResultStatus.CRASHED:
             if held is not None and task.lease_id == res.lease:
@@ -217,6 +224,10 @@ class WorkerSide:
             payload = []  # a failed script says it all in its error; no frames go on
         if res.split and payload:
             result["split"] = list(res.split)  # the submitter rebuilds the big frames
+        if res.shared and payload:
+            result["shm"] = [list(ref) for ref in res.shared]  # left in shared memory
+        elif res.shared:
+            self.ledger.drop_shared({"shm": [list(r) for r in res.shared]})
         self.ledger.finish(task, state, result, payload, now)
 
     def disconnect(self, worker: WorkerSession, reason: Departure, now: float) -> None:

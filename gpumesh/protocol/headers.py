@@ -13,6 +13,7 @@ from typing import Any
 
 from . import fields as f
 from .messages import ErrorCode, ProtocolError, Role
+from .refs import Ref, parse_refs
 from .requirements import MAX_CORES, Gpu, Requirements, parse_python, parse_size
 from .taskenv import check_script_name, check_task_env
 from .vocabulary import Departure, ResultEncoding, ResultStatus, TaskKind, WorkerMode
@@ -256,10 +257,14 @@ class Credit:
 @dataclass(frozen=True)
 class Heartbeat:
     leases: tuple[int, ...]
+    # The proof read from the coordinator's shared-memory folder (gpumesh.sharedmem), once
+    # per session: this peer shares the machine and may pass big frames by reference.
+    shm: str = ""
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Heartbeat:
-        return cls(f.int_list(h, "leases", max_items=MAX_IDS, default=()))
+        return cls(f.int_list(h, "leases", max_items=MAX_IDS, default=()),
+                   f.text(h, "shm", max_len=64, default=""))
 
 
 @dataclass(frozen=True)
@@ -289,10 +294,16 @@ class Result:
     diagnosis: str | None
     encoding: ResultEncoding
     split: tuple[int, ...] = ()  # wire frames per result frame, when big ones were split
+    shared: tuple[Ref, ...] = ()  # ``shm``: result frames left in shared memory
 
     def check_frames(self, count: int) -> None:
         if self.split and sum(self.split) != count:
             raise f.malformed(f"'split' adds up to {sum(self.split)} frames, not {count}")
+        frames = len(self.split) if self.split else count
+        if any(index >= frames for index, _, _ in self.shared):
+            raise f.malformed(f"'shm' names a frame beyond the {frames} that came")
+        if self.shared and self.encoding is not ResultEncoding.PICKLE:
+            raise f.malformed("only a pickled result can leave frames in shared memory")
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Result:
@@ -321,6 +332,7 @@ class Result:
             diagnosis=_clip(diagnosis, MAX_DIAGNOSIS),
             encoding=f.choice(h, "encoding", ResultEncoding, default=ResultEncoding.PICKLE),
             split=f.int_list(h, "split", max_items=4096, low=1, high=4096, default=()),
+            shared=_refs(h, 4096),
         )
 
 
@@ -344,6 +356,7 @@ class TaskSpec:
     source_python: str = ""  # ``py``: the Python the source form was made on
     env: Mapping[str, str] = field(default_factory=dict)
     split: tuple[int, ...] = ()  # wire frames per payload frame, when big ones were split
+    shared: tuple[Ref, ...] = ()  # ``shm``: payload frames left in shared memory
 
     @property
     def portable(self) -> bool:
@@ -371,11 +384,15 @@ class TaskSpec:
             raise f.malformed(str(exc)) from None
         frames = f.integer(spec, "nf", low=0, high=4096)
         split = _split(spec, frames)
+        shared = _refs(spec, len(split) if split else frames)
+        if shared and kind is not TaskKind.FUNCTION:
+            raise f.malformed("only a function task's frames can be in shared memory")
         return cls(
             kind=kind,
             seq=f.integer(spec, "seq", low=0, high=f.INT64),
             frames=frames,
             split=split,
+            shared=shared,
             max_attempts=f.integer(spec, "max_attempts", low=1, high=100, default=3),
             priority=f.integer(spec, "priority", low=-MAX_PRIORITY, high=MAX_PRIORITY, default=0),
             cost=f.number(spec, "cost", low=0.0, high=MAX_COST, default=1.0),
@@ -403,6 +420,8 @@ class TaskSpec:
             spec["env"] = dict(self.env)
         if self.split:
             spec["split"] = list(self.split)
+        if self.shared:
+            spec["shm"] = [list(ref) for ref in self.shared]
         req = self.requirements.to_mapping()
         if req:
             spec["req"] = req
@@ -416,6 +435,13 @@ def _split(h: Mapping[str, Any], frames: int) -> tuple[int, ...]:
     if split and sum(split) != frames:
         raise f.malformed(f"'split' adds up to {sum(split)} frames, not {frames}")
     return split
+
+
+def _refs(h: Mapping[str, Any], frames: int) -> tuple[Ref, ...]:
+    try:
+        return parse_refs(h.get("shm"), frames)
+    except ValueError as exc:
+        raise f.malformed(str(exc)) from None
 
 
 def _elapsed(h: Mapping[str, Any]) -> float:

@@ -85,9 +85,22 @@ def join_frames(frames: Sequence[Any], layout: Sequence[int] | None) -> list[Any
     for count in layout:
         if count == 1:
             out.append(frames[index])
-        else:
-            out.append(b"".join(_as_buffer(frame) for frame in frames[index:index + count]))
+        else:  # a bytearray: what is rebuilt from it (a numpy array) stays writable
+            out.append(bytearray().join(_as_buffer(frame) for frame in frames[index:index + count]))
         index += count
+    return out
+
+
+def writable(frames: Sequence[Any]) -> list[Any]:
+    """``dumps`` frames whose out-of-band buffers are writable, so arrays rebuilt from them are
+    too, as they were for the caller who sent them. Frames received from a socket are read-only:
+    those are copied (at most one frame limit each; bigger ones were rebuilt by join_frames, or
+    mapped copy-on-write from shared memory)."""
+    out = list(frames)
+    for index in range(1, len(out)):
+        view = memoryview(_as_buffer(out[index]))
+        if view.readonly:
+            out[index] = bytearray(view)
     return out
 
 

@@ -18,9 +18,14 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import msgpack
 
+from ..protocol.refs import parse_refs
+from ..protocol.vocabulary import ResultStatus
+from ..sharedmem import SharedFolder
 from .environment import base_environment, set_environ
 from .execute import infrastructure_failure, run_task
 from .pipe import PipeClosed, recv_message, send_message
@@ -53,7 +58,19 @@ def main(argv: list[str]) -> int:
             return 0
         try:
             header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
-            result_header, result_frames = run_task(header, frames[1:], base_env)
+            folder = _shared_folder(header)
+            task_frames: list[Any] = frames[1:]
+            refs = parse_refs(header.get("shm"), len(task_frames))
+            if refs and folder is not None:
+                task_frames = folder.resolve(task_frames, refs)
+            result_header, result_frames = run_task(header, task_frames, base_env)
+            del task_frames
+            if folder is not None and result_header.get("status") == ResultStatus.OK.value \
+                    and "encoding" not in result_header:
+                # A big return value goes straight into the shared folder: written once.
+                result_frames, result_refs = folder.share(result_frames)
+                if result_refs:
+                    result_header["shm"] = [list(ref) for ref in result_refs]
         except Exception as exc:
             # A fault in the runner's own handling of one task: answer for it and stay up.
             result_header, result_frames = infrastructure_failure("the runner failed", exc)
@@ -61,6 +78,15 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         send_message(sock, [msgpack.packb(result_header, use_bin_type=True), *result_frames])
+
+
+def _shared_folder(header: dict[str, Any]) -> SharedFolder | None:
+    """The coordinator's shared-memory folder, as the agent (which proved it can read it)
+    names it for a function task; None otherwise."""
+    where = header.get("shm_dir")
+    if header.get("kind", "fn") != "fn" or not isinstance(where, str) or not where:
+        return None
+    return SharedFolder(Path(where), "")
 
 
 if __name__ == "__main__":

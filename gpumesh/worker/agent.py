@@ -13,6 +13,7 @@ lost.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import threading
@@ -20,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -33,6 +35,7 @@ from ..protocol import (
     ErrorCode,
     Gpu,
     Message,
+    ResultEncoding,
     ResultStatus,
     Role,
     WorkerMode,
@@ -40,9 +43,11 @@ from ..protocol import (
     gpu_satisfies,
     serialize,
 )
+from ..protocol.refs import parse_refs
 from ..protocol.requirements import parse_size
 from ..runner.pipe import PipeClosed
 from ..security import derive_keys
+from ..sharedmem import SharedFolder
 from ..transport import Backoff, DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
@@ -50,10 +55,14 @@ from .runners import Runner, RunningTask
 
 log = logging.getLogger("gpumesh.worker")
 
+_SHM_DIR = "_shm_dir"  # the folder a result's shared frames are in: kept here, never sent
 NEVER_JOINED_HINT = 60.0  # seconds without ever reaching the coordinator before a hint
-# Auto prefetch: queue about this many seconds of work per slot, judged by recent run times, at
-# most AUTO_PREFETCH_PER_SLOT tasks each. Tasks over PREFETCH_HORIZON get no queue at all.
-PREFETCH_HORIZON = 0.05
+# Auto prefetch: while recent tasks run under PREFETCH_HORIZON, queue about PREFETCH_WORK
+# seconds of them per slot (at least one, at most AUTO_PREFETCH_PER_SLOT): enough to hide the
+# round trip between a result and the next task, and to let TASKs come in runs. A task queued
+# behind another waits at most PREFETCH_HORIZON while a worker elsewhere may be idle.
+PREFETCH_HORIZON = 0.2
+PREFETCH_WORK = 0.01
 AUTO_PREFETCH_PER_SLOT = 16
 MAX_PREFETCH = 256  # what a HELLO may announce (protocol.headers)
 RUN_TIME_WEIGHT = 0.2  # of the newest task in the moving average
@@ -122,6 +131,9 @@ class WorkerAgent:
         # lease id -> (RESULT header, frames), kept until the coordinator's RESULT_ACK
         self.unacked: dict[int, tuple[dict[str, Any], list[Any]]] = {}
         self.welcomed = False
+        # The coordinator's shared-memory folder, when this agent can read it (same machine):
+        # big frames then come and go as file names (gpumesh.sharedmem).
+        self.shm: SharedFolder | None = None
         self.joined_once = False
         self.granted = 0
         self.received = 0  # TASKs received in this session: the coordinator's count of sent
@@ -289,7 +301,8 @@ class WorkerAgent:
             return self.prefetch
         if self._mean_run is None or self._mean_run >= PREFETCH_HORIZON:
             return 0
-        per_slot = int(PREFETCH_HORIZON / max(self._mean_run, 1e-6))
+        per_slot = min(math.ceil(PREFETCH_WORK / max(self._mean_run, 1e-6)),
+                       AUTO_PREFETCH_PER_SLOT)
         return min(per_slot * self.slots, self.prefetch)
 
     def _note_run_time(self, seconds: float) -> None:
@@ -349,6 +362,11 @@ class WorkerAgent:
         h = msg.header
         self.welcomed = True
         self.link.batching = h.get("batch") is True
+        self.shm = SharedFolder.join(h.get("shm")) if self.settings.share_memory else None
+        if self.shm is not None:
+            # Before anything that names a shared file: the coordinator reads in order.
+            self.link.post(encode(Command.HEARTBEAT, {"leases": self._held_leases(),
+                                                      "shm": self.shm.proof}))
         self._backoff.reset()
         self._heartbeat = float(h.get("heartbeat", self._heartbeat))
         self._silence_limit = self._heartbeat * int(h.get("liveness", 5))
@@ -362,7 +380,7 @@ class WorkerAgent:
             self.send_credit()
         for header, frames in self.unacked.values():
             # Credit is per session: re-sent results carry this session's grant, not the old one.
-            self.link.post(encode(Command.RESULT, {**header, "granted": self.granted}, frames))
+            self._send_result(header, frames)
         if not self.joined_once:
             self.joined_once = True
             self.say(f"[worker] joined mesh as {self.worker_id}")
@@ -385,11 +403,20 @@ class WorkerAgent:
             runner_header.update(src=str(h["src"]), form="source" if foreign else "pickle")
         try:
             frames = serialize.join_frames(msg.payload, h.get("split"))
+            refs = parse_refs(h.get("shm"), len(frames))
+            if refs and self.shm is None:
+                raise ValueError("its frames are in a shared-memory folder this worker cannot read")
         except (ValueError, TypeError) as exc:
             self._report(task, {"status": "error", "error": {
                 "type": "gpumesh.BadTask", "message": f"the task's frames do not add up: {exc}",
                 "traceback": ""}}, [], now)
             return
+        if self.shm is not None and runner_header["kind"] == "fn":
+            # The runner maps shared input itself and leaves a big result there: the bytes
+            # never pass through the agent.
+            runner_header["shm_dir"] = task.header[_SHM_DIR] = str(self.shm.path)
+            if refs:
+                runner_header["shm"] = [list(ref) for ref in refs]
         self.queue.append(QueuedTask(task, runner_header, frames))
         self._start_queued(now)
 
@@ -520,12 +547,30 @@ class WorkerAgent:
                 self._note_run_time(elapsed)
         result = {**header, "task": task.task_id, "lease": task.lease_id,
                   "elapsed": round(elapsed, 6)}
-        frames, layout = serialize.split_frames(frames, self.settings.limits.chunk_bytes)
-        if layout is not None:
-            result["split"] = layout
+        if "shm" in result:
+            result[_SHM_DIR] = task.header.get(_SHM_DIR, "")
         self.unacked[task.lease_id] = (result, frames)
         if self.welcomed:
-            self.link.post(encode(Command.RESULT, {**result, "granted": self.granted}, frames))
+            self._send_result(result, frames)
+
+    def _send_result(self, result: dict[str, Any], frames: list[Any]) -> None:
+        """A RESULT with this session's grant: its big frames left in the shared-memory folder
+        when the coordinator shares this machine, the rest split to the frame limit."""
+        header = {**result, "granted": self.granted}
+        shm_dir = header.pop(_SHM_DIR, None)
+        if "shm" in header and (self.shm is None or str(self.shm.path) != shm_dir):
+            # Left in a folder this coordinator does not share (it moved): send the bytes.
+            frames = SharedFolder(Path(str(shm_dir)), "").resolve(
+                frames, parse_refs(header.pop("shm"), len(frames)))
+        pickled = header.get("encoding", ResultEncoding.PICKLE.value) == ResultEncoding.PICKLE.value
+        if self.shm is not None and pickled and frames and "shm" not in header:
+            frames, refs = self.shm.share(frames)
+            if refs:
+                header["shm"] = [list(ref) for ref in refs]
+        frames, layout = serialize.split_frames(frames, self.settings.limits.chunk_bytes)
+        if layout is not None:
+            header["split"] = layout
+        self.link.post(encode(Command.RESULT, header, frames))
 
     # ----------------------------------------------------------------- timers
 
@@ -556,9 +601,11 @@ class WorkerAgent:
             return
         if self.welcomed and now - self._last_sent_heartbeat >= self._heartbeat:
             self._last_sent_heartbeat = now
-            leases = [r.task.lease_id for r in self.runners if r.task is not None]
-            leases += [q.task.lease_id for q in self.queue]
-            self.link.post(encode(Command.HEARTBEAT, {"leases": leases}))
+            self.link.post(encode(Command.HEARTBEAT, {"leases": self._held_leases()}))
+
+    def _held_leases(self) -> list[int]:
+        leases = [r.task.lease_id for r in self.runners if r.task is not None]
+        return leases + [q.task.lease_id for q in self.queue]
 
 
 def _size(value: Any) -> int:

@@ -95,7 +95,7 @@ class Runner:
             header = {**header, "env": task.header["env"]}
         send_message(self.control, [msgpack.packb(header, use_bin_type=True), *frames])
 
-    def receive(self) -> tuple[dict[str, Any], list[bytearray]]:
+    def receive(self) -> tuple[dict[str, Any], list[bytearray | memoryview]]:
         """Read one message from the runner; PipeClosed when it died."""
         assert self.control is not None
         try:

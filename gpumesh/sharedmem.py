@@ -1,0 +1,248 @@
+"""Big buffers between the processes of one machine, through files in a private shared-memory
+folder instead of through the encrypted sockets.
+
+The coordinator owns one folder per journal (``/dev/shm/gpumesh-UID-KEY``, mode 0700; the
+temporary folder where there is no /dev/shm) and offers it in WELCOME with a proof: a random
+value it wrote to ``probe`` there. A client or worker that reads the same value from that path
+shares the coordinator's file system and user, so it may put big payload frames there and send
+only their names; it says so by echoing the value (HEARTBEAT ``shm``). A peer on another machine
+cannot read the probe and keeps sending bytes; the coordinator turns names back into bytes for
+it. File permissions are the authentication here: only this user (and root) can open the folder,
+the same people who can read the token in ``~/.gpumesh``.
+
+Frames are written once by their producer and mapped copy-on-write by their consumer, so a
+64 MiB array crosses from the client to the runner without passing through any socket, and
+stays writable for the code that receives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import mmap
+import os
+import secrets
+import stat
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .protocol.refs import NAME_PATTERN, Ref
+
+log = logging.getLogger("gpumesh.sharedmem")
+
+# Frames this big or bigger go through the folder: below it, the socket is as fast.
+MIN_SHARED_BYTES = 1024 * 1024
+PROBE = "probe"
+_NAME = NAME_PATTERN
+# A file nobody refers to after a restart is removed only once it is this old: a client may
+# have written it a moment ago and be about to send the SUBMIT that names it.
+ORPHAN_AGE = 600.0
+
+
+
+def _base() -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+class SharedFolder:
+    """One private folder of shared frames. Every method checks names: a peer's reference can
+    only ever name a file inside this folder."""
+
+    def __init__(self, path: Path, proof: str) -> None:
+        self.path = path
+        self.proof = proof
+
+    # ----------------------------------------------------------------- making and joining
+
+    @classmethod
+    def create(cls, key: str) -> SharedFolder | None:
+        """The coordinator's folder for journal ``key`` (kept across restarts, so journaled
+        references stay good); None, with a log line, where it cannot be made private."""
+        if not hasattr(os, "getuid"):
+            return None  # Windows: no /dev/shm; the sockets carry everything
+        path = _base() / f"gpumesh-{os.getuid()}-{key}"
+        try:
+            path.mkdir(mode=0o700, exist_ok=True)
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                log.warning("not sharing memory: %s is not a folder of this user", path)
+                return None
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                os.chmod(path, 0o700)
+            proof = secrets.token_hex(16)
+            probe = path / PROBE
+            tmp = path / f".{PROBE}.{proof}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(proof)
+            os.replace(tmp, probe)
+        except OSError as exc:
+            log.warning("not sharing memory: cannot use %s (%s)", path, exc.strerror)
+            return None
+        return cls(path, proof)
+
+    def close(self) -> None:
+        """The coordinator stops: the folder goes when no frame is left in it (journaled
+        references keep it, and its files, for the next start)."""
+        with contextlib.suppress(OSError):
+            with os.scandir(self.path) as entries:
+                if any(_NAME.fullmatch(entry.name) for entry in entries):
+                    return
+            os.unlink(self.path / PROBE)
+            self.path.rmdir()
+
+    def offer(self) -> dict[str, str]:
+        """What WELCOME carries: where the folder is, and the proof's hash (never the proof: a
+        peer must read it from the folder itself)."""
+        return {"path": str(self.path), "check": _hash(self.proof)}
+
+    @classmethod
+    def join(cls, offer: Any) -> SharedFolder | None:
+        """A client's or worker's side: the folder, when this process can read the proof."""
+        if not isinstance(offer, Mapping) or not hasattr(os, "getuid"):
+            return None
+        path, check = offer.get("path"), offer.get("check")
+        if not (isinstance(path, str) and isinstance(check, str) and len(path) < 4096
+                and os.path.isabs(path) and _hash_shape(check)):
+            return None
+        folder = Path(path)
+        try:
+            info = os.lstat(folder)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
+                    or stat.S_IMODE(info.st_mode) & 0o077:
+                return None
+            fd = os.open(folder / PROBE, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as src:
+                proof = src.read(64)
+        except (OSError, UnicodeDecodeError):
+            return None
+        if not hmac.compare_digest(_hash(proof), check):
+            return None
+        return cls(folder, proof)
+
+    def verifies(self, proof: Any) -> bool:
+        """Whether a peer's echoed proof is this folder's."""
+        return isinstance(proof, str) and hmac.compare_digest(proof, self.proof)
+
+    # ----------------------------------------------------------------- frames
+
+    def share(self, frames: Sequence[Any]) -> tuple[list[Any], list[Ref]]:
+        """Frames to send, with the big ones written here and left as empty placeholders, and
+        the references to them. A frame that cannot be written (folder full) goes as it is."""
+        out: list[Any] = []
+        refs: list[Ref] = []
+        for index, frame in enumerate(frames):
+            view = _view(frame)
+            if view.nbytes >= MIN_SHARED_BYTES:
+                name = self._write(view)
+                if name is not None:
+                    out.append(b"")
+                    refs.append((index, name, view.nbytes))
+                    continue
+            out.append(frame)
+        return out, refs
+
+    def _write(self, view: memoryview) -> str | None:
+        name = secrets.token_hex(16)
+        target = self.path / name
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            log.debug("cannot share a frame: %s", exc)
+            return None
+        try:
+            written = 0
+            while written < view.nbytes:
+                written += os.write(fd, view[written:])
+        except OSError as exc:  # ENOSPC: /dev/shm is small in containers
+            log.debug("cannot share a %d-byte frame: %s", view.nbytes, exc)
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+            return None
+        os.close(fd)
+        return name
+
+    def resolve(self, frames: Sequence[Any], refs: Iterable[Ref]) -> list[Any]:
+        """``frames`` with each referenced placeholder replaced by its file, mapped copy-on-
+        write (no copy until written). Raises ValueError for a bad or missing reference."""
+        out = list(frames)
+        for index, name, size in refs:
+            if not 0 <= index < len(out):
+                raise ValueError(f"a shared frame at index {index} of {len(out)}")
+            out[index] = self.open(name, size)
+        return out
+
+    def open(self, name: str, size: int) -> Any:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a shared frame's name")
+        try:
+            fd = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ValueError(f"shared frame {name} is gone ({exc.strerror}): was the machine "
+                             "restarted, or the folder cleaned?") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                raise ValueError(f"shared frame {name} is not the {size} bytes it should be")
+            if size == 0:
+                return b""
+            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+        finally:
+            os.close(fd)
+
+    def remove(self, names: Iterable[str]) -> None:
+        for name in names:
+            if isinstance(name, str) and _NAME.fullmatch(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path / name)
+
+    def sweep(self, keep: set[str], now: float | None = None) -> int:
+        """Remove files nobody refers to (after a restart), once they are ORPHAN_AGE old."""
+        now = time.time() if now is None else now
+        removed = 0
+        try:
+            with os.scandir(self.path) as listing:
+                entries = list(listing)
+        except OSError:
+            return 0
+        for entry in entries:
+            if not _NAME.fullmatch(entry.name) or entry.name in keep:
+                continue
+            with contextlib.suppress(OSError):
+                if now - entry.stat(follow_symlinks=False).st_mtime > ORPHAN_AGE:
+                    os.unlink(entry.path)
+                    removed += 1
+        return removed
+
+
+def materialize(frames: Sequence[Any], refs: Iterable[Ref], folder: SharedFolder | None) -> list[Any]:
+    """Frames with their references read back in, for a peer that cannot open the folder."""
+    refs = list(refs)
+    if not refs:
+        return list(frames)
+    if folder is None:
+        raise ValueError("the frames are in shared memory, and this side has no folder")
+    return folder.resolve(frames, refs)
+
+
+def _view(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", None)  # a zmq.Frame
+    return memoryview(buffer if buffer is not None else frame).cast("B")
+
+
+def _hash(proof: str) -> str:
+    import hashlib
+
+    return hashlib.blake2b(proof.encode(), digest_size=16, person=b"gpumesh-shm").hexdigest()
+
+
+def _hash_shape(check: str) -> bool:
+    return len(check) == 32 and all(c in "0123456789abcdef" for c in check)

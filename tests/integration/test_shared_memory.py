@@ -1,0 +1,100 @@
+"""Big arguments and results between processes of one machine go through the coordinator's
+shared-memory folder, not the sockets, and that path loses nothing: a coordinator killed with
+SIGKILL mid-job, and one killed before it accepted, still give every result, and no file is left
+behind once the results are collected. docs/protocol.md, "Shared memory", says what survives."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import wait_for
+
+from gpumesh.sharedmem import MIN_SHARED_BYTES
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+
+SIZE = 4 * MIN_SHARED_BYTES
+
+
+def checksum_after(array, seconds):
+    """Changes its argument in place (it must be writable) and returns a digest and a copy."""
+    time.sleep(seconds)
+    array[0] ^= 0xFF
+    return hashlib.sha256(array.tobytes()).hexdigest(), array
+
+
+def expected(array):
+    changed = array.copy()
+    changed[0] ^= 0xFF
+    return hashlib.sha256(changed.tobytes()).hexdigest(), changed
+
+
+def folders() -> dict[str, set[str]]:
+    shm = Path("/dev/shm")
+    return {d.name: {f.name for f in d.iterdir() if f.name != "probe"}
+            for d in shm.iterdir() if d.name.startswith(f"gpumesh-{os.getuid()}-")}
+
+
+def frames_in(mesh_env) -> set[str]:
+    """The frame files of this test's coordinator (its folder is named after its journal)."""
+    mine = set()
+    for files in folders().values():
+        mine |= files
+    return mine
+
+
+def arrays(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 255, SIZE, dtype=np.uint8) for _ in range(count)]
+
+
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared-memory", "sockets"])
+def test_big_arguments_and_results_round_trip_writable(mesh_env, shared):
+    mesh_env.env["GPUMESH_SHARED_MEMORY"] = shared
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    items = arrays(3)
+    before = frames_in(mesh_env)
+    results = client.map(checksum_after, [(a, 0.0) for a in items], timeout=60)
+    for (digest, value), item in zip(results, items, strict=True):
+        want_digest, want_value = expected(item)
+        assert digest == want_digest and np.array_equal(value, want_value)
+        value[1] = 0  # what comes back is the caller's to change
+    engine = client._engine
+    assert (engine is not None and engine._shm is not None) == (shared == "1")
+    # Collected: the coordinator removed every file of this job.
+    wait_for(lambda: frames_in(mesh_env) <= before, what="the shared files to be removed")
+
+
+def test_coordinator_kill_9_mid_job_keeps_shared_inputs(mesh_env):
+    coordinator = mesh_env.start_coordinator()
+    client = mesh_env.client()
+    items = arrays(4)
+    futures = client.submit_calls(checksum_after, [((a, 0.2), {}) for a in items])
+    wait_for(lambda: all(f.task_id for f in futures), what="every submission to be accepted")
+    assert len(frames_in(mesh_env)) >= 4  # the inputs are in the folder, by name in the journal
+    coordinator.kill()
+    mesh_env.start_coordinator(port=coordinator.port)  # same journal, same folder
+    mesh_env.add_worker(slots=2)
+    results = client.gather(futures, timeout=90)
+    assert [r[0] for r in results] == [expected(a)[0] for a in items]
+
+
+def test_coordinator_kill_9_before_it_accepts_loses_nothing(mesh_env):
+    coordinator = mesh_env.start_coordinator()
+    client = mesh_env.client()
+    assert client.workers() == []  # connected: the client has joined the folder
+    coordinator.kill()  # the client writes its frames and sends; nobody is there to accept
+    futures = client.submit_calls(checksum_after, [((a, 0.0), {}) for a in arrays(2)])
+    time.sleep(1.0)
+    mesh_env.start_coordinator(port=coordinator.port)
+    mesh_env.add_worker(slots=2)
+    results = client.gather(futures, timeout=90)
+    assert [r[0] for r in results] == [expected(a)[0] for a in arrays(2)]

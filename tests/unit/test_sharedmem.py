@@ -1,0 +1,223 @@
+"""The shared-memory folder: who may use it, what a reference may name, and that the
+coordinator hands shared frames only to peers that proved they can read them, reads them back
+for the others, and removes each file once nobody needs it."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from gpumesh.config import Limits, Timing
+from gpumesh.coordinator.broker import Broker
+from gpumesh.protocol import Command, Message, decode, encode
+from gpumesh.protocol.refs import parse_refs
+from gpumesh.sharedmem import MIN_SHARED_BYTES, ORPHAN_AGE, PROBE, SharedFolder
+from gpumesh.store import Store
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX shared memory")
+
+BIG = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
+LIMITS = Limits()
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    made = SharedFolder.create("k")
+    assert made is not None
+    yield made
+    made.close()
+
+
+def names(folder: SharedFolder) -> set[str]:
+    return {n for n in os.listdir(folder.path) if n != PROBE}
+
+
+def test_the_folder_is_private_and_joined_only_with_the_proof(folder):
+    assert stat.S_IMODE(os.stat(folder.path).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(folder.path / PROBE).st_mode) == 0o600
+    offer = folder.offer()
+    assert folder.proof not in str(offer)  # only its hash travels
+    joined = SharedFolder.join(offer)
+    assert joined is not None and folder.verifies(joined.proof)
+    assert SharedFolder.join({**offer, "check": "0" * 32}) is None  # another folder's proof
+    for bad in (None, "x", {"path": "relative", "check": offer["check"]},
+                {"path": str(folder.path), "check": 5}, {"path": "/nonexistent", **{"check": "a" * 32}}):
+        assert SharedFolder.join(bad) is None
+    assert not folder.verifies("nope") and not folder.verifies(None)
+
+
+def test_a_folder_open_to_others_is_not_joined(folder):
+    os.chmod(folder.path, 0o755)
+    try:
+        assert SharedFolder.join(folder.offer()) is None
+    finally:
+        os.chmod(folder.path, 0o700)
+
+
+def test_big_frames_go_by_name_and_come_back_writable(folder):
+    frames, refs = folder.share([b"small", BIG, memoryview(BIG)])
+    assert frames[0] == b"small" and frames[1] == b"" and frames[2] == b""
+    assert [(i, size) for i, _, size in refs] == [(1, len(BIG)), (2, len(BIG))]
+    back = folder.resolve(frames, refs)
+    assert bytes(back[1]) == BIG and bytes(back[2]) == BIG
+    back[1][0] = 0  # copy-on-write: the receiver may change what it got...
+    assert bytes(folder.open(refs[0][1], len(BIG)))[0] == BIG[0]  # ...the file stays
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", PROBE, "A" * 32, "0" * 31, 7])
+def test_a_reference_names_only_a_frame_file(folder, name):
+    with pytest.raises(ValueError):
+        folder.open(name, 1)
+
+
+def test_a_missing_or_resized_frame_is_a_clear_error(folder):
+    _, refs = folder.share([BIG])
+    with pytest.raises(ValueError, match="not the"):
+        folder.open(refs[0][1], len(BIG) + 1)
+    folder.remove([refs[0][1]])
+    with pytest.raises(ValueError, match="gone"):
+        folder.resolve([b""], refs)
+
+
+@pytest.mark.parametrize("value", [
+    "x", [[0, "a" * 32]], [[5, "a" * 32, 1]], [[0, "a" * 32, 1], [0, "b" * 32, 1]],
+    [[0, "../x", 1]], [[0, "a" * 32, -1]], [[True, "a" * 32, 1]], [[0, "a" * 32, 2**41]],
+])
+def test_hostile_references_do_not_parse(value):
+    with pytest.raises(ValueError):
+        parse_refs(value, 2)
+
+
+def test_orphans_are_swept_only_when_old_and_unreferenced(folder):
+    _, refs = folder.share([BIG, BIG, BIG])
+    kept, old, young = (name for _, name, _ in refs)
+    past = os.stat(folder.path / old).st_mtime - ORPHAN_AGE - 1
+    os.utime(folder.path / old, (past, past))
+    os.utime(folder.path / kept, (past, past))
+    assert folder.sweep({kept}) == 1
+    assert names(folder) == {kept, young}
+
+
+def test_close_keeps_a_folder_that_still_holds_frames(folder):
+    _, refs = folder.share([BIG])
+    folder.close()
+    assert folder.path.is_dir()
+    folder.remove([refs[0][1]])
+    folder.close()
+    assert not folder.path.exists()
+
+
+# ----------------------------------------------------------------- the coordinator
+
+W, W2, C = b"worker-routing", b"worker-2", b"client-routing"
+
+
+@pytest.fixture
+def broker(folder) -> Broker:
+    b = Broker(Store(":memory:"), Timing(), LIMITS, epoch=1, now=0.0, shm=folder)
+    b.handle(W, decode(encode(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1,
+                                              "proto": [1, 1], "info": {"python": "3.11"}}),
+                       LIMITS), 0.0)
+    b.handle(C, decode(encode(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}),
+                       LIMITS), 0.0)
+    return b
+
+
+def handle(b: Broker, routing: bytes, command: Command, header: dict, payload=()) -> None:
+    b.handle(routing, decode(encode(command, header, list(payload)), LIMITS), 1.0)
+
+
+def sent(b: Broker, routing: bytes, command: Command) -> list[Message]:
+    out = [decode(f, LIMITS) for r, f in b.outbox if r == routing]
+    b.outbox.clear()
+    return [m for m in out if m.command is command]
+
+
+def submit_shared(b: Broker, folder: SharedFolder) -> tuple[str, str]:
+    frames, refs = folder.share([b"fn", BIG])
+    spec = {"seq": 1, "nf": 2, "kind": "fn", "shm": [list(r) for r in refs]}
+    handle(b, C, Command.SUBMIT, {"tasks": [spec]}, frames)
+    accepted = sent(b, C, Command.ACCEPTED)[-1].header
+    return (accepted["accepted"][0][1] if accepted["accepted"] else ""), refs[0][1]
+
+
+def test_the_welcome_offers_the_folder_and_a_heartbeat_proves_access(broker, folder):
+    assert not broker.clients["c1"].shm
+    handle(broker, C, Command.HEARTBEAT, {"shm": "forged"})
+    assert not broker.clients["c1"].shm
+    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
+    assert broker.clients["c1"].shm
+
+
+def test_shared_frames_from_a_client_that_did_not_prove_access_are_refused(broker, folder):
+    task, name = submit_shared(broker, folder)
+    assert task == "" and broker.tasks == {}
+
+
+def test_a_worker_that_shares_gets_names_and_one_that_does_not_gets_bytes(broker, folder):
+    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
+    task_id, name = submit_shared(broker, folder)
+    assert broker.tasks[task_id].input_bytes >= len(BIG)  # the quota counts shared input
+    broker.dispatch(1.0)
+    task = sent(broker, W, Command.TASK)[-1]
+    assert "shm" not in task.header and b"".join(bytes(f) for f in task.payload[1:]) == BIG
+    # The runner died: the task goes again, to a worker that proved access: only the name.
+    handle(broker, W2, Command.HELLO, {"role": "worker", "id": "w2", "slots": 1, "proto": [1, 1],
+                                       "info": {"python": "3.11"}})
+    handle(broker, W2, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": task.header["lease"],
+                                       "status": "crashed", "diagnosis": "x"})
+    broker.dispatch(2.0)
+    again = sent(broker, W2, Command.TASK)[-1]
+    assert again.header["shm"][0][1] == name and again.payload == [b"fn", b""]
+
+
+def test_shared_files_are_removed_once_nobody_needs_them(broker, folder):
+    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
+    handle(broker, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    task_id, name = submit_shared(broker, folder)
+    broker.dispatch(1.0)
+    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
+    frames, refs = folder.share([b"pickle", BIG])
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                       "shm": [list(r) for r in refs]}, frames)
+    assert name not in names(folder)  # done: the input is not needed again
+    result = sent(broker, C, Command.RESULT)[-1]
+    assert result.header["shm"][0][1] == refs[0][1]
+    handle(broker, C, Command.RESULT_ACK, {"tasks": [task_id]})
+    assert names(folder) == set()
+
+
+def test_a_result_for_a_client_that_does_not_share_is_read_back_in(broker, folder):
+    handle(broker, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    handle(broker, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]},
+           [b"fn", b"args"])
+    task_id = sent(broker, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
+    broker.dispatch(1.0)
+    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
+    frames, refs = folder.share([b"pickle", BIG])
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                       "shm": [list(r) for r in refs]}, frames)
+    result = sent(broker, C, Command.RESULT)[-1]
+    assert "shm" not in result.header
+    assert b"".join(bytes(f) for f in result.payload[1:]) == BIG
+
+
+def test_shared_result_frames_from_a_worker_without_access_are_malformed(broker, folder):
+    frames, refs = folder.share([b"pickle", BIG])
+    handle(broker, W, Command.RESULT, {"task": "t", "lease": 1, "status": "ok",
+                                       "shm": [list(r) for r in refs]}, frames)
+    assert sent(broker, W, Command.ERROR)[-1].header["code"] == "malformed"
+
+
+def test_a_task_whose_shared_input_is_gone_fails_saying_so(broker, folder):
+    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
+    task_id, name = submit_shared(broker, folder)
+    folder.remove([name])
+    broker.dispatch(1.0)
+    assert broker.tasks[task_id].state.terminal
+    result = sent(broker, C, Command.RESULT)[-1]
+    assert "gone" in result.header["diagnosis"]
