@@ -131,7 +131,7 @@ def _prefetch(value: str) -> int | None:
 @click.option("--prefetch", default="auto", show_default=True, metavar="N|auto",
               callback=lambda ctx, param, value: _prefetch(value),
               help="Extra tasks to hold queued beyond the slots. 'auto' queues a few while "
-                   "tasks are short (under 50 ms), which hides the round trip, and none "
+                   "tasks are short (under 0.2 s), which hides the round trip, and none "
                    "otherwise; 0 never queues.")
 @click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
 @click.option("--pass-env", "pass_env", multiple=True, metavar="NAME",

@@ -6,10 +6,12 @@ the other workers of the same mesh. torch is imported only when it is installed 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
 import platform
+import shutil
 import socket
 import sys
 import time
@@ -52,6 +54,26 @@ def _torch() -> Any | None:
     return torch
 
 
+def gpu_driver_present() -> bool:
+    """Whether this machine could have a GPU torch would see, judged without importing torch
+    (about a second on a CPU-only machine, on the path of every `join`): an NVIDIA or AMD
+    driver's device files on Linux, Apple silicon (MPS), nvidia-smi elsewhere."""
+    system = platform.system()
+    if system == "Linux":
+        return (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd")
+                or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/dxg"))  # dxg: WSL2
+    if system == "Darwin":
+        return platform.machine() == "arm64"
+    return shutil.which("nvidia-smi") is not None
+
+
+def _installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def gpus(torch: Any | None = None) -> list[dict[str, Any]]:
     """One entry per usable GPU: CUDA devices, or Apple's MPS as one device."""
     torch = torch if torch is not None else _torch()
@@ -75,7 +97,7 @@ TEST_INVENTORY_VARIABLE = "GPUMESH_TEST_INVENTORY"
 
 def probe(torch_probe: bool = True) -> dict[str, Any]:
     """The inventory sent in HELLO (no benchmark figures yet)."""
-    torch = _torch() if torch_probe else None
+    torch = _torch() if torch_probe and gpu_driver_present() else None
     found = gpus(torch) if torch is not None else []
     name = found[0]["name"] if found else cpu_name()
     inventory = {
@@ -90,7 +112,8 @@ def probe(torch_probe: bool = True) -> dict[str, Any]:
         "platform": platform.system(),
         "cloudpickle": cloudpickle.__version__,
         "gpumesh": __version__,
-        "torch": getattr(torch, "__version__", None) if torch is not None else None,
+        "torch": (getattr(torch, "__version__", None) if torch is not None
+                  else _installed_version("torch")),
     }
     return _apply_test_inventory(inventory, os.environ.get(TEST_INVENTORY_VARIABLE))
 

@@ -147,7 +147,9 @@ def test_kill_removes_a_worker_and_its_task_runs_elsewhere(mesh_env, tmp_path):
 
 def test_owner_pauses_resumes_and_drains_without_losing_work(mesh_env, tmp_path):
     mesh_env.start_coordinator()
-    worker = mesh_env.add_worker(slots=1)
+    # One task at a time, so "running" means running: under the default (auto) prefetch the
+    # short first task would let the next two queue on this worker, counted as leased.
+    worker = mesh_env.add_worker(slots=1, extra_args=["--prefetch", "0"])
     paused = cli(mesh_env, "pause")
     assert paused.returncode == 0 and f"worker {worker.worker_id} paused" in paused.stdout
     assert json.loads(cli(mesh_env, "workers", "--json").stdout)[0]["state"] == "paused"

@@ -170,10 +170,13 @@ def test_auto_prefetch_queues_only_while_tasks_are_short(agent):
     agent._hello()
     assert agent.prefetch == 32 and agent.granted == 2  # announces room, grants none yet
     for _ in range(5):
-        agent._note_run_time(0.001)
+        agent._note_run_time(0.0001)
         agent.granted += 1  # what _report adds per finished task
-    assert agent.prefetch_depth() == 32 and agent._granted_depth == 32
+    assert agent.prefetch_depth() == 32 and agent._granted_depth == 32  # 16 per slot at most
     granted_short = agent.granted
+    for _ in range(50):
+        agent._note_run_time(0.05)
+    assert agent.prefetch_depth() == 2  # one per slot: enough to hide the round trip
     for _ in range(200):
         agent._note_run_time(PREFETCH_HORIZON * 4)
     assert agent.prefetch_depth() == 0 and agent._granted_depth == 0

@@ -80,3 +80,17 @@ def test_a_test_inventory_replaces_probed_values(monkeypatch):
     monkeypatch.setenv(devices.TEST_INVENTORY_VARIABLE, "[1]")
     with pytest.raises(ValueError, match="JSON object"):
         devices.probe(torch_probe=False)
+
+
+def test_no_gpu_driver_means_torch_is_not_imported(monkeypatch):
+    # Importing torch costs about a second on every `join`; without a driver it finds nothing.
+    monkeypatch.setattr(devices, "gpu_driver_present", lambda: False)
+    monkeypatch.setattr(devices, "_torch", lambda: pytest.fail("torch was imported"))
+    inventory = devices.probe()
+    assert inventory["gpus"] == [] and inventory["device"] == "CPU"
+
+
+def test_a_gpu_driver_lets_torch_look(monkeypatch):
+    monkeypatch.setattr(devices, "gpu_driver_present", lambda: True)
+    monkeypatch.setattr(devices, "_torch", lambda: fake_torch(["NVIDIA RTX 4090"]))
+    assert devices.probe()["gpus"][0]["name"] == "NVIDIA RTX 4090"
