@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import click
 from ..config import Settings, ensure_home, parse_url, save_connection
 from ..errors import ConfigError, MeshError
 from ..protocol.taskenv import check_env_name
+from ..security import derive_keys
 from ..worker import WorkerAgent, devices
 from .lifecycle import stop_with_parent
 from .output import fail
@@ -46,6 +48,13 @@ def passed_variables(names: Sequence[str]) -> list[str]:
     return passed
 
 
+def _prewarm_keys(token: str) -> None:
+    try:
+        derive_keys(token)
+    except Exception:  # noqa: BLE001 - the agent derives them again and reports the problem
+        pass
+
+
 def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
          save: bool, ready_fd: int | None, prefetch: int | None = None, max_slots: int | None = None,
          exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
@@ -56,6 +65,10 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
         fail(str(exc))
         return
     ensure_home(settings.home)  # 0700 before anything is written there
+    # The token's scrypt (about 0.4 s) runs beside the device probe: it releases the GIL. The
+    # agent then finds the keys cached; a bad token is reported by the agent as before.
+    stretching = threading.Thread(target=_prewarm_keys, args=(token,), daemon=True)
+    stretching.start()
     inventory = devices.probe()
     if benchmark:
         figures = devices.benchmark(inventory)
@@ -79,6 +92,7 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
             os.write(ready_fd, f"{worker_id}\n".encode())
 
     gpu_indices = [int(g["index"]) for g in inventory["gpus"] if g.get("backend") == "cuda"]
+    stretching.join()
     try:
         agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
                             say=lambda line: click.echo(line), on_joined=joined,

@@ -47,7 +47,10 @@ class Coordinator:
         safe_mode: bool = False,
     ) -> None:
         self.settings = settings
-        self.keys: MeshKeys = derive_keys(token)
+        # The token's scrypt (about 0.4 s, GIL released) runs while the journal opens and
+        # restores; a bad token raises below, from the second call, before anything binds.
+        stretching = threading.Thread(target=_prewarm_keys, args=(token,), daemon=True)
+        stretching.start()
         self.host = host
         self.store = Store(db_path)
         self.epoch = self.store.next_epoch()
@@ -59,6 +62,14 @@ class Coordinator:
         self.broker = Broker(self.store, settings.timing, settings.limits, epoch=self.epoch,
                              now=now, safe_mode=safe_mode, shm=shm)
         self.restored = self.broker.restore(now)
+        stretching.join()
+        try:
+            self.keys: MeshKeys = derive_keys(token)  # cached by now
+        except BaseException:
+            self.store.close()
+            if shm is not None:
+                shm.close()
+            raise
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._auth = start_authenticator(self._ctx, self.keys)
@@ -182,6 +193,13 @@ class Coordinator:
         self.store.close()
         if self.broker.ledger.shm is not None:
             self.broker.ledger.shm.close()
+
+
+def _prewarm_keys(token: str) -> None:
+    try:
+        derive_keys(token)
+    except Exception:  # noqa: BLE001 - derived again in the constructor, which raises it
+        pass
 
 
 def _journal_key(db_path: Path | str) -> str:
