@@ -145,7 +145,7 @@ class ClientSide:
                 ledger.store.add_job(job_id, job.name, job.owner, now)
             task = self._accept(client, job, entry, payload, now)
             accepted.append([seq, task.task_id])
-            queued_total += max(task.input_bytes, MIN_TASK_BYTES)
+            queued_total += task.charged  # what _accept counted against the client's quota
         for task in redeliver.values():
             ledger.redeliver(task, now)
         if accepted:

@@ -133,8 +133,13 @@ def batches(messages: Sequence[list[Any]], limits: Limits) -> list[list[Any]]:
         run.clear()
 
     for message in messages:
-        body = sum(frame_size(f) for f in message[2:])
-        if body - frame_size(message[2]) >= BATCH_ALONE_BYTES or body >= most:
+        # Most messages here are a header alone, or a header and a few small bytes frames.
+        head = len(message[2])
+        payload = 0
+        for frame in message[3:]:
+            payload += len(frame) if type(frame) is bytes else frame_size(frame)
+        body = head + payload
+        if payload >= BATCH_ALONE_BYTES or body >= most:
             close_run()
             size = 0
             out.append(message)
