@@ -15,19 +15,16 @@ import logging
 import os
 import re
 import secrets
-from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from .fileio import write_all
 
 log = logging.getLogger("gpumesh.store")
 
 BLOB_THRESHOLD = 64 * 1024
 _NAME = re.compile(r"[0-9a-f]{24}")
 _TEMP_PREFIX = ".tmp-"
-try:
-    _IOV_MAX = min(int(os.sysconf("SC_IOV_MAX")), 1024)
-except (AttributeError, ValueError, OSError):
-    _IOV_MAX = 16
 
 
 class BlobFolder:
@@ -60,7 +57,7 @@ class BlobFolder:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                _write_all(fd, views)
+                write_all(fd, views)
                 if self.sync:
                     os.fsync(fd)
             finally:
@@ -128,20 +125,6 @@ class BlobFolder:
 
     def exists(self) -> bool:
         return self.path.is_dir()
-
-
-def _write_all(fd: int, views: Sequence[memoryview]) -> None:
-    pending = deque(v for v in views if v.nbytes)
-    while pending:
-        written = os.writev(fd, [pending[i] for i in range(min(len(pending), _IOV_MAX))])
-        while written:
-            head = pending[0]
-            if written >= head.nbytes:
-                written -= head.nbytes
-                pending.popleft()
-            else:
-                pending[0] = head[written:]
-                written = 0
 
 
 def _unlink(path: Path) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .fileio import write_all
 from .protocol.refs import NAME_PATTERN, Ref
 
 log = logging.getLogger("gpumesh.sharedmem")
@@ -158,9 +159,7 @@ class SharedFolder:
             log.debug("cannot share a frame: %s", exc)
             return None
         try:
-            written = 0
-            while written < view.nbytes:
-                written += os.write(fd, view[written:])
+            write_all(fd, [view])
         except OSError as exc:  # ENOSPC: /dev/shm is small in containers
             log.debug("cannot share a %d-byte frame: %s", view.nbytes, exc)
             os.close(fd)

@@ -37,7 +37,7 @@ from ..protocol.serialize import payload_nbytes
 from .jobs import Job, find_job
 from .ledger import Ledger
 from .retention import Retention
-from .state import MIN_TASK_BYTES, ClientSession, Task, TaskState
+from .state import MIN_TASK_BYTES, ClientSession, Task, TaskState, make_room
 from .workers import WorkerSide
 
 REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
@@ -67,16 +67,9 @@ class ClientSide:
     def _make_room(self) -> None:
         """Bound the client records (kept for the result TTL after a client leaves): the oldest
         gone clients with nothing unfinished make room; past that, a new client is refused."""
-        clients = self.ledger.clients
-        if len(clients) < MAX_CLIENT_RECORDS:
-            return
-        gone = sorted((c for c in clients.values() if c.routing is None and not c.unfinished),
-                      key=lambda c: c.last_seen)
-        for client in gone[:max(len(clients) - MAX_CLIENT_RECORDS + 1, 0)]:
-            del clients[client.client_id]
-        if len(clients) >= MAX_CLIENT_RECORDS:
-            raise ProtocolError(ErrorCode.BUSY, f"this coordinator already serves "
-                                f"{MAX_CLIENT_RECORDS} clients")
+        make_room(self.ledger.clients, MAX_CLIENT_RECORDS,
+                  lambda c: c.routing is None and not c.unfinished,
+                  f"this coordinator already serves {MAX_CLIENT_RECORDS} clients")
 
     def heartbeat(self, client: ClientSession, beat: Heartbeat) -> None:
         if beat.shm:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from ..protocol import ClientInfo, Requirements, WorkerInfo, WorkerMode
+from ..protocol import ClientInfo, ErrorCode, ProtocolError, Requirements, WorkerInfo, WorkerMode
 from ..protocol.refs import refs_of, shared_bytes
 from ..protocol.serialize import payload_nbytes
 from ..scheduler import DEFAULT_COST, TaskView, WorkerView
@@ -283,3 +283,24 @@ class ClientSession:
             return False
         self.query_allowance -= 1.0
         return True
+
+
+class _Record(Protocol):
+    last_seen: float
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def make_room(records: dict[str, R], limit: int, evictable: Callable[[R], bool],
+              refusal: str) -> None:
+    """Bound a table of peer records before adding one: the least recently seen records that
+    ``evictable`` allows go first; when none may go, the newcomer is refused (BUSY)."""
+    if len(records) < limit:
+        return
+    candidates = sorted((r for r in records.values() if evictable(r)), key=lambda r: r.last_seen)
+    doomed = {id(r) for r in candidates[:max(len(records) - limit + 1, 0)]}
+    for key in [k for k, r in records.items() if id(r) in doomed]:
+        del records[key]
+    if len(records) >= limit:
+        raise ProtocolError(ErrorCode.BUSY, refusal)

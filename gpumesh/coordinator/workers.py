@@ -27,7 +27,7 @@ from ..protocol import (
     WorkerInfo,
 )
 from .ledger import Ledger
-from .state import Task, TaskState, WorkerSession, WorkerState
+from .state import Task, TaskState, WorkerSession, WorkerState, make_room
 
 SPEED_SMOOTHING = 0.2  # weight of the newest task in a worker's moving average of task time
 MIN_RESULTS_FOR_SPEED = 3  # results a worker needs before it can be called a straggler
@@ -103,16 +103,9 @@ class WorkerSide:
     def _make_room(self) -> None:
         """Bound the worker records: a peer that joins under ever new ids makes the oldest lost
         records go, and is refused once every record is a live worker."""
-        workers = self.ledger.workers
-        if len(workers) < MAX_WORKER_RECORDS:
-            return
-        lost = sorted((w for w in workers.values() if w.state is WorkerState.LOST),
-                      key=lambda w: w.last_seen)
-        for worker in lost[:max(len(workers) - MAX_WORKER_RECORDS + 1, 0)]:
-            del workers[worker.worker_id]
-        if len(workers) >= MAX_WORKER_RECORDS:
-            raise ProtocolError(ErrorCode.BUSY, f"this coordinator already has "
-                                f"{MAX_WORKER_RECORDS} workers connected")
+        make_room(self.ledger.workers, MAX_WORKER_RECORDS,
+                  lambda w: w.state is WorkerState.LOST,
+                  f"this coordinator already has {MAX_WORKER_RECORDS} workers connected")
 
     def _may_claim(self, task: Task, lease_id: int, worker_id: str) -> bool:
         """A worker keeps a task across a reconnect only under the lease it was granted; after

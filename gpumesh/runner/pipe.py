@@ -20,9 +20,10 @@ import os
 import socket
 import stat
 import struct
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
+
+from ..fileio import write_all
 
 try:
     import fcntl
@@ -46,10 +47,6 @@ _FD_PASSING = (
     and hasattr(fcntl, "F_GET_SEALS") and all(hasattr(fcntl, name) for name in _SEALS)
 )
 _memfd_ok = _FD_PASSING and hasattr(os, "memfd_create")  # False after memfd_create failed
-try:
-    _IOV_MAX = min(int(os.sysconf("SC_IOV_MAX")), 1024)
-except (AttributeError, ValueError, OSError):
-    _IOV_MAX = 16
 
 
 class PipeClosed(EOFError):
@@ -128,7 +125,7 @@ def _shared_file(views: Sequence[memoryview]) -> int | None:
                 pieces.append(memoryview(bytes(start - end)))
             pieces.append(view)
             end = start + view.nbytes
-        _write_all(fd, pieces)
+        write_all(fd, pieces)
         # Sealed: the receiver maps it, and a file that shrank under a mapping would kill the
         # receiver with SIGBUS. Nobody can change the bytes after this, the sender included.
         assert fcntl is not None
@@ -140,20 +137,6 @@ def _shared_file(views: Sequence[memoryview]) -> int | None:
         os.close(fd)
         raise
     return fd
-
-
-def _write_all(fd: int, views: Sequence[memoryview]) -> None:
-    pending = deque(v for v in views if v.nbytes)
-    while pending:
-        written = os.writev(fd, [pending[i] for i in range(min(len(pending), _IOV_MAX))])
-        while written:
-            head = pending[0]
-            if written >= head.nbytes:
-                written -= head.nbytes
-                pending.popleft()
-            else:
-                pending[0] = head[written:]
-                written = 0
 
 
 def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
