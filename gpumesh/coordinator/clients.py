@@ -153,8 +153,10 @@ class ClientSide:
         while task_id in ledger.tasks:  # 48 random bits: a clash is rare, never silent
             task_id = secrets.token_hex(6)
         spec = entry.to_spec()
+        if entry.kind is TaskKind.FUNCTION and payload and not entry.split:
+            payload = [ledger.functions.intern(payload[0], entry.function), *payload[1:]]
         task = Task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now,
-                    entry.requirements, pending_since=now)
+                    ledger.shared_requirements(entry.requirements), pending_since=now)
         ledger.tasks[task_id] = task
         ledger.by_seq[(client.client_id, entry.seq)] = task_id
         ledger.store.add_task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now)

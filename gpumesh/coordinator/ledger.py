@@ -25,12 +25,21 @@ from ..protocol.refs import ref_names, refs_of
 from ..sharedmem import SharedFolder, materialize
 from ..store import Store
 from .jobs import Job, summarize
-from .state import REDELIVER_AFTER, ClientSession, Task, TaskState, WorkerSession, WorkerState
+from .state import (
+    REDELIVER_AFTER,
+    ClientSession,
+    FunctionCache,
+    Task,
+    TaskState,
+    WorkerSession,
+    WorkerState,
+)
 
 log = logging.getLogger("gpumesh.coordinator")
 
 EVENT_HISTORY = 10_000
 MAX_PEER_COUNTERS = 10_000
+MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,9 @@ class Ledger:
         self.events: deque[Event] = deque(maxlen=EVENT_HISTORY)
         self.listeners: list[Callable[[Event], None]] = []
         self.malformed: dict[bytes, int] = {}
+        # One copy in memory of each pickled function, however many queued tasks call it.
+        self.functions = FunctionCache()
+        self._requirements: dict[Requirements, Requirements] = {}
         # This machine's shared-memory folder, where same-machine peers leave big frames
         # (gpumesh.sharedmem); None where there is none. Set by the server.
         self.shm: SharedFolder | None = None
@@ -119,6 +131,13 @@ class Ledger:
         return (self.epoch << 40) | next(self._lease_counter)
 
     # ----------------------------------------------------------------- task lifecycle
+
+    def shared_requirements(self, requirements: Requirements) -> Requirements:
+        """One object per distinct set of requirements (they are frozen): a queue of 100,000
+        tasks of one .map holds one, not 100,000."""
+        if len(self._requirements) > MAX_DISTINCT_REQUIREMENTS:
+            self._requirements.clear()
+        return self._requirements.setdefault(requirements, requirements)
 
     def enqueue(self, task: Task) -> None:
         heapq.heappush(self.pending, (-task.priority, next(self._order), task.task_id))
@@ -241,7 +260,7 @@ class Ledger:
             task.failures.append(why)
             del task.failures[:-3]  # only the last three are ever shown
             if worker is not None:
-                task.excluded.add(worker.worker_id)
+                task.excluded = task.excluded | {worker.worker_id}
             if task.attempts >= task.max_attempts:
                 self.fail(task, ResultStatus.CRASHED,
                           f"gave up after {task.attempts} attempts: {'; '.join(task.failures)}",
@@ -287,7 +306,7 @@ class Ledger:
         # A fresh start: a new pending clock, and the old attempts' results no longer count.
         task.pending_since = now
         task.lease_floor = self.new_lease_id()
-        task.attempts, task.failures, task.excluded = 0, [], set()
+        task.attempts, task.failures, task.excluded = 0, [], frozenset()
         self.drop_shared(task.result_header)
         task.result_header, task.result_payload = None, []
         task.cancel_requested = task.collected = False

@@ -11,19 +11,22 @@ Worker: ALIVE -> LOST (silent past the liveness limit, or left) -> ALIVE (HELLO 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from ..protocol import ClientInfo, ErrorCode, ProtocolError, Requirements, WorkerInfo, WorkerMode
 from ..protocol.refs import refs_of, shared_bytes
-from ..protocol.serialize import payload_nbytes
+from ..protocol.serialize import function_digest, payload_nbytes
 from ..scheduler import DEFAULT_COST, TaskView, WorkerView
 
 MAX_GRANTS = 16  # leases remembered per task: late results of that many attempts still count
 # What a task counts against its owner's byte quota at least: its record costs memory even
 # without input, so a million empty tasks are not free.
 MIN_TASK_BYTES = 1024
+FUNCTION_CACHE_SIZE = 1024  # distinct pickled functions kept once for the queue
+MAX_SHARED_FUNCTION = 1024 * 1024  # bigger ones are rare, and copied per task anyway
 REDELIVER_AFTER = 1.0  # seconds before a result is sent again to the same connection
 
 
@@ -66,7 +69,7 @@ class WorkerState(str, enum.Enum):
     LOST = "lost"
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     task_id: str
     client_id: str
@@ -81,7 +84,8 @@ class Task:
     lease_id: int = 0
     worker_id: str = ""
     lease_expires: float = 0.0
-    excluded: set[str] = field(default_factory=set)
+    # Workers that failed it: an immutable set, so the common case (none) costs no set per task.
+    excluded: frozenset[str] = frozenset()
     failures: list[str] = field(default_factory=list)
     result_header: dict[str, Any] | None = None
     result_payload: list[Any] = field(default_factory=list)
@@ -150,7 +154,7 @@ class Task:
                             for f in self.result_payload)
 
     def view(self) -> TaskView:
-        return TaskView(self.task_id, self.requirements, self.cost, frozenset(self.excluded),
+        return TaskView(self.task_id, self.requirements, self.cost, self.excluded,
                         portable=self.portable)
 
 
@@ -304,3 +308,31 @@ def make_room(records: dict[str, R], limit: int, evictable: Callable[[R], bool],
         del records[key]
     if len(records) >= limit:
         raise ProtocolError(ErrorCode.BUSY, refusal)
+
+
+class FunctionCache:
+    """The pickled functions of queued tasks, one bytes object per digest: a 100,000-task .map
+    holds its function once, not once per task. A frame is shared only when its own digest is
+    the one its spec names (a client cannot make another's task run its function), and the
+    cache is bounded (an evicted function stays with the tasks that hold it)."""
+
+    def __init__(self, size: int = FUNCTION_CACHE_SIZE) -> None:
+        self._size = size
+        self._by_digest: OrderedDict[str, bytes] = OrderedDict()
+
+    def intern(self, frame: Any, digest: str) -> Any:
+        data = frame if isinstance(frame, bytes) else getattr(frame, "bytes", None)
+        if not isinstance(data, bytes) or len(data) > MAX_SHARED_FUNCTION:
+            return frame
+        known = self._by_digest.get(digest)
+        if known is not None:
+            if known == data:
+                self._by_digest.move_to_end(digest)
+                return known
+            return frame  # the same name for other bytes: not ours to merge
+        if function_digest(data) != digest:
+            return frame
+        self._by_digest[digest] = data
+        if len(self._by_digest) > self._size:
+            self._by_digest.popitem(last=False)
+        return data

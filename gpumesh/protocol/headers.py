@@ -7,6 +7,7 @@ Unknown keys are dropped (a newer peer may send more), so nothing unchecked is k
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -407,10 +408,13 @@ class TaskSpec:
 
     def to_spec(self) -> dict[str, Any]:
         """The checked spec, in the wire's key names: journaled, and sent on in TASK."""
+        # Interned: the queue holds these strings once, not once per task.
         spec: dict[str, Any] = {"kind": self.kind.value, "seq": self.seq,
                                 "max_attempts": self.max_attempts}
+        if self.function:
+            spec["fn"] = sys.intern(self.function)
         optional = (("priority", self.priority, 0), ("cost", self.cost, 1.0),
-                    ("timeout", self.timeout, None), ("fn", self.function, ""),
+                    ("timeout", self.timeout, None),
                     ("name", self.name, ""), ("src", self.source_name, ""),
                     ("py", self.source_python, ""))
         for key, value, default in optional:

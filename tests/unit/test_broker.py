@@ -132,3 +132,20 @@ def test_with_no_worker_connected_a_task_waits_and_the_clock_restarts_when_one_j
     broker.handle(W, msg(Command.HEARTBEAT, {}), limit * 4 + 3)
     broker.tick(limit * 4 + 4)
     assert broker.tasks[task_id].result_header["status"] == "unschedulable"
+
+
+def test_queued_tasks_of_one_function_share_its_frame_but_a_forged_digest_does_not():
+    from gpumesh.protocol import serialize
+
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    fn = serialize.dumps(len)[0] + b"padding"
+    digest = serialize.function_digest(fn)
+    specs = [{"seq": i, "nf": 2, "kind": "fn", "fn": digest} for i in range(3)]
+    specs.append({"seq": 3, "nf": 2, "kind": "fn", "fn": digest})  # claims it, sends other bytes
+    frames = [bytes(fn), b"a", bytes(fn), b"b", bytes(fn), b"c", b"not the function", b"d"]
+    b.handle(C, msg(Command.SUBMIT, {"tasks": specs}, frames), 0.0)
+    tasks = sorted(b.tasks.values(), key=lambda t: t.seq)
+    assert tasks[0].payload[0] is tasks[1].payload[0] is tasks[2].payload[0]
+    assert tasks[3].payload[0] == b"not the function"  # its own bytes, never the shared ones
+    assert tasks[0].requirements is tasks[1].requirements
