@@ -170,6 +170,10 @@ class GPUMesh:
             log.debug("%s", text)
 
     def _other_pythons(self) -> set[str]:
+        engine = self._engine
+        if engine is not None and engine.worker_pythons is not None:
+            # Pushed by the coordinator: no round trip on the way of every call.
+            return {p for p in engine.worker_pythons if p and p != PYTHON}
         now = time.time()
         if now - self._pythons_at > PYTHONS_CACHE:
             try:

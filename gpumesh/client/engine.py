@@ -130,6 +130,9 @@ class Engine:
         self._ctx = zmq.Context()
         self._link = DealerLink(self._ctx, endpoint, self._keys, settings.limits)
         self._shm: SharedFolder | None = None  # the coordinator's, when this machine shares it
+        # The alive workers' Python versions, as the coordinator pushes them (WELCOME, then
+        # HEARTBEAT when they change); None from a coordinator that does not.
+        self.worker_pythons: set[str] | None = None
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -460,6 +463,7 @@ class Engine:
     def _on_welcome(self, msg: Message, now: float) -> None:
         self.welcome = msg.header
         self._welcomed_at = now
+        self._note_pythons(msg.header)
         self._shm = (SharedFolder.join(msg.header.get("shm")) if self.settings.share_memory
                      else None)
         if self._shm is not None:
@@ -542,6 +546,15 @@ class Engine:
                                             shm=self._shm))
         except BaseException as exc:  # the remote exception, rebuilt
             future.set_exception(exc)
+
+    def _on_heartbeat(self, msg: Message, now: float) -> None:
+        self._note_pythons(msg.header)
+
+    def _note_pythons(self, header: dict[str, Any]) -> None:
+        pythons = header.get("pythons")
+        if isinstance(pythons, list) and len(pythons) <= 64 \
+                and all(isinstance(p, str) and len(p) <= 16 for p in pythons):
+            self.worker_pythons = set(pythons)
 
     def _on_output(self, msg: Message, now: float) -> None:
         if self.on_output is not None and msg.payload:
@@ -646,6 +659,7 @@ _HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
     Command.ACCEPTED: Engine._on_accepted,
     Command.RESULT: Engine._on_result,
     Command.OUTPUT: Engine._on_output,
+    Command.HEARTBEAT: Engine._on_heartbeat,
     Command.REPLY: Engine._on_reply,
     Command.ERROR: Engine._on_error,
     Command.DISCONNECT: Engine._on_disconnect,

@@ -79,6 +79,7 @@ class Broker:
         self._last_sweep = now
         self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
         self._restoring = True
+        self._pythons_told: list[str] = []  # the worker Pythons last pushed to clients
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -287,6 +288,8 @@ class Broker:
         }
         if ledger.shm is not None:
             welcome["shm"] = ledger.shm.offer()
+        if hello.role is Role.CLIENT:
+            welcome["pythons"] = ledger.worker_pythons()
         if hello.role is Role.WORKER:
             welcome["abort"] = self.worker_side.hello(routing, hello, now)
         else:
@@ -375,6 +378,13 @@ class Broker:
 
         Each duty runs on its own: one that fails (a bug) is logged and the others still run."""
         ledger = self.ledger
+        pythons = ledger.worker_pythons()
+        if pythons != self._pythons_told:
+            # Clients learn at once when a worker of another Python joins or the last leaves.
+            self._pythons_told = pythons
+            for client in ledger.clients.values():
+                if client.routing is not None:
+                    ledger.send(client.routing, Command.HEARTBEAT, {"pythons": pythons})
         if now - self._last_heartbeat >= ledger.timing.heartbeat:
             self._last_heartbeat = now
             for routing in ledger.peers:

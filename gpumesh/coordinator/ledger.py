@@ -95,6 +95,12 @@ class Ledger:
         if routing is not None:
             self.outbox.append((routing, encode(command, header, payload)))
 
+    def worker_pythons(self) -> list[str]:
+        """The Python versions of the alive workers: what clients need to pick a function's
+        form (a pickle loads only on its own Python), pushed to them when it changes."""
+        return sorted({w.info.python for w in self.workers.values()
+                       if w.state is WorkerState.ALIVE and w.info.python})
+
     def shares_memory(self, proof: str) -> bool:
         """Whether a peer's HEARTBEAT ``shm`` proves it reads this machine's memory folder."""
         return self.shm is not None and self.shm.verifies(proof)

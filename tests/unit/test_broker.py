@@ -149,3 +149,21 @@ def test_queued_tasks_of_one_function_share_its_frame_but_a_forged_digest_does_n
     assert tasks[0].payload[0] is tasks[1].payload[0] is tasks[2].payload[0]
     assert tasks[3].payload[0] == b"not the function"  # its own bytes, never the shared ones
     assert tasks[0].requirements is tasks[1].requirements
+
+
+def test_clients_are_told_the_workers_pythons_when_they_change(broker):
+    welcome = decode(encode(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1]}), Limits())
+    broker.handle(b"c2", welcome, 0.0)
+    assert sent(broker, Command.WELCOME)[-1]["pythons"] == ["3.11"]
+    broker.tick(0.05)  # the first push
+    broker.outbox.clear()
+    broker.tick(0.1)
+    assert all("pythons" not in h for h in sent(broker, Command.HEARTBEAT))  # nothing changed
+    broker.handle(b"w2", msg(Command.HELLO, {"role": "worker", "id": "w2", "slots": 1,
+                                             "proto": [1, 1], "info": {"python": "3.12"}}), 0.2)
+    broker.outbox.clear()
+    broker.tick(0.3)
+    told = [decode(f, Limits()).header for r, f in broker.outbox
+            if decode(f, Limits()).command is Command.HEARTBEAT]
+    assert told and all(h["pythons"] == ["3.11", "3.12"] for h in told)
+    assert {r for r, f in broker.outbox} == {C, b"c2"}  # clients only
