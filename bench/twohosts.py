@@ -144,9 +144,12 @@ def _gpumesh(lab: Lab, params: Params) -> dict[str, Any]:
         mesh.start_coordinator(prefix=lab.prefix(lab.a))
         mesh.wait_listening()
         mesh.add_worker(prefix=lab.prefix(lab.a))
+        # Namespaces share /dev/shm, which two real hosts do not: the client in B must not use
+        # the coordinator's shared-memory folder, or nothing would cross the veth.
         return _client_result([*lab.prefix(lab.b), python_exe(), "-m", "bench.twohosts",
                                "gpumesh-client", mesh.url, str(params.big_bytes),
-                               str(params.big_repeats)], mesh.env())
+                               str(params.big_repeats)],
+                              {**mesh.env(), "GPUMESH_SHARED_MEMORY": "0"})
     finally:
         mesh.stop()
 
