@@ -26,7 +26,9 @@ class PoolSystem(System):
 
     def stop(self) -> None:
         if hasattr(self, "_pool"):
-            self._pool.terminate()
+            # close, not terminate: terminate can deadlock on a worker that holds the task
+            # queue's lock (seen here after a cold-start pool); every task is done by now.
+            self._pool.close()
             self._pool.join()
 
 
