@@ -31,7 +31,7 @@ COMMANDS = {
     "HELLO": 0x01, "WELCOME": 0x02, "CREDIT": 0x03, "TASK": 0x04, "HEARTBEAT": 0x05,
     "OUTPUT": 0x06, "RESULT": 0x07, "RESULT_ACK": 0x08, "CANCEL": 0x09, "SUBMIT": 0x0B,
     "ACCEPTED": 0x0C, "QUERY": 0x0D, "REPLY": 0x0E, "FETCH": 0x0F, "DISCONNECT": 0x10,
-    "ERROR": 0x11, "CONTROL": 0x12,
+    "ERROR": 0x11, "CONTROL": 0x12, "BATCH": 0x13,
 }
 NAMES = {byte: name for name, byte in COMMANDS.items()}
 SENT_BY = {kind: "worker" for kind in ("CREDIT", "OUTPUT", "RESULT")} | {
@@ -92,6 +92,7 @@ def template(kind: str, role: str) -> dict[str, Any]:
     error = {"type": "builtins.ValueError", "message": "boom", "traceback": "Traceback ..."}
     spec_fn = {"seq": seq, "nf": 2, "kind": "fn", "fn": "0" * 24, "max_attempts": 3,
                "timeout": 30.0, "priority": 0, "cost": 1.0, "req": {"python": INVENTORY["python"]}}
+    shared = [[1, "a" * 32, 2**20]]  # a frame left in the shared-memory folder (protocol 1.3)
     spec_script = {"seq": seq, "nf": 2, "kind": "script", "name": "hostile.py", "max_attempts": 2,
                    "req": {"cores": 1, "memory": "1MB"}}
     headers: dict[str, dict[str, Any]] = {
@@ -117,7 +118,18 @@ def template(kind: str, role: str) -> dict[str, Any]:
         "DISCONNECT": {"reason": "left" if role == "worker" else "closed"},
         "ERROR": {"code": "malformed", "message": "m", "qid": 7},
         "CONTROL": {"action": "cancel", "target": job, "qid": 9},
+        # Several messages in one (protocol 1.3): a heartbeat, a query, a result with frames.
+        "BATCH": {"m": [[COMMANDS["HEARTBEAT"], msgpack.packb({"leases": []}), []],
+                        [COMMANDS["QUERY"], msgpack.packb({"what": "workers", "qid": 3}), []],
+                        [COMMANDS["RESULT"], msgpack.packb({"task": "0" * 12, "lease": 1,
+                                                            "status": "ok"}), [b"v"]]]},
     }
+    if kind == "SUBMIT":
+        # A third task whose frame is "in shared memory": refused, as the peer never proved
+        # it can read the coordinator's folder.
+        headers["SUBMIT"]["tasks"].append({**spec_fn, "shm": shared})
+    if kind == "RESULT":
+        headers["RESULT"]["shm"] = shared
     return headers[kind]
 
 
@@ -134,7 +146,7 @@ def hello_header(role: str, peer_id: str) -> dict[str, Any]:
 # Every path a mutation may touch, per command: documented fields, present or not.
 _SPEC = ["seq", "nf", "kind", "fn", "name", "max_attempts", "timeout", "priority", "cost", "src",
          "py", "req", ("req", "python"), ("req", "gpu"), ("req", "cores"), ("req", "memory"),
-         ("req", "vram")]
+         ("req", "vram"), "shm", ("shm", 0), ("shm", 0, 0), ("shm", 0, 1), ("shm", 0, 2)]
 _INFO = ["hostname", "device", "device_name", "cores", "memory", "gpus", "python", "python_full",
          "platform", "cloudpickle", "gpumesh", "torch", "score", "gflops", "bandwidth_gbps",
          "pid", "host", ("gpus", 0), ("gpus", 0, "name"), ("gpus", 0, "vram"),
@@ -154,15 +166,17 @@ PATHS: dict[str, list[tuple[Any, ...]]] = {
     "CREDIT": _paths("granted", "draining", "mode", "release", ("release", 0)),
     "TASK": _paths("task", "lease", "attempt", "need", ("need", "gpu"), ("need", "vram"), "kind",
                    "max_attempts", "fn", "name", "timeout", "priority", "cost", "src", "py"),
-    "HEARTBEAT": _paths("leases", ("leases", 0)),
+    "HEARTBEAT": _paths("leases", ("leases", 0), "shm", "pythons"),
     "OUTPUT": _paths("task", "stream", "worker"),
     "RESULT": _paths("task", "lease", "status", "elapsed", "granted", "error", "diagnosis",
-                     "encoding", "seq", "worker", "attempts", ("error", "type"),
+                     "encoding", "seq", "worker", "attempts", "shm", ("shm", 0), ("shm", 0, 1),
+                     ("error", "type"),
                      ("error", "message"), ("error", "traceback")),
     "RESULT_ACK": _paths("tasks", ("tasks", 0), "task", "lease", "disposition"),
     "CANCEL": _paths("tasks", ("tasks", 0), "leases", ("leases", 0)),
-    "SUBMIT": _paths("job", "name", "tasks", ("tasks", 0), ("tasks", 1))
-    + _paths(*_SPEC, under=("tasks", 0)) + _paths(*_SPEC, under=("tasks", 1)),
+    "SUBMIT": _paths("job", "name", "tasks", ("tasks", 0), ("tasks", 1), ("tasks", 2))
+    + _paths(*_SPEC, under=("tasks", 0)) + _paths(*_SPEC, under=("tasks", 1))
+    + _paths(*_SPEC, under=("tasks", 2)),
     "ACCEPTED": _paths("job", "accepted", "rejected"),
     "QUERY": _paths("what", "qid", "job", "since", "tasks"),
     "REPLY": _paths("qid", "data"),
@@ -170,6 +184,8 @@ PATHS: dict[str, list[tuple[Any, ...]]] = {
     "DISCONNECT": _paths("reason"),
     "ERROR": _paths("code", "message", "qid"),
     "CONTROL": _paths("action", "target", "qid"),
+    "BATCH": _paths("m", ("m", 0), ("m", 0, 0), ("m", 0, 1), ("m", 0, 2), ("m", 1, 1),
+                    ("m", 2, 2), ("m", 2, 2, 0), ("m", 3)),
 }
 
 # Values that mean something to one field (a size where a number is expected, the README's size
