@@ -56,9 +56,10 @@ class SharedFolder:
     """One private folder of shared frames. Every method checks names: a peer's reference can
     only ever name a file inside this folder."""
 
-    def __init__(self, path: Path, proof: str) -> None:
+    def __init__(self, path: Path, proof: str, lock: int | None = None) -> None:
         self.path = path
         self.proof = proof
+        self._lock = lock  # the coordinator's: held while it runs (see _sweep_abandoned)
 
     # ----------------------------------------------------------------- making and joining
 
@@ -69,6 +70,8 @@ class SharedFolder:
         if not hasattr(os, "getuid"):
             return None  # Windows: no /dev/shm; the sockets carry everything
         path = _base() / f"gpumesh-{os.getuid()}-{key}"
+        _sweep_abandoned(path)
+        lock = None
         try:
             path.mkdir(mode=0o700, exist_ok=True)
             info = os.lstat(path)
@@ -77,6 +80,7 @@ class SharedFolder:
                 return None
             if stat.S_IMODE(info.st_mode) & 0o077:
                 os.chmod(path, 0o700)
+            lock = _hold(path)
             proof = secrets.token_hex(16)
             probe = path / PROBE
             tmp = path / f".{PROBE}.{proof}"
@@ -86,18 +90,20 @@ class SharedFolder:
             os.replace(tmp, probe)
         except OSError as exc:
             log.warning("not sharing memory: cannot use %s (%s)", path, exc.strerror)
+            if lock is not None:
+                os.close(lock)
             return None
-        return cls(path, proof)
+        return cls(path, proof, lock)
 
     def close(self) -> None:
         """The coordinator stops: the folder goes when no frame is left in it (journaled
         references keep it, and its files, for the next start)."""
-        with contextlib.suppress(OSError):
-            with os.scandir(self.path) as entries:
-                if any(_NAME.fullmatch(entry.name) for entry in entries):
-                    return
-            os.unlink(self.path / PROBE)
-            self.path.rmdir()
+        try:
+            _remove_if_empty(self.path)
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
 
     def offer(self) -> dict[str, str]:
         """What WELCOME carries: where the folder is, and the proof's hash (never the proof: a
@@ -220,6 +226,71 @@ class SharedFolder:
                     os.unlink(entry.path)
                     removed += 1
         return removed
+
+
+_LOCK = ".lock"
+
+
+def _hold(path: Path) -> int | None:
+    """Lock the folder for as long as this coordinator runs: a folder whose lock nobody holds
+    belongs to a coordinator that is gone (kill -9 skips close)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    fd = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove_if_empty(path: Path) -> bool:
+    """Remove a folder that holds no frame (only its probe and lock); False if it holds one."""
+    with contextlib.suppress(OSError):
+        with os.scandir(path) as entries:
+            if any(_NAME.fullmatch(entry.name) for entry in entries):
+                return False
+        for name in (PROBE, _LOCK):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path / name)
+        path.rmdir()
+    return True
+
+
+def _sweep_abandoned(mine: Path) -> None:
+    """Remove this user's folders of coordinators that are gone and left no frame behind: a
+    coordinator killed with SIGKILL (tests do it all the time) never removes its own. A folder
+    that still holds frames is kept: its journal may start again and need them."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    prefix = f"gpumesh-{os.getuid()}-"
+    try:
+        with os.scandir(mine.parent) as entries:
+            others = [Path(e.path) for e in entries if e.name.startswith(prefix)
+                      and e.path != str(mine) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for folder in others:
+        try:
+            if os.lstat(folder).st_uid != os.getuid():
+                continue
+            fd = os.open(folder / _LOCK, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # no lock file: an older gpumesh's, or one being made right now
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its coordinator is running
+        try:
+            _remove_if_empty(folder)
+        finally:
+            os.close(fd)
 
 
 def materialize(frames: Sequence[Any], refs: Iterable[Ref], folder: SharedFolder | None) -> list[Any]:

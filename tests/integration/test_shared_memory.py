@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import wait_for
 
+from gpumesh.protocol.refs import NAME_PATTERN
 from gpumesh.sharedmem import MIN_SHARED_BYTES
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
@@ -36,7 +37,7 @@ def expected(array):
 
 def folders() -> dict[str, set[str]]:
     shm = Path("/dev/shm")
-    return {d.name: {f.name for f in d.iterdir() if f.name != "probe"}
+    return {d.name: {f.name for f in d.iterdir() if NAME_PATTERN.fullmatch(f.name)}
             for d in shm.iterdir() if d.name.startswith(f"gpumesh-{os.getuid()}-")}
 
 

@@ -32,7 +32,7 @@ def folder(tmp_path, monkeypatch):
 
 
 def names(folder: SharedFolder) -> set[str]:
-    return {n for n in os.listdir(folder.path) if n != PROBE}
+    return {n for n in os.listdir(folder.path) if n not in (PROBE, ".lock")}
 
 
 def test_the_folder_is_private_and_joined_only_with_the_proof(folder):
@@ -221,3 +221,23 @@ def test_a_task_whose_shared_input_is_gone_fails_saying_so(broker, folder):
     assert broker.tasks[task_id].state.terminal
     result = sent(broker, C, Command.RESULT)[-1]
     assert "gone" in result.header["diagnosis"]
+
+
+def test_folders_of_coordinators_that_are_gone_are_swept_unless_they_hold_frames(tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    killed = SharedFolder.create("killed")  # as if its coordinator died with SIGKILL:
+    killed_with_frames = SharedFolder.create("frames")
+    running = SharedFolder.create("running")
+    assert killed and killed_with_frames and running
+    killed_with_frames.share([BIG])
+    for gone in (killed, killed_with_frames):
+        os.close(gone._lock)  # the lock dies with the process; close() never ran
+        gone._lock = None
+    mine = SharedFolder.create("new")
+    assert mine is not None
+    assert not killed.path.exists()  # empty and unlocked: removed
+    assert killed_with_frames.path.exists()  # its journal may need the frame after a restart
+    assert running.path.exists()  # locked by a live coordinator
+    for folder in (running, mine):
+        folder.close()
