@@ -28,7 +28,7 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +36,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
+from .closedconns import MATCH_WINDOW, ClosedConnections
 from .errors import MeshError
 from .tokens import parse_token, weak_warning
 
@@ -399,6 +400,7 @@ _FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "it closed or timed out before finishing a handshake",
 }
 _CLOSED_AT_ONCE = "it closed before any handshake (not ZMTP?)"
+SCAN_EVERY = 0.02  # seconds between reads of the kernel's table while failures wait for a name
 WATCHED_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
@@ -478,6 +480,11 @@ class HandshakeWatch:
         self._sock = sock
         self._auth = auth
         self._pairs = HandshakeEvents()
+        # Failures it could not name (time, why), waiting for the kernel's table to name them:
+        # see gpumesh/closedconns.py. Set by bound(); None until then, and off Linux.
+        self._closed: ClosedConnections | None = None
+        self._unnamed: deque[tuple[float, str]] = deque()
+        self._scanned_at = 0.0
         endpoint = f"inproc://gpumesh-handshakes-{id(self):x}"
         sock.monitor(endpoint, WATCHED_EVENTS)
         self._monitor = sock.context.socket(zmq.PAIR)
@@ -489,6 +496,11 @@ class HandshakeWatch:
         self._thread = threading.Thread(target=self._run, name="gpumesh-handshakes", daemon=True)
         self._thread.start()
 
+    def bound(self, port: int) -> None:
+        """The port the socket listens on, once bound: failures the monitor cannot name are
+        then named from the kernel's table of connections this side closed."""
+        self._closed = ClosedConnections(port)
+
     def stop(self, timeout: float = 5.0) -> None:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
@@ -498,14 +510,33 @@ class HandshakeWatch:
         monitor = self._monitor
         try:
             while True:
+                if self._unnamed and not monitor.poll(int(SCAN_EVERY * 1000)):
+                    self._name_unnamed(time.monotonic())
+                    continue
                 batch = [_read_event(monitor.recv_multipart())]
                 batch += _drain(monitor)
                 if not self._handle(batch):
                     return
+                self._name_unnamed(time.monotonic())
         except zmq.ZMQError:
             return  # the context is going away
         finally:
             monitor.close(linger=0)
+
+    def _name_unnamed(self, now: float) -> None:
+        """Name what it can of the failures without an address from the kernel's table (at
+        most every SCAN_EVERY), and count the rest as unknown once MATCH_WINDOW has passed."""
+        if not self._unnamed:
+            return
+        if self._closed is not None and now - self._scanned_at >= SCAN_EVERY:
+            self._scanned_at = now
+            for peer in self._closed.take(len(self._unnamed)):
+                _, why = self._unnamed.popleft()
+                self._auth.failed_before_zap(peer, why)
+        while self._unnamed and (self._closed is None
+                                 or now - self._unnamed[0][0] > MATCH_WINDOW):
+            _, why = self._unnamed.popleft()
+            self._auth.failed_before_zap(None, why)
 
     def _handle(self, batch: list[tuple[int, int]]) -> bool:
         index = 0
@@ -518,7 +549,13 @@ class HandshakeWatch:
                 address = self._address(value, batch, index)
             found = self._pairs.event(event, value, address)
             if found is not None:
-                self._auth.failed_before_zap(*found)
+                peer, why = found
+                if peer is None:
+                    self._unnamed.append((time.monotonic(), why))
+                else:
+                    if self._closed is not None:
+                        self._closed.named(peer_host(peer))
+                    self._auth.failed_before_zap(peer, why)
             index += 1
         return True
 

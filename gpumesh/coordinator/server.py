@@ -95,6 +95,7 @@ class Coordinator:
                 f"cannot listen on {host}:{port}: {exc.strerror}. Is another coordinator running? "
                 "Pick another port with --port"
             ) from None
+        self._handshakes.bound(self.port)
         self._version_errors: set[bytes] = set()
 
     def stop(self) -> None:

@@ -156,13 +156,14 @@ def _log_entries(path) -> list[dict]:
 
 
 # Wrong-key handshakes fail inside libzmq before ZAP, so the coordinator learns of each one only
-# from socket-monitor events, read by a Python thread (security.HandshakeWatch). It can name the
-# peer only if it reads the connection's address before libzmq closes it, and trusts no address
-# read after a close (the descriptor may belong to someone else by then). Under a flood on a busy
-# machine it can fall behind and name none: the lockout is then missed. Measured: 4-5 runs in 6
-# lock out (1 in 2 in a later series). So the flood is tried up to FLOOD_ATTEMPTS times, each on a fresh coordinator, and
-# the test fails if none locks out; the attempts it took are printed.
-FLOOD_ATTEMPTS = 8
+# from socket-monitor events, read by a Python thread (security.HandshakeWatch). When it falls
+# behind it cannot read the peers' addresses, and names them from the kernel's table of
+# connections it closed (gpumesh/closedconns.py): the lockout then comes later (94-437
+# handshakes in, seen here) but comes. Before that second way, 1 in 2 to 5 in 6 floods locked
+# out. A flood is tried up to FLOOD_ATTEMPTS times on fresh coordinators, so that one slow run of
+# a shared machine does not fail CI; the attempts it took are printed, and 10 runs in 10 locked
+# out at the first.
+FLOOD_ATTEMPTS = 3
 
 
 def test_wrong_token_handshakes_from_a_lan_address_lock_it_out(mesh_env, tmp_path):
