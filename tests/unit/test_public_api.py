@@ -30,3 +30,26 @@ def test_errors_share_one_root():
 def test_the_package_says_it_is_typed():
     # PEP 561: without the marker, type checkers ignore the annotations of an installed gpumesh.
     assert (Path(gpumesh.__file__).parent / "py.typed").is_file()
+
+
+def test_gather_countdown_wakes_on_the_last_result_or_the_first_failure():
+    import concurrent.futures
+
+    from gpumesh.client.api import _Countdown
+
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    watch = _Countdown(futures)
+    futures[0].set_result(1)
+    futures[2].set_result(3)
+    assert not watch.changed.is_set() and not watch.finished
+    futures[1].set_result(2)
+    assert watch.changed.is_set() and watch.finished and not watch.failed
+    failing = [concurrent.futures.Future() for _ in range(3)]
+    watch = _Countdown(failing)
+    failing[1].set_exception(ValueError("boom"))
+    assert watch.changed.is_set() and watch.failed and not watch.finished
+    cancelled = [concurrent.futures.Future()]
+    watch = _Countdown(cancelled)
+    cancelled[0].cancel()
+    assert watch.failed
+    assert _Countdown([]).changed.is_set()
