@@ -144,6 +144,20 @@ def derive_keys(token: str) -> MeshKeys:
     )
 
 
+def stretch_in_background(token: str) -> threading.Thread:
+    """Start the token's scrypt (about 0.4 s; it releases the GIL) in a thread, so a process can
+    do its other start-up work meanwhile; ``join()`` it, then ``derive_keys`` finds the result
+    cached. A bad token is not reported here: the later ``derive_keys`` raises it."""
+
+    def stretch_quietly() -> None:
+        with contextlib.suppress(Exception):
+            stretch(token)
+
+    thread = threading.Thread(target=stretch_quietly, name="gpumesh-scrypt", daemon=True)
+    thread.start()
+    return thread
+
+
 def require_curve() -> None:
     """Refuse to run on a libzmq without CURVE: there is no unencrypted fallback."""
     if not zmq.has("curve"):

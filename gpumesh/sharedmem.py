@@ -18,6 +18,7 @@ stays writable for the code that receives it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import mmap
@@ -309,8 +310,6 @@ def _view(frame: Any) -> memoryview:
 
 
 def _hash(proof: str) -> str:
-    import hashlib
-
     return hashlib.blake2b(proof.encode(), digest_size=16, person=b"gpumesh-shm").hexdigest()
 
 

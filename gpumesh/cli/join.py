@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ import click
 from ..config import Settings, ensure_home, parse_url, save_connection
 from ..errors import ConfigError, MeshError
 from ..protocol.taskenv import check_env_name
-from ..security import derive_keys
+from ..security import stretch_in_background
 from ..worker import WorkerAgent, devices
 from .lifecycle import stop_with_parent
 from .output import fail
@@ -48,13 +47,6 @@ def passed_variables(names: Sequence[str]) -> list[str]:
     return passed
 
 
-def _prewarm_keys(token: str) -> None:
-    try:
-        derive_keys(token)
-    except Exception:  # noqa: BLE001 - the agent derives them again and reports the problem
-        pass
-
-
 def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
          save: bool, ready_fd: int | None, prefetch: int | None = None, max_slots: int | None = None,
          exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
@@ -67,8 +59,7 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
     ensure_home(settings.home)  # 0700 before anything is written there
     # The token's scrypt (about 0.4 s) runs beside the device probe: it releases the GIL. The
     # agent then finds the keys cached; a bad token is reported by the agent as before.
-    stretching = threading.Thread(target=_prewarm_keys, args=(token,), daemon=True)
-    stretching.start()
+    stretching = stretch_in_background(token)
     inventory = devices.probe()
     if benchmark:
         figures = devices.benchmark(inventory)

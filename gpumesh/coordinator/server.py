@@ -25,6 +25,7 @@ from ..security import (
     configure_server,
     derive_keys,
     start_authenticator,
+    stretch_in_background,
     watch_handshakes,
 )
 from ..sharedmem import SharedFolder
@@ -49,8 +50,7 @@ class Coordinator:
         self.settings = settings
         # The token's scrypt (about 0.4 s, GIL released) runs while the journal opens and
         # restores; a bad token raises below, from the second call, before anything binds.
-        stretching = threading.Thread(target=_prewarm_keys, args=(token,), daemon=True)
-        stretching.start()
+        stretching = stretch_in_background(token)
         self.host = host
         self.store = Store(db_path)
         self.epoch = self.store.next_epoch()
@@ -194,13 +194,6 @@ class Coordinator:
         self.store.close()
         if self.broker.ledger.shm is not None:
             self.broker.ledger.shm.close()
-
-
-def _prewarm_keys(token: str) -> None:
-    try:
-        derive_keys(token)
-    except Exception:  # noqa: BLE001 - derived again in the constructor, which raises it
-        pass
 
 
 def _journal_key(db_path: Path | str) -> str:

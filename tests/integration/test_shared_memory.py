@@ -92,9 +92,11 @@ def test_coordinator_kill_9_before_it_accepts_loses_nothing(mesh_env):
     coordinator = mesh_env.start_coordinator()
     client = mesh_env.client()
     assert client.workers() == []  # connected: the client has joined the folder
+    before = frames_in(mesh_env)
     coordinator.kill()  # the client writes its frames and sends; nobody is there to accept
     futures = client.submit_calls(checksum_after, [((a, 0.0), {}) for a in arrays(2)])
-    time.sleep(1.0)
+    # Written to the folder while no coordinator runs: the same files must serve the re-send.
+    wait_for(lambda: len(frames_in(mesh_env) - before) >= 2, what="the client's shared frames")
     mesh_env.start_coordinator(port=coordinator.port)
     mesh_env.add_worker(slots=2)
     results = client.gather(futures, timeout=90)
