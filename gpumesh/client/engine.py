@@ -30,7 +30,6 @@ import zmq
 from ..config import Endpoint, Settings
 from ..errors import (
     MeshError,
-    ProtocolMismatch,
     RemoteError,
     RunnerCrashed,
     SubmitRejected,
@@ -39,7 +38,6 @@ from ..errors import (
     Unschedulable,
 )
 from ..protocol import (
-    MAJOR,
     Command,
     ErrorCode,
     Message,
@@ -51,8 +49,9 @@ from ..protocol import (
 )
 from ..protocol.refs import Ref, parse_refs, ref_names
 from ..security import derive_keys
+from ..session import Session
 from ..sharedmem import SharedFolder, materialize
-from ..transport import Backoff, DealerLink, LinkEvent
+from ..transport import DealerLink, LinkEvent
 
 log = logging.getLogger("gpumesh.client")
 
@@ -149,9 +148,9 @@ class Engine:
         self.ever_connected = False
         self.disconnected_since: float | None = time.time()
         self.welcome: dict[str, Any] = {}
-        self._heartbeat = settings.timing.heartbeat
-        self._silence_limit = settings.timing.silence_limit
-        self._backoff = Backoff(settings.timing.backoff_min, settings.timing.backoff_max)
+        # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
+        self._session = Session(Role.CLIENT, self.client_id, endpoint, settings.timing,
+                                self._link, self)
         self._thread = threading.Thread(target=self._run, name="gpumesh-client", daemon=True)
         self._thread.start()
 
@@ -256,17 +255,15 @@ class Engine:
     def _run(self) -> None:
         try:
             self._link.open()
-            self._last_heard = time.time()
-            self._reconnect_at: float | None = None
-            self._last_heartbeat = 0.0
             self._last_resend_check = 0.0
             self._last_accepted = self._welcomed_at = 0.0
             self._last_unpark = 0.0
-            self._hello()
+            self._session.start(time.time())
             while not self._closing.is_set():
                 self._turn()
             if self._connected.is_set():
                 self._flush_acks()
+                self._link.flush()
                 self._link.send(encode(Command.DISCONNECT, {"reason": "closed"}))
         except MeshError as exc:
             self.fatal = exc
@@ -313,7 +310,8 @@ class Engine:
         if self._link.monitor is not None:
             poller.register(self._link.monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        poller.poll(0 if self._link.backlog else int(self._heartbeat * 250))
+        wait = min(self._session.next_timer(time.time()), self._session.heartbeat / 4)
+        poller.poll(0 if self._link.backlog else max(1, int(wait * 1000)))
         now = time.time()
         for event in self._link.monitor_events():
             if event is LinkEvent.DROPPED:
@@ -328,10 +326,12 @@ class Engine:
             msg = self._link.recv()
             if msg is None:
                 break
-            self._last_heard = now
-            self._on_message(msg, now)
+            self._session.on_message(msg, now)
         self._flush_acks()
-        self._timers(now)
+        self._session.tick(now)
+        if self._session.welcomed:
+            self._timers(now)
+        self._link.flush()
 
     def _take_commands(self, now: float) -> None:
         batches: list[_Submission] = []
@@ -439,39 +439,39 @@ class Engine:
             self._shm.remove(ref_names(sub.shared[2]))
         sub.shared = None
 
-    # ----------------------------------------------------------------- coordinator messages
+    # ----------------------------------------------------------------- the session's hooks
 
-    def _hello(self) -> None:
+    def on_hello(self) -> dict[str, Any]:
         self._connected.clear()
-        header = {"role": Role.CLIENT.value, "id": self.client_id, "proto": [MAJOR, MAJOR],
-                  "info": {"pid": os.getpid(), "host": socket.gethostname(), "user": _user()},
-                  "batch": True}
-        self._link.send(encode(Command.HELLO, header))
+        return {"info": {"pid": os.getpid(), "host": socket.gethostname(), "user": _user()}}
 
-    def _on_message(self, msg: Message, now: float) -> None:
+    def heartbeat_header(self) -> dict[str, Any]:
+        return {}
+
+    def on_lost(self, now: float, delay: float, was_welcomed: bool) -> None:
+        if was_welcomed:
+            log.info("lost the coordinator at %s; reconnecting", self.endpoint)
+        self._connected.clear()
+        if self.disconnected_since is None:
+            self.disconnected_since = now
+
+    def on_disconnect(self, header: dict[str, Any], now: float) -> bool:
+        return False  # whatever the reason, a client starts a new session
+
+    def on_message(self, msg: Message, now: float) -> None:
         handler = _HANDLERS.get(msg.command)
-        if handler is None:
-            return
-        try:
+        if handler is not None:
             handler(self, msg, now)
-        except MeshError:
-            raise  # fatal by design: a protocol mismatch ends the session
-        except Exception:  # one bad message (or a bug of ours) must not stop the client
-            log.exception("dropped a %s from the coordinator that could not be handled",
-                          msg.command.name)
 
-    def _on_welcome(self, msg: Message, now: float) -> None:
-        self.welcome = msg.header
+    def on_welcome(self, header: dict[str, Any], now: float) -> None:
+        self.welcome = header
         self._welcomed_at = now
-        self._note_pythons(msg.header)
-        self._shm = (SharedFolder.join(msg.header.get("shm")) if self.settings.share_memory
+        self._note_pythons(header)
+        self._shm = (SharedFolder.join(header.get("shm")) if self.settings.share_memory
                      else None)
         if self._shm is not None:
             # Before any SUBMIT that names a shared file: the coordinator reads in order.
             self._link.send(encode(Command.HEARTBEAT, {"shm": self._shm.proof}))
-        self._heartbeat = float(msg.header.get("heartbeat", self._heartbeat))
-        self._silence_limit = self._heartbeat * int(msg.header.get("liveness", 5))
-        self._backoff.reset()
         self._connected.set()
         self.disconnected_since = None
         first = not self.ever_connected
@@ -587,27 +587,17 @@ class Engine:
 
     def _on_error(self, msg: Message, now: float) -> None:
         code = msg.header.get("code")
-        text = str(msg.header.get("message", ""))
-        if code == ErrorCode.NO_SESSION.value:
-            self._hello()
-        elif code == ErrorCode.VERSION.value:
-            raise ProtocolMismatch(f"the coordinator at {self.endpoint} refused us: {text}")
-        else:
-            qid = msg.header.get("qid")
-            query = self._queries.pop(qid, None) if isinstance(qid, int) else None
-            if query is not None:
-                if not query.future.done():
-                    query.future.set_exception(MeshError(f"the coordinator refused the request: {text}"))
-                return
-            log.warning("coordinator error (%s): %s", code, text)
-            for q in list(self._queries.values()):
-                if code == ErrorCode.UNSUPPORTED.value and not q.future.done():
-                    q.future.set_exception(MeshError(f"the coordinator does not support this: {text}"))
-
-    def _on_disconnect(self, msg: Message, now: float) -> None:
-        if msg.header.get("reason") == "version":
-            raise ProtocolMismatch(f"the coordinator at {self.endpoint} speaks another protocol")
-        self._hello()
+        text = str(msg.header.get("message", ""))[:500]
+        qid = msg.header.get("qid")
+        query = self._queries.pop(qid, None) if isinstance(qid, int) else None
+        if query is not None:
+            if not query.future.done():
+                query.future.set_exception(MeshError(f"the coordinator refused the request: {text}"))
+            return
+        log.warning("coordinator error (%s): %s", code, text)
+        for q in list(self._queries.values()):
+            if code == ErrorCode.UNSUPPORTED.value and not q.future.done():
+                q.future.set_exception(MeshError(f"the coordinator does not support this: {text}"))
 
     def _send_ids(self, command: Command, task_ids: list[str], **extra: Any) -> None:
         """CANCEL, FETCH or RESULT_ACK in messages of at most IDS_PER_MESSAGE task ids, so a
@@ -622,47 +612,27 @@ class Engine:
             self._acks = []
 
     def _timers(self, now: float) -> None:
-        if self._reconnect_at is not None:
-            if now >= self._reconnect_at:
-                self._reconnect_at = None
-                self._link.reset()
-                self._last_heard = now
-                self._hello()
-            return
-        if now - self._last_heard > self._silence_limit:
-            if self._connected.is_set():
-                log.info("lost the coordinator at %s; reconnecting", self.endpoint)
-            self._connected.clear()
-            if self.disconnected_since is None:
-                self.disconnected_since = now
-            self._reconnect_at = now + self._backoff.next_delay()
-            return
-        if self._connected.is_set():
-            if now - self._last_heartbeat >= self._heartbeat:
-                self._last_heartbeat = now
-                self._link.send(encode(Command.HEARTBEAT, {}))
-            if self._parked and now - self._last_unpark >= BUSY_RETRY:
-                self._unpark(now, len(self._parked))
-            if now - self._last_resend_check >= RESEND_AFTER / 4:
-                # A scan of everything outstanding: a few times per RESEND_AFTER, not per turn.
-                self._last_resend_check = now
-                quiet = now - max(self._last_accepted, self._welcomed_at) > RESEND_AFTER
-                stale = [s for s in self._outstanding.values()
-                         if quiet and not s.task_id and not s.busy
-                         and now - s.sent_at > RESEND_AFTER]
-                if stale:
-                    self._send_submissions(stale, now)
+        """While a session is up: send again what was refused as busy, or never answered."""
+        if self._parked and now - self._last_unpark >= BUSY_RETRY:
+            self._unpark(now, len(self._parked))
+        if now - self._last_resend_check >= RESEND_AFTER / 4:
+            # A scan of everything outstanding: a few times per RESEND_AFTER, not per turn.
+            self._last_resend_check = now
+            quiet = now - max(self._last_accepted, self._welcomed_at) > RESEND_AFTER
+            stale = [s for s in self._outstanding.values()
+                     if quiet and not s.task_id and not s.busy
+                     and now - s.sent_at > RESEND_AFTER]
+            if stale:
+                self._send_submissions(stale, now)
 
 
 _HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
-    Command.WELCOME: Engine._on_welcome,
     Command.ACCEPTED: Engine._on_accepted,
     Command.RESULT: Engine._on_result,
     Command.OUTPUT: Engine._on_output,
     Command.HEARTBEAT: Engine._on_heartbeat,
     Command.REPLY: Engine._on_reply,
     Command.ERROR: Engine._on_error,
-    Command.DISCONNECT: Engine._on_disconnect,
 }
 
 

@@ -27,9 +27,8 @@ from typing import Any
 import zmq
 
 from ..config import Endpoint, Settings
-from ..errors import MeshError, ProtocolMismatch
+from ..errors import MeshError
 from ..protocol import (
-    MAJOR,
     Command,
     Departure,
     ErrorCode,
@@ -47,8 +46,9 @@ from ..protocol.refs import parse_refs
 from ..protocol.requirements import parse_size
 from ..runner.pipe import PipeClosed
 from ..security import derive_keys
+from ..session import Session
 from ..sharedmem import SharedFolder
-from ..transport import Backoff, DealerLink, LinkEvent
+from ..transport import DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
 from .runners import Runner, RunningTask
@@ -130,7 +130,6 @@ class WorkerAgent:
         self.queue: deque[QueuedTask] = deque()
         # lease id -> (RESULT header, frames), kept until the coordinator's RESULT_ACK
         self.unacked: dict[int, tuple[dict[str, Any], list[Any]]] = {}
-        self.welcomed = False
         # The coordinator's shared-memory folder, when this agent can read it (same machine):
         # big frames then come and go as file names (gpumesh.sharedmem).
         self.shm: SharedFolder | None = None
@@ -146,17 +145,19 @@ class WorkerAgent:
         self._pending_release: list[int] = []
         self._started_at = 0.0
         self._hinted = False
-        self._heartbeat = settings.timing.heartbeat
-        self._silence_limit = settings.timing.silence_limit
-        self._last_heard = 0.0
-        self._last_sent_heartbeat = 0.0
-        self._backoff = Backoff(settings.timing.backoff_min, settings.timing.backoff_max)
-        self._reconnect_at: float | None = None
+        # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
+        self.session = Session(Role.WORKER, self.worker_id, endpoint, settings.timing,
+                               self.link, self)
 
     # ----------------------------------------------------------------- lifecycle
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def welcomed(self) -> bool:
+        """True while the coordinator has admitted this worker (a session is up)."""
+        return self.session.welcomed
 
     @property
     def draining(self) -> bool:
@@ -171,8 +172,8 @@ class WorkerAgent:
         if self._local_control:
             self.control = ControlServer(self._ctx, self.settings.home, self.worker_id,
                                          self.endpoint.zmq)
-        self._last_heard = self._started_at = time.time()
-        self._hello()
+        self._started_at = time.time()
+        self.session.start(self._started_at)
         try:
             while not self._stop.is_set():
                 self._turn()
@@ -217,14 +218,7 @@ class WorkerAgent:
                 msg = self.link.recv()
                 if msg is None:
                     break
-                self._last_heard = now
-                try:
-                    self._on_message(msg, now)
-                except MeshError:
-                    raise  # fatal by design: refused, removed, or another protocol version
-                except Exception:  # one bad message (or a bug of ours) must not stop the worker
-                    log.exception("dropped a %s from the coordinator that could not be handled",
-                                  msg.command.name)
+                self.session.on_message(msg, now)
         if self.control is not None and self.control.sock in ready:
             self.control.serve(lambda action: self.owner.on_control(action, now))
         for fd in ready:
@@ -236,7 +230,7 @@ class WorkerAgent:
                     self._on_runner_output(runner, what)
         self._check_runners(now)
         self._start_queued(now)
-        self._timers(now)
+        self.session.tick(now)
         if self.mode is WorkerMode.DRAINING:
             self.owner.finish_drain(now)
         self.link.flush()  # what this turn said goes out together, as one BATCH
@@ -244,18 +238,17 @@ class WorkerAgent:
     def _poll_timeout(self) -> int:
         if self.link.backlog:
             return 0
-        waits = [self._heartbeat / 2]
         now = time.time()
+        waits = [self.session.heartbeat / 2, self.session.next_timer(now)]
         for runner in self.runners:
             if runner.task is not None and runner.task.deadline is not None:
                 waits.append(runner.task.deadline - now)
-        if self._reconnect_at is not None:
-            waits.append(self._reconnect_at - now)
         return max(1, int(min(waits) * 1000))
 
-    # ----------------------------------------------------------------- coordinator messages
+    # ----------------------------------------------------------------- the session's hooks
 
-    def _hello(self) -> None:
+    def on_hello(self) -> dict[str, Any]:
+        """A new session: what this worker holds and grants, for the HELLO."""
         held = [[r.task.task_id, r.task.lease_id] for r in self.runners if r.task is not None]
         held += [[q.task.task_id, q.task.lease_id] for q in self.queue]
         # Finished but not yet acknowledged: claimed too, so their results count after a
@@ -263,18 +256,42 @@ class WorkerAgent:
         held += [[result["task"], lease] for lease, (result, _) in self.unacked.items()]
         self._granted_depth = self.prefetch_depth()
         self.granted = self.free_slots()
-        header = {
-            "role": Role.WORKER.value, "id": self.worker_id, "incarnation": self.incarnation,
-            "proto": [MAJOR, MAJOR], "slots": self.slots, "credit": self.granted,
-            "prefetch": self.prefetch,
-            "held": held, "info": self.info, "draining": self.draining,
-            "mode": self.mode.value,
-            "release": list(self._pending_release), "batch": True,
-        }
-        self.welcomed = False
         self.received = 0
-        self.link.flush()  # in order: what was said before this HELLO goes first
-        self.link.send(encode(Command.HELLO, header))
+        return {
+            "incarnation": self.incarnation, "slots": self.slots, "credit": self.granted,
+            "prefetch": self.prefetch, "held": held, "info": self.info,
+            "draining": self.draining, "mode": self.mode.value,
+            "release": list(self._pending_release),
+        }
+
+    def heartbeat_header(self) -> dict[str, Any]:
+        return {"leases": self._held_leases()}
+
+    def on_lost(self, now: float, delay: float, was_welcomed: bool) -> None:
+        if self.joined_once:
+            self.say(f"[worker] lost the coordinator at {self.endpoint}; retrying in {delay:.1f}s")
+            return
+        self.say(f"[worker] cannot reach a coordinator at {self.endpoint} yet (is "
+                 f"'gpumesh serve' running there?); retrying in {delay:.1f}s")
+        if now - self._started_at > NEVER_JOINED_HINT and not self._hinted:
+            self._hinted = True
+            self.say("[worker] still no coordinator after "
+                     f"{now - self._started_at:.0f}s: check the URL and port, and that "
+                     "the coordinator was started with --host to accept other machines "
+                     "(Ctrl+C to stop)")
+
+    def on_disconnect(self, header: dict[str, Any], now: float) -> bool:
+        if header.get("reason") != "kill":
+            return False  # a new session, as after silence
+        # The coordinator already re-queued our tasks: stop them and leave for good.
+        by = header.get("by")
+        self.say("[worker] removed from the mesh ('gpumesh kill'"
+                 + (f" by {str(by)[:200]}" if by else "") + "): stopping")
+        self.removed = True
+        self.queue.clear()
+        self.unacked.clear()
+        self.stop()
+        return True
 
     @property
     def url(self) -> str:
@@ -318,59 +335,31 @@ class WorkerAgent:
             self.granted -= 1
             self._granted_depth -= 1
 
-    def _on_message(self, msg: Message, now: float) -> None:
+    def on_message(self, msg: Message, now: float) -> None:
         command = msg.command
         if command is Command.TASK:
             self.received += 1
             self._on_task(msg, now)
         elif command is Command.RESULT_ACK:
             self.unacked.pop(int(msg.header.get("lease", 0)), None)
-        elif command is Command.WELCOME:
-            self._on_welcome(msg)
         elif command is Command.CANCEL:
             for lease_id in msg.header.get("leases", []):
                 self._cancel(int(lease_id), now, report=True)
         elif command is Command.ERROR:
-            code = msg.header.get("code")
-            if code == ErrorCode.NO_SESSION.value:
-                self._hello()
-            elif code == ErrorCode.VERSION.value:
-                raise ProtocolMismatch(str(msg.header.get("message", "protocol version mismatch")))
-            elif code == ErrorCode.MALFORMED.value and not self.welcomed:
+            if msg.header.get("code") == ErrorCode.MALFORMED.value and not self.welcomed:
                 # Our HELLO was refused (e.g. more slots than the coordinator accepts for this
                 # machine): saying HELLO again would be refused the same way.
-                raise MeshError(f"the coordinator refused this worker: {msg.header.get('message')}")
-            else:
-                log.warning("coordinator error: %s", msg.header.get("message"))
-        elif command is Command.DISCONNECT:
-            reason = msg.header.get("reason")
-            if reason == "version":
-                raise ProtocolMismatch("the coordinator speaks another gpumesh protocol version")
-            if reason == "kill":
-                # The coordinator already re-queued our tasks: stop them and leave for good.
-                by = msg.header.get("by")
-                self.say("[worker] removed from the mesh ('gpumesh kill'"
-                         + (f" by {str(by)[:200]}" if by else "") + "): stopping")
-                self.removed = True
-                self.queue.clear()
-                self.unacked.clear()
-                self.stop()
-                return
-            self._hello()
+                raise MeshError(f"the coordinator refused this worker: "
+                                f"{str(msg.header.get('message'))[:500]}")
+            log.warning("coordinator error: %s", str(msg.header.get("message"))[:500])
 
-    def _on_welcome(self, msg: Message) -> None:
-        h = msg.header
-        self.welcomed = True
-        self.link.batching = h.get("batch") is True
+    def on_welcome(self, h: dict[str, Any], now: float) -> None:
         self.shm = SharedFolder.join(h.get("shm")) if self.settings.share_memory else None
         if self.shm is not None:
             # Before anything that names a shared file: the coordinator reads in order.
             self.link.post(encode(Command.HEARTBEAT, {"leases": self._held_leases(),
                                                       "shm": self.shm.proof}))
-        self._backoff.reset()
-        self._heartbeat = float(h.get("heartbeat", self._heartbeat))
-        self._silence_limit = self._heartbeat * int(h.get("liveness", 5))
-        dropped = sum(self._cancel(int(lease_id), time.time(), report=False)
+        dropped = sum(self._cancel(int(lease_id), now, report=False)
                       for lease_id in h.get("abort", []))
         self._pending_release = []  # HELLO carried them; the coordinator has them back
         if dropped and not self.draining:
@@ -573,35 +562,6 @@ class WorkerAgent:
         self.link.post(encode(Command.RESULT, header, frames))
 
     # ----------------------------------------------------------------- timers
-
-    def _timers(self, now: float) -> None:
-        if self._reconnect_at is not None:
-            if now >= self._reconnect_at:
-                self._reconnect_at = None
-                self.link.reset()
-                self._last_heard = now
-                self._hello()
-            return
-        if now - self._last_heard > self._silence_limit:
-            delay = self._backoff.next_delay()
-            self.welcomed = False
-            if self.joined_once:
-                self.say(f"[worker] lost the coordinator at {self.endpoint}; "
-                         f"retrying in {delay:.1f}s")
-            else:
-                self.say(f"[worker] cannot reach a coordinator at {self.endpoint} yet (is "
-                         f"'gpumesh serve' running there?); retrying in {delay:.1f}s")
-                if now - self._started_at > NEVER_JOINED_HINT and not self._hinted:
-                    self._hinted = True
-                    self.say("[worker] still no coordinator after "
-                             f"{now - self._started_at:.0f}s: check the URL and port, and that "
-                             "the coordinator was started with --host to accept other machines "
-                             "(Ctrl+C to stop)")
-            self._reconnect_at = now + delay
-            return
-        if self.welcomed and now - self._last_sent_heartbeat >= self._heartbeat:
-            self._last_sent_heartbeat = now
-            self.link.post(encode(Command.HEARTBEAT, {"leases": self._held_leases()}))
 
     def _held_leases(self) -> list[int]:
         leases = [r.task.lease_id for r in self.runners if r.task is not None]

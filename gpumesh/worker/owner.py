@@ -25,7 +25,6 @@ class AgentState(Protocol):
     mode: WorkerMode
     granted: int
     received: int
-    welcomed: bool
     runners: list[Runner]
     queue: deque[Any]
     unacked: dict[int, Any]
@@ -33,6 +32,9 @@ class AgentState(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def welcomed(self) -> bool: ...
 
     def free_slots(self) -> int: ...
 

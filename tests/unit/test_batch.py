@@ -167,7 +167,7 @@ def agent(tmp_path):
 
 
 def test_auto_prefetch_queues_only_while_tasks_are_short(agent):
-    agent._hello()
+    agent.session.hello()
     assert agent.prefetch == 32 and agent.granted == 2  # announces room, grants none yet
     for _ in range(5):
         agent._note_run_time(0.0001)

@@ -35,27 +35,27 @@ def sent(a, command):
 
 def test_a_lease_aborted_at_welcome_whose_task_finished_meanwhile_is_not_credited_twice(agent):
     agent.runners[0].task = RunningTask("T", 77, 0.0, None, {})
-    agent._hello()
+    agent.session.hello()
     assert sent(agent, Command.HELLO)[-1]["credit"] == 0
     task, agent.runners[0].task = agent.runners[0].task, None
     agent._report(task, {"status": "ok"}, [b"x"], 1.0)  # finishes before WELCOME: +1
-    agent._on_welcome(decode(encode(Command.WELCOME, {"abort": [77]}), Limits()))
+    agent.session.on_message(decode(encode(Command.WELCOME, {"abort": [77]}), Limits()), 1.0)
     assert agent.granted == 1  # one slot, nothing running: one grant, not two
     assert sent(agent, Command.CREDIT) == []
 
 
 def test_tasks_handed_back_while_disconnected_travel_in_the_next_hello(agent):
-    agent.welcomed = True
+    agent.session.welcomed = True
     agent._on_task(decode(encode(Command.TASK, {"task": "T", "lease": 5, "kind": "fn"}),
                           Limits()), 0.0)
-    agent.welcomed = False  # the link dropped
+    agent.session.welcomed = False  # the link dropped
     answer = agent.owner.on_control("pause", 1.0)
     assert answer["handed_back"] == 1 and sent(agent, Command.CREDIT) == []
-    agent._hello()
+    agent.session.hello()
     hello = sent(agent, Command.HELLO)[-1]
     assert hello["release"] == [5] and hello["mode"] == "paused" and hello["held"] == []
-    agent._on_welcome(decode(encode(Command.WELCOME, {}), Limits()))
-    agent._hello()
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 1.0)
+    agent.session.hello()
     assert sent(agent, Command.HELLO)[-1]["release"] == []
 
 
@@ -105,7 +105,7 @@ def test_a_task_that_needs_a_gpu_model_starts_only_in_the_slot_pinned_to_it(tmp_
             runner.ready = True
             runner.send = (lambda r: lambda task, header, frames: (
                 started.__setitem__(task.task_id, r.slot), setattr(r, "task", task)))(runner)
-        a.welcomed = True
+        a.session.welcomed = True
         for task_id, need in (("a100", {"gpu": "A100"}), ("big", {"vram": 40 * 10**9}),
                               ("any", None)):
             header = {"task": task_id, "lease": len(started) + 1, "kind": "fn"}
