@@ -347,6 +347,26 @@ class Store:
         return [tuple(row) for row in self._db.execute(
             "SELECT job_id, name, client_id, created FROM jobs ORDER BY created")]
 
+    def job_tasks(self, job_id: str, limit: int) -> list[tuple[str, dict[str, Any] | None]]:
+        """The first ``limit`` tasks of a job in submission order: (task id, the summary of a
+        collected task, None for the others). It scans the table (no index on jobs: that would
+        cost every submission a write), which only a status query with its task list asks for."""
+        self._flush()
+        found: list[tuple[str, dict[str, Any] | None]] = []
+        for task_id, state, header in self._db.execute(
+                "SELECT task_id, state, result_header FROM tasks WHERE job_id = ? "
+                "ORDER BY rowid LIMIT ?", (job_id, limit)):
+            summary = None
+            if state == COLLECTED:
+                try:
+                    summary = msgpack.unpackb(header, raw=False, strict_map_key=False)
+                except Exception:  # msgpack raises several unrelated types on garbage
+                    summary = None
+                if not isinstance(summary, dict):
+                    summary = {"id": task_id, "state": "unknown"}
+            found.append((str(task_id), summary))
+        return found
+
     def delete_task(self, task_id: str) -> None:
         self._drop_blob(task_id, 0)
         self._drop_blob(task_id, 1)
@@ -374,6 +394,10 @@ class Store:
         self.commit()
         if self._freed >= IDLE_AFTER:
             self._give_back()
+
+    def compact(self) -> None:
+        """Right-size the in-memory table of blob owners (dicts never shrink by themselves)."""
+        self._refs = dict(self._refs)
 
     def _give_back(self) -> None:
         self._freed = 0

@@ -16,6 +16,7 @@ the message kind and peer, answered with ERROR where there is a peer, and the lo
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
 from .jobs import Job, summarize
 from .ledger import Event, Ledger
+from .memory import trim_heap
 from .retention import RETENTION_SWEEP, Retention
 from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
 from .workers import WorkerSide
@@ -62,6 +64,9 @@ log = logging.getLogger("gpumesh.coordinator")
 __all__ = ["Broker", "Event"]
 
 MAX_SKIPPED = 1000  # unplaceable tasks put back per dispatch pass before it gives up
+# Idle, memory is given back once this many tasks finished or left since the last time...
+MEMORY_AFTER = 1000
+MEMORY_INTERVAL = 5.0  # ... and at most once in this many seconds (it costs O(tasks))
 
 
 class Broker:
@@ -80,6 +85,7 @@ class Broker:
         self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
         self._restoring = True
         self._pythons_told: list[str] = []  # the worker Pythons last pushed to clients
+        self._memory_given_at = now
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -146,9 +152,8 @@ class Broker:
                             row.task_id, exc)
                 self._restore_broken(row, exc, now)
         for job in ledger.jobs.values():
-            if len(job.summaries) >= len(job.task_ids):
-                job.finished_at = max((float(s.get("finished_at", 0.0) or 0.0)
-                                       for s in job.summaries.values()), default=job.created)
+            if job.all_finished:
+                job.finished_at = job.last_finish()
         if ledger.shm is not None:
             # Shared frames no journaled task refers to: from a client that never got its
             # ACCEPTED, or a result acknowledged just before a crash.
@@ -164,7 +169,7 @@ class Broker:
         ledger = self.ledger
         if row.state == COLLECTED:  # only its summary is left, for its job's record
             job = self._restored_job(row.job_id, row.submitted_at)
-            job.add_collected(row.task_id, row.result_header or {"id": row.task_id})
+            job.add_collected(row.result_header or {"id": row.task_id})
             return 0
         if CORRUPT in row.spec:
             raise ValueError(f"its row does not decode: {row.spec[CORRUPT]}")
@@ -410,9 +415,22 @@ class Broker:
                 # Idle: give the journal's freed pages and WAL back (once 256 rows were freed).
                 _guarded("give back journal space",
                          lambda _now: ledger.store.idle_maintenance(), now)
+                _guarded("give back memory", self._give_back_memory, now)
         if now - self._last_sweep >= RETENTION_SWEEP:
             self._last_sweep = now
             _guarded("sweep retained results", self.retention.sweep, now)
+
+    def _give_back_memory(self, now: float) -> None:
+        """Once enough tasks have left since the last time, and not more than once every
+        MEMORY_INTERVAL seconds: right-size the tables, collect cycles, trim the C heap."""
+        ledger = self.ledger
+        if ledger.released < MEMORY_AFTER or now - self._memory_given_at < MEMORY_INTERVAL:
+            return
+        self._memory_given_at = now
+        ledger.released = 0
+        ledger.compact()
+        gc.collect()
+        trim_heap()
 
     def _fail_unschedulable(self, now: float) -> None:
         ledger = self.ledger

@@ -1,14 +1,18 @@
 """Jobs: the tasks of one submission, seen together by any client (``gpumesh status JOB``).
 
 A job outlives its tasks' results: once the submitter has collected a result the task leaves
-the queue, but the job keeps a one-line summary of it (state, worker, cost, a preview of a small
-JSON or text result) so that another terminal can still show what happened.
+the queue, but the journal keeps a one-line summary of it (state, worker, cost, a preview of a
+small JSON or text result) so that another terminal can still show what happened. In memory the
+job keeps only counts of its collected tasks: a drained 100,000-task job holds no per-task
+record, and ``status JOB`` with its task list reads the summaries back from the journal.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +32,12 @@ class Job:
     name: str
     owner: str  # ``user@host`` of the client that submitted it (clients.py: who may control it)
     created: float
-    task_ids: list[str] = field(default_factory=list)
-    # Summaries of finished tasks, kept after the task itself is collected and forgotten.
+    # Its tasks still in the coordinator's table, in submission order (a dict: O(1) removal).
+    task_ids: dict[str, None] = field(default_factory=dict)
+    # Summaries of those of them that finished; a collected task's is in the journal only.
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    collected: int = 0  # tasks collected and forgotten: counted in ``tally``, listed from the journal
+    collected_finished_at: float = 0.0  # the latest finish among them
     finished_at: float | None = None
     # Last time one of its results was delivered for good or dropped: the record is kept for
     # the result TTL after that, so `status` still answers after the results are gone.
@@ -47,14 +54,50 @@ class Job:
 
     def add(self, task: Task) -> None:
         """Count a task in (new, or restored from the journal) and follow its state changes."""
-        self.task_ids.append(task.task_id)
+        self.task_ids[task.task_id] = None
         self.tally[task.state.public] += 1
         task.observer = self._moved
 
-    def add_collected(self, task_id: str, summary: dict[str, Any]) -> None:
-        self.task_ids.append(task_id)
-        self.summaries[task_id] = summary
+    def add_collected(self, summary: dict[str, Any]) -> None:
+        """Count in a task restored as collected (only its journaled summary is left)."""
+        self.collected += 1
         self.tally[str(summary.get("state", "unknown"))] += 1
+        self._note_finish(summary)
+
+    def collect(self, task_id: str) -> dict[str, Any] | None:
+        """The task leaves memory (its result was collected): returns its summary, for the
+        journal, which from now on is the only place that keeps it."""
+        self.task_ids.pop(task_id, None)
+        summary = self.summaries.pop(task_id, None)
+        if summary is not None:
+            self.collected += 1
+            self._note_finish(summary)
+        if not self.task_ids:  # dicts keep their size when emptied: give it back
+            self.task_ids, self.summaries = {}, {}
+        return summary
+
+    def _note_finish(self, summary: dict[str, Any]) -> None:
+        finished = summary.get("finished_at", 0.0)
+        if isinstance(finished, (int, float)):
+            self.collected_finished_at = max(self.collected_finished_at, float(finished))
+
+    @property
+    def total(self) -> int:
+        return len(self.task_ids) + self.collected
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self.summaries) >= len(self.task_ids)
+
+    def last_finish(self) -> float:
+        """When its last task finished, as journaled (a restart keeps the job's timings)."""
+        return max([self.collected_finished_at, *(float(s.get("finished_at", 0.0) or 0.0)
+                                                   for s in self.summaries.values())],
+                   default=0.0) or self.created
+
+    def compact(self) -> None:
+        """Copy its tables into right-sized ones (Python dicts never shrink by themselves)."""
+        self.task_ids, self.summaries = dict(self.task_ids), dict(self.summaries)
 
     def _moved(self, old: TaskState, new: TaskState) -> None:
         self.tally[old.public] -= 1
@@ -78,22 +121,38 @@ class Job:
             return "failed"
         return "cancelled" if counts.get("cancelled") else "succeeded"
 
-    def describe(self, live: dict[str, Task], now: float, *, tasks: bool) -> dict[str, Any]:
+    def describe(self, live: dict[str, Task], now: float, *, tasks: bool,
+                 journal: Callable[[int], list[tuple[str, dict[str, Any] | None]]] | None = None,
+                 ) -> dict[str, Any]:
+        """Its status. ``journal(limit)`` lists the job's tasks in submission order as
+        (task id, summary of a collected task or None); without it only the tasks still in
+        memory are listed."""
         counts = self.counts()
         end = self.finished_at if self.finished_at is not None else now
         view: dict[str, Any] = {
             "job": self.job_id, "name": self.name, "owner": self.owner,
             "status": self.status_word(),
             "outcome": self.outcome(),
-            "counts": counts, "total": len(self.task_ids), "created": self.created,
+            "counts": counts, "total": self.total, "created": self.created,
             "elapsed": round(max(end - self.created, 0.0), 3),
         }
         if tasks:
-            view["tasks"] = [{**self.task_view(task_id, live), "index": index}
-                             for index, task_id in enumerate(self.task_ids[:MAX_TASKS_SHOWN])]
-            if len(self.task_ids) > MAX_TASKS_SHOWN:
-                view["tasks_not_shown"] = len(self.task_ids) - MAX_TASKS_SHOWN
+            listed = self._listed(journal)
+            view["tasks"] = [{**(summary or self.task_view(task_id, live)), "index": index}
+                             for index, (task_id, summary) in enumerate(listed)]
+            if self.total > len(listed):
+                view["tasks_not_shown"] = self.total - len(listed)
         return view
+
+    def _listed(self, journal: Callable[[int], list[tuple[str, dict[str, Any] | None]]] | None,
+                ) -> list[tuple[str, dict[str, Any] | None]]:
+        if journal is None or not self.collected:
+            return [(t, None) for t in itertools.islice(self.task_ids, MAX_TASKS_SHOWN)]
+        rows = journal(MAX_TASKS_SHOWN)
+        if len(rows) < MAX_TASKS_SHOWN:  # one the journal refused (a bug) is still listed
+            seen = {task_id for task_id, _ in rows}
+            rows += [(t, None) for t in self.task_ids if t not in seen]
+        return [(t, s if t not in self.task_ids else None) for t, s in rows[:MAX_TASKS_SHOWN]]
 
     def task_view(self, task_id: str, live: dict[str, Task]) -> dict[str, Any]:
         task = live.get(task_id)

@@ -85,6 +85,7 @@ class Ledger:
         # (gpumesh.sharedmem); None where there is none. Set by the server.
         self.shm: SharedFolder | None = None
         self._order = itertools.count()
+        self.released = 0  # tasks finished or forgotten since memory was last given back
         self._lease_counter = itertools.count(1)
         self._event_seq = itertools.count(1)
 
@@ -131,6 +132,19 @@ class Ledger:
         if len(self.malformed) > MAX_PEER_COUNTERS:
             self.malformed.clear()  # bounded: a counter per peer is a diagnostic, not a ledger
         self.malformed[routing] = self.malformed.get(routing, 0) + 1
+
+    def compact(self) -> None:
+        """Copy the tables that held a burst of tasks into right-sized ones: a Python dict
+        keeps the size of its largest moment after its entries are gone. O(tasks); call it
+        when the queue is empty, not per turn."""
+        self.tasks = dict(self.tasks)
+        self.by_seq = dict(self.by_seq)
+        if not self.pending:
+            self.pending = []
+            self.kinds = set()
+        for job in self.jobs.values():
+            job.compact()
+        self.store.compact()
 
     def new_lease_id(self) -> int:
         """Lease ids rise monotonically and carry the coordinator run (epoch) in their top bits."""
@@ -203,6 +217,7 @@ class Ledger:
             worker = self.workers.get(task.worker_id)
             if worker is not None:
                 worker.leases.pop(task.lease_id, None)
+        self.released += 1
         retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
         self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
                                keep_input=retryable)
@@ -212,7 +227,7 @@ class Ledger:
         if not retryable:
             task.payload = []
             self.drop_shared(task.spec)
-        if job is not None and len(job.summaries) >= len(job.task_ids):  # only its tasks
+        if job is not None and job.all_finished:  # only its tasks
             job.finished_at = now
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
                   worker=result.get("worker", ""))

@@ -6,6 +6,7 @@ It acts on the ``Ledger`` (the shared state). The rules are in docs/protocol.md,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .jobs import LIST_JOBS, MAX_JOBS, find_job
@@ -25,11 +26,12 @@ class Retention:
         """Drop a finished task and its result: only its summary stays, in memory and in the
         journal, until its job is forgotten."""
         del self.ledger.tasks[task.task_id]
+        self.ledger.released += 1
         self.ledger.drop_shared(task.spec)
         self.ledger.drop_shared(task.result_header)
         self.ledger.by_seq.pop((task.client_id, task.seq), None)
         job = self.ledger.jobs.get(task.job_id)
-        summary = job.summaries.get(task.task_id) if job is not None else None
+        summary = job.collect(task.task_id) if job is not None else None
         if job is not None:
             job.last_activity = max(job.last_activity, now)
         if summary is None:
@@ -86,7 +88,9 @@ class Retention:
             job = find_job(self.ledger.jobs, job_id)
             if isinstance(job, str):
                 return {"error": job, "workers": alive}
-            view = {**job.describe(self.ledger.tasks, now, tasks=tasks), "workers": alive,
+            journal = functools.partial(self.ledger.store.job_tasks, job.job_id)
+            view = {**job.describe(self.ledger.tasks, now, tasks=tasks, journal=journal),
+                    "workers": alive,
                     "workers_paused": paused}
             if job_id == job.name != job.job_id:  # found by name: was it the only one?
                 same_name = sum(1 for j in self.ledger.jobs.values() if j.name == job.name)
