@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also: 64 MiB round trips between two network namespaces (root)")
     parser.add_argument("--prefetch", default=None,
                         help="gpumesh workers' join --prefetch (default: join's own default)")
+    parser.add_argument("--no-journal-cost", action="store_true",
+                        help="skip the journal-on/journal-off gpumesh throughput comparison "
+                             "(it runs whenever gpumesh does)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser.parse_args(argv)
 
@@ -67,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     for system_type in chosen_systems(args.only):
         results["systems"].append(run_system(system_type, params, log))
+    if not args.no_journal_cost and any(s.key == "gpumesh" for s in chosen_systems(args.only)):
+        from .journal import run_journal_cost
+
+        results["journal_cost"] = run_journal_cost(params, log=log)
     if args.scale:
         from .scale import run_scale
 

@@ -191,6 +191,21 @@ def two_hosts_lines(section: dict[str, Any]) -> list[str]:
             *_table(["path", "64 MiB round trip MB/s ↑", "note"], rows, "lrl"), ""]
 
 
+def journal_cost_lines(section: dict[str, Any]) -> list[str]:
+    title = ["## Journal cost (gpumesh tiny tasks/s, journal on disk vs in memory)", ""]
+    if "failed" in section:
+        return [*title, f"Failed: {section['failed']}", ""]
+    rows = [[label, number(section.get(key), 0),
+             ", ".join(number(r, 0) for r in section.get("rates", {}).get(which, []))]
+            for label, key, which in (("journal on disk (default)", "on_tasks_per_s", "on"),
+                                      ("journal in memory (--db :memory:)", "off_tasks_per_s",
+                                       "off"))]
+    cost = section.get("cost_percent")
+    return [*title, *_table(["coordinator", "median tasks/s ↑", "rounds"], rows, "lrl"), "",
+            f"On / off: {number(section.get('ratio'), 3)}× — the journal costs "
+            f"{number(cost, 1)}% of throughput (target: at most 15%).", ""]
+
+
 def markdown(results: Results) -> str:
     lines = ["# gpumesh benchmark", "", *machine_lines(results.get("machine", {})),
              params_line(results), "", "## Comparison", "", *comparison_table(results), "",
@@ -198,6 +213,8 @@ def markdown(results: Results) -> str:
              "columns, below 1 is better for ↓ columns.", "",
              "## Targets", "", *targets_table(results), "",
              "## CPU per tiny task, by process", "", *cpu_table(results), ""]
+    if "journal_cost" in results:
+        lines += journal_cost_lines(results["journal_cost"])
     if "scale" in results:
         lines += scale_lines(results["scale"])
     if "two_hosts" in results:

@@ -97,10 +97,16 @@ def _frame_view(frame: Any) -> memoryview:
 class Store:
     """One SQLite file in WAL mode, owned by the coordinator's loop thread."""
 
-    def __init__(self, path: Path | str, *, synchronous: str = "NORMAL") -> None:
+    def __init__(self, path: Path | str, *, synchronous: str = "NORMAL",
+                 blob_folder: Path | None = None) -> None:
+        """``path`` ":memory:" keeps the journal in memory (nothing survives the process); big
+        payloads then stay in the database unless ``blob_folder`` names a folder for them."""
         self.path = Path(path)
         self._blobs: BlobFolder | None = None
-        if str(path) != ":memory:":
+        if str(path) == ":memory:":
+            if blob_folder is not None:
+                self._blobs = BlobFolder(blob_folder, sync=False)
+        else:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             _create_private(self.path)
             self._blobs = BlobFolder(Path(f"{path}.blobs"),

@@ -25,8 +25,10 @@ CALL_TIMEOUT = 120.0  # seconds: a broken mesh fails the measurement instead of 
 class Mesh:
     """A coordinator and its workers in process groups of their own, and the paths they use."""
 
-    def __init__(self, token: str, home: Path, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, token: str, home: Path, port: int, host: str = "127.0.0.1",
+                 journal: bool = True) -> None:
         self.token = token
+        self.journal = journal  # False: ``serve --db :memory:`` (the journal-cost comparison)
         self.home = home
         self.port = port
         self.host = host
@@ -36,11 +38,11 @@ class Mesh:
         self.workers: list[Any] = []
 
     @classmethod
-    def fresh(cls, host: str = "127.0.0.1") -> Mesh:
+    def fresh(cls, host: str = "127.0.0.1", journal: bool = True) -> Mesh:
         from gpumesh.tokens import new_token
 
         home = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-        return cls(new_token(), home, free_port(host), host)
+        return cls(new_token(), home, free_port(host), host, journal)
 
     def env(self) -> dict[str, str]:
         return python_env({"GPUMESH_TOKEN": self.token, "GPUMESH_HOME": str(self.home)})
@@ -52,7 +54,8 @@ class Mesh:
             self.coordinator = spawn(
                 [*prefix, python_exe(), "-m", "gpumesh", "serve", "--host", self.host,
                  "--port", str(self.port), "--no-self-worker", "--no-save", "--no-color",
-                 "--exit-with-parent", "--ready-fd", str(ready_write)],
+                 "--exit-with-parent", "--ready-fd", str(ready_write),
+                 *(() if self.journal else ("--db", ":memory:"))],
                 env=self.env(), log=self.log, pass_fds=[ready_write])
         finally:
             os.close(ready_write)

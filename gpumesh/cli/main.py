@@ -68,12 +68,17 @@ def cli(verbose: bool, json_logs: bool) -> None:
               "0.0.0.0 lets other machines join.")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port (0 picks a free one).")
+@click.option("--host-ip", default=None, metavar="IP",
+              help="The address other machines should dial, advertised on the LAN and printed "
+                   "(default: this machine's LAN address; set it when that is a VPN or VM "
+                   "adapter). It does not open the port: --host does.")
 @token_options(envvar=True, what="(or GPUMESH_TOKEN; generated and saved when absent)")
 @click.option("--weak-token", is_flag=True, envvar="GPUMESH_WEAK_TOKEN",
               help="Accept a token shorter than 22 characters (or GPUMESH_WEAK_TOKEN=1). A short "
                    "token can be guessed offline from one recorded handshake.")
 @click.option("--db", type=click.Path(dir_okay=False), default=None,
-              help="SQLite journal (default GPUMESH_HOME/coordinator-PORT.db).")
+              help="SQLite journal (default GPUMESH_HOME/coordinator-PORT.db). ':memory:' "
+                   "keeps it in memory, for a throwaway mesh: nothing survives a restart.")
 @click.option("--no-self-worker", is_flag=True, help="Do not join this machine as a worker.")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Slots of the self-worker (default: one per GPU, else per core up to 4).")
@@ -85,7 +90,8 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
-def serve(host: str | None, port: int, token: str | None, weak_token: bool, db: str | None,
+def serve(host: str | None, port: int, host_ip: str | None, token: str | None, weak_token: bool,
+          db: str | None,
           no_self_worker: bool, slots: int | None, safe_mode: bool,
           pending_timeout: float | None, no_save: bool, quiet_worker: bool,
           ready_fd: int | None, exit_with_parent: bool) -> None:
@@ -101,7 +107,7 @@ def serve(host: str | None, port: int, token: str | None, weak_token: bool, db: 
 
     settings = _settings()
     token = chosen_token(token)
-    run_serve(settings, host=host or settings.host, port=port, token=token, db=db,
+    run_serve(settings, host=host or settings.host, port=port, token=token, db=db, host_ip=host_ip,
               weak_token=weak_token or settings.weak_token,
               self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
               pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker,
@@ -122,7 +128,7 @@ def _prefetch(value: str) -> int | None:
 
 
 @cli.command()
-@click.argument("url")
+@click.argument("url", required=False)
 @token_options(envvar=True, what="(or GPUMESH_TOKEN; required)")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Tasks run at once (default: one per GPU, else one per core up to 4).")
@@ -141,17 +147,19 @@ def _prefetch(value: str) -> int | None:
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
-def join(url: str, token: str | None, slots: int | None, max_slots: int | None,
+def join(url: str | None, token: str | None, slots: int | None, max_slots: int | None,
          prefetch: int | None,
          no_benchmark: bool, pass_env: tuple[str, ...], no_save: bool, ready_fd: int | None,
          exit_with_parent: bool) -> None:
     """Join this machine to a coordinator as a worker.
 
-    The machine's owner can take it back at any time with 'gpumesh pause', 'resume' and
+    Without URL, it finds the coordinator of this token's mesh on the LAN (zeroconf), and
+    looks again if that coordinator moves. The machine's owner can take it back at any time with 'gpumesh pause', 'resume' and
     'drain', run on this machine.
 
     \b
     Example:
+      gpumesh join --token-file mesh.token                     # finds it on the LAN
       gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token
       gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token --max-slots 1  # one GPU only
       gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token --pass-env HF_HOME
@@ -313,6 +321,35 @@ def kill(worker: str, url: str | None, token: str | None) -> None:
     from . import jobs
 
     sys.exit(_with_client(url, token, lambda c: jobs.control(c, "kill", worker)))
+
+
+@cli.command()
+@click.option("--timeout", type=click.FloatRange(0.5, 60), default=3.0, show_default=True,
+              help="Seconds to listen for answers.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
+@token_options(envvar=False, what="(default: GPUMESH_TOKEN, then the saved one): marks its mesh")
+def discover(timeout: float, as_json: bool, token: str | None) -> None:
+    """List the gpumesh coordinators advertised on the LAN (zeroconf).
+
+    Only coordinators bound beyond loopback advertise themselves. The list is a hint: joining
+    still needs the mesh's token, which nothing here reveals.
+
+    \b
+    Example:
+      gpumesh discover
+      gpumesh discover --json --timeout 5
+    """
+    from .discover import discover as run_discover
+
+    settings = _settings()
+    token = chosen_token(token) or settings.token
+    if token is None:
+        try:
+            saved = settings.saved_connection()
+        except MeshError:
+            saved = None
+        token = saved.token if saved else None
+    run_discover(settings, token, timeout, as_json)
 
 
 @cli.command()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -52,7 +54,11 @@ class Coordinator:
         # restores; a bad token raises below, from the second call, before anything binds.
         stretching = stretch_in_background(token)
         self.host = host
-        self.store = Store(db_path)
+        # A journal in memory (``--db :memory:``, a throwaway mesh) keeps big payloads in files
+        # of its own, in a temporary folder removed at close, rather than in its memory twice.
+        self._scratch = (Path(tempfile.mkdtemp(prefix="gpumesh-journal-"))
+                         if str(db_path) == ":memory:" else None)
+        self.store = Store(db_path, blob_folder=self._scratch and self._scratch / "blobs")
         self.epoch = self.store.next_epoch()
         self.store.commit()
         now = time.time()
@@ -69,6 +75,7 @@ class Coordinator:
             self.store.close()
             if shm is not None:
                 shm.close()
+            self._remove_scratch()
             raise
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -194,6 +201,11 @@ class Coordinator:
         self.store.close()
         if self.broker.ledger.shm is not None:
             self.broker.ledger.shm.close()
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 def _journal_key(db_path: Path | str) -> str:

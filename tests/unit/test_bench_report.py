@@ -39,3 +39,14 @@ def test_json_round_trips_and_numbers_read_well() -> None:
     assert number(12345.678, 0) == "12,346"
     assert number(0.0306, 2) == "0.0306"
     assert number(None) == "–"
+
+
+def test_journal_cost_section_gives_both_rates_and_the_ratio() -> None:
+    section = {"rates": {"on": [900.0, 950.0], "off": [1000.0, 1000.0]},
+               "on_tasks_per_s": 925.0, "off_tasks_per_s": 1000.0, "ratio": 0.925,
+               "cost_percent": 7.5}
+    text = markdown({"systems": [], "journal_cost": section})
+    assert "| journal on disk (default) | 925 | 900, 950 |" in text
+    assert "0.925×" in text and "costs 7.5% of throughput" in text
+    failed = markdown({"systems": [], "journal_cost": {"failed": "TimeoutError: x"}})
+    assert "Failed: TimeoutError: x" in failed

@@ -596,3 +596,19 @@ def test_a_v1_journal_is_migrated_in_place(db_path: Path) -> None:
     assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (2,)
     raw.close()
     assert [t.task_id for t in _reopen_and_load(db_path)] == ["old", "new"]
+
+
+def test_a_memory_journal_keeps_big_payloads_in_its_blob_folder(tmp_path):
+    from gpumesh.blobs import BLOB_THRESHOLD
+
+    store = Store(":memory:", blob_folder=tmp_path / "blobs")
+    big = b"x" * BLOB_THRESHOLD
+    store.add_task("t1", "c1", 1, "j1", {"kind": "fn"}, [b"f", big], 0.0)
+    store.commit()
+    assert [p.stat().st_size for p in (tmp_path / "blobs").iterdir()] == [1 + len(big)]
+    (row,) = store.load()
+    assert [bytes(f) for f in row.payload] == [b"f", big]
+    store.finish_task("t1", "done", 1, {"status": "ok"}, [b"r"])
+    store.commit()
+    assert list((tmp_path / "blobs").iterdir()) == []
+    store.close()
