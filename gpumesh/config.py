@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -77,6 +78,19 @@ def parse_url(url: str) -> Endpoint:
 
 def _env_bool(value: str | None) -> bool:
     return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _addresses(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """A comma-separated list of IPv4 addresses; a ConfigError names a bad one."""
+    raw = env.get(name, "")
+    addresses = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for address in addresses:
+        try:
+            ipaddress.IPv4Address(address)
+        except ValueError:
+            raise ConfigError(f"{name}: {address[:64]!r} is not an IPv4 address "
+                              "(give this machine's interface addresses, comma-separated)") from None
+    return addresses
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -157,6 +171,12 @@ class Settings:
     # Big frames between processes of one machine travel through a shared-memory folder
     # instead of the sockets (gpumesh.sharedmem). GPUMESH_SHARED_MEMORY=0 turns it off.
     share_memory: bool = True
+    # LAN discovery (gpumesh.discovery): GPUMESH_DISCOVERY=0 turns advertising and browsing off;
+    # GPUMESH_DISCOVERY_INTERFACES (comma-separated IPv4 addresses) says where to browse and
+    # advertise instead of this machine's LAN addresses.
+    discovery: bool = True
+    discovery_interfaces: tuple[str, ...] = ()
+    discovery_timeout: float = 3.0
     timing: Timing = field(default_factory=Timing)
     limits: Limits = field(default_factory=Limits)
 
@@ -182,6 +202,9 @@ class Settings:
             verbose=_env_bool(env.get("GPUMESH_VERBOSE")),
             weak_token=_env_bool(env.get("GPUMESH_WEAK_TOKEN")),
             share_memory=_env_bool(env.get("GPUMESH_SHARED_MEMORY", "1")),
+            discovery=_env_bool(env.get("GPUMESH_DISCOVERY", "1")),
+            discovery_interfaces=_addresses(env, "GPUMESH_DISCOVERY_INTERFACES"),
+            discovery_timeout=_env_float(env, "GPUMESH_DISCOVERY_TIMEOUT", 3.0),
             timing=timing,
             limits=Limits(max_queued_bytes=int(2**30 * _env_float(
                 env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30))),

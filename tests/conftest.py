@@ -14,8 +14,13 @@ from gpumesh.client import GPUMesh
 from gpumesh.client.launch import CoordinatorHandle, ProcessHandle, start_coordinator, start_worker
 from gpumesh.config import Settings
 
+# Network safety (TESTING.md): zeroconf in the root namespace only ever on loopback. Every
+# process a test starts inherits this; tests in network namespaces may choose otherwise.
+os.environ["GPUMESH_DISCOVERY_INTERFACES"] = "127.0.0.1"
+
 # Fast timing so failure detection takes seconds, not tens of seconds.
 FAST = {
+    "GPUMESH_DISCOVERY_INTERFACES": "127.0.0.1",
     "GPUMESH_HEARTBEAT": "0.2",
     "GPUMESH_LEASE_TTL": "2",
     "GPUMESH_RESTORE_GRACE": "1.5",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
 
 from ..config import Settings, ensure_home, parse_url, save_connection
+from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, MeshError
 from ..protocol.taskenv import check_env_name
 from ..security import stretch_in_background
@@ -47,12 +48,33 @@ def passed_variables(names: Sequence[str]) -> list[str]:
     return passed
 
 
-def join(settings: Settings, *, url: str, token: str, slots: int | None, benchmark: bool,
+def discovered(settings: Settings, token: str) -> tuple[str, Callable[[], str | None]]:
+    """The URL of this mesh's coordinator on the LAN, and how to look for it again."""
+    if not settings.discovery:
+        raise ConfigError("no URL given, and LAN discovery is off (GPUMESH_DISCOVERY=0): pass "
+                          "the coordinator's URL, e.g. 'gpumesh join tcp://HOST:8000'")
+    interfaces = browse_interfaces(settings.discovery_interfaces)
+    timeout = settings.discovery_timeout
+    click.echo(f"[worker] looking for this mesh's coordinator on the LAN (up to {timeout:g}s)")
+    url, found = find_coordinator(token, interfaces, timeout)
+    click.echo(f"[worker] found it on {found.host}: {url}")
+
+    def again() -> str | None:
+        return find_coordinator(token, browse_interfaces(settings.discovery_interfaces),
+                                timeout)[0]
+
+    return url, again
+
+
+def join(settings: Settings, *, url: str | None, token: str, slots: int | None, benchmark: bool,
          save: bool, ready_fd: int | None, prefetch: int | None = None, max_slots: int | None = None,
          exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
+    rediscover = None
     try:
-        endpoint = parse_url(url)
         passed = passed_variables(pass_env)
+        if url is None:
+            url, rediscover = discovered(settings, token)
+        endpoint = parse_url(url)
     except MeshError as exc:
         fail(str(exc))
         return
@@ -88,7 +110,7 @@ def join(settings: Settings, *, url: str, token: str, slots: int | None, benchma
         agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
                             say=lambda line: click.echo(line), on_joined=joined,
                             gpu_indices=gpu_indices or None, prefetch=prefetch,
-                            pass_env=passed)
+                            pass_env=passed, rediscover=rediscover)
     except MeshError as exc:
         fail(str(exc))
         return

@@ -16,8 +16,9 @@ import click
 
 from ..config import Settings, ensure_home, parse_url, save_connection
 from ..coordinator import Coordinator, Event
+from ..discovery import Advertiser, advertised_addresses
 from ..errors import MeshError
-from ..security import note_weak
+from ..security import derive_keys, note_weak
 from ..tokens import (
     new_token,
     parse_token,
@@ -41,20 +42,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def lan_address() -> str | None:
-    """The first IPv4 address of a non-loopback interface: what other machines would dial.
-
-    Read from the interface list (ifaddr, which zeroconf ships), without sending anything.
-    """
-    import ifaddr
-
-    for adapter in ifaddr.get_adapters():
-        for ip in adapter.ips:
-            if isinstance(ip.ip, str) and not ip.ip.startswith("127.") and not ip.ip.startswith("169.254."):
-                return ip.ip
-    return None
 
 
 def _home_display(path: Path) -> str:
@@ -108,9 +95,19 @@ def serve(
     settings: Settings, *, host: str, port: int, token: str | None, db: str | None,
     self_worker: bool, slots: int | None, safe_mode: bool, pending_timeout: float | None,
     ready_fd: int | None, quiet: bool, save: bool = True, exit_with_parent: bool = False,
-    weak_token: bool = False,
+    weak_token: bool = False, host_ip: str | None = None,
 ) -> None:
     generated = token is None
+    if host_ip is not None:
+        try:
+            ipaddress.IPv4Address(host_ip)
+        except ValueError:
+            fail(f"--host-ip {host_ip[:64]!r} is not an IPv4 address: give the address other "
+                 "machines dial, e.g. --host-ip 192.168.1.20")
+        if not advertised_addresses(host, host_ip):
+            click.echo(f"warning: --host-ip {host_ip} does not open the port: the coordinator "
+                       f"is bound to {host} only, so it is neither advertised nor reachable "
+                       "there (add --host 0.0.0.0 to let other machines join)", err=True)
     try:
         token, added_salt = serve_token(settings, token, weak_token)
     except MeshError as exc:
@@ -164,7 +161,7 @@ def serve(
                    f"--port {port}{token_arg}")
         click.echo("   (or set GPUMESH_HOST=0.0.0.0). Read the warning it prints before you do.")
     else:
-        _exposed_banner(host, port)
+        _exposed_banner(host, port, advertised_addresses(host, host_ip), token_arg)
     if safe_mode:
         click.echo("   Safe mode: pickled functions are refused; only scripts are accepted.")
     if coordinator.restored:
@@ -185,6 +182,7 @@ def serve(
         fail("self-check failed: the coordinator did not answer on "
              f"{local_url}; run 'gpumesh -v serve' for details")
     ok(f"Self-check: server is up (tested on {local_host} only)")
+    advertiser = _advertise(settings, host, host_ip, port, token)
     child = None
     if self_worker:
         child = _start_self_worker(local_url, token, slots, quiet)
@@ -212,17 +210,36 @@ def serve(
                 child.wait(10)
             except subprocess.TimeoutExpired:
                 child.kill()
+        if advertiser is not None:
+            advertiser.close()
         coordinator.stop()
         loop.join(10)
     click.echo("[gpumesh] coordinator stopped")
 
 
-def _exposed_banner(host: str, port: int) -> None:
-    lan = lan_address() if host in ("0.0.0.0", "*", "::") else host
-    if lan:
-        click.echo(f"   Join from ANOTHER machine: gpumesh join tcp://{lan}:{port} --token-file FILE")
-        click.echo("   (FILE: a copy of the token file, readable only by you; 127.0.0.1 always "
-                   "works locally; the LAN IP is for other machines)")
+def _advertise(settings: Settings, host: str, host_ip: str | None, port: int,
+               token: str) -> Advertiser | None:
+    """Advertise the mesh on the LAN when other machines can reach it (never on loopback)."""
+    addresses = advertised_addresses(host, host_ip)
+    if not addresses or not settings.discovery:
+        return None
+    advertiser = Advertiser(port=port, addresses=addresses, fingerprint=derive_keys(token).fingerprint,
+                            interfaces=settings.discovery_interfaces or addresses)
+    advertiser.start()
+    click.echo(f"   Advertised on the LAN ({', '.join(addresses)}): 'gpumesh join' finds it "
+               "without a URL (GPUMESH_DISCOVERY=0 turns this off)")
+    return advertiser
+
+
+def _exposed_banner(host: str, port: int, addresses: list[str], token_arg: str) -> None:
+    token_arg = token_arg or " --token-file FILE"
+    if addresses:
+        click.echo(f"   Join from ANOTHER machine: gpumesh join{token_arg}")
+        click.echo(f"   (or with the address: gpumesh join tcp://{addresses[0]}:{port}{token_arg};"
+                   " the token file copied there, readable only by you)")
+    else:
+        click.echo("   No LAN address found to print for other machines (only loopback, container,"
+                   " VM or VPN adapters): pass --host-ip with the address they should dial")
     inventory = devices.probe(torch_probe=False)
     bar = "  " + "!" * 62
     click.echo("")
@@ -239,9 +256,9 @@ def _exposed_banner(host: str, port: int) -> None:
     click.echo(f"   Loopback-only (the default) is: gpumesh serve --port {port}")
     click.echo(bar)
     click.echo("")
-    if lan:
-        click.echo(f"   Reachability of tcp://{lan}:{port} from other machines is not tested here "
-                   "— a worker joining confirms it.")
+    if addresses:
+        click.echo(f"   Reachability of tcp://{addresses[0]}:{port} from other machines is not "
+                   "tested here — a worker joining confirms it.")
 
 
 def _self_check(settings: Settings, url: str, token: str) -> bool:

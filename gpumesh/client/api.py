@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..config import Settings
+from ..config import Endpoint, Settings, parse_url
+from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
 from .engine import Engine, TaskFuture
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
@@ -40,7 +41,7 @@ class GPUMesh:
         connect_timeout: float | None = None, settings: Settings | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
-        self.endpoint, self._token = self.settings.resolve_connection(url, token)
+        self.endpoint, self._token = _resolve(self.settings, url, token)
         self.quiet = quiet
         self.connect_timeout = (self.settings.timing.connect_timeout if connect_timeout is None
                                 else connect_timeout)
@@ -462,3 +463,22 @@ class _Countdown:
             self.failed = self.failed or bad
             if bad or self._left == 0:
                 self.changed.set()
+
+
+def _resolve(settings: Settings, url: str | None, token: str | None) -> tuple[Endpoint, str]:
+    """The coordinator and token: given, from the environment or saved (Settings), else this
+    token's mesh found on the LAN when discovery is on."""
+    try:
+        return settings.resolve_connection(url, token)
+    except ConfigError as missing:
+        saved = settings.saved_connection()
+        chosen = token or settings.token or (saved.token if saved else None)
+        if url or settings.url or (saved and saved.url) or not chosen or not settings.discovery:
+            raise
+        try:
+            found, _ = find_coordinator(chosen, browse_interfaces(settings.discovery_interfaces),
+                                        settings.discovery_timeout)
+        except MeshError as exc:
+            raise ConfigError(f"{missing}; nor was one found on the LAN: {exc}") from None
+        log.info("found this mesh's coordinator on the LAN: %s", found)
+        return parse_url(found), chosen

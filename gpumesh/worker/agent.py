@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from ..config import Endpoint, Settings
+from ..config import Endpoint, Settings, parse_url
 from ..errors import MeshError
 from ..protocol import (
     Command,
@@ -85,6 +85,7 @@ class WorkerAgent:
         worker_id: str | None = None, gpu_indices: list[int] | None = None,
         on_joined: Callable[[str], None] | None = None, prefetch: int | None = 0,
         local_control: bool = True, pass_env: Sequence[str] = (),
+        rediscover: Callable[[], str | None] | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
@@ -145,6 +146,13 @@ class WorkerAgent:
         self._pending_release: list[int] = []
         self._started_at = 0.0
         self._hinted = False
+        self._lost_at: float | None = None  # when the coordinator went silent (one outage)
+        # A worker that found its coordinator by discovery looks again when it goes silent:
+        # it may have moved to another address. The browse runs in a thread; its answer is
+        # picked up by the loop (only the loop touches the link).
+        self._rediscover = rediscover
+        self._browsing: threading.Thread | None = None
+        self._moved_to: Endpoint | None = None
         # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
         self.session = Session(Role.WORKER, self.worker_id, endpoint, settings.timing,
                                self.link, self)
@@ -230,6 +238,7 @@ class WorkerAgent:
                     self._on_runner_output(runner, what)
         self._check_runners(now)
         self._start_queued(now)
+        self._follow_move()
         self.session.tick(now)
         if self.mode is WorkerMode.DRAINING:
             self.owner.finish_drain(now)
@@ -268,17 +277,53 @@ class WorkerAgent:
         return {"leases": self._held_leases()}
 
     def on_lost(self, now: float, delay: float, was_welcomed: bool) -> None:
-        if self.joined_once:
-            self.say(f"[worker] lost the coordinator at {self.endpoint}; retrying in {delay:.1f}s")
-            return
-        self.say(f"[worker] cannot reach a coordinator at {self.endpoint} yet (is "
-                 f"'gpumesh serve' running there?); retrying in {delay:.1f}s")
-        if now - self._started_at > NEVER_JOINED_HINT and not self._hinted:
+        """One line when an outage starts (and one when it ends, in on_welcome), however many
+        retries it takes; a hint if a worker never reached its coordinator for a minute."""
+        self._browse_again()
+        if self._lost_at is None:
+            self._lost_at = now
+            if self.joined_once:
+                self.say(f"[worker] lost the coordinator at {self.endpoint}; retrying until it "
+                         "is back (Ctrl+C to stop)")
+            else:
+                self.say(f"[worker] cannot reach a coordinator at {self.endpoint} yet (is "
+                         "'gpumesh serve' running there?); retrying until it answers")
+        elif not self.joined_once and not self._hinted \
+                and now - self._started_at > NEVER_JOINED_HINT:
             self._hinted = True
             self.say("[worker] still no coordinator after "
                      f"{now - self._started_at:.0f}s: check the URL and port, and that "
                      "the coordinator was started with --host to accept other machines "
                      "(Ctrl+C to stop)")
+        else:
+            log.debug("still no coordinator at %s; retrying in %.1fs", self.endpoint, delay)
+
+    def _browse_again(self) -> None:
+        """Look for the coordinator on the LAN again (a discovered worker only), in the
+        background: one browse at a time."""
+        if self._rediscover is None or (self._browsing is not None and self._browsing.is_alive()):
+            return
+        rediscover = self._rediscover
+
+        def browse() -> None:
+            try:
+                url = rediscover()
+            except Exception as exc:  # no answer, several, another version: keep retrying
+                log.debug("looking for the coordinator again: %s", exc)
+                return
+            if url and parse_url(url) != self.endpoint:
+                self._moved_to = parse_url(url)
+
+        self._browsing = threading.Thread(target=browse, name="gpumesh-rediscover", daemon=True)
+        self._browsing.start()
+
+    def _follow_move(self) -> None:
+        """Dial the coordinator's new address from the next reconnect on."""
+        moved, self._moved_to = self._moved_to, None
+        if moved is None or self.welcomed:
+            return
+        self.say(f"[worker] found the coordinator again on the LAN, now at {moved}")
+        self.endpoint = self.link.endpoint = self.session.endpoint = moved
 
     def on_disconnect(self, header: dict[str, Any], now: float) -> bool:
         if header.get("reason") != "kill":
@@ -375,8 +420,12 @@ class WorkerAgent:
             self.say(f"[worker] joined mesh as {self.worker_id}")
             if self.on_joined is not None:
                 self.on_joined(self.worker_id)
-        else:
-            self.say(f"[worker] reconnected to {self.endpoint}")
+        elif self._lost_at is not None:
+            self.say(f"[worker] back: reconnected to {self.endpoint} after "
+                     f"{now - self._lost_at:.0f}s away")
+        else:  # the coordinator restarted or forgot us, and we were not silent for long
+            log.info("new session with the coordinator at %s", self.endpoint)
+        self._lost_at = None
 
     def _on_task(self, msg: Message, now: float) -> None:
         h = msg.header

@@ -148,3 +148,53 @@ def test_pass_env_reaches_every_runner_and_a_tasks_env_reaches_its_runner(tmp_pa
     finally:
         a.link.close()
         a._ctx.term()
+
+
+def test_an_outage_is_said_once_when_it_starts_and_once_when_it_ends(agent):
+    lines: list[str] = []
+    agent.say = lines.append
+    agent.joined_once = True
+    for now, delay in ((10.0, 1.0), (12.0, 2.0), (15.0, 4.0), (20.0, 8.0)):
+        agent.on_lost(now, delay, was_welcomed=now == 10.0)
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 22.0)
+    # The coordinator restarting without a silence (NO_SESSION, then WELCOME) says nothing.
+    agent.session.on_message(decode(encode(Command.ERROR, {"code": "no_session"}), Limits()), 23.0)
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 23.1)
+    assert lines == ["[worker] lost the coordinator at tcp://127.0.0.1:9; retrying until it is "
+                     "back (Ctrl+C to stop)",
+                     "[worker] back: reconnected to tcp://127.0.0.1:9 after 12s away"]
+
+
+def test_a_worker_that_never_joined_says_so_once_then_hints_after_a_minute(agent):
+    lines: list[str] = []
+    agent.say = lines.append
+    agent._started_at = 0.0
+    for now in (1.0, 3.0, 7.0, 15.0, 31.0, 63.0, 95.0):
+        agent.on_lost(now, 1.0, was_welcomed=False)
+    assert len(lines) == 2
+    assert lines[0].startswith("[worker] cannot reach a coordinator at tcp://127.0.0.1:9 yet")
+    assert lines[1].startswith("[worker] still no coordinator after 63s")
+
+
+def test_a_discovered_worker_dials_its_coordinators_new_address(tmp_path):
+    asked = []
+    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=1, info={},
+                    local_control=False, rediscover=lambda: asked.append(1) or "127.0.0.1:19")
+    try:
+        lines: list[str] = []
+        a.say = lines.append
+        a.on_lost(1.0, 1.0, was_welcomed=True)
+        assert a._browsing is not None
+        a._browsing.join(5)
+        a._follow_move()
+        assert a.endpoint == a.link.endpoint == a.session.endpoint == parse_url("tcp://127.0.0.1:19")
+        assert lines[-1] == "[worker] found the coordinator again on the LAN, now at tcp://127.0.0.1:19"
+        a.on_lost(2.0, 2.0, was_welcomed=False)
+        a._browsing.join(5)
+        a._follow_move()  # found where it already dials: nothing to say
+        assert len(asked) == 2 and lines[-1].endswith("now at tcp://127.0.0.1:19")
+        assert sum("found the coordinator again" in line for line in lines) == 1
+    finally:
+        a.link.close()
+        a._ctx.term()

@@ -1,0 +1,142 @@
+"""Zero-config joining across fake hosts: network namespaces on one switch (TESTING.md).
+
+Inside the namespaces discovery runs as it would for users: on each host's LAN address, with
+nothing configured but the token. The root namespace never multicasts (conftest pins it to
+loopback); the lab's guard route makes a stray packet fail here instead of leaving the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import wait_for
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "faults"))  # the namespace lab
+from faultlab import Lab, require_netns  # noqa: E402
+
+
+def _env(mesh_env, token: str) -> dict[str, str]:
+    # Inside a namespace, browse and advertise on its LAN address (eth0), as a user's machine
+    # would; a generous window for a loaded 2-core machine (it ends at the first answer).
+    return {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": token,
+            "GPUMESH_DISCOVERY_INTERFACES": "", "GPUMESH_DISCOVERY_TIMEOUT": "10"}
+
+
+def _gpumesh(lab: Lab, host: str, env: dict[str, str], *args: str, timeout: float = 60
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "netns", "exec", lab.ns(host), sys.executable, "-m", "gpumesh",
+                           *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _workers(lab: Lab, host: str, env: dict[str, str], url: str) -> list[dict[str, Any]]:
+    done = _gpumesh(lab, host, env, "workers", "--url", url, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _alive(lab: Lab, host: str, env: dict[str, str], url: str) -> set[str]:
+    return {w["id"] for w in _workers(lab, host, env, url) if w["alive"]}
+
+
+def _serve(lab: Lab, host: str, env: dict[str, str], tmp_path, *extra: str) -> int:
+    db = tmp_path / f"{host}-{secrets.token_hex(3)}.db"
+    _, port = lab.spawn(host, ["-m", "gpumesh", "serve", "--port", "0", "--no-save", "--db",
+                               str(db), *extra], env, ready=True, wait=60)
+    return int(port)
+
+
+def _join(lab: Lab, host: str, env: dict[str, str], *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``gpumesh join`` with no URL: the worker id once it joined."""
+    return lab.spawn(host, ["-m", "gpumesh", "join", "--no-benchmark", "--no-save",
+                            "--slots", "1", *extra], env, ready=True, wait=60)
+
+
+def test_three_hosts_join_by_token_alone_and_two_meshes_stay_apart(mesh_env, tmp_path):
+    require_netns()
+    lab = Lab(["a", "b", "c"])
+    try:
+        env = _env(mesh_env, mesh_env.token)
+        port = _serve(lab, "a", env, tmp_path, "--host", "0.0.0.0", "--slots", "1")
+        url_a = f"tcp://127.0.0.1:{port}"
+        _, worker_b = _join(lab, "b", env)
+        _, worker_c = _join(lab, "c", env)
+        wait_for(lambda: len(_alive(lab, "a", env, url_a)) == 3, timeout=30,
+                 what="the self-worker on a and the workers of b and c")
+        assert {worker_b, worker_c} <= _alive(lab, "a", env, url_a)
+
+        # A .map from a runs on all three.
+        script = tmp_path / "spread.py"
+        script.write_text(
+            "import time\n"
+            "from gpumesh import GPUMesh\n"
+            "def nap(i):\n"
+            "    time.sleep(0.2)\n"
+            "    return i\n"
+            f"with GPUMesh({url_a!r}) as mesh:\n"
+            "    print(sum(mesh.map(nap, range(30))))\n")
+        done = subprocess.run(["ip", "netns", "exec", lab.ns("a"), sys.executable, str(script)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.split()[-1] == str(sum(range(30))), done.stderr
+        workers = _workers(lab, "a", env, url_a)
+        assert all(w["completed"] > 0 for w in workers if w["alive"]), workers
+
+        # A second mesh on the same LAN, with another token: its worker joins it, not ours.
+        other = _env(mesh_env, secrets.token_urlsafe(32))
+        other_port = _serve(lab, "b", other, tmp_path, "--host", "0.0.0.0", "--no-self-worker")
+        _, stranger = _join(lab, "c", other)
+        assert _alive(lab, "b", other, f"tcp://127.0.0.1:{other_port}") == {stranger}
+        assert stranger not in _alive(lab, "a", env, url_a)
+
+        # discover on c sees both, and marks the one of its token.
+        listed = json.loads(_gpumesh(lab, "c", other, "discover", "--json").stdout)
+        marks = {entry["url"]: entry["mesh"] for entry in listed}
+        assert marks == {f"tcp://{lab.address('a')}:{port}": "another mesh",
+                         f"tcp://{lab.address('b')}:{other_port}": "this mesh"}
+    finally:
+        lab.close()
+
+
+def test_a_loopback_coordinator_is_neither_advertised_nor_found(mesh_env, tmp_path):
+    require_netns()
+    lab = Lab(["a", "b"])
+    try:
+        env = _env(mesh_env, mesh_env.token)
+        env["GPUMESH_DISCOVERY_TIMEOUT"] = "3"
+        _serve(lab, "a", env, tmp_path, "--host", "127.0.0.1", "--no-self-worker")
+        listed = json.loads(_gpumesh(lab, "b", env, "discover", "--json", "--timeout", "3").stdout)
+        assert listed == []
+        failed = _gpumesh(lab, "b", env, "join", "--no-benchmark", "--no-save")
+        assert failed.returncode == 1
+        assert "no coordinator of this mesh answered on the LAN" in failed.stderr
+        assert "it saw no gpumesh coordinator at all" in failed.stderr
+        assert mesh_env.token not in failed.stderr + failed.stdout
+    finally:
+        lab.close()
+
+
+def test_a_discovered_worker_follows_its_coordinator_to_another_address(mesh_env, tmp_path):
+    require_netns()
+    lab = Lab(["a", "b", "c"])
+    try:
+        env = _env(mesh_env, mesh_env.token)
+        _serve(lab, "a", env, tmp_path, "--host", "0.0.0.0", "--no-self-worker")
+        worker, worker_id = _join(lab, "c", env)
+        for proc in list(lab.procs):
+            if proc is not worker and proc.poll() is None:
+                os.killpg(proc.pid, 9)  # the coordinator on a is gone for good...
+        moved = time.time()
+        port = _serve(lab, "b", env, tmp_path, "--host", "0.0.0.0", "--no-self-worker")
+        # ... and one with the same token starts on b: the worker finds it by itself.
+        wait_for(lambda: worker_id in _alive(lab, "b", env, f"tcp://127.0.0.1:{port}"),
+                 timeout=60, what="the worker to find the coordinator at its new address")
+        assert worker.poll() is None
+        assert time.time() - moved < 60
+    finally:
+        lab.close()

@@ -1,0 +1,93 @@
+"""LAN discovery's pure parts (address choice, TXT parsing) and its zeroconf round trip on
+loopback only (TESTING.md: the root namespace never multicasts on a real interface)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumesh import discovery
+from gpumesh.discovery import Adapter, Found, classify
+from gpumesh.protocol import MAJOR
+from gpumesh.security import derive_keys
+
+LOOPBACK = ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("name, address, kind", [
+    ("eth0", "192.168.1.20", "lan"),
+    ("en0", "10.0.0.5", "lan"),
+    ("Wi-Fi", "192.168.178.3", "lan"),
+    ("lo", "127.0.0.1", "loopback"),
+    ("eth1", "169.254.10.1", "link-local"),
+    ("docker0", "172.17.0.1", "virtual"),
+    ("br-5f3a1c", "172.18.0.1", "virtual"),
+    ("vEthernet (WSL)", "172.29.64.1", "virtual"),
+    ("vboxnet0", "192.168.56.1", "virtual"),
+    ("virbr0", "192.168.122.1", "virtual"),
+    ("tailscale0", "100.101.102.103", "vpn"),
+    ("eth0", "100.64.0.7", "vpn"),  # Tailscale's CGNAT range, whatever the adapter is called
+    ("wg0", "10.8.0.2", "vpn"),
+    ("tun0", "10.9.0.2", "vpn"),
+])
+def test_adapters_are_classified_so_only_the_lan_is_advertised(name, address, kind):
+    assert classify(name, address) == kind
+
+
+def test_advertised_addresses_follow_the_bind(monkeypatch):
+    monkeypatch.setattr(discovery, "lan_addresses", lambda adapters=None: ["192.168.1.20"])
+    assert discovery.advertised_addresses("127.0.0.1") == []  # loopback: never advertised
+    assert discovery.advertised_addresses("localhost") == []
+    assert discovery.advertised_addresses("0.0.0.0") == ["192.168.1.20"]
+    assert discovery.advertised_addresses("0.0.0.0", "10.8.0.2") == ["10.8.0.2"]  # --host-ip
+    assert discovery.advertised_addresses("192.168.1.20") == ["192.168.1.20"]
+    # --host-ip does not open a loopback bind, so it is not advertised there.
+    assert discovery.advertised_addresses("127.0.0.1", "192.168.1.20") == []
+
+
+def test_lan_addresses_skip_everything_but_the_lan():
+    adapters = [Adapter("lo", "127.0.0.1", 8, "loopback"), Adapter("docker0", "172.17.0.1", 16, "virtual"),
+                Adapter("eth0", "192.168.1.20", 24, "lan"), Adapter("wg0", "10.8.0.2", 24, "vpn")]
+    assert discovery.lan_addresses(adapters) == ["192.168.1.20"]
+
+
+GOOD = {b"txtvers": b"1", b"role": b"coord", b"proto": b"1", b"mesh": b"0123456789ab",
+        b"ver": b"0.1.0", b"py": b"3.11", b"host": b"desk"}
+
+
+def test_an_advertisement_parses_only_when_every_field_holds():
+    found = discovery.parse_advertisement("x", 8000, ["10.0.0.5", "fe80::1", "224.0.0.251"], GOOD)
+    assert found == Found("x", "desk", ("10.0.0.5",), 8000, "0123456789ab", 1, "0.1.0", "3.11")
+    hostile: list[tuple[object, list[str], dict[bytes, bytes | None]]] = [
+        (8000, ["10.0.0.5"], {**GOOD, b"txtvers": b"2"}),  # a schema we do not know
+        (8000, ["10.0.0.5"], {**GOOD, b"role": None}),
+        (8000, ["10.0.0.5"], {**GOOD, b"mesh": b"ZZZZZZZZZZZZ"}),
+        (8000, ["10.0.0.5"], {**GOOD, b"mesh": b"0123456789ab" * 100}),
+        (8000, ["10.0.0.5"], {**GOOD, b"proto": b"1e9"}),
+        (8000, ["10.0.0.5"], {**GOOD, b"proto": b"\xff"}),
+        (0, ["10.0.0.5"], GOOD), (70000, ["10.0.0.5"], GOOD), (True, ["10.0.0.5"], GOOD),
+        ("8000", ["10.0.0.5"], GOOD),
+        (8000, [], GOOD), (8000, ["not an address", "0.0.0.0"], GOOD),
+    ]
+    for port, addresses, props in hostile:
+        assert discovery.parse_advertisement("x", port, addresses, props) is None, (port, props)
+    odd = discovery.parse_advertisement("x", 8000, [f"10.0.0.{i}" for i in range(1, 40)],
+                                        {**GOOD, b"host": b"\x1b[2Jevil", b"ver": b"v" * 500})
+    assert odd is not None and odd.host == "?" and odd.version == "?"
+    assert len(odd.addresses) == discovery.MAX_ADDRESSES
+
+
+def test_urls_on_this_machines_subnet_come_first():
+    found = Found("x", "desk", ("10.8.0.9", "192.168.1.9"), 8000, "0" * 12, 1, "0.1.0", "3.11")
+    local = [Adapter("eth0", "192.168.1.20", 24, "lan")]
+    assert found.urls(local) == ["tcp://192.168.1.9:8000", "tcp://10.8.0.9:8000"]
+    assert found.urls([]) == ["tcp://10.8.0.9:8000", "tcp://192.168.1.9:8000"]
+
+
+def test_the_txt_record_is_small_and_holds_no_secret():
+    token = "t" * 40
+    record = discovery.txt_record(derive_keys(token).fingerprint)
+    assert list(record)[0] == "txtvers" and record["proto"] == str(MAJOR)
+    assert sum(len(k) + len(v) + 2 for k, v in record.items()) < 200
+    keys = derive_keys(token)
+    text = "".join(record.values())
+    assert token not in text and keys.server_public.decode() not in text
