@@ -72,6 +72,13 @@ def cli(verbose: bool, json_logs: bool) -> None:
               help="The address other machines should dial, advertised on the LAN and printed "
                    "(default: this machine's LAN address; set it when that is a VPN or VM "
                    "adapter). It does not open the port: --host does.")
+@click.option("--tailscale", is_flag=True,
+              help="Bind to this machine's Tailscale address (from 'tailscale ip -4'; --host "
+                   "overrides the bind) and print the join command with it.")
+@click.option("--public", is_flag=True,
+              help="Open an ngrok TCP tunnel (pip install 'gpumesh[tunnel]', an ngrok account) "
+                   "and print its tcp:// address: anyone with the token can then join. Closed "
+                   "when serve stops.")
 @token_options(envvar=True, what="(or GPUMESH_TOKEN; generated and saved when absent)")
 @click.option("--weak-token", is_flag=True, envvar="GPUMESH_WEAK_TOKEN",
               help="Accept a token shorter than 22 characters (or GPUMESH_WEAK_TOKEN=1). A short "
@@ -90,8 +97,8 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
-def serve(host: str | None, port: int, host_ip: str | None, token: str | None, weak_token: bool,
-          db: str | None,
+def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, public: bool,
+          token: str | None, weak_token: bool, db: str | None,
           no_self_worker: bool, slots: int | None, safe_mode: bool,
           pending_timeout: float | None, no_save: bool, quiet_worker: bool,
           ready_fd: int | None, exit_with_parent: bool) -> None:
@@ -102,12 +109,18 @@ def serve(host: str | None, port: int, host_ip: str | None, token: str | None, w
       gpumesh serve --port 8000                       # makes a token: ~/.gpumesh/token
       gpumesh serve --port 8000 --token-file mesh.token
       GPUMESH_TOKEN=$(cat mesh.token) gpumesh serve --host 0.0.0.0   # let others join
+      gpumesh serve --port 8000 --tailscale           # join via the Tailscale address
+      gpumesh serve --port 8000 --public              # join from anywhere (ngrok)
+
+    On Windows, a bind beyond loopback adds the firewall rule "gpumesh PORT" when run as
+    Administrator (kept for the next run), and otherwise prints the command to run.
     """
     from .serve import serve as run_serve
 
     settings = _settings()
     token = chosen_token(token)
-    run_serve(settings, host=host or settings.host, port=port, token=token, db=db, host_ip=host_ip,
+    run_serve(settings, host=host, port=port, token=token, db=db, host_ip=host_ip,
+              tailscale=tailscale, public=public,
               weak_token=weak_token or settings.weak_token,
               self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
               pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker,

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import click
 
-from ..config import Settings, ensure_home, parse_url, save_connection
+from .. import tunnels
+from ..config import DEFAULT_HOST, Settings, ensure_home, parse_url, save_connection
 from ..coordinator import Coordinator, Event
-from ..discovery import Advertiser, advertised_addresses
+from ..discovery import Advertiser, advertised_addresses, binds_everywhere
 from ..errors import MeshError
+from ..firewall import firewall_step
 from ..security import derive_keys, note_weak
 from ..tokens import (
     new_token,
@@ -91,13 +93,47 @@ def serve_token(settings: Settings, token: str | None, weak_token: bool) -> tupl
     return salted, parse_token(salted).salt
 
 
+def tailscale_bind(settings: Settings, host: str | None, host_ip: str | None) -> tuple[str, str]:
+    """``--tailscale``: (the address to bind, this machine's Tailscale address to print).
+
+    The bind is the user's ``--host`` (or GPUMESH_HOST) when given, else the Tailscale address
+    itself, so only the tailnet can reach the coordinator. Exits with one line when Tailscale
+    cannot give an address.
+    """
+    if host_ip is not None:
+        fail("--tailscale chooses the address to print itself: drop --host-ip, or drop "
+             "--tailscale and keep --host-ip")
+    try:
+        address = tunnels.tailscale_ip()
+    except tunnels.TunnelError as exc:
+        fail(str(exc))
+    if tunnels.outside_tailnet(address):
+        click.echo(f"warning: 'tailscale ip -4' answered {address}, outside Tailscale's "
+                   f"{tunnels.TAILNET}; using it as given", err=True)
+    bind = host or (settings.host if settings.host != DEFAULT_HOST else address)
+    if bind != address and not binds_everywhere(bind):
+        click.echo(f"warning: bound to {bind} only, so machines on your tailnet cannot reach "
+                   f"{address}: drop --host (or use --host 0.0.0.0)", err=True)
+    return bind, address
+
+
 def serve(
-    settings: Settings, *, host: str, port: int, token: str | None, db: str | None,
+    settings: Settings, *, host: str | None, port: int, token: str | None, db: str | None,
     self_worker: bool, slots: int | None, safe_mode: bool, pending_timeout: float | None,
     ready_fd: int | None, quiet: bool, save: bool = True, exit_with_parent: bool = False,
-    weak_token: bool = False, host_ip: str | None = None,
+    weak_token: bool = False, host_ip: str | None = None, tailscale: bool = False,
+    public: bool = False, tunnel: tunnels.TunnelProvider | None = None,
 ) -> None:
+    """Run a coordinator until SIGINT/SIGTERM. ``tailscale`` binds and prints this machine's
+    Tailscale address; ``public`` opens a TCP tunnel through ``tunnel`` (ngrok by default) once
+    the self-check passes, and closes it when serve stops."""
     generated = token is None
+    if tailscale and public:
+        fail("--tailscale and --public are two ways to reach this coordinator: choose one")
+    tailnet: str | None = None
+    if tailscale:
+        host, tailnet = tailscale_bind(settings, host, host_ip)
+    host = host or settings.host
     if host_ip is not None:
         try:
             ipaddress.IPv4Address(host_ip)
@@ -114,6 +150,12 @@ def serve(
         fail(str(exc))
         return
     warning = weak_warning(token)
+    if warning and public:
+        # Through the tunnel every peer arrives from 127.0.0.1, which the failed-handshake
+        # lockout exempts: only the token's length stands between the internet and this user.
+        fail("--public refuses a weak token: through the tunnel every peer comes from "
+             "127.0.0.1, which is never locked out, so a short token can be guessed online. "
+             "Make a strong one with 'gpumesh token --file mesh.token'")
     if warning and note_weak(token):
         click.echo(f"warning: {warning} (accepted because of --weak-token)", err=True)
     if pending_timeout is not None:
@@ -154,14 +196,22 @@ def serve(
         click.echo("   (not saved: give it to 'gpumesh join' as GPUMESH_TOKEN or --token-file)")
     click.echo("")
     click.echo(f"   Join from THIS machine:   gpumesh join {local_url}{token_arg}")
-    if is_loopback(host):
+    if tailnet is not None:
+        click.echo(f"   Join over Tailscale:      gpumesh join tcp://{tailnet}:{port}"
+                   f"{token_arg or ' --token-file FILE'}")
+        click.echo("   (from any machine on your tailnet, the token file copied there; the "
+                   "tailnet carries no LAN discovery, so the address is needed)")
+    if public and is_loopback(host):
+        click.echo(f"   Bound to {host} only: the LAN cannot reach it, the tunnel below can.")
+    elif is_loopback(host):
         click.echo(f"   Other machines CANNOT reach this coordinator (bound to {host} only).")
         click.echo("   That is the default now: a worker executes code as the user who started it.")
         click.echo("   To let other machines join, re-run with: gpumesh serve --host 0.0.0.0 "
                    f"--port {port}{token_arg}")
         click.echo("   (or set GPUMESH_HOST=0.0.0.0). Read the warning it prints before you do.")
     else:
-        _exposed_banner(host, port, advertised_addresses(host, host_ip), token_arg)
+        _exposed_banner(host, port, advertised_addresses(host, host_ip), token_arg,
+                        tailnet=tailnet)
     if safe_mode:
         click.echo("   Safe mode: pickled functions are refused; only scripts are accepted.")
     if coordinator.restored:
@@ -182,16 +232,36 @@ def serve(
         fail("self-check failed: the coordinator did not answer on "
              f"{local_url}; run 'gpumesh -v serve' for details")
     ok(f"Self-check: server is up (tested on {local_host} only)")
-    advertiser = _advertise(settings, host, host_ip, port, token)
+    provider: tunnels.TunnelProvider | None = None
+    public_url = ""
+    if public:
+        provider = tunnel or tunnels.NgrokProvider()
+        try:
+            public_url = provider.open(local_host, port)
+        except tunnels.TunnelError as exc:
+            coordinator.stop()
+            loop.join(5)
+            fail(str(exc))
+    advertiser = None
     child = None
-    if self_worker:
-        child = _start_self_worker(local_url, token, slots, quiet)
-        ok("Self-worker started — this machine's CPU/GPU is part of the pool")
-        click.echo("   (disable with --no-self-worker)")
-    if ready_fd is not None:
-        os.write(ready_fd, f"{port}\n".encode())
-        os.close(ready_fd)
     try:
+        if public:
+            _public_banner(public_url, token_arg)
+        if not is_loopback(host):
+            step = firewall_step(port)
+            if step is not None:
+                click.echo(step.message, err=step.warning)
+        if tailnet is None:
+            advertiser = _advertise(settings, host, host_ip, port, token)
+        else:
+            click.echo("   Not advertised on the LAN: workers join with the Tailscale address")
+        if self_worker:
+            child = _start_self_worker(local_url, token, slots, quiet)
+            ok("Self-worker started — this machine's CPU/GPU is part of the pool")
+            click.echo("   (disable with --no-self-worker)")
+        if ready_fd is not None:
+            os.write(ready_fd, f"{port}\n".encode())
+            os.close(ready_fd)
         while not stop.wait(0.5):
             if not loop.is_alive():
                 fail("the coordinator loop stopped unexpectedly; see the log above")
@@ -212,9 +282,31 @@ def serve(
                 child.kill()
         if advertiser is not None:
             advertiser.close()
+        if provider is not None:
+            provider.close()
+            click.echo("[gpumesh] public tunnel closed")
         coordinator.stop()
         loop.join(10)
     click.echo("[gpumesh] coordinator stopped")
+
+
+def _public_banner(url: str, token_arg: str) -> None:
+    user = getpass.getuser()
+    bar = "  " + "!" * 62
+    token_arg = token_arg or " --token-file FILE"
+    click.echo(f"   Join from ANYWHERE:       gpumesh join {url}{token_arg}")
+    click.echo("   (the token file copied there; the address changes on every run of --public)")
+    click.echo("")
+    click.echo(bar)
+    click.echo("  !! PUBLIC COORDINATOR (ngrok TCP tunnel)")
+    click.echo(bar)
+    click.echo(f"   Public address: {url}")
+    click.echo("   Anyone on the internet who has the token can run arbitrary code on this")
+    click.echo(f"   machine as {user}. \"Anywhere\" includes people you did not invite: the token")
+    click.echo("   is the only thing keeping them out. Share it only with the people you invite.")
+    click.echo("   Ctrl+C stops serve and closes the tunnel.")
+    click.echo(bar)
+    click.echo("")
 
 
 def _advertise(settings: Settings, host: str, host_ip: str | None, port: int,
@@ -231,9 +323,12 @@ def _advertise(settings: Settings, host: str, host_ip: str | None, port: int,
     return advertiser
 
 
-def _exposed_banner(host: str, port: int, addresses: list[str], token_arg: str) -> None:
+def _exposed_banner(host: str, port: int, addresses: list[str], token_arg: str, *,
+                    tailnet: str | None = None) -> None:
     token_arg = token_arg or " --token-file FILE"
-    if addresses:
+    if tailnet is not None:
+        addresses = [tailnet]  # its join line is printed already, with the address
+    elif addresses:
         click.echo(f"   Join from ANOTHER machine: gpumesh join{token_arg}")
         click.echo(f"   (or with the address: gpumesh join tcp://{addresses[0]}:{port}{token_arg};"
                    " the token file copied there, readable only by you)")
