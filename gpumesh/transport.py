@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -16,9 +15,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ._version import __version__
 from .config import Endpoint, Limits
-from .errors import AuthenticationError
-from .protocol import Command, Message, ProtocolError, batches, decode, unbundle
+from .errors import AuthenticationError, ProtocolMismatch
+from .protocol import MAJOR, Command, Message, ProtocolError, batches, decode, unbundle
+from .protocol.messages import MAGIC
 from .security import MeshKeys, configure_client
 
 log = logging.getLogger("gpumesh.transport")
@@ -194,6 +195,15 @@ class DealerLink:
                 else:
                     self._inbox.append(item)
         except ProtocolError as exc:
+            other = _other_major(frames)
+            if other is not None:
+                # The coordinator passed the CURVE handshake, so it holds the token: it really
+                # runs another gpumesh. Waiting would only mean silence and retries forever.
+                raise ProtocolMismatch(
+                    f"the coordinator at {self.endpoint} speaks gpumesh protocol {other} and "
+                    f"this gpumesh ({__version__}) speaks {MAJOR}: install the coordinator's "
+                    "gpumesh version here, or upgrade every machine together ('gpumesh "
+                    "discover' shows each coordinator's version)") from None
             log.warning("dropped a malformed message from the coordinator: %s", exc.detail)
             return None
         return self._inbox.popleft() if self._inbox else None
@@ -226,18 +236,11 @@ class DealerLink:
         return events
 
 
-class Backoff:
-    """1 s doubling to 32 s, with jitter, as Paranoid Pirate does; reset after a good session."""
-
-    def __init__(self, minimum: float, maximum: float) -> None:
-        self.minimum = minimum
-        self.maximum = maximum
-        self.current = minimum
-
-    def next_delay(self) -> float:
-        delay = self.current * random.uniform(0.75, 1.25)
-        self.current = min(self.current * 2, self.maximum)
-        return delay
-
-    def reset(self) -> None:
-        self.current = self.minimum
+def _other_major(frames: Sequence[Any]) -> int | None:
+    """The protocol major of a gpumesh message of another major, else None."""
+    if not frames:
+        return None
+    signature = bytes(frames[0])[:8]
+    if len(signature) == 4 and signature[:3] == MAGIC and signature[3] != MAJOR:
+        return signature[3]
+    return None

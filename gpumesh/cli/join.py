@@ -15,6 +15,7 @@ from ..errors import ConfigError, MeshError
 from ..protocol.taskenv import check_env_name
 from ..security import stretch_in_background
 from ..worker import WorkerAgent, devices
+from ..worker.identity import claim as claim_worker_id
 from .lifecycle import stop_with_parent
 from .output import fail
 from .tokens import save_kdf
@@ -106,8 +107,13 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
 
     gpu_indices = [int(g["index"]) for g in inventory["gpus"] if g.get("backend") == "cuda"]
     stretching.join()
+    identity = claim_worker_id(settings.home)
+    if identity.copied:
+        click.echo(f"[worker] {settings.home} was copied from another machine or folder: this "
+                   f"worker takes a new id ({identity.worker_id}) so the two stay apart")
     try:
         agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
+                            worker_id=identity.worker_id,
                             say=lambda line: click.echo(line), on_joined=joined,
                             gpu_indices=gpu_indices or None, prefetch=prefetch,
                             pass_env=passed, rediscover=rediscover)
@@ -123,6 +129,7 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
     except MeshError as exc:
         fail(str(exc))
     finally:
+        identity.release()
         if ready_fd is not None:
             try:
                 os.close(ready_fd)

@@ -374,6 +374,21 @@ class GPUMesh:
 
     # ----------------------------------------------------------------- the pool
 
+    def lan_urls(self, timeout: float = 3.0) -> list[str]:
+        """The URLs this mesh's coordinator advertises on the LAN (what another machine
+        dials), nearest subnet first; empty when it is not advertised (bound to loopback, or
+        discovery off). Browses the LAN for up to ``timeout`` seconds."""
+        from ..discovery import adapters, browse
+        from ..security import derive_keys
+
+        interfaces = browse_interfaces(self.settings.discovery_interfaces)
+        if not self.settings.discovery or not interfaces:
+            return []
+        fingerprint = derive_keys(self._token).fingerprint
+        local = adapters()
+        return [url for found in browse(timeout, interfaces, want=fingerprint)
+                if found.mesh == fingerprint for url in found.urls(local)]
+
     def workers(self) -> list[dict[str, Any]]:
         """``[{'id', 'device', 'device_name', 'hostname', 'score', 'alive', ...}]``"""
         return self._require().query("workers")

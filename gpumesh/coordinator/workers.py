@@ -56,9 +56,13 @@ class WorkerSide:
                                    now)
             ledger.workers[worker_id] = worker
         else:
-            if worker.state is WorkerState.ALIVE and worker.incarnation != hello.incarnation:
-                # Ids are random per agent process: a second process under a live worker's id
-                # is an impostor (or a copied state folder), and must not take its leases.
+            if worker.state is WorkerState.ALIVE and worker.incarnation != hello.incarnation \
+                    and now - worker.last_seen < ledger.timing.heartbeat * 2:
+                # An agent keeps its id across restarts (gpumesh.worker.identity), and one that
+                # was killed and started again says HELLO before its old session times out:
+                # that old session is silent, and the new agent takes over. A second process
+                # under an id whose agent is still talking (a copied state folder that escaped
+                # the identity check) must not take its leases.
                 raise ProtocolError(ErrorCode.UNEXPECTED, (
                     f"worker id {worker_id} is in use by a connected worker; "
                     "start this worker with its own id"))

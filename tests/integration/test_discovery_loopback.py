@@ -9,6 +9,7 @@ import secrets
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import FAST
@@ -151,3 +152,20 @@ def test_join_without_url_says_what_it_saw_and_how_to_go_on(advertised_serve, tm
     assert "gpumesh join tcp://HOST:PORT" in failed.stderr
     off = _gpumesh("join", "--no-benchmark", env={**stranger, "GPUMESH_DISCOVERY": "0"})
     assert off.returncode == 1 and "LAN discovery is off" in off.stderr
+
+
+def test_the_second_machine_example_prints_the_join_command_of_the_live_mesh(advertised_serve,
+                                                                             tmp_path):
+    port, env, _ = advertised_serve
+    example = Path(__file__).parents[2] / "examples" / "second_machine.py"
+    run_env = {**env, "GPUMESH_HOME": str(tmp_path / "here"), "GPUMESH_URL": f"127.0.0.1:{port}"}
+    done = subprocess.run([sys.executable, str(example)], env=run_env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "gpumesh join --token-file mesh.token" in done.stdout
+    assert f"gpumesh join tcp://127.0.0.1:{port} --token-file mesh.token" in done.stdout
+    assert env["GPUMESH_TOKEN"] not in done.stdout + done.stderr
+    # Against a mesh nobody advertises, it says how to open it instead.
+    quiet = subprocess.run([sys.executable, str(example)], env={**run_env, "GPUMESH_DISCOVERY": "0"},
+                           capture_output=True, text=True, timeout=60)
+    assert "Other machines cannot join yet" in quiet.stdout, quiet.stderr
