@@ -29,7 +29,7 @@ from .errors import MeshError
 log = logging.getLogger("gpumesh.store")
 
 # v2: payload_ref/result_ref columns (blob files) and incremental auto-vacuum; v1 is migrated.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Freed rows after which commit() gives space back by itself; idle_maintenance() does it sooner.
 MAINTENANCE_AFTER = 20_000
 # ... and idle_maintenance() once this many were freed.
@@ -55,8 +55,10 @@ CREATE TABLE IF NOT EXISTS tasks (
     submitted_at   REAL NOT NULL,
     payload_ref    BLOB,
     result_ref     BLOB,
+    fn             TEXT,
     UNIQUE (client_id, seq)
 );
+CREATE TABLE IF NOT EXISTS functions (digest TEXT PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     job_id    TEXT PRIMARY KEY,
     name      TEXT NOT NULL,
@@ -121,6 +123,7 @@ class Store:
         # blobs whose references the open transaction drops: deleted once it is committed
         self._doomed: list[str] = []
         self._freed = 0  # rows deleted or emptied since space was last given back
+        self._functions_kept: set[str] = set()  # digests journaled since the last clean-up
         try:
             self._open(path, synchronous)
         except BaseException:
@@ -149,8 +152,8 @@ class Store:
             version = self._meta("schema_version")
             if version is None:
                 self._set_meta("schema_version", SCHEMA_VERSION)
-            elif version == 1:
-                self._migrate_v1(path)
+            elif version in (1, 2):
+                self._migrate(path, version)
             elif version != SCHEMA_VERSION:
                 raise StoreError(
                     f"the database {path} has schema v{version}, this gpumesh uses "
@@ -161,19 +164,25 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot use the database {path}: {exc}") from None
 
-    def _migrate_v1(self, path: Path | str) -> None:
-        """v1 → v2 in place: two new columns (v1 rows have no blobs), then one VACUUM to turn
-        on incremental auto-vacuum, which also gives back what the v1 file had grown to."""
+    def _migrate(self, path: Path | str, version: int) -> None:
+        """Older journals in place. v1 → v2: two columns for blob files (v1 rows have none),
+        then one VACUUM to turn on incremental auto-vacuum, which also gives back what the v1
+        file had grown to. v2 → v3: the ``fn`` column (older rows keep their function among
+        their frames, and say so with NULL) beside the ``functions`` table."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute("ALTER TABLE tasks ADD COLUMN payload_ref BLOB")
-            self._db.execute("ALTER TABLE tasks ADD COLUMN result_ref BLOB")
+            if version == 1:
+                self._db.execute("ALTER TABLE tasks ADD COLUMN payload_ref BLOB")
+                self._db.execute("ALTER TABLE tasks ADD COLUMN result_ref BLOB")
+            self._db.execute("ALTER TABLE tasks ADD COLUMN fn TEXT")
             self._set_meta("schema_version", SCHEMA_VERSION)
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
-        log.info("journal %s: schema v1 migrated to v%d", path, SCHEMA_VERSION)
+        log.info("journal %s: schema v%d migrated to v%d", path, version, SCHEMA_VERSION)
+        if version != 1:
+            return
         try:
             self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self._db.execute("VACUUM")
@@ -285,14 +294,24 @@ class Store:
 
     def add_task(
         self, task_id: str, client_id: str, seq: int, job_id: str, spec: dict[str, Any],
-        payload: Sequence[Any], submitted_at: float,
+        payload: Sequence[Any], submitted_at: float, *, function: str | None = None,
     ) -> None:
+        """Journal a new task. With ``function`` (its digest), ``payload[0]`` is that pickled
+        function: it is journaled once in the functions table, and the row keeps the rest."""
+        if function is not None and payload:
+            if function not in self._functions_kept:
+                self._functions_kept.add(function)
+                self._write("INSERT OR IGNORE INTO functions (digest, data) VALUES (?, ?)",
+                            (function, bytes(_frame_view(payload[0]))))
+            payload = payload[1:]
+        else:
+            function = None
         inline, ref, name = self._store_frames(payload)
         self._keep_blob(task_id, 0, name)
         self._write(
             _INSERT_TASK,
             (task_id, client_id, seq, job_id, msgpack.packb(spec, use_bin_type=True),
-             b"" if inline is None else inline, submitted_at, ref),
+             b"" if inline is None else inline, submitted_at, ref, function),
         )
 
     def set_attempts(self, task_id: str, attempts: int) -> None:
@@ -310,7 +329,7 @@ class Store:
             self._freed += 1
         self._write(
             "UPDATE tasks SET state = ?, attempts = ?, result_header = ?, result_payload = ?, "
-            "result_ref = ?" + ("" if keep_input else ", payload = x'', payload_ref = NULL")
+            "result_ref = ?" + ("" if keep_input else ", payload = x'', payload_ref = NULL, fn = NULL")
             + " WHERE task_id = ?",
             (state, attempts, msgpack.packb(header, use_bin_type=True), inline, ref, task_id),
         )
@@ -342,7 +361,7 @@ class Store:
         # seq = -rowid frees (client, seq): if that client submits the seq again (its result was
         # dropped before it came back for it), the new task must be journaled, not refused.
         self._write(
-            "UPDATE tasks SET state = 'collected', seq = -rowid, payload = x'', "
+            "UPDATE tasks SET state = 'collected', seq = -rowid, payload = x'', fn = NULL, "
             "result_header = ?, result_payload = NULL, payload_ref = NULL, result_ref = NULL "
             "WHERE task_id = ?",
             (msgpack.packb(summary, use_bin_type=True), task_id))
@@ -407,9 +426,15 @@ class Store:
 
     def _give_back(self) -> None:
         self._freed = 0
+        # Functions no unfinished task names any more go too (the next task of one of them
+        # journals it again: INSERT OR IGNORE).
+        self._functions_kept.clear()
         try:
             # executescript: sqlite3's execute() steps a pragma once, which frees one page.
-            self._db.executescript("PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);")
+            self._db.executescript(
+                "DELETE FROM functions WHERE digest NOT IN "
+                "(SELECT fn FROM tasks WHERE fn IS NOT NULL); "
+                "PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);")
         except sqlite3.OperationalError as exc:  # busy, or a full disk: try again next time
             log.warning("journal maintenance failed: %s", exc)
 
@@ -422,15 +447,19 @@ class Store:
         self._flush()
         rows = self._db.execute(
             "SELECT task_id, client_id, seq, job_id, spec, payload, state, attempts, "
-            "result_header, result_payload, submitted_at, payload_ref, result_ref "
+            "result_header, result_payload, submitted_at, payload_ref, result_ref, fn "
             "FROM tasks ORDER BY rowid"
         )
+        functions: dict[str, bytes] = {}
         for row in rows:
             try:
+                payload = self._load_frames(row[5], row[11]) or []
+                if row[13] is not None:
+                    payload = [self._function(row[13], functions), *payload]
                 yield StoredTask(
                     task_id=row[0], client_id=row[1], seq=row[2], job_id=row[3],
                     spec=msgpack.unpackb(row[4], raw=False, strict_map_key=False),
-                    payload=self._load_frames(row[5], row[11]) or [],
+                    payload=payload,
                     state=row[6], attempts=row[7],
                     result_header=(
                         msgpack.unpackb(row[8], raw=False, strict_map_key=False) if row[8]
@@ -448,6 +477,17 @@ class Store:
                                  payload=[], state=str(row[6]), attempts=int(row[7] or 0),
                                  result_header=None, result_payload=None,
                                  submitted_at=float(row[10] or 0.0))
+
+    def _function(self, digest: str, loaded: dict[str, bytes]) -> bytes:
+        """A journaled function (cached for one load: a .map's tasks share it)."""
+        data = loaded.get(digest)
+        if data is None:
+            row = self._db.execute("SELECT data FROM functions WHERE digest = ?",
+                                   (digest,)).fetchone()
+            if row is None:
+                raise _BlobMissing(f"its function {str(digest)[:32]} is missing from the journal")
+            data = loaded[digest] = bytes(row[0])
+        return data
 
     def _load_frames(self, inline: Any, ref: Any) -> list[bytes | memoryview] | None:
         if ref is not None:
@@ -475,7 +515,7 @@ class Store:
 
 _INSERT_TASK = (
     "INSERT INTO tasks (task_id, client_id, seq, job_id, spec, payload, state, submitted_at, "
-    "payload_ref) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)"
+    "payload_ref, fn) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)"
 )
 
 

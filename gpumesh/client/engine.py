@@ -59,6 +59,7 @@ log = logging.getLogger("gpumesh.client")
 # this long: it answers SUBMITs in order, so while acceptances keep coming, later ones are
 # queued behind them, not lost (a huge one-shot .map was once sent three times over).
 RESEND_AFTER = 2.0
+MAX_FUNCTIONS = 64  # entries of one SUBMIT's function table (the coordinator's limit)
 IDS_PER_MESSAGE = 20_000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
 OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
@@ -405,19 +406,34 @@ class Engine:
     def _send_chunk(self, job: tuple[str, str], chunk: list[_Submission], now: float) -> None:
         specs: list[dict[str, Any]] = []
         frames: list[Any] = []
+        # The message's function table (digest -> pickled function): a .map sends its function
+        # once per SUBMIT, not once per task, to a coordinator that reads tables (WELCOME).
+        functions: dict[str, Any] = {}
+        by_reference = self.welcome.get("fnref") is True
         limit = self.settings.limits.chunk_bytes
         for sub in chunk:
             task_frames, refs = self._shared_frames(sub)
             # Frames over the coordinator's frame limit travel as slices of themselves.
             wire, layout = serialize.split_frames(task_frames, limit)
-            spec = {**sub.spec, "seq": sub.seq, "nf": len(wire)}
+            spec = {**sub.spec, "seq": sub.seq}
+            digest = spec.get("fn")
+            if (by_reference and spec.get("kind") == "fn" and isinstance(digest, str) and wire
+                    and not refs and layout is None
+                    and (digest in functions or len(functions) < MAX_FUNCTIONS)):
+                functions.setdefault(digest, wire[0])
+                wire = wire[1:]
+                spec["fnref"] = True
+            spec["nf"] = len(wire)
             if refs:
                 spec["shm"] = [list(ref) for ref in refs]
             if layout is not None:
                 spec["split"] = layout
             specs.append(spec)
             frames += wire
-        header = {"job": job[0], "name": job[1], "tasks": specs}
+        header: dict[str, Any] = {"job": job[0], "name": job[1], "tasks": specs}
+        if functions:
+            header["fns"] = list(functions)
+            frames = [*functions.values(), *frames]
         if self._link.send(encode(Command.SUBMIT, header, frames)):
             for sub in chunk:
                 sub.sent_at = now

@@ -289,7 +289,7 @@ class Broker:
             "max_frame_bytes": ledger.limits.max_frame_bytes,
             "max_message_bytes": ledger.limits.max_message_bytes,
             "max_frames": ledger.limits.max_frames, "safe_mode": ledger.safe_mode,
-            "batch": True,
+            "batch": True, "fnref": True,
         }
         if ledger.shm is not None:
             welcome["shm"] = ledger.shm.offer()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import msgpack
@@ -33,7 +34,7 @@ from ..protocol import (
 )
 from ..protocol import fields as f
 from ..protocol.refs import shared_bytes
-from ..protocol.serialize import payload_nbytes
+from ..protocol.serialize import function_digest, payload_nbytes
 from .jobs import Job, find_job
 from .ledger import Ledger
 from .retention import Retention
@@ -89,6 +90,8 @@ class ClientSide:
         up is refused whole and nothing of it is journaled. A spec whose ``(client, seq)`` is
         already known is a re-send: only its seq and frame count are read."""
         ledger = self.ledger
+        table = _function_table(sub.functions, frames)
+        frames = frames[len(sub.functions):]
         entries: list[tuple[int, int, TaskSpec | str | tuple[ErrorCode, str]]] = []
         needed = 0
         for raw in sub.specs:
@@ -129,6 +132,24 @@ class ClientSide:
             if isinstance(entry, tuple):
                 rejected.append([seq, entry[0].value, entry[1]])
                 continue
+            if entry.by_reference:
+                function = table.get(entry.function)
+                if function is None:
+                    rejected.append([seq, ErrorCode.MALFORMED.value, (
+                        "its function (fnref) is not in this SUBMIT's function table, or its "
+                        "frame does not match its digest: send the function with the task")])
+                    continue
+                # From here on the task is what it would be had its function come with it.
+                payload = [function, *payload]
+                entry = replace(entry, frames=entry.frames + 1, by_reference=False)
+            if _carries_function(entry, payload):
+                function = ledger.functions.intern(payload[0], entry.function)
+                if function is None:
+                    rejected.append([seq, ErrorCode.MALFORMED.value, (
+                        "its first frame does not hash to its function digest (fn): send the "
+                        "pickled function and its digest together")])
+                    continue
+                payload = [function, *payload[1:]]
             over = self._refusal(client, entry, payload, queued_total)
             if over is not None:
                 rejected.append([seq, over[0].value, over[1]])
@@ -153,13 +174,15 @@ class ClientSide:
         while task_id in ledger.tasks:  # 48 random bits: a clash is rare, never silent
             task_id = secrets.token_hex(6)
         spec = entry.to_spec()
-        if entry.kind is TaskKind.FUNCTION and payload and not entry.split:
-            payload = [ledger.functions.intern(payload[0], entry.function), *payload[1:]]
+        # Its pickled function (checked against its digest in submit()) is journaled once,
+        # however many tasks of a .map carry it.
+        by_digest = _carries_function(entry, payload)
         task = Task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now,
                     ledger.shared_requirements(entry.requirements), pending_since=now)
         ledger.tasks[task_id] = task
         ledger.by_seq[(client.client_id, entry.seq)] = task_id
-        ledger.store.add_task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now)
+        ledger.store.add_task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now,
+                              function=entry.function if by_digest else None)
         ledger.enqueue(task)
         job.add(task)
         job.finished_at = None
@@ -352,3 +375,25 @@ def _seq_and_frames(raw: Any) -> tuple[int, int]:
     if not isinstance(raw, dict):
         raise ProtocolError(ErrorCode.MALFORMED, "each task spec must be a map")
     return (f.integer(raw, "seq", low=0, high=f.INT64), f.integer(raw, "nf", low=0, high=4096))
+
+
+def _function_table(digests: tuple[str, ...], frames: list[Any]) -> dict[str, Any]:
+    """A SUBMIT's function table: the first frames, one per digest in ``fns``. A frame that
+    does not hash to its digest is left out, so the tasks naming it are refused (one frame
+    per function, never split: bigger functions travel with their tasks)."""
+    if len(digests) > len(frames):
+        raise ProtocolError(ErrorCode.MALFORMED,
+                            f"fns names {len(digests)} functions, {len(frames)} frames arrived")
+    table = {}
+    for digest, frame in zip(digests, frames, strict=False):
+        data = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+        if function_digest(data) == digest:
+            table[digest] = data
+    return table
+
+
+def _carries_function(entry: TaskSpec, payload: list[Any]) -> bool:
+    """Whether the task's first frame is its pickled function, whole and on hand (not split
+    into slices, not left in shared memory): then it is checked against ``fn`` and kept once."""
+    return (entry.kind is TaskKind.FUNCTION and bool(entry.function) and bool(payload)
+            and not entry.split and all(ref[0] != 0 for ref in entry.shared))

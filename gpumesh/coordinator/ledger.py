@@ -20,7 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Limits, Timing
-from ..protocol import Command, ErrorCode, Requirements, ResultStatus, Role, encode, serialize
+from ..protocol import (
+    Command,
+    ErrorCode,
+    Requirements,
+    ResultStatus,
+    Role,
+    TaskKind,
+    encode,
+    serialize,
+)
 from ..protocol.refs import ref_names, refs_of
 from ..sharedmem import SharedFolder, materialize
 from ..store import Store
@@ -39,6 +48,7 @@ log = logging.getLogger("gpumesh.coordinator")
 
 EVENT_HISTORY = 10_000
 MAX_PEER_COUNTERS = 10_000
+FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
 
 
@@ -180,7 +190,30 @@ class Ledger:
         if need:
             header["need"] = need  # the worker picks the slot whose own GPU satisfies it
         header.update(task=task.task_id, lease=task.lease_id, attempt=task.attempts)
+        if worker.fnref:
+            payload = self._by_reference(header, payload, worker)
         self.send(worker.routing, Command.TASK, header, payload)
+
+    @staticmethod
+    def _by_reference(header: dict[str, Any], payload: list[Any],
+                      worker: WorkerSession) -> list[Any]:
+        """A function the worker already keeps is named, not sent: ``fnref`` and the frames
+        without it. Sent, it is marked ``fnkeep`` (keep it for this session), after
+        ``fnreset`` (forget the others) when the worker holds FUNCTIONS_PER_WORKER already:
+        the worker does exactly what it is told, so the two never disagree."""
+        digest = header.get("fn")
+        if (header.get("kind") != TaskKind.FUNCTION.value or not digest or not payload
+                or "split" in header or "shm" in header):
+            return payload
+        if digest in worker.functions:
+            header["fnref"] = True
+            return payload[1:]
+        if len(worker.functions) >= FUNCTIONS_PER_WORKER:
+            worker.functions.clear()
+            header["fnreset"] = True
+        worker.functions.add(digest)
+        header["fnkeep"] = True
+        return payload
 
     def outgoing(self, header: dict[str, Any], payload: list[Any], shares: bool) -> list[Any]:
         """The frames to send a peer: as they are for one that shares this machine's memory

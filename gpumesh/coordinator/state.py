@@ -180,6 +180,10 @@ class WorkerSession:
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
     shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
+    # It keeps functions sent with ``fnkeep`` for this session (its HELLO said ``fnref``): the
+    # digests it holds, so later TASKs of one function name it instead of carrying it.
+    fnref: bool = False
+    functions: set[str] = field(default_factory=set)
 
     @property
     def draining(self) -> bool:
@@ -321,16 +325,21 @@ class FunctionCache:
         self._by_digest: OrderedDict[str, bytes] = OrderedDict()
 
     def intern(self, frame: Any, digest: str) -> Any:
+        """The one copy of this function, or ``frame`` itself when it is too big to share;
+        None when its bytes do not hash to ``digest`` (a task must not name a function it
+        does not carry: the digest is what workers and the journal key it by)."""
         data = frame if isinstance(frame, bytes) else getattr(frame, "bytes", None)
-        if not isinstance(data, bytes) or len(data) > MAX_SHARED_FUNCTION:
-            return frame
+        if data is None:
+            data = bytes(frame)  # a memoryview or bytearray
         known = self._by_digest.get(digest)
         if known is not None:
             if known == data:
                 self._by_digest.move_to_end(digest)
                 return known
-            return frame  # the same name for other bytes: not ours to merge
+            return None  # the same name for other bytes
         if function_digest(data) != digest:
+            return None
+        if len(data) > MAX_SHARED_FUNCTION:
             return frame
         self._by_digest[digest] = data
         if len(self._by_digest) > self._size:

@@ -75,6 +75,7 @@ class WorkerSide:
             worker.slots, worker.last_seen, worker.state = hello.slots, now, WorkerState.ALIVE
             worker.departed = ""
         worker.granted, worker.sent, worker.prefetch = hello.credit, 0, hello.prefetch
+        worker.fnref, worker.functions = hello.fnref, set()  # a new session keeps none yet
         worker.mode = hello.mode
         # Handed back while the link was down (the owner paused it): no attempt is charged.
         self._release(worker, hello.release, now)

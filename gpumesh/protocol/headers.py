@@ -20,6 +20,7 @@ from .taskenv import check_script_name, check_task_env
 from .vocabulary import Departure, ResultEncoding, ResultStatus, TaskKind, WorkerMode
 
 ID_CHARS = 64  # peer, task and job ids
+MAX_FUNCTIONS = 64  # a SUBMIT's function table (fns)
 NAME_CHARS = 200  # job names, hostnames, device names
 VERSION_CHARS = 64  # version strings ("3.11.2", "2.2.1", "2.13.0+cpu")
 MAX_GPUS = 64
@@ -182,6 +183,7 @@ class Hello:
     incarnation: str = ""
     mode: WorkerMode = WorkerMode.ACTIVE
     batch: bool = False  # the peer reads BATCH messages (since 1.3)
+    fnref: bool = False  # the worker keeps functions and takes TASKs that name one (since 1.4)
 
     @property
     def draining(self) -> bool:
@@ -213,6 +215,7 @@ class Hello:
             incarnation=f.text(h, "incarnation", max_len=ID_CHARS, default=""),
             mode=_mode(h, WorkerMode.ACTIVE),
             batch=batch,
+            fnref=bool(f.flag(h, "fnref", default=False)),
         )
 
 
@@ -358,6 +361,8 @@ class TaskSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     split: tuple[int, ...] = ()  # wire frames per payload frame, when big ones were split
     shared: tuple[Ref, ...] = ()  # ``shm``: payload frames left in shared memory
+    # ``fnref``: its function is in the SUBMIT's function table (``fns``), not among its frames
+    by_reference: bool = False
 
     @property
     def portable(self) -> bool:
@@ -388,6 +393,11 @@ class TaskSpec:
         shared = _refs(spec, len(split) if split else frames)
         if shared and kind is not TaskKind.FUNCTION:
             raise f.malformed("only a function task's frames can be in shared memory")
+        by_reference = bool(f.flag(spec, "fnref", default=False))
+        if by_reference and (kind is not TaskKind.FUNCTION or split or shared
+                             or not spec.get("fn")):
+            raise f.malformed("only a function task with a digest (fn), and none of its frames "
+                              "split or shared, can name its function by reference (fnref)")
         return cls(
             kind=kind,
             seq=f.integer(spec, "seq", low=0, high=f.INT64),
@@ -404,6 +414,7 @@ class TaskSpec:
             source_name=f.text(spec, "src", max_len=NAME_CHARS, default=""),
             source_python=py,
             env=env,
+            by_reference=by_reference,
         )
 
     def to_spec(self) -> dict[str, Any]:
@@ -466,6 +477,9 @@ class Submit:
     job: str
     name: str
     specs: tuple[Any, ...]  # raw: each is parsed on its own, so one bad task rejects only itself
+    # ``fns``: digests of the pickled functions that open the payload, one frame each, for the
+    # tasks that name theirs by reference (since 1.4)
+    functions: tuple[str, ...] = ()
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Submit:
@@ -473,6 +487,8 @@ class Submit:
             job=f.text(h, "job", max_len=ID_CHARS, default=""),
             name=_clip(f.text(h, "name", max_len=f.INT64, default=""), NAME_CHARS),
             specs=tuple(f.items(h, "tasks", max_items=MAX_SPECS)),
+            functions=tuple(f.text_list(h, "fns", max_items=MAX_FUNCTIONS, max_len=ID_CHARS,
+                                        default=())),
         )
 
 

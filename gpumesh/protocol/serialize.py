@@ -45,9 +45,11 @@ def _as_buffer(frame: Any) -> Any:
     return buffer if buffer is not None else frame
 
 
-def function_digest(pickled_function: bytes) -> str:
-    """A short content id, so runners unpickle each distinct function once."""
-    return hashlib.blake2b(pickled_function, digest_size=12).hexdigest()
+def function_digest(pickled_function: Any) -> str:
+    """A short content id of a pickled function (any bytes-like frame), so it is held,
+    journaled and unpickled once per distinct function."""
+    buffer = getattr(pickled_function, "buffer", pickled_function)  # a zmq.Frame's bytes
+    return hashlib.blake2b(buffer, digest_size=12).hexdigest()
 
 
 def split_frames(frames: Sequence[Any], limit: int) -> tuple[list[Any], list[int] | None]:

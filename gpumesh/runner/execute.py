@@ -58,15 +58,18 @@ def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[st
         if header.get("form") == "source":
             return run_source(str(header["src"]), frames[-2:])
         frames = frames[:-2]
-    digest = str(header.get("fn", ""))
     try:
-        fn = _functions.get(digest) if digest else None
+        # Keyed by the digest of the bytes at hand, never by the one the task claims: a task
+        # of one client must not be able to name another client's function and get its own.
+        digest = serialize.function_digest(frames[0])
+        fn = _functions.get(digest)
         if fn is None:
             fn = serialize.loads([frames[0]])
-            if digest:
-                _functions[digest] = fn
-                if len(_functions) > _FUNCTION_CACHE:
-                    _functions.popitem(last=False)
+            _functions[digest] = fn
+            if len(_functions) > _FUNCTION_CACHE:
+                _functions.popitem(last=False)
+        else:
+            _functions.move_to_end(digest)
         args, kwargs = serialize.loads(frames[1:])
     except Exception as exc:
         return _error(exc, "the task could not be unpickled on this worker (a module your function "

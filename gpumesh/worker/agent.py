@@ -129,6 +129,9 @@ class WorkerAgent:
             self.runners.append(Runner(slot, slot_env, settings.limits.max_message_bytes,
                                        pass_env=pass_env))
         self.queue: deque[QueuedTask] = deque()
+        # Pickled functions the coordinator told this session to keep (TASK ``fnkeep``), by
+        # digest: later TASKs of the same function name it (``fnref``) instead of carrying it.
+        self.functions: dict[str, Any] = {}
         # lease id -> (RESULT header, frames), kept until the coordinator's RESULT_ACK
         self.unacked: dict[int, tuple[dict[str, Any], list[Any]]] = {}
         # The coordinator's shared-memory folder, when this agent can read it (same machine):
@@ -266,11 +269,12 @@ class WorkerAgent:
         self._granted_depth = self.prefetch_depth()
         self.granted = self.free_slots()
         self.received = 0
+        self.functions.clear()  # the coordinator starts its count of what we keep afresh too
         return {
             "incarnation": self.incarnation, "slots": self.slots, "credit": self.granted,
             "prefetch": self.prefetch, "held": held, "info": self.info,
             "draining": self.draining, "mode": self.mode.value,
-            "release": list(self._pending_release),
+            "release": list(self._pending_release), "fnref": True,
         }
 
     def heartbeat_header(self) -> dict[str, Any]:
@@ -429,6 +433,9 @@ class WorkerAgent:
 
     def _on_task(self, msg: Message, now: float) -> None:
         h = msg.header
+        payload = self._with_function(h, msg.payload)
+        if payload is None:
+            return
         if self.draining:
             # Sent before the coordinator heard we stopped taking work: hand it straight back.
             self.send_credit(release=[int(h["lease"])])
@@ -440,7 +447,7 @@ class WorkerAgent:
             foreign = str(h.get("py", "")) != str(self.info.get("python", ""))
             runner_header.update(src=str(h["src"]), form="source" if foreign else "pickle")
         try:
-            frames = serialize.join_frames(msg.payload, h.get("split"))
+            frames = serialize.join_frames(payload, h.get("split"))
             refs = parse_refs(h.get("shm"), len(frames))
             if refs and self.shm is None:
                 raise ValueError("its frames are in a shared-memory folder this worker cannot read")
@@ -457,6 +464,27 @@ class WorkerAgent:
                 runner_header["shm"] = [list(ref) for ref in refs]
         self.queue.append(QueuedTask(task, runner_header, frames))
         self._start_queued(now)
+
+    def _with_function(self, h: dict[str, Any], payload: list[Any]) -> list[Any] | None:
+        """The task's frames with its function first, kept or put back as the TASK says (before
+        anything else: the coordinator counts on every TASK being read in order). None when
+        it names a function this session does not have: then a new session sorts it out."""
+        digest = h.get("fn")
+        if not isinstance(digest, str):
+            return payload
+        if h.get("fnref") is True:
+            function = self.functions.get(digest)
+            if function is None:
+                log.warning("task %s names a function this worker was never given; starting a "
+                            "new session so the coordinator sends it again", h.get("task"))
+                self.session.hello()
+                return None
+            return [function, *payload]
+        if h.get("fnkeep") is True and payload:
+            if h.get("fnreset") is True:
+                self.functions.clear()
+            self.functions[digest] = payload[0]
+        return payload
 
     def _start_queued(self, now: float) -> None:
         """Start queued tasks, in order, each in an idle slot that suits it."""

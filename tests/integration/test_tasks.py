@@ -239,3 +239,29 @@ def test_waiting_with_no_worker_says_so_once(mesh_env, capsys):
     err = capsys.readouterr().err
     assert err.count("2 task(s) waiting: no worker is connected") == 1
     assert "gpumesh join" in err and mesh_env.token not in err
+
+
+def test_a_map_of_a_big_closure_journals_and_sends_its_function_once(mesh_env):
+    import sqlite3
+
+    mesh_env.start_coordinator()
+    client = mesh_env.client()
+    table = bytes(range(256)) * 1200  # 300 KiB the function closes over (a lookup table, say)
+
+    def lookup(i):
+        return table[i * 1000]
+
+    futures = client.submit_calls(lookup, [((i,), {}) for i in range(60)])
+    wait_for(lambda: all(f.task_id for f in futures), what="the map to be accepted")
+    raw = sqlite3.connect(f"file:{mesh_env.db}?mode=ro", uri=True)
+    try:
+        (functions,) = raw.execute("SELECT count(*) FROM functions").fetchone()
+        (biggest,) = raw.execute("SELECT max(length(payload)) FROM tasks").fetchone()
+        (blobs,) = raw.execute("SELECT count(*) FROM tasks WHERE payload_ref IS NOT NULL"
+                               ).fetchone()
+    finally:
+        raw.close()
+    # 60 rows of arguments (no blob file each for the function) and one function.
+    assert functions == 1 and biggest < 1000 and blobs == 0
+    mesh_env.add_worker(slots=2)
+    assert client.gather(futures, timeout=60) == [table[i * 1000] for i in range(60)]

@@ -147,8 +147,12 @@ def test_queued_tasks_of_one_function_share_its_frame_but_a_forged_digest_does_n
     b.handle(C, msg(Command.SUBMIT, {"tasks": specs}, frames), 0.0)
     tasks = sorted(b.tasks.values(), key=lambda t: t.seq)
     assert tasks[0].payload[0] is tasks[1].payload[0] is tasks[2].payload[0]
-    assert tasks[3].payload[0] == b"not the function"  # its own bytes, never the shared ones
     assert tasks[0].requirements is tasks[1].requirements
+    # The forger is refused: a digest is what workers and the journal key a function by.
+    assert len(tasks) == 3
+    (answer,) = sent(b, Command.ACCEPTED)
+    assert [r[0] for r in answer["rejected"]] == [3]
+    assert "does not hash to its function digest" in answer["rejected"][0][2]
 
 
 def test_clients_are_told_the_workers_pythons_when_they_change(broker):

@@ -593,9 +593,83 @@ def test_a_v1_journal_is_migrated_in_place(db_path: Path) -> None:
         s.close()
     raw = sqlite3.connect(db_path)
     assert raw.execute("PRAGMA auto_vacuum").fetchone() == (2,)
-    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (2,)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+        SCHEMA_VERSION,)
     raw.close()
     assert [t.task_id for t in _reopen_and_load(db_path)] == ["old", "new"]
+
+
+def test_a_map_journals_its_function_once_and_a_task_gets_it_back(db_path: Path) -> None:
+    from gpumesh.store import IDLE_AFTER
+
+    function = b"a pickled function" * 100
+    s = Store(db_path)
+    try:
+        for i in range(IDLE_AFTER):
+            s.add_task(f"t{i}", "c1", i, "job-1", SPEC, [function, b"args%d" % i, b""], 1.0,
+                       function="f" * 24)
+        s.add_task("plain", "c1", 10**6, "job-1", SPEC, [b"inline fn", b"args"], 1.0)
+        s.commit()
+        raw = sqlite3.connect(db_path)
+        assert raw.execute("SELECT count(*) FROM functions").fetchone() == (1,)
+        assert raw.execute("SELECT length(payload) FROM tasks WHERE task_id = 't0'").fetchone()[0] < 40
+        raw.close()
+    finally:
+        s.close()
+    loaded = {t.task_id: t for t in _reopen_and_load(db_path)}
+    assert loaded["t7"].payload == [function, b"args7", b""]
+    assert loaded["plain"].payload == [b"inline fn", b"args"]
+    s = Store(db_path)
+    try:
+        for i in range(IDLE_AFTER):  # every task of the .map finishes: its function may go
+            s.finish_task(f"t{i}", "done", 1, {"status": "ok"}, [b"r"])
+        s.idle_maintenance()
+        raw = sqlite3.connect(db_path)
+        assert raw.execute("SELECT count(*) FROM functions").fetchone() == (0,)
+        raw.close()
+        # The next task of that function journals it again.
+        s.add_task("later", "c1", 10**6 + 1, "job-1", SPEC, [function, b"x"], 2.0,
+                   function="f" * 24)
+        s.commit()
+    finally:
+        s.close()
+    assert {t.task_id: t for t in _reopen_and_load(db_path)}["later"].payload == [function, b"x"]
+
+
+def test_a_task_whose_journaled_function_is_gone_restores_as_corrupt(db_path: Path) -> None:
+    s = Store(db_path)
+    try:
+        s.add_task("t1", "c1", 1, "job-1", SPEC, [b"fn", b"args"], 1.0, function="e" * 24)
+        s.commit()
+    finally:
+        s.close()
+    raw = sqlite3.connect(db_path)
+    with raw:
+        raw.execute("DELETE FROM functions")
+    raw.close()
+    (task,) = _reopen_and_load(db_path)
+    assert "missing from the journal" in task.spec[CORRUPT] and task.payload == []
+
+
+def test_a_v2_journal_keeps_its_tasks_with_their_functions_inline(db_path: Path) -> None:
+    s = Store(db_path)
+    try:
+        _add(s, task_id="old", seq=1)
+        s.commit()
+    finally:
+        s.close()
+    raw = sqlite3.connect(db_path)  # back to what a v2 journal was: no fn column, no table
+    with raw:
+        raw.execute("DROP TABLE functions")
+        raw.execute("ALTER TABLE tasks DROP COLUMN fn")
+        raw.execute("UPDATE meta SET value = 2 WHERE key = 'schema_version'")
+    raw.close()
+    (task,) = _reopen_and_load(db_path)
+    assert task.task_id == "old" and task.payload == PAYLOAD
+    raw = sqlite3.connect(db_path)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+        SCHEMA_VERSION,)
+    raw.close()
 
 
 def test_a_memory_journal_keeps_big_payloads_in_its_blob_folder(tmp_path):
