@@ -70,8 +70,16 @@ class GPUMesh:
             return self._engine
 
     def _announce(self) -> None:
-        if not self.quiet:
-            print(f"[gpumesh] connected to coordinator at {self.endpoint}", file=sys.stderr)
+        if self.quiet:
+            return
+        print(f"[gpumesh] connected to coordinator at {self.endpoint}", file=sys.stderr)
+        pythons = self._engine.worker_pythons if self._engine is not None else None
+        if pythons and PYTHON not in pythons:
+            # Said at connect time, not after a pending timeout: what differs, what to do.
+            print(f"[gpumesh] no worker runs Python {PYTHON} like this client (they run "
+                  f"{', '.join(sorted(pythons))}): pickled functions wait for one, plain "
+                  "top-level functions travel as source. Join a worker with Python "
+                  f"{PYTHON} to run everything.", file=sys.stderr)
 
     def connect(self, timeout: float | None = None) -> bool:
         """Wait until a session with the coordinator is up. False if it could not be reached.

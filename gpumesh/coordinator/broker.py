@@ -19,10 +19,12 @@ from __future__ import annotations
 import gc
 import heapq
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from .. import scheduler
+from .._version import __version__
 from ..config import Limits, Timing
 from ..protocol import (
     MAJOR,
@@ -59,6 +61,7 @@ from .retention import RETENTION_SWEEP, Retention
 from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
 from .workers import WorkerSide
 
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 log = logging.getLogger("gpumesh.coordinator")
 
 __all__ = ["Broker", "Event"]
@@ -290,6 +293,9 @@ class Broker:
             "max_message_bytes": ledger.limits.max_message_bytes,
             "max_frames": ledger.limits.max_frames, "safe_mode": ledger.safe_mode,
             "batch": True, "fnref": True,
+            # What peers compare with their own at join time (a worker on another Python
+            # cannot load functions pickled where the coordinator runs, usually a client too).
+            "python": PYTHON, "gpumesh": __version__,
         }
         if ledger.shm is not None:
             welcome["shm"] = ledger.shm.offer()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from .._version import __version__
 from ..config import Endpoint, Settings, parse_url
 from ..errors import MeshError
 from ..protocol import (
@@ -422,6 +424,8 @@ class WorkerAgent:
         if not self.joined_once:
             self.joined_once = True
             self.say(f"[worker] joined mesh as {self.worker_id}")
+            for line in version_notes(self.info, h):
+                self.say(line)
             if self.on_joined is not None:
                 self.on_joined(self.worker_id)
         elif self._lost_at is not None:
@@ -651,3 +655,26 @@ def _size(value: Any) -> int:
         return parse_size(value) if value is not None else 0
     except ValueError:
         return 0
+
+
+def version_notes(info: dict[str, Any], welcome: dict[str, Any]) -> list[str]:
+    """What a joining worker should know of how it differs from its coordinator: another
+    Python means functions pickled there cannot load here; another gpumesh (same protocol)
+    works but should be brought level."""
+    notes = []
+    mine, theirs = str(info.get("python", "")), welcome.get("python")
+    if isinstance(theirs, str) and re.fullmatch(r"\d{1,2}\.\d{1,3}", theirs) and mine \
+            and theirs != mine:
+        notes.append(
+            f"[worker] this machine runs Python {mine} and the coordinator Python {theirs}: "
+            f"functions pickled on Python {theirs} cannot load here, so this worker takes "
+            "scripts and plain top-level functions (sent as source) only. To take every "
+            f"task, join with Python {theirs} (a venv made with python{theirs}, then "
+            "'pip install gpumesh').")
+    version = welcome.get("gpumesh")
+    if isinstance(version, str) and re.fullmatch(r"[0-9A-Za-z.+-]{1,32}", version) \
+            and version != __version__:
+        notes.append(f"[worker] gpumesh {__version__} here and {version} on the coordinator: "
+                     f"they speak the same protocol, but install gpumesh {version} here when "
+                     "you can")
+    return notes

@@ -70,3 +70,35 @@ def test_a_worker_on_another_python_runs_plain_functions_from_source(mesh_env, c
     assert [r["module"] for r in client.gather(futures)] == [__name__] * 2
     assert {f.worker for f in futures} == {same.worker_id}
     assert other.worker_id not in {f.worker for f in futures}
+
+
+def test_a_worker_and_a_client_on_other_pythons_are_told_so_when_they_join(mesh_env):
+    import os
+    import subprocess
+    import sys
+
+    mesh_env.start_coordinator()
+    env = {**os.environ, **mesh_env.env, **fake(python="3.99"), "GPUMESH_TOKEN": mesh_env.token}
+    worker = subprocess.Popen([sys.executable, "-m", "gpumesh", "join", mesh_env.coordinator.url,
+                               "--no-benchmark", "--no-save", "--slots", "1"], env=env,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert worker.stdout is not None
+        lines = []
+        for line in worker.stdout:
+            lines.append(line)
+            if "this machine runs Python" in line:
+                break
+        here = f"{sys.version_info.major}.{sys.version_info.minor}"
+        assert (f"[worker] this machine runs Python 3.99 and the coordinator Python {here}: "
+                f"functions pickled on Python {here} cannot load here") in "".join(lines)
+        assert f"join with Python {here}" in lines[-1]
+        # A client on the coordinator's Python hears at connect time that no worker runs it.
+        code = ("import sys\nfrom gpumesh import GPUMesh\n"
+                f"m = GPUMesh({mesh_env.coordinator.url!r})\nm.connect()\nm.close()\n")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert f"no worker runs Python {here} like this client (they run 3.99)" in done.stderr
+    finally:
+        worker.terminate()
+        worker.communicate(timeout=15)

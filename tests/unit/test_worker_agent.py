@@ -198,3 +198,17 @@ def test_a_discovered_worker_dials_its_coordinators_new_address(tmp_path):
     finally:
         a.link.close()
         a._ctx.term()
+
+
+def test_a_joining_worker_hears_how_it_differs_from_its_coordinator():
+    from gpumesh._version import __version__
+    from gpumesh.worker.agent import version_notes
+
+    assert version_notes({"python": "3.11"}, {"python": "3.11", "gpumesh": __version__}) == []
+    (python,) = version_notes({"python": "3.12"}, {"python": "3.11", "gpumesh": __version__})
+    assert "runs Python 3.12 and the coordinator Python 3.11" in python
+    (version,) = version_notes({"python": "3.11"}, {"python": "3.11", "gpumesh": "9.9.9"})
+    assert "install gpumesh 9.9.9 here" in version
+    # Whatever a coordinator sends, nothing odd is echoed to the owner's terminal.
+    assert version_notes({"python": "3.11"}, {"python": "\x1b[2J3.1", "gpumesh": "x" * 500}) == []
+    assert version_notes({"python": "3.11"}, {"python": 3.12, "gpumesh": ["1"]}) == []
