@@ -54,6 +54,7 @@ _CACHE_SIZE = 8
 
 _cache_lock = threading.Lock()
 _stretched: OrderedDict[str, bytes] = OrderedDict()  # token -> scrypt output, this process only
+_in_flight: dict[str, threading.Event] = {}  # tokens being stretched now, set when done
 _warned: set[bytes] = set()
 
 
@@ -83,16 +84,27 @@ def stretch(token: str) -> bytes:
     """scrypt of the token's secret with its salt: the one slow step, done once per process
     per token (and cached across commands by the CLI, see ``remember_stretched``)."""
     parsed = parse_token(token)
-    with _cache_lock:
-        cached = _stretched.get(token)
-        if cached is not None:
-            _stretched.move_to_end(token)
-            return cached
-    salt = _SALT_PREFIX + parsed.salt.encode() if parsed.salt else _DOMAIN_SALT
-    value = hashlib.scrypt(parsed.secret.encode("utf-8"), salt=salt, n=_SCRYPT_N, r=_SCRYPT_R,
-                           p=_SCRYPT_P, maxmem=_SCRYPT_MAXMEM, dklen=32)
-    remember_stretched(token, value)
-    return value
+    while True:
+        with _cache_lock:
+            cached = _stretched.get(token)
+            if cached is not None:
+                _stretched.move_to_end(token)
+                return cached
+            running = _in_flight.get(token)
+            if running is None:  # ours to compute; others asking meanwhile wait for it
+                running = _in_flight[token] = threading.Event()
+                break
+        running.wait()  # one scrypt per token at a time: a second would only double the CPU
+    try:
+        salt = _SALT_PREFIX + parsed.salt.encode() if parsed.salt else _DOMAIN_SALT
+        value = hashlib.scrypt(parsed.secret.encode("utf-8"), salt=salt, n=_SCRYPT_N,
+                               r=_SCRYPT_R, p=_SCRYPT_P, maxmem=_SCRYPT_MAXMEM, dklen=32)
+        remember_stretched(token, value)
+        return value
+    finally:
+        with _cache_lock:
+            _in_flight.pop(token, None)
+        running.set()
 
 
 def remember_stretched(token: str, value: bytes) -> None:

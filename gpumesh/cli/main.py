@@ -115,10 +115,15 @@ def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, pub
     On Windows, a bind beyond loopback adds the firewall rule "gpumesh PORT" when run as
     Administrator (kept for the next run), and otherwise prints the command to run.
     """
-    from .serve import serve as run_serve
-
     settings = _settings()
     token = chosen_token(token)
+    if token:
+        # The token's scrypt (0.4 s, GIL released) starts now, beside the imports below.
+        from ..security import stretch_in_background
+
+        stretch_in_background(token)
+    from .serve import serve as run_serve
+
     run_serve(settings, host=host, port=port, token=token, db=db, host_ip=host_ip,
               tailscale=tailscale, public=public,
               weak_token=weak_token or settings.weak_token,
@@ -454,6 +459,31 @@ def workers(url: str | None, token: str | None, as_json: bool) -> None:
         click.echo(json.dumps(listing, indent=2))
     else:
         click.echo(worker_table(listing))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True,
+              help="The same report as one JSON document on stdout (warnings on stderr).")
+@click.option("--timeout", type=click.FloatRange(0.5, 60), default=3.0, show_default=True,
+              help="Seconds to wait for the coordinator to answer.")
+@_connection
+def doctor(as_json: bool, timeout: float, url: str | None, token: str | None) -> None:
+    """Check this machine and its mesh; change nothing, never show the token.
+
+    Reports which gpumesh is imported and from where, Python, torch/CUDA (and whether
+    nvidia-smi disagrees), cloudpickle, the saved coordinator and whether it answers, its
+    workers (flagging other Python, gpumesh or cloudpickle versions), the addresses serve
+    would bind and advertise, and the Windows firewall rule. Exits 1 only for a fault on this
+    machine: no coordinator, or one that does not answer, is a warning.
+
+    \b
+    Example:
+      gpumesh doctor
+      gpumesh doctor --json > report.json
+    """
+    from .doctor import run as run_doctor
+
+    sys.exit(run_doctor(as_json=as_json, url=url, token=chosen_token(token), timeout=timeout))
 
 
 @cli.command()

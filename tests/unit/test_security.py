@@ -150,3 +150,31 @@ def test_zap_callback_admits_only_the_derived_client_key(keys: dict[str, MeshKey
     assert allow.callback(ZAP_DOMAIN, keys[OTHER_SALT].client_public) is False
     assert allow.callback(ZAP_DOMAIN, keys[SALTED].server_public) is False
     assert allow.callback("other-domain", keys[SALTED].client_public) is False
+
+
+def test_one_token_is_stretched_once_however_many_threads_ask(monkeypatch):
+    import hashlib
+    import threading
+    import time
+
+    from gpumesh import security
+
+    calls = []
+    real = hashlib.scrypt
+
+    def slow_scrypt(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.2)  # long enough for every other thread to ask meanwhile
+        return real(*args, **{**kwargs, "n": 2**10})
+
+    monkeypatch.setattr(security.hashlib, "scrypt", slow_scrypt)
+    token = "coalesce." + "q" * 40
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(security.stretch(token)))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(calls) == 1 and len(results) == 4 and len(set(results)) == 1
+    assert security._in_flight == {}
