@@ -1,0 +1,196 @@
+"""gpumesh doctor's checks, each fed plain values and fakes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpumesh.cli import doctor
+from gpumesh.cli.doctor import Check, Probes, TorchFacts
+from gpumesh.config import Settings, save_connection
+from gpumesh.discovery import Adapter
+from gpumesh.errors import AuthenticationError, ConnectionFailed
+
+TOKEN = "abcdefghijk." + "S" * 32
+
+
+def test_gpumesh_shadowed_by_another_copy_is_a_warning():
+    same = doctor.check_gpumesh("0.1.0", Path("/site/gpumesh"), "0.1.0")
+    other = doctor.check_gpumesh("0.1.0", Path("/old/gpumesh"), "0.0.9")
+    assert same.status == "ok" and "/site/gpumesh" in same.summary
+    assert other.status == "warn" and "0.0.9" in other.lines[0]
+
+
+def test_cloudpickle_missing_is_a_fault_on_this_machine():
+    def missing() -> str:
+        raise ImportError("No module named 'cloudpickle'")
+
+    check = doctor.check_cloudpickle(missing)
+    assert check.status == "fault"
+    assert doctor.exit_code([check]) == 1
+    assert doctor.check_cloudpickle(lambda: "3.1.0").status == "ok"
+
+
+def test_torch_cpu_build_while_nvidia_smi_sees_gpus_is_flagged():
+    cpu_build = TorchFacts(True, "2.3.0+cpu", None, False)
+    check = doctor.check_torch(cpu_build, ["NVIDIA GeForce RTX 4090"])
+    assert check.status == "warn"
+    assert "CPU-only build" in " ".join(check.lines)
+
+
+def test_torch_cuda_build_that_sees_no_gpu_names_the_driver():
+    check = doctor.check_torch(TorchFacts(True, "2.3.0", "12.1", False), ["A100", "A100"])
+    assert check.status == "warn" and "driver" in " ".join(check.lines)
+
+
+def test_torch_and_nvidia_smi_agreeing_is_ok_and_counts_differing_is_not():
+    facts = TorchFacts(True, "2.3.0", "12.1", True, ("A100", "A100"))
+    assert doctor.check_torch(facts, ["A100", "A100"]).status == "ok"
+    assert doctor.check_torch(facts, ["A100"]).status == "warn"
+
+
+def test_no_torch_and_no_gpu_is_plain_information():
+    check = doctor.check_torch(TorchFacts(False), None)
+    assert check.status == "info" and "CPU worker" in check.summary
+    assert doctor.check_torch(TorchFacts(False), ["T4"]).status == "warn"
+
+
+def test_config_reports_the_url_and_never_the_token(tmp_path):
+    save_connection(tmp_path / "config.json", "tcp://127.0.0.1:8123", TOKEN)
+    check, url, token = doctor.check_config(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}))
+    assert check.status == "ok" and url == "tcp://127.0.0.1:8123" and token == TOKEN
+    assert TOKEN not in json.dumps(doctor.as_document([check])) + doctor.render([check])
+
+
+def test_damaged_config_is_a_fault_and_missing_one_a_warning(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    check, _, _ = doctor.check_config(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}))
+    assert check.status == "fault"
+    empty = tmp_path / "empty"
+    check, url, _ = doctor.check_config(Settings.from_env({"GPUMESH_HOME": str(empty)}))
+    assert check.status == "warn" and url is None
+    assert not empty.exists()  # read-only: nothing created
+
+
+def test_config_readable_by_others_is_flagged(tmp_path):
+    save_connection(tmp_path / "config.json", "tcp://127.0.0.1:8123", TOKEN)
+    (tmp_path / "config.json").chmod(0o644)
+    check, _, _ = doctor.check_config(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}))
+    assert check.status == "warn" and "chmod 600" in " ".join(check.lines)
+
+
+def test_coordinator_that_refuses_the_token_or_does_not_answer_is_a_warning():
+    def refuses(url, token, timeout):
+        raise AuthenticationError("authentication failed")
+
+    def silent(url, token, timeout):
+        raise ConnectionFailed("cannot reach a coordinator at tcp://127.0.0.1:9: nothing is\n"
+                               "listening there")
+
+    check, listing = doctor.check_coordinator("tcp://127.0.0.1:9", TOKEN, 1.0, refuses)
+    assert check.status == "warn" and "refuses this token" in check.summary and listing is None
+    check, listing = doctor.check_coordinator("tcp://127.0.0.1:9", TOKEN, 1.0, silent)
+    assert check.status == "warn" and "\n" not in check.lines[0]
+    assert doctor.exit_code([check]) == 0
+
+
+def test_workers_with_other_versions_are_named():
+    listing = [
+        {"id": "a" * 12, "hostname": "same", "alive": True, "python": "3.11",
+         "gpumesh": "0.1.0", "cloudpickle": "3.1.0"},
+        {"id": "b" * 12, "hostname": "older", "alive": True, "python": "3.10",
+         "gpumesh": "0.1.0", "cloudpickle": "2.2.1"},
+        {"id": "c" * 12, "hostname": "quiet", "alive": True},
+        {"id": "d" * 12, "hostname": "gone", "alive": False, "python": "3.8"},
+    ]
+    check = doctor.check_workers(listing, python="3.11", gpumesh="0.1.0", cloudpickle="3.1.0")
+    assert check is not None and check.status == "warn"
+    text = "\n".join(check.lines)
+    assert "older: differs: python 3.10 (here 3.11), cloudpickle 2.2.1 (here 3.1.0)" in text
+    assert "quiet: does not report" in text and "gpumesh doctor" in text
+    assert "gone" not in text
+    rows = check.data["workers"]
+    assert [r["differs"] for r in rows] == [[], ["python", "cloudpickle"], []]
+
+
+def test_no_worker_connected_is_a_warning_and_unknown_listing_is_no_check():
+    assert doctor.check_workers(None) is None
+    check = doctor.check_workers([], cloudpickle="3.1.0")
+    assert check is not None and check.status == "warn"
+
+
+def _settings(**env: str) -> Settings:
+    return Settings.from_env({"GPUMESH_HOME": "/nonexistent", **env})
+
+
+ADAPTERS = [Adapter("lo", "127.0.0.1", 8, "loopback"),
+            Adapter("eth0", "192.0.2.10", 24, "lan"),
+            Adapter("docker0", "172.17.0.1", 16, "virtual")]
+
+
+def test_addresses_flag_a_virtual_adapter_as_bind_or_coordinator():
+    loop = doctor.check_addresses(_settings(), ADAPTERS, None)
+    assert loop.status == "ok" and "only this machine" in loop.summary
+    everywhere = doctor.check_addresses(_settings(GPUMESH_HOST="0.0.0.0"), ADAPTERS, None)
+    assert everywhere.data["advertise"] == ["192.0.2.10"]
+    docker = doctor.check_addresses(_settings(GPUMESH_HOST="172.17.0.1"), ADAPTERS, None)
+    assert docker.status == "warn" and "virtual adapter" in " ".join(docker.lines)
+    dial = doctor.check_addresses(_settings(), ADAPTERS, "tcp://172.17.0.1:8000")
+    assert dial.status == "warn" and "docker0" in " ".join(dial.lines)
+
+
+def test_bound_everywhere_with_no_lan_adapter_says_host_ip():
+    check = doctor.check_addresses(_settings(GPUMESH_HOST="0.0.0.0"), ADAPTERS[::2], None)
+    assert check.status == "warn" and "--host-ip" in " ".join(check.lines)
+
+
+def test_firewall_is_read_only_and_windows_only():
+    ran: list[str] = []
+
+    def netsh(command: str) -> int:
+        ran.append(command)
+        return 1
+
+    assert doctor.check_firewall(8000, system="linux", run=netsh).status == "info"
+    assert ran == []
+    missing = doctor.check_firewall(8000, system="win32", run=netsh)
+    assert missing.status == "warn" and missing.data["exists"] is False
+    assert ran == ['netsh advfirewall firewall show rule name="gpumesh 8000"']  # never "add"
+    assert doctor.check_firewall(8000, system="win32", run=lambda c: 0).status == "ok"
+
+
+def _probes(**changes) -> Probes:
+    base = dict(torch=lambda: TorchFacts(False), nvidia_smi=lambda: None,
+                adapters=lambda: ADAPTERS, connect=lambda u, t, s: [], system="linux")
+    return Probes(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_invalid_environment_is_a_fault_and_the_report_still_prints(tmp_path):
+    checks = doctor.report({"GPUMESH_HOME": str(tmp_path), "GPUMESH_HEARTBEAT": "soon"},
+                           probes=_probes())
+    assert checks[-1].status == "fault" and "GPUMESH_HEARTBEAT" in checks[-1].summary
+    assert doctor.exit_code(checks) == 1
+    assert [c.name for c in checks[:4]] == ["gpumesh", "python", "cloudpickle", "torch"]
+
+
+def test_report_uses_the_saved_port_for_the_firewall_and_exits_zero_on_warnings(tmp_path):
+    save_connection(tmp_path / "config.json", "tcp://127.0.0.1:8123", TOKEN)
+    seen: list[tuple[str, str]] = []
+
+    def connect(url, token, timeout):
+        seen.append((url, token))
+        return []
+
+    checks = doctor.report({"GPUMESH_HOME": str(tmp_path)},
+                           probes=_probes(connect=connect, system="win32", netsh=lambda c: 1))
+    by_name = {c.name: c for c in checks}
+    assert seen == [("tcp://127.0.0.1:8123", TOKEN)]
+    assert by_name["firewall"].data["port"] == 8123
+    assert by_name["workers"].status == "warn"
+    assert doctor.exit_code(checks) == 0
+
+
+def test_document_is_json_with_the_worst_status():
+    doc = doctor.as_document([Check("a", "ok", "fine"), Check("b", "warn", "hmm", ("x",))])
+    assert doc["status"] == "warn" and doc["report"] == 1
+    assert json.loads(json.dumps(doc))["checks"][1]["lines"] == ["x"]
