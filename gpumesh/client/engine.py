@@ -152,6 +152,8 @@ class Engine:
         # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
         self._session = Session(Role.CLIENT, self.client_id, endpoint, settings.timing,
                                 self._link, self)
+        self._poll = zmq.Poller()
+        self._polled: tuple[Any, ...] = ()  # the sockets self._poll watches
         self._thread = threading.Thread(target=self._run, name="gpumesh-client", daemon=True)
         self._thread.start()
 
@@ -304,13 +306,21 @@ class Engine:
                 if not future.done():
                     future.set_exception(exc)
 
+    def _poller(self) -> zmq.Poller:
+        """The loop's poller, built again only when the link replaced its sockets (a poller
+        made and filled every turn cost more than the turn's own work for small tasks)."""
+        sockets = (self._link.sock, self._link.monitor)
+        if self._polled != sockets:
+            self._polled = sockets
+            self._poll = zmq.Poller()
+            for sock in sockets:
+                if sock is not None:
+                    self._poll.register(sock, zmq.POLLIN)
+            self._poll.register(self._wake_r, zmq.POLLIN)
+        return self._poll
+
     def _turn(self) -> None:
-        poller = zmq.Poller()
-        if self._link.sock is not None:
-            poller.register(self._link.sock, zmq.POLLIN)
-        if self._link.monitor is not None:
-            poller.register(self._link.monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = self._poller()
         wait = min(self._session.next_timer(time.time()), self._session.heartbeat / 4)
         poller.poll(0 if self._link.backlog else max(1, int(wait * 1000)))
         now = time.time()

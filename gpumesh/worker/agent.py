@@ -161,6 +161,8 @@ class WorkerAgent:
         # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
         self.session = Session(Role.WORKER, self.worker_id, endpoint, settings.timing,
                                self.link, self)
+        self._polled: tuple[Any, ...] = ()  # what self._poll watches
+        self._poll: tuple[zmq.Poller, dict[int, tuple[Runner, str]]] = (zmq.Poller(), {})
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -207,20 +209,27 @@ class WorkerAgent:
             self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
             time.sleep(0.05)  # let the I/O thread flush the goodbye before the socket closes
 
-    def _turn(self) -> None:
-        poller = zmq.Poller()
-        sock = self.link.sock
-        if sock is not None:
-            poller.register(sock, zmq.POLLIN)
-        if self.link.monitor is not None:
-            poller.register(self.link.monitor, zmq.POLLIN)
-        if self.control is not None:
-            poller.register(self.control.sock, zmq.POLLIN)
-        fd_owner: dict[int, tuple[Runner, str]] = {}
-        for runner in self.runners:
-            for fd, what in runner.fds():
+    def _poller(self) -> tuple[zmq.Poller, dict[int, tuple[Runner, str]]]:
+        """The loop's poller and which runner each descriptor belongs to, built again only
+        when a socket or a runner's pipes changed (a restart), not every turn."""
+        fds = [(fd, what, runner) for runner in self.runners for fd, what in runner.fds()]
+        key = (self.link.sock, self.link.monitor,
+               self.control.sock if self.control is not None else None,
+               tuple((fd, what, id(runner)) for fd, what, runner in fds))
+        if key != self._polled:
+            self._polled = key
+            poller = zmq.Poller()
+            for sock in key[:3]:
+                if sock is not None:
+                    poller.register(sock, zmq.POLLIN)
+            for fd, _, _ in fds:
                 poller.register(fd, zmq.POLLIN)
-                fd_owner[fd] = (runner, what)
+            self._poll = (poller, {fd: (runner, what) for fd, what, runner in fds})
+        return self._poll
+
+    def _turn(self) -> None:
+        poller, fd_owner = self._poller()
+        sock = self.link.sock
         ready = dict(poller.poll(self._poll_timeout()))
         now = time.time()
         for event in self.link.monitor_events():
