@@ -23,6 +23,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from .client import GPUMesh, MeshFunction, TaskFuture, TaskOptions, accelerate, mesh
+    from .client.executor import MeshExecutor
     from .errors import (
         AuthenticationError,
         ConfigError,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "GPUMesh": "client",
+    "MeshExecutor": "client.executor",
     "MeshFunction": "client",
     "TaskFuture": "client",
     "TaskOptions": "client",
@@ -65,6 +67,7 @@ __all__ = [
     "ConnectionFailed",
     "GPUMesh",
     "MeshError",
+    "MeshExecutor",
     "MeshFunction",
     "MeshTimeout",
     "ProtocolMismatch",

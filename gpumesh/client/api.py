@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import Endpoint, Settings, parse_url
 from ..discovery import browse_interfaces, find_coordinator
@@ -18,7 +18,11 @@ from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
 from .engine import Engine, TaskFuture
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
 from .portable import SourceForm, source_form
+from .remotetb import localize_error
 from .tasks import PYTHON, PickledFunction, TaskOptions, plan_calls, scheduler_options, script_task
+
+if TYPE_CHECKING:
+    from .executor import MeshExecutor
 
 R = TypeVar("R")
 UNREACHABLE_MEMORY = 5.0  # seconds a failed connect is remembered before trying again
@@ -174,7 +178,7 @@ class GPUMesh:
     def _verbose(self, text: str) -> None:
         """GPUMESH_VERBOSE=1 says it on stderr, like the decorator's routing lines; -v logs it."""
         if self.settings.verbose:
-            print(f"[gpumesh] {text}", file=sys.stderr)
+            sys.stderr.write(f"[gpumesh] {text}\n")  # one write: threads' lines stay whole
         else:
             log.debug("%s", text)
 
@@ -232,6 +236,9 @@ class GPUMesh:
                 self._cancel(waiting)
                 first = next(f for f in futures if f.done() and (
                     f.cancelled() or f.exception() is not None))
+                error = None if first.cancelled() else first.exception()
+                if error is not None:
+                    localize_error(error)  # the caller's source lines for its own frames
                 first.result()  # raises the task's error (or CancelledError)
             if watch.finished:
                 return [f.result() for f in futures]
@@ -273,6 +280,14 @@ class GPUMesh:
     def _cancel(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
         for future in futures:
             future.cancel()
+
+    def executor(self, max_workers: int | None = None, *, options: TaskOptions | None = None
+                 ) -> MeshExecutor:
+        """A ``concurrent.futures.Executor`` on this mesh (``gpumesh.MeshExecutor``); its
+        ``shutdown`` leaves this connection open."""
+        from .executor import MeshExecutor
+
+        return MeshExecutor(max_workers=max_workers, mesh=self, options=options)
 
     # ----------------------------------------------------------------- scripts and jobs
 
@@ -450,12 +465,28 @@ def _job_id() -> str:
     return secrets.token_hex(6)
 
 
+_OPEN_LINES: set[tuple[str, str]] = set()  # (worker, stream) whose last chunk ended mid-line
+
+
 def _print_output(worker: str, stream: str, data: bytes) -> None:
+    """A task's output, each line prefixed with its worker. ``print`` flushes the text and the
+    newline as separate chunks at times: a chunk that continues a line gets no prefix."""
     target = sys.stderr if stream == "err" else sys.stdout
     text = data.decode("utf-8", "replace")
-    lines = text.splitlines()
+    if not text:
+        return
+    key = (worker, stream)
+    out = []
+    for piece in text.splitlines(keepends=True):
+        if key in _OPEN_LINES:
+            _OPEN_LINES.discard(key)
+            out.append(piece)
+        else:
+            out.append(f"[{worker}] {piece}")
+    if not text.endswith(("\n", "\r")):
+        _OPEN_LINES.add(key)
     try:
-        target.write("".join(f"[{worker}] {line}\n" for line in lines))
+        target.write("".join(out))
         target.flush()
     except (OSError, ValueError):
         pass  # the caller closed its stdout; printing is best effort

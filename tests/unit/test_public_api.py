@@ -5,7 +5,7 @@ from pathlib import Path
 import gpumesh
 
 EXPECTED = {
-    "GPUMesh", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate", "mesh",
+    "GPUMesh", "MeshExecutor", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate", "mesh",
     "AuthenticationError", "ConfigError", "ConnectionFailed", "MeshError", "MeshTimeout", "ProtocolMismatch",
     "RemoteError", "RunnerCrashed", "SubmitRejected", "TaskError", "TaskTimeout",
     "Unschedulable", "__version__",
@@ -22,7 +22,7 @@ def test_every_public_name_resolves():
 
 
 def test_errors_share_one_root():
-    for name in EXPECTED - {"GPUMesh", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate",
+    for name in EXPECTED - {"GPUMesh", "MeshExecutor", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate",
                             "mesh", "__version__"}:
         assert issubclass(getattr(gpumesh, name), gpumesh.MeshError)
 

@@ -1,0 +1,249 @@
+"""``MeshExecutor``: a ``concurrent.futures.Executor`` over the futures engine.
+
+It behaves as the standard library's executors do (``submit``, ``map`` with ``timeout`` and
+``chunksize``, ``shutdown(wait, cancel_futures)``, the context manager, the interpreter-exit hook)
+and passes CPython's own executor tests. ``max_workers`` is the executor's window: at most that
+many of its calls are on the mesh at once, the rest wait here, where ``cancel()`` and
+``shutdown(cancel_futures=True)`` take them back, like a ``ThreadPoolExecutor``'s queue. A call
+handed to the mesh is *running*; ``cancel()`` then returns False, as for a started thread.
+Without ``max_workers`` every call goes to the mesh at once and the coordinator queues them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from .api import GPUMesh, _job_id
+from .engine import TaskFuture
+from .tasks import TaskOptions
+
+T = TypeVar("T")
+
+_EXECUTORS: weakref.WeakSet[MeshExecutor] = weakref.WeakSet()
+_EXITING = False
+
+
+def _at_exit() -> None:
+    """Before the interpreter joins its threads: no new calls, and every executor finishes what
+    it has, as ``ThreadPoolExecutor`` does."""
+    global _EXITING
+    _EXITING = True
+    for executor in list(_EXECUTORS):
+        executor._wake_for_exit()
+
+
+try:
+    threading._register_atexit(_at_exit)  # type: ignore[attr-defined]  # what concurrent.futures uses
+except (AttributeError, RuntimeError):  # pragma: no cover - another Python, or already exiting
+    import atexit
+
+    atexit.register(_at_exit)
+
+
+class _Call:
+    __slots__ = ("future", "fn", "args", "kwargs")
+
+    def __init__(self, future: concurrent.futures.Future[Any], fn: Callable[..., Any],
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.future, self.fn, self.args, self.kwargs = future, fn, args, kwargs
+
+
+class MeshExecutor(concurrent.futures.Executor):
+    """Run calls on the mesh through the standard ``Executor`` interface.
+
+    ``MeshExecutor(url, token)`` opens its own connection (closed by ``shutdown``);
+    ``mesh.executor()`` shares that ``GPUMesh``. ``options`` apply to every task (timeout,
+    requirements, env). All calls of one executor form one job (``gpumesh status`` shows it).
+    """
+
+    def __init__(self, url: str | None = None, token: str | None = None, *,
+                 max_workers: int | None = None, mesh: GPUMesh | None = None,
+                 options: TaskOptions | None = None, name: str = "executor") -> None:
+        if max_workers is not None and max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        self._mesh = mesh if mesh is not None else GPUMesh(url, token)
+        self._owns_mesh = mesh is None
+        self._window = max_workers
+        self._options = options or TaskOptions()
+        self._job = _job_id()
+        self._name = name
+        self._waiting: deque[_Call] = deque()  # beyond the window: cancellable
+        self._taken: list[_Call] = []  # running, on their way to the mesh
+        self._sending = 0  # taken by the dispatcher, not yet in _running
+        self._running: set[TaskFuture] = set()
+        self._changed = threading.Condition()
+        self._shutdown = False
+        self._thread: threading.Thread | None = None
+        _EXECUTORS.add(self)
+
+    @property
+    def job(self) -> str:
+        """The job id every call of this executor is submitted under."""
+        return self._job
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+               ) -> concurrent.futures.Future[T]:
+        with self._changed:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if _EXITING:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            future: concurrent.futures.Future[T] = concurrent.futures.Future()
+            call = _Call(future, fn, args, kwargs)
+            if self._room() > 0 and not self._waiting:
+                # A free place takes the call at once, as an idle pool thread would: from now
+                # on it is running, and shutdown(cancel_futures=True) leaves it to finish.
+                future.set_running_or_notify_cancel()
+                self._taken.append(call)
+            else:
+                self._waiting.append(call)
+            if self._thread is None:
+                # Not a daemon: like the standard executors, calls in flight finish before the
+                # interpreter exits.
+                self._thread = threading.Thread(target=self._dispatch, daemon=False,
+                                                name=f"gpumesh-executor-{self._job}")
+                self._thread.start()
+            self._changed.notify_all()
+            return future
+
+    def map(self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None,
+            chunksize: int = 1) -> Iterator[T]:
+        """As ``Executor.map``; ``chunksize`` > 1 sends that many calls as one task, which suits
+        many short calls (one round trip and one scheduling decision per chunk)."""
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        if chunksize == 1:
+            return super().map(fn, *iterables, timeout=timeout)
+        chunks = _chunks(zip(*iterables, strict=False), chunksize)
+        results = super().map(_run_chunk, itertools.repeat(fn), chunks, timeout=timeout)
+        return _flatten(results)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._changed:
+            self._shutdown = True
+            if cancel_futures:
+                while self._waiting:
+                    self._waiting.popleft().future.cancel()
+            self._changed.notify_all()
+            thread = self._thread
+        if thread is None:
+            if self._owns_mesh:
+                self._mesh.close()
+            return
+        if wait:
+            thread.join()
+
+    # ----------------------------------------------------------------- the dispatcher thread
+
+    def _wake_for_exit(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _done(self) -> bool:
+        return ((self._shutdown or _EXITING) and not self._waiting and not self._taken
+                and not self._running and not self._sending)
+
+    def _room(self) -> int:
+        if self._window is None:
+            return len(self._waiting) + 1
+        return self._window - len(self._running) - len(self._taken) - self._sending
+
+    def _dispatch(self) -> None:
+        """Hand waiting calls to the mesh as the window allows, in batches of one function."""
+        try:
+            while True:
+                with self._changed:
+                    while not self._done() and not self._ready():
+                        self._changed.wait()
+                    if self._done():
+                        return
+                    batch = self._take()
+                self._send(batch)
+        finally:
+            if self._owns_mesh:
+                self._mesh.close()
+
+    def _ready(self) -> bool:
+        return bool(self._taken) or (bool(self._waiting) and self._room() > 0)
+
+    def _take(self) -> list[_Call]:
+        while self._waiting and self._room() > 0:
+            call = self._waiting.popleft()
+            if call.future.set_running_or_notify_cancel():
+                self._taken.append(call)
+        batch, self._taken = self._taken, []
+        self._sending = len(batch)
+        return batch
+
+    def _send(self, batch: list[_Call]) -> None:
+        # Consecutive calls of one function go as one submission (one pickled function).
+        for _, group in itertools.groupby(batch, key=lambda c: id(c.fn)):
+            calls = list(group)
+            try:
+                tasks = self._mesh.submit_calls(calls[0].fn, [(c.args, c.kwargs) for c in calls],
+                                                self._options, job=self._job, name=self._name)
+            except BaseException as exc:
+                for call in calls:
+                    call.future.set_exception(exc)
+                with self._changed:
+                    self._sending -= len(calls)
+                continue
+            with self._changed:
+                self._running.update(tasks)
+                self._sending -= len(calls)
+            for call, task in zip(calls, tasks, strict=True):
+                task.add_done_callback(_Relay(self, call.future).done)
+            del calls  # no reference to the arguments once they are on their way
+        batch.clear()
+
+    def _finished(self, task: TaskFuture) -> None:
+        with self._changed:
+            self._running.discard(task)
+            self._changed.notify_all()
+
+
+class _Relay:
+    """Copies a mesh task's outcome to the executor's future, then frees a window place."""
+
+    __slots__ = ("executor", "future")
+
+    def __init__(self, executor: MeshExecutor, future: concurrent.futures.Future[Any]) -> None:
+        self.executor, self.future = executor, future
+
+    def done(self, task: concurrent.futures.Future[Any]) -> None:
+        future, executor = self.future, self.executor
+        self.future = self.executor = None  # type: ignore[assignment]
+        if task.cancelled():
+            future.set_exception(concurrent.futures.CancelledError(
+                "the task was cancelled on the mesh"))
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+        executor._finished(task)  # type: ignore[arg-type]
+
+
+def _run_chunk(fn: Callable[..., T], chunk: list[tuple[Any, ...]]) -> list[T]:
+    return [fn(*args) for args in chunk]
+
+
+def _chunks(items: Iterator[tuple[Any, ...]], size: int) -> Iterator[list[tuple[Any, ...]]]:
+    while True:
+        chunk = list(itertools.islice(items, size))
+        if not chunk:
+            return
+        yield chunk
+
+
+def _flatten(lists: Iterator[list[T]]) -> Iterator[T]:
+    """Items of each list in order, popped so the iterator keeps no reference to a result."""
+    for items in lists:
+        items.reverse()
+        while items:
+            yield items.pop()
