@@ -1,8 +1,10 @@
 """``@mesh`` and ``@accelerate``: a function that runs on the mesh, or locally when there is none.
 
 Either path returns the identical value. The local path is taken when ``GPUMESH_LOCAL=1``, when
-no coordinator is configured, or when the configured one does not answer at call time;
-``GPUMESH_VERBOSE=1`` says on stderr which path each call took.
+no coordinator is configured, when the configured one does not answer at call time, or when no
+worker has been connected to it for the connect timeout (``GPUMESH_CONNECT_TIMEOUT``, counted
+from the first call) unless the function was decorated with ``mesh_only=True``, whose calls
+wait for a worker. ``GPUMESH_VERBOSE=1`` says on stderr which path each call took.
 
 ``env=["NAME", ...]`` sends the caller's values of those variables with each task (workers
 otherwise give tasks only an allow-listed environment); ``env={"NAME": "value"}`` sends the
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, Generic, ParamSpec, TypeVar, overload
@@ -36,11 +39,13 @@ def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
 class MeshFunction(Generic[P, R]):
     """A function bound to a mesh. Calling it runs one task; ``.map`` runs a batch."""
 
-    def __init__(self, fn: Callable[P, R], source: MeshSource, options: TaskOptions) -> None:
+    def __init__(self, fn: Callable[P, R], source: MeshSource, options: TaskOptions, *,
+                 mesh_only: bool = False) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._source = source
         self.options = options
+        self.mesh_only = mesh_only
 
     def __repr__(self) -> str:
         return f"<mesh function {getattr(self.fn, '__qualname__', self.fn)!r}>"
@@ -66,13 +71,19 @@ class MeshFunction(Generic[P, R]):
         if not mesh.connect():
             self._say(f"no coordinator answering at {mesh.endpoint}: running locally")
             return None
+        if not self.mesh_only and not self._source.has_worker(mesh):
+            self._say(f"no worker connected to {mesh.endpoint} within "
+                      f"{mesh.connect_timeout:g}s: running locally (mesh_only=True waits)")
+            return None
         return mesh
 
     def _say(self, text: str) -> None:
         if self._source.settings().verbose:
             # Not self.__name__: update_wrapper copies it only when the callable has one.
             name = getattr(self.fn, "__name__", repr(self.fn))
-            print(f"[gpumesh] {name}: {text}", file=sys.stderr)
+            # One write per line: print() writes the text and its newline separately, and
+            # lines from calls on several threads ran together.
+            sys.stderr.write(f"[gpumesh] {name}: {text}\n")
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         mesh = self._mesh()
@@ -111,7 +122,8 @@ class MeshFunction(Generic[P, R]):
             req = replace(self.options.requirements, gpu=None, vram=None)
         else:
             raise ConfigError(f"unknown device {device!r}: use 'cuda' or 'cpu'")
-        return MeshFunction(self.fn, self._source, replace(self.options, requirements=req))
+        return MeshFunction(self.fn, self._source, replace(self.options, requirements=req),
+                            mesh_only=self.mesh_only)
 
 
 class MeshSource:
@@ -122,6 +134,7 @@ class MeshSource:
         self._settings: Settings | None = mesh.settings if mesh is not None else None
         self._lock = threading.Lock()
         self._resolved = mesh is not None
+        self._worker_deadline: float | None = None
 
     def settings(self) -> Settings:
         if self._settings is None:
@@ -137,6 +150,21 @@ class MeshSource:
                 except ConfigError:
                     self._mesh = None  # nothing configured: every call runs locally
             return self._mesh
+
+    def has_worker(self, mesh: GPUMesh) -> bool:
+        """Whether a worker is connected, waiting for one until the connect timeout has passed
+        since the first time this was asked. The coordinator pushes the alive workers'
+        Pythons to its clients, so this costs no round trip."""
+        if self._worker_deadline is None:
+            self._worker_deadline = time.monotonic() + mesh.connect_timeout
+        while True:
+            engine = mesh._engine
+            pythons = engine.worker_pythons if engine is not None else None
+            if pythons is None or pythons:  # None: a coordinator that does not say
+                return True
+            if time.monotonic() >= self._worker_deadline:
+                return False
+            time.sleep(0.02)
 
 
 def _options(gpu: str | bool | None, cores: int | None, memory: str | int | None,
@@ -165,7 +193,9 @@ class DefaultMesh:
 
     def __call__(self, fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
         if fn is None:
-            return lambda f: MeshFunction(f, self._source, _options(**_defaults(options)))
+            only = bool(options.pop("mesh_only", False))
+            return lambda f: MeshFunction(f, self._source, _options(**_defaults(options)),
+                                          mesh_only=only)
         return MeshFunction(fn, self._source, TaskOptions())
 
     def __getattr__(self, name: str) -> Any:
@@ -206,8 +236,9 @@ class Accelerate:
         if callable(target) and not isinstance(target, (GPUMesh, DefaultMesh)):
             return MeshFunction(target, self._installed or self._default, TaskOptions())
         source = _source_of(target) if target is not None else (self._installed or self._default)
+        only = bool(options.pop("mesh_only", False))
         opts = _options(**_defaults(options))
-        return lambda fn: MeshFunction(fn, source, opts)
+        return lambda fn: MeshFunction(fn, source, opts, mesh_only=only)
 
 
 def _source_of(mesh: GPUMesh | DefaultMesh) -> MeshSource:

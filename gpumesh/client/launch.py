@@ -172,9 +172,13 @@ def start_coordinator(
 def start_worker(
     url: str, token: str | None = None, *, slots: int | None = None, home: str | None = None,
     quiet: bool = True, wait: float = 30.0, env: dict[str, str] | None = None,
-    extra_args: list[str] | None = None, benchmark: bool = False,
+    extra_args: list[str] | None = None, benchmark: bool = False, save: bool = False,
 ) -> WorkerHandle:
-    """Run ``gpumesh join URL`` in the background; returns once the worker joined."""
+    """Run ``gpumesh join URL`` in the background; returns once the worker joined.
+
+    Like ``start_coordinator``, it leaves the saved connection alone unless ``save=True``: a
+    worker started from a script must not re-point the user's default mesh.
+    """
     token = token or Settings.from_env().token
     if not token:
         raise MeshError("add_worker needs the mesh token: pass token= or set GPUMESH_TOKEN")
@@ -183,6 +187,8 @@ def start_worker(
         args += ["--slots", str(slots)]
     if not benchmark:
         args.append("--no-benchmark")
+    if not save:
+        args.append("--no-save")
     args += extra_args or []
     proc, line = _spawn(args, _child_env(token, home, env), wait, "worker",
                         subprocess.DEVNULL if quiet else None)

@@ -10,6 +10,7 @@ elsewhere, while the runner stays up.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -78,10 +79,7 @@ def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[st
         value = fn(*args, **kwargs)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt from user code are results too
         return _error(exc)
-    try:
-        return {"status": ResultStatus.OK.value}, serialize.dumps(value)
-    except Exception as exc:
-        return _error(exc, "the function's return value could not be pickled: ")
+    return _returned(value)
 
 
 def run_source(name: str, frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -102,6 +100,23 @@ def run_source(name: str, frames: Sequence[Any]) -> tuple[dict[str, Any], list[A
         value = fn(*args, **kwargs)
     except BaseException as exc:
         return _error(exc)
+    return _returned(value)
+
+
+def _returned(value: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The result of a call; a value that cannot travel is an error that says it was the
+    return value, and for a generator what to return instead."""
+    lazy = ("generator" if inspect.isgenerator(value) else
+            "async generator" if inspect.isasyncgen(value) else
+            "coroutine" if inspect.iscoroutine(value) else None)
+    if lazy is not None:
+        if inspect.iscoroutine(value):
+            value.close()  # never awaited: say so here, not in a RuntimeWarning
+        # The message is the exception's own: the caller raises it as a TypeError.
+        return _error(TypeError(
+            f"cannot pickle {lazy!r} object: the function's return value is a {lazy}, which "
+            "cannot leave the worker; return a list (e.g. return list(...)) or the awaited "
+            "value instead"))
     try:
         return {"status": ResultStatus.OK.value}, serialize.dumps(value)
     except Exception as exc:

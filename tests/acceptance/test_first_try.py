@@ -1,0 +1,174 @@
+"""What a first try of gpumesh hit (issue 12), replayed as a new user would: each one fixed."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from gpumesh import accelerate
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def run(script: Path, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(script)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_python_api_example_leaves_the_saved_connection_alone(mesh_env):
+    coordinator = mesh_env.start_coordinator(save=True)
+    config = mesh_env.home / "config.json"
+    before = config.read_bytes()
+    env = {**mesh_env.env, "GPUMESH_URL": "", "GPUMESH_TOKEN": ""}
+    result = run(EXAMPLES / "python_api.py", env)
+    assert result.returncode == 0, result.stderr
+    assert "'lr': 0.05" in result.stdout
+    assert config.read_bytes() == before  # the example's workers saved nothing
+    workers = subprocess.run([sys.executable, "-m", "gpumesh", "workers", "--json"],
+                             env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert workers.returncode == 0, workers.stderr
+    assert coordinator.alive
+
+
+DECORATED = textwrap.dedent("""
+    from gpumesh import mesh
+
+    @mesh
+    def square(x):
+        return x * x
+
+    print(square(7))
+""")
+
+
+def test_mesh_call_with_no_worker_runs_locally_after_the_connect_timeout(mesh_env, tmp_path):
+    mesh_env.start_coordinator(save=True)  # no self-worker, no worker
+    script = tmp_path / "square.py"
+    script.write_text(DECORATED)
+    env = {**mesh_env.env, "GPUMESH_URL": "", "GPUMESH_TOKEN": "", "GPUMESH_VERBOSE": "1",
+           "GPUMESH_CONNECT_TIMEOUT": "1"}
+    result = run(script, env, timeout=30)
+    assert result.stdout == "49\n", result.stderr
+    assert "no worker connected to tcp://127.0.0.1:" in result.stderr
+    assert "running locally" in result.stderr
+
+
+def test_mesh_only_waits_for_a_worker_instead(mesh_env):
+    mesh_env.start_coordinator()
+    client = mesh_env.client()
+    assert client.connect()
+    only = accelerate(client, mesh_only=True)(abs)
+    anywhere = accelerate(client)(abs)
+    assert only._mesh() is client  # goes to the mesh at once, to wait for a worker there
+    assert anywhere._mesh() is None  # no worker within the connect timeout: local
+    mesh_env.add_worker()
+    wait_for(lambda: anywhere._mesh() is client, what="the worker to be seen")
+    assert anywhere(-3) == 3
+
+
+THREADS = textwrap.dedent("""
+    import threading
+    from gpumesh import mesh
+
+    @mesh
+    def f(x):
+        return x
+
+    def calls():
+        for i in range(300):
+            f(i)
+
+    threads = [threading.Thread(target=calls) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+""")
+
+
+def test_verbose_lines_from_several_threads_stay_whole(tmp_path):
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    result = run(script, {"GPUMESH_LOCAL": "1", "GPUMESH_VERBOSE": "1",
+                          "GPUMESH_HOME": str(tmp_path)})
+    lines = result.stderr.splitlines()
+    assert len(lines) == 8 * 300
+    assert set(lines) == {"[gpumesh] f: GPUMESH_LOCAL=1: running locally"}
+
+
+def test_serve_no_save_without_a_token_never_says_saved(tmp_path):
+    env = {**os.environ, "GPUMESH_HOME": str(tmp_path), "GPUMESH_TOKEN": "", "GPUMESH_URL": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "gpumesh", "serve", "--port", "0",
+                             "--no-save", "--no-self-worker"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = ""
+    try:
+        deadline = time.time() + 30
+        while "Self-check" not in out:
+            assert time.time() < deadline, out
+            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            if ready:
+                line = proc.stdout.readline()  # type: ignore[union-attr]
+                assert line, out
+                out += line
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(10)
+        proc.stdout.close()  # type: ignore[union-attr]
+    said = [line for line in out.splitlines() if "saved" in line.lower()]
+    assert said == ["   (not saved: give it to 'gpumesh join' as GPUMESH_TOKEN or --token-file)"]
+    assert not (tmp_path / "config.json").exists() and not (tmp_path / "token").exists()
+
+
+def gives_a_generator(n):
+    return (i for i in range(n))
+
+
+def test_a_generator_return_value_is_named_as_such(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    with pytest.raises(TypeError, match="return value is a generator.*list"):
+        client.map(gives_a_generator, [3])
+
+
+FAILING = textwrap.dedent("""
+    from gpumesh import mesh
+
+
+    def helper(x):
+        raise ValueError(f"bad value {x}")
+
+
+    @mesh(max_attempts=1)
+    def task(x):
+        return helper(x) + 1
+
+
+    task(5)
+""")
+
+
+def test_remote_traceback_shows_the_callers_own_source_lines(mesh_env, tmp_path):
+    mesh_env.start_coordinator(save=True)
+    mesh_env.add_worker()
+    mesh_env.wait_workers(1)
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    result = run(script, {**mesh_env.env, "GPUMESH_URL": "", "GPUMESH_TOKEN": ""})
+    assert result.returncode == 1
+    err = result.stderr
+    assert "ValueError: bad value 5" in err
+    assert "Remote traceback" in err, err
+    assert "<dynamic-code>" not in err, err
+    assert f'File "{script}", line 11, in task\n      return helper(x) + 1' in err, err
+    assert f'File "{script}", line 6, in helper\n      raise ValueError(f"bad value {{x}}")' in err
