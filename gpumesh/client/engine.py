@@ -60,7 +60,12 @@ log = logging.getLogger("gpumesh.client")
 # queued behind them, not lost (a huge one-shot .map was once sent three times over).
 RESEND_AFTER = 2.0
 MAX_FUNCTIONS = 64  # entries of one SUBMIT's function table (the coordinator's limit)
-IDS_PER_MESSAGE = 20_000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
+IDS_PER_MESSAGE = 20_000
+# Results are acknowledged together, at most this long after the first came, instead of one
+# RESULT_ACK per loop turn: a message costs both sides far more than the ids in it, and the
+# coordinator merely keeps a result a few milliseconds longer.
+ACK_DELAY = 0.005
+ACK_BATCH = 1000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
 OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
 
@@ -141,7 +146,8 @@ class Engine:
         self._outstanding: dict[int, _Submission] = {}
         self._by_task: dict[str, _Submission] = {}
         self._queries: dict[int, _Query] = {}
-        self._acks: list[str] = []
+        self._acks: list[str] = []  # results to acknowledge, sent together (ACK_DELAY)
+        self._acks_since = 0.0  # when the oldest of them arrived
         self._parked: list[_Submission] = []  # refused as busy: sent again as tasks finish
         self._closing = threading.Event()
         self._connected = threading.Event()
@@ -321,7 +327,10 @@ class Engine:
 
     def _turn(self) -> None:
         poller = self._poller()
-        wait = min(self._session.next_timer(time.time()), self._session.heartbeat / 4)
+        now = time.time()
+        wait = min(self._session.next_timer(now), self._session.heartbeat / 4)
+        if self._acks:
+            wait = min(wait, max(self._acks_since + ACK_DELAY - now, 0.0))
         poller.poll(0 if self._link.backlog else max(1, int(wait * 1000)))
         now = time.time()
         for event in self._link.monitor_events():
@@ -338,7 +347,8 @@ class Engine:
             if msg is None:
                 break
             self._session.on_message(msg, now)
-        self._flush_acks()
+        if self._acks and (now - self._acks_since >= ACK_DELAY or len(self._acks) >= ACK_BATCH):
+            self._flush_acks()
         self._session.tick(now)
         if self._session.welcomed:
             self._timers(now)
@@ -551,6 +561,8 @@ class Engine:
 
     def _on_result(self, msg: Message, now: float) -> None:
         task_id = str(msg.header.get("task", ""))
+        if not self._acks:
+            self._acks_since = now
         self._acks.append(task_id)
         sub = self._by_task.pop(task_id, None)
         if sub is None:
