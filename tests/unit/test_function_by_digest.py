@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from gpumesh.config import Limits, Settings, Timing, parse_url
+from gpumesh.config import Limits, Timing
 from gpumesh.coordinator.broker import Broker
 from gpumesh.coordinator.ledger import FUNCTIONS_PER_WORKER
 from gpumesh.protocol import Command, Message, decode, encode, serialize
 from gpumesh.store import Store
-from gpumesh.worker.agent import WorkerAgent
 
 W, C = b"worker-routing", b"client-routing"
 
@@ -128,15 +127,9 @@ def test_a_worker_without_fnref_gets_every_function_as_before():
 
 @pytest.fixture
 def agent(tmp_path):
-    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
-                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=1, info={},
-                    local_control=False)
-    a.sent = []
-    a.link.send = lambda frames: a.sent.append(decode(frames, Limits())) or True
-    a.link.post = lambda frames: a.sent.append(decode(frames, Limits()))
-    yield a
-    a.link.close()
-    a._ctx.term()
+    from test_worker_agent import recording_agent
+
+    yield from recording_agent(tmp_path)
 
 
 def test_the_agent_keeps_what_it_is_told_and_puts_it_back_when_named(agent):

@@ -16,8 +16,8 @@ from gpumesh.worker.control import ControlServer
 from gpumesh.worker.runners import RunningTask
 
 
-@pytest.fixture
-def agent(tmp_path):
+def recording_agent(tmp_path):
+    """A one-slot agent whose messages land, decoded, in ``agent.sent`` (never started)."""
     a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
                     parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=1, info={},
                     local_control=False)
@@ -27,6 +27,11 @@ def agent(tmp_path):
     yield a
     a.link.close()
     a._ctx.term()
+
+
+@pytest.fixture
+def agent(tmp_path):
+    yield from recording_agent(tmp_path)
 
 
 def sent(a, command):
