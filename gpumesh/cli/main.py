@@ -36,13 +36,23 @@ def _settings() -> Settings:
 
 
 def _color_option(fn: _F) -> _F:
-    def set_color(ctx: click.Context, param: click.Parameter, value: bool | None) -> None:
-        if value is not None:
-            # The flag works through the variable, so runner children inherit the choice.
-            os.environ["GPUMESH_COLOR"] = "1" if value else "0"
+    """``--color`` / ``--no-color``: one choice, so giving both is an error, not "last wins"."""
+    def set_color(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+        if not value:
+            return
+        chosen = param.name == "color"
+        earlier = ctx.meta.get("gpumesh.color")
+        if earlier is not None and earlier != chosen:
+            raise click.UsageError("--color and --no-color contradict each other: give one")
+        ctx.meta["gpumesh.color"] = chosen
+        # The flag works through the variable, so runner children inherit the choice.
+        os.environ["GPUMESH_COLOR"] = "1" if chosen else "0"
 
-    return click.option("--color/--no-color", default=None, expose_value=False,
-                        callback=set_color, help="Force coloured output on or off.")(fn)
+    fn = click.option("--no-color", "no_color", is_flag=True, expose_value=False,
+                      callback=set_color, help="Never colour the output.")(fn)
+    return click.option("--color", "color", is_flag=True, expose_value=False,
+                        callback=set_color,
+                        help="Colour the output even when it is not a terminal.")(fn)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -79,7 +89,7 @@ def cli(verbose: bool, json_logs: bool) -> None:
               help="Open an ngrok TCP tunnel (pip install 'gpumesh[tunnel]', an ngrok account) "
                    "and print its tcp:// address: anyone with the token can then join. Closed "
                    "when serve stops.")
-@token_options(envvar=True, what="(or GPUMESH_TOKEN; generated and saved when absent)")
+@token_options(envvar=True, what="(or GPUMESH_TOKEN; generated when absent, and saved unless --no-save)")
 @click.option("--weak-token", is_flag=True, envvar="GPUMESH_WEAK_TOKEN",
               help="Accept a token shorter than 22 characters (or GPUMESH_WEAK_TOKEN=1). A short "
                    "token can be guessed offline from one recorded handshake.")

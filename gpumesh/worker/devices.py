@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import sys
 import time
 from typing import Any
@@ -150,18 +151,30 @@ def score_of(figures: dict[str, float]) -> float:
     return round(figures["gflops"] * 0.7 + figures["bandwidth_gbps"] * 0.3, 3)
 
 
-def _timed(fn: Any, budget: float) -> float:
-    """Best seconds per call of ``fn`` over as many calls as fit in ``budget``."""
-    fn()  # warm up
-    best = float("inf")
-    deadline = time.perf_counter() + budget
-    calls = 0
-    while calls < 3 or (time.perf_counter() < deadline and calls < 50):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        calls += 1
-    return best
+ROUNDS = 5  # the benchmark's rounds: its figure is the median of their bests
+
+
+def _timed(fn: Any, budget: float, *, rounds: int = ROUNDS,
+           clock: Any = time.perf_counter) -> float:
+    """Seconds per call of ``fn``: the median over ``rounds`` rounds of each round's best call.
+
+    One best over the whole budget swung 6x between runs on a busy machine (a burst of other
+    work, or of this process's own start-up, lands in one round): the median of several
+    rounds' bests leaves out such a round, so the same machine gets the same score.
+    """
+    fn()  # warm up: caches, lazy initialisation, the BLAS thread pool
+    bests = []
+    for _ in range(rounds):
+        best = float("inf")
+        deadline = clock() + budget / rounds
+        calls = 0
+        while calls < 3 or (clock() < deadline and calls < 20):
+            start = clock()
+            fn()
+            best = min(best, clock() - start)
+            calls += 1
+        bests.append(best)
+    return statistics.median(bests)
 
 
 def _benchmark_cpu(budget: float) -> dict[str, float]:

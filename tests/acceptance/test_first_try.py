@@ -172,3 +172,18 @@ def test_remote_traceback_shows_the_callers_own_source_lines(mesh_env, tmp_path)
     assert "<dynamic-code>" not in err, err
     assert f'File "{script}", line 11, in task\n      return helper(x) + 1' in err, err
     assert f'File "{script}", line 6, in helper\n      raise ValueError(f"bad value {{x}}")' in err
+
+
+def test_color_and_no_color_together_are_refused():
+    for command in ("serve", "join"):
+        result = subprocess.run([sys.executable, "-m", "gpumesh", command, "--color", "--no-color"],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2
+        assert "--color and --no-color contradict each other" in result.stderr
+
+
+def test_readme_install_and_limitations_say_what_is_true():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "pip install ./gpumesh" not in readme
+    assert "Function tasks run only on workers with the submitter's Python" not in readme
+    assert "as source" in readme and "mesh_only=True" in readme

@@ -24,7 +24,7 @@ def test_the_real_probe_describes_this_machine():
 def test_the_real_cpu_benchmark_stays_within_its_budget_and_is_positive(monkeypatch):
     budgets = []
     timed = devices._timed
-    monkeypatch.setattr(devices, "_timed", lambda fn, budget: budgets.append(budget) or timed(fn, budget))
+    monkeypatch.setattr(devices, "_timed", lambda fn, budget, **kw: budgets.append(budget) or timed(fn, budget, **kw))
     figures = devices.benchmark({"gpus": []}, budget=0.4)
     assert sum(budgets) <= 0.4  # it splits its budget, so it takes seconds, not minutes
     assert figures["gflops"] > 0 and figures["bandwidth_gbps"] > 0
