@@ -109,9 +109,13 @@ def test_a_loopback_coordinator_is_neither_advertised_nor_found(mesh_env, tmp_pa
     try:
         env = _env(mesh_env, mesh_env.token)
         env["GPUMESH_DISCOVERY_TIMEOUT"] = "3"
-        _serve(lab, "a", env, tmp_path, "--host", "127.0.0.1", "--no-self-worker")
+        port = _serve(lab, "a", env, tmp_path, "--host", "127.0.0.1", "--no-self-worker")
         listed = json.loads(_gpumesh(lab, "b", env, "discover", "--json", "--timeout", "3").stdout)
         assert listed == []
+        # Nor can b reach it by its address: it listens on a's loopback only.
+        direct = _gpumesh(lab, "b", {**env, "GPUMESH_CONNECT_TIMEOUT": "2"}, "workers", "--url",
+                          f"tcp://{lab.address('a')}:{port}")
+        assert direct.returncode == 1 and "cannot reach a coordinator" in direct.stderr
         failed = _gpumesh(lab, "b", env, "join", "--no-benchmark", "--no-save")
         assert failed.returncode == 1
         assert "no coordinator of this mesh answered on the LAN" in failed.stderr
