@@ -17,6 +17,9 @@ Names are imported on first use, so runner processes and ``gpumesh --version`` s
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -83,6 +86,48 @@ __all__ = [
     "accelerate",
     "mesh",
 ]
+
+
+def _joblib_backend(*args: Any, **kwargs: Any) -> Any:
+    """joblib's factory for ``backend="gpumesh"``: the client is imported when it is used."""
+    from .client.joblib_backend import MeshBackend
+
+    return MeshBackend(*args, **kwargs)
+
+
+def _register_joblib(joblib: Any) -> None:
+    try:
+        joblib.register_parallel_backend("gpumesh", _joblib_backend)
+    except Exception:  # a joblib without the API: the backend is simply not there
+        pass
+
+
+class _JoblibWatch(importlib.abc.MetaPathFinder):
+    """Registers the joblib backend once joblib is imported, so importing gpumesh never
+    imports joblib (runners and the CLI start fast) and needs no joblib installed."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "joblib":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            _register_joblib(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if "joblib" in sys.modules:
+    _register_joblib(sys.modules["joblib"])
+elif not any(isinstance(f, _JoblibWatch) for f in sys.meta_path):
+    sys.meta_path.insert(0, _JoblibWatch())
 
 
 def __getattr__(name: str) -> Any:

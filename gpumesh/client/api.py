@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -50,6 +51,7 @@ class GPUMesh:
         self.connect_timeout = (self.settings.timing.connect_timeout if connect_timeout is None
                                 else connect_timeout)
         self._engine: Engine | None = None
+        self._engine_pid = os.getpid()
         self._lock = threading.Lock()
         self._unreachable_at = 0.0
         self._jobs: dict[str, list[TaskFuture]] = {}
@@ -67,7 +69,12 @@ class GPUMesh:
 
     def _get_engine(self) -> Engine:
         with self._lock:
+            if self._engine is not None and self._engine_pid != os.getpid():
+                # Inherited through fork (a multiprocessing pool): its I/O thread did not come
+                # along, so this process gets a connection of its own.
+                self._engine = None
             if self._engine is None or self._engine.fatal is not None:
+                self._engine_pid = os.getpid()
                 self._engine = Engine(self.settings, self.endpoint, self._token,
                                       on_output=None if self.quiet else _print_output,
                                       on_connect=self._announce)

@@ -1,0 +1,138 @@
+"""The joblib backend ``"gpumesh"``: ``with parallel_config(backend="gpumesh")`` runs joblib's
+batches (every scikit-learn ``n_jobs``) as mesh tasks through the futures engine.
+
+Registered when joblib is imported in a process that imported gpumesh (``gpumesh/__init__``
+watches for it), workers included, so nested ``Parallel`` calls that name the backend resolve.
+Batching: joblib's auto-batching, tuned for a round trip across machines (a batch aims at 0.5 to
+5 s of work). When a task fails, joblib aborts: every batch still pending or running on the mesh
+is cancelled there. Without a reachable coordinator it falls back to loky, saying so on stderr.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+from typing import Any
+
+from joblib._parallel_backends import (  # joblib's documented extension point lives here
+    AutoBatchingMixin,
+    FallbackToBackend,
+    LokyBackend,
+    ParallelBackendBase,
+    SequentialBackend,
+)
+
+from .api import GPUMesh, _job_id
+from .tasks import TaskOptions
+
+NAME = "gpumesh"
+
+
+class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
+    """``MeshBackend(mesh=None, options=None)``: ``mesh`` a ``GPUMesh`` (default: the saved
+    connection, or ``GPUMESH_URL``/``GPUMESH_TOKEN``), ``options`` per-task ``TaskOptions``."""
+
+    MIN_IDEAL_BATCH_DURATION = 0.5  # a round trip through the coordinator, hidden under work
+    MAX_IDEAL_BATCH_DURATION = 5
+    supports_retrieve_callback = True
+    supports_timeout = True
+    supports_return_generator = True
+    uses_threads = False
+    supports_sharedmem = False
+    default_n_jobs = -1
+
+    def __init__(self, nesting_level: int | None = None, inner_max_num_threads: int | None = None,
+                 mesh: GPUMesh | None = None, options: TaskOptions | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(nesting_level=nesting_level,
+                         inner_max_num_threads=inner_max_num_threads, **kwargs)
+        self.mesh = mesh
+        self.options = options or TaskOptions()
+        self._futures: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()
+        self._job = ""
+
+    def __reduce__(self) -> Any:
+        # A nested backend travels to workers inside joblib's batches: without the connection.
+        return (MeshBackend, (self.nesting_level, self.inner_max_num_threads, None, self.options))
+
+    def _connected_mesh(self) -> GPUMesh | None:
+        if self.mesh is None:
+            from .decorators import mesh as default
+
+            self.mesh = default._source.mesh()
+        if self.mesh is None or not self.mesh.connect():
+            return None
+        return self.mesh
+
+    def effective_n_jobs(self, n_jobs: int | None) -> int:
+        if n_jobs == 0:
+            raise ValueError("n_jobs == 0 in Parallel has no meaning")
+        if n_jobs is not None and n_jobs > 0:
+            return n_jobs
+        slots = self._slots()
+        # -1 is every slot of the mesh, -2 all but one, as joblib counts CPUs.
+        return max(slots + 1 + (n_jobs if n_jobs is not None else -1), 1)
+
+    def _slots(self) -> int:
+        mesh = self._connected_mesh()
+        if mesh is None:
+            return 1
+        return sum(int(w.get("slots", 1) or 1) for w in mesh.workers() if w.get("alive")) or 1
+
+    def configure(self, n_jobs: int = 1, parallel: Any = None, prefer: str | None = None,
+                  require: str | None = None, **kwargs: Any) -> int:
+        if require == "sharedmem":
+            # Mesh tasks share no memory with the caller: joblib then runs the call here.
+            raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
+        mesh = self._connected_mesh()
+        if mesh is None:
+            print("[gpumesh] joblib: no coordinator answering: running with loky on this "
+                  "machine", file=sys.stderr)
+            raise FallbackToBackend(LokyBackend(nesting_level=self.nesting_level,
+                                                inner_max_num_threads=self.inner_max_num_threads))
+        self.parallel = parallel
+        self._job = _job_id()
+        return self.effective_n_jobs(n_jobs)
+
+    def submit(self, func: Any, callback: Any = None) -> concurrent.futures.Future[Any]:
+        assert self.mesh is not None
+        name = getattr(self.parallel, "_backend_name", "") or "joblib"
+        future = self.mesh.submit_calls(func, [((), {})], self.options, job=self._job,
+                                        name=f"joblib {name}")[0]
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+        if callback is not None:
+            future.add_done_callback(callback)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def retrieve_result_callback(self, future: concurrent.futures.Future[Any]) -> Any:
+        return future.result()
+
+    def abort_everything(self, ensure_ready: bool = True) -> None:
+        """A batch failed: what is still pending or running on the mesh is cancelled there."""
+        with self._lock:
+            futures, self._futures = list(self._futures), set()
+        for future in futures:
+            future.cancel()  # the engine sends CANCEL: pending never start, running stop
+
+    def terminate(self) -> None:
+        self.reset_batch_stats()
+
+    def get_nested_backend(self) -> tuple[ParallelBackendBase, int | None]:
+        # Inside a mesh task, a nested Parallel runs in that task: a task that waited on other
+        # tasks could hold every slot of a small mesh and wait forever.
+        return SequentialBackend(nesting_level=(self.nesting_level or 0) + 1), None
+
+
+def register() -> None:
+    """Register ``"gpumesh"`` with joblib (idempotent)."""
+    from joblib import register_parallel_backend
+
+    register_parallel_backend(NAME, MeshBackend)

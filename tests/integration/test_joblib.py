@@ -1,0 +1,98 @@
+"""The joblib backend "gpumesh": scikit-learn unchanged, failures cancel the rest, and joblib's own
+backend-agnostic tests of ``test_parallel.py`` (through ``joblib_mesh_plugin``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import require, wait_for
+
+
+def slow_or_fail(x):
+    if x == 0:
+        raise ValueError("batch 0 failed")
+    time.sleep(30)
+    return x
+
+
+def test_grid_search_on_the_mesh_gives_the_local_results(mesh_env, monkeypatch):
+    require("sklearn")
+    import numpy as np
+    from joblib import parallel_config
+    from sklearn.datasets import load_iris
+    from sklearn.model_selection import GridSearchCV
+    from sklearn.svm import SVC
+
+    import gpumesh  # noqa: F401  (registers the backend)
+
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    mesh_env.add_worker(slots=2)
+    mesh_env.wait_workers(2)
+    for key, value in mesh_env.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("GPUMESH_URL", mesh_env.coordinator.url)
+    monkeypatch.setenv("GPUMESH_TOKEN", mesh_env.token)
+    X, y = load_iris(return_X_y=True)
+    grid = {"C": [0.1, 1, 10], "gamma": ["scale", 0.1]}
+    local = GridSearchCV(SVC(), grid, n_jobs=1).fit(X, y)
+    from gpumesh.client.joblib_backend import MeshBackend
+
+    client = mesh_env.client()
+    with parallel_config(backend=MeshBackend(mesh=client)):
+        remote = GridSearchCV(SVC(), grid, n_jobs=-1).fit(X, y)
+    for key, value in local.cv_results_.items():
+        if "time" in key:
+            continue
+        if not isinstance(value, np.ndarray) or isinstance(value, np.ma.MaskedArray) \
+                or value.dtype == object:
+            assert list(value) == list(remote.cv_results_[key]), key
+        else:
+            np.testing.assert_array_equal(value, remote.cv_results_[key], err_msg=key)
+    assert local.best_params_ == remote.best_params_
+    # The tasks ran on the mesh: the coordinator lists the job.
+    assert any(j["name"].startswith("joblib") for j in client.status()["jobs"])
+    with parallel_config(backend="gpumesh"):  # by name, through the saved/env connection
+        assert GridSearchCV(SVC(), grid, n_jobs=-1).fit(X, y).best_params_ == local.best_params_
+
+
+def test_a_failed_batch_cancels_the_others_on_the_mesh(mesh_env):
+    require("joblib")
+    import pytest
+    from joblib import Parallel, delayed, parallel_config
+
+    from gpumesh.client.joblib_backend import MeshBackend
+
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    started = time.time()
+    with pytest.raises(ValueError, match="batch 0 failed"), \
+            parallel_config(backend=MeshBackend(mesh=client)):
+        Parallel(n_jobs=4, batch_size=1)(delayed(slow_or_fail)(x) for x in range(4))
+    assert time.time() - started < 25  # did not wait for the 30 s batches
+    wait_for(lambda: not client.status(tasks=False)["counts"].get("running")
+             and not client.status(tasks=False)["counts"].get("pending"),
+             what="nothing left running or pending on the mesh")
+
+
+def test_joblib_own_parallel_tests_pass_on_the_mesh(tmp_path):
+    require("joblib")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(tmp_path / "pytest.ini"), "-p", "joblib_mesh_plugin",
+         "-p", "no:cacheprovider", "--pyargs", "joblib.test.test_parallel", "-k", "gpumesh",
+         "-q", "--timeout", "60", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    tail = done.stdout[-3000:]
+    assert done.returncode == 0, tail + done.stderr[-2000:]
+    assert " passed" in tail and "failed" not in tail, tail
+    passed = int(tail.rsplit(" passed", 1)[0].split()[-1])
+    assert passed >= 60, tail  # about 76 of joblib's tests take the backend
