@@ -89,4 +89,5 @@ def localize_error(exc: BaseException) -> None:
         return
     notes = getattr(exc, "__notes__", None)
     if isinstance(notes, list):
-        exc.__notes__ = [n.replace(remote, better) if isinstance(n, str) else n for n in notes]
+        exc.__notes__ = [n.replace(remote, better) if isinstance(n, str) else n  # type: ignore[attr-defined]
+                         for n in notes]
