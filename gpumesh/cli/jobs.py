@@ -131,14 +131,22 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
         if as_json:
             click.echo(json.dumps({"job": job_id, "tasks": len(futures)}))
         else:
-            ok(f"Submitted job {job_id} ({plural(len(futures), 'task')})")
+            ok(f"Submitted job {job_id} ({plural(len(futures), 'task')}): it runs on the mesh "
+               "without this terminal")
             click.echo(f"Follow it with: gpumesh status {job_id}")
         return 0
     if not as_json:
         ok(f"Submitted job {job_id} ({plural(len(futures), 'task')})")
         click.echo(f"Job: {name or script} ({job_id})")
         click.echo("")
-    status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
+    try:
+        status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
+    except KeyboardInterrupt:
+        # Ctrl+C stops the waiting, not the job: a detached job is the point of submit.
+        click.echo("", err=True)
+        click.echo(f"Stopped waiting; job {job_id} keeps running on the mesh. Follow it with: "
+                   f"gpumesh status {job_id}  (stop it with: gpumesh cancel {job_id})", err=True)
+        return 130
     results = _results_of(futures)
     if as_json:
         for task in status.get("tasks", []):

@@ -229,6 +229,31 @@ class GPUMesh:
         With ``fallback``, tasks still unfinished after the coordinator has been gone for the
         reconnect grace period are run locally by ``fallback(index)``.
         """
+        try:
+            return self._gather(futures, timeout, fallback)
+        except KeyboardInterrupt:
+            self.interrupted(futures)
+            raise
+
+    def interrupted(self, futures: Sequence[concurrent.futures.Future[Any]]) -> int:
+        """Ctrl+C means stop: cancel the unfinished ``futures`` on the mesh (pending ones never
+        start, running ones are stopped), say so in one line, and return how many."""
+        waiting = [f for f in futures if not f.done()]
+        self._cancel(waiting)
+        engine = self._engine
+        if waiting and engine is not None and engine.connected:
+            try:
+                # Answered after the CANCEL ahead of it was sent: the process may exit now.
+                engine.query("status", timeout=2.0, tasks=False)
+            except MeshError:
+                pass
+        if waiting:
+            print(f"[gpumesh] interrupted: cancelled {len(waiting)} unfinished task(s) on the "
+                  "mesh", file=sys.stderr)
+        return len(waiting)
+
+    def _gather(self, futures: Sequence[concurrent.futures.Future[Any]], timeout: float | None,
+                fallback: Callable[[int], Any] | None) -> list[Any]:
         started = time.time()
         deadline = None if timeout is None else started + timeout
         watch = _Countdown(futures)

@@ -13,11 +13,12 @@ values given. A call that runs locally runs in the caller's own environment as i
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -105,6 +106,35 @@ class MeshFunction(Generic[P, R]):
         self._say(f"{len(calls)} tasks sent to the mesh at {mesh.endpoint}")
         futures = mesh.submit_calls(self.fn, calls, self.options)
         return mesh.gather(futures, fallback=lambda i: self.fn(*calls[i][0], **calls[i][1]))
+
+    async def aio(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """``await fn.aio(...)``: one task, awaited. Cancelling the awaiting asyncio task cancels
+        the mesh task. Without a mesh, the call runs locally in a thread."""
+        mesh = await asyncio.to_thread(self._mesh)
+        if mesh is None:
+            return await asyncio.to_thread(self.fn, *args, **kwargs)
+        future = mesh.submit_calls(self.fn, [(args, kwargs)], self.options)[0]
+        return await asyncio.wrap_future(future)  # type: ignore[no-any-return]
+
+    async def amap(self, items: Iterable[Any]) -> AsyncIterator[tuple[int, R]]:
+        """``async for index, result in fn.amap(items)``: results as they finish, with their
+        index. Leaving the loop early, or cancelling it, cancels what is left on the mesh."""
+        calls = plan_calls(self.fn, items, self.options)
+        mesh = await asyncio.to_thread(self._mesh)
+        if mesh is None:
+            for index, (args, kwargs, _) in enumerate(calls):
+                yield index, await asyncio.to_thread(self.fn, *args, **kwargs)
+            return
+        futures = mesh.submit_calls(self.fn, calls, self.options)
+        waiting = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for finished in sorted(done, key=waiting.__getitem__):
+                    yield waiting.pop(finished), finished.result()
+        finally:
+            for future in futures:
+                future.cancel()
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> TaskFuture:
         """Start one task and return its future (needs a reachable coordinator)."""

@@ -81,6 +81,12 @@ class TaskFuture(concurrent.futures.Future[Any]):
         self.seq = 0
         self.job = ""
 
+    def __await__(self) -> Any:
+        """``await future`` in a coroutine; cancelling the awaiting task cancels this task."""
+        import asyncio
+
+        return asyncio.wrap_future(self).__await__()
+
 
 @dataclass
 class _Submission:

@@ -1,0 +1,118 @@
+"""asyncio over the engine, and Ctrl+C: an interrupted call stops its tasks on the mesh, a detached
+job keeps running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from conftest import wait_for
+
+from gpumesh.client.decorators import MeshFunction, MeshSource
+from gpumesh.client.tasks import TaskOptions
+
+
+def triple(x):
+    time.sleep(0.3 * x)
+    return 3 * x
+
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def idle(client):
+    counts = client.status(tasks=False)["counts"]
+    return not counts.get("running") and not counts.get("pending")
+
+
+def test_await_futures_aio_and_amap_in_finishing_order(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=3)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    fn = MeshFunction(triple, MeshSource(client), TaskOptions())
+
+    async def main():
+        assert await client.submit(triple, 1) == 3
+        assert await fn.aio(2) == 6
+        seen = [pair async for pair in fn.amap([3, 0, 1])]
+        assert sorted(seen) == [(0, 9), (1, 0), (2, 3)]
+        assert seen[-1] == (0, 9)  # the slowest came last
+        long = asyncio.ensure_future(MeshFunction(nap, MeshSource(client), TaskOptions()).aio(60))
+        await asyncio.to_thread(wait_for, lambda: client.status(tasks=False)["counts"].get(
+            "running"), what="the awaited task running")
+        long.cancel()
+        try:
+            await long
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    wait_for(lambda: idle(client), what="the cancelled task stopped on the mesh")
+
+
+def _client_process(mesh_env, code: str) -> subprocess.Popen[str]:
+    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_ctrl_c_during_map_cancels_its_tasks_on_the_mesh(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    proc = _client_process(mesh_env, """
+        from gpumesh import mesh
+        from test_asyncio_and_interrupts import nap
+        mesh(nap).map([60] * 8)
+        """)
+    try:
+        wait_for(lambda: client.status(tasks=False)["counts"].get("running") == 2,
+                 what="the map running on both slots")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "[gpumesh] interrupted: cancelled 8 unfinished task(s) on the mesh" in err, err
+    assert mesh_env.token not in err
+    wait_for(lambda: idle(client), what="nothing of the interrupted map left on the mesh")
+    assert client.status()["jobs"][0]["counts"].get("cancelled") == 8
+
+
+def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    script = tmp_path / "slow.py"
+    script.write_text("import time; time.sleep(60); print(1)\n")
+    payloads = tmp_path / "p.json"
+    payloads.write_text(json.dumps([{}]))
+    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token}
+    proc = subprocess.Popen([sys.executable, "-m", "gpumesh", "submit", str(script), "--payloads",
+                             str(payloads), "--wait"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: client.status(tasks=False)["counts"].get("running") == 1,
+                 what="the job running")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "keeps running on the mesh" in err and "gpumesh status " in err, err
+    assert client.status(tasks=False)["counts"].get("running") == 1
+    job = client.status()["jobs"][0]["job"]
+    assert client.cancel_job(job) == 1
