@@ -17,7 +17,7 @@ from ..security import stretch_in_background
 from ..worker import WorkerAgent, devices
 from ..worker.identity import claim as claim_worker_id
 from .lifecycle import stop_with_parent
-from .output import fail
+from .output import fail, say
 from .tokens import save_kdf
 
 DEFAULT_CPU_SLOTS_MAX = 4
@@ -114,7 +114,7 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
     try:
         agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
                             worker_id=identity.worker_id,
-                            say=lambda line: click.echo(line), on_joined=joined,
+                            say=say, on_joined=joined,
                             gpu_indices=gpu_indices or None, prefetch=prefetch,
                             pass_env=passed, rediscover=rediscover)
     except MeshError as exc:

@@ -57,7 +57,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+_flags: list[str] = []  # the global logging options of this command, for its children
+
+
+def child_log_flags() -> list[str]:
+    """``-v``/``--json-logs`` as this command got them: a process it starts (the self-worker)
+    logs the same way, so every process of a mesh speaks one format."""
+    return list(_flags)
+
+
+def say(line: str) -> None:
+    """A line about the mesh's life (a worker joined, a reconnect): printed on stdout, or under
+    ``--json-logs`` one JSON object on stderr like every log record, so a log collector
+    (Docker, journald) reads the whole process as JSON."""
+    if "--json-logs" in _flags:
+        logging.getLogger("gpumesh.events").info("%s", line)
+    else:
+        click.echo(line)
+
+
 def setup_logging(verbose: bool, json_logs: bool) -> None:
+    _flags[:] = (["-v"] if verbose else []) + (["--json-logs"] if json_logs else [])
     handler = logging.StreamHandler(sys.stderr)
     if json_logs:
         handler.setFormatter(JsonFormatter())
@@ -67,5 +87,6 @@ def setup_logging(verbose: bool, json_logs: bool) -> None:
         handler.setFormatter(formatter)
     root = logging.getLogger("gpumesh")
     root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    # Under --json-logs the mesh's life lines (INFO, gpumesh.events) are part of the log.
+    root.setLevel(logging.DEBUG if verbose else logging.INFO if json_logs else logging.WARNING)
     root.propagate = False

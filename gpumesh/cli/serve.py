@@ -31,7 +31,7 @@ from ..tokens import (
 )
 from ..worker import devices
 from .lifecycle import stop_with_parent
-from .output import fail, ok
+from .output import child_log_flags, fail, ok, say
 from .tokens import save_kdf
 
 TOKEN_FILE = "token"
@@ -55,14 +55,14 @@ def _home_display(path: Path) -> str:
 def print_event(event: Event) -> None:
     if event.kind == "worker_joined":
         w = event.data["worker"]
-        click.echo(f"[mesh] worker joined: {w['hostname']} ({w['device_name']}, "
+        say(f"[mesh] worker joined: {w['hostname']} ({w['device_name']}, "
                    f"score={float(w['score']):.3f})")
     elif event.kind == "worker_lost":
         w = event.data["worker"]
         reason = event.data["reason"]
         verb = "left" if reason in ("left", "drained") else \
             "removed" if reason.startswith("removed") else "lost"
-        click.echo(f"[mesh] worker {verb}: {w['hostname']} {w['id'][:8]} ({reason})")
+        say(f"[mesh] worker {verb}: {w['hostname']} {w['id'][:8]} ({reason})")
 
 
 def serve_token(settings: Settings, token: str | None, weak_token: bool) -> tuple[str, str | None]:
@@ -268,10 +268,10 @@ def serve(
             if child is not None and child.poll() is not None:
                 if child.returncode == 0:
                     # Drained or removed on purpose ('gpumesh drain', 'gpumesh kill'): respect it.
-                    click.echo("[mesh] self-worker left the mesh; the coordinator keeps running")
+                    say("[mesh] self-worker left the mesh; the coordinator keeps running")
                     child = None
                     continue
-                click.echo(f"[mesh] self-worker exited with code {child.returncode}; restarting it")
+                say(f"[mesh] self-worker exited with code {child.returncode}; restarting it")
                 child = _start_self_worker(local_url, token, slots, quiet)
     finally:
         if child is not None and child.poll() is None:
@@ -371,7 +371,8 @@ def _self_check(settings: Settings, url: str, token: str) -> bool:
 def _start_self_worker(url: str, token: str, slots: int | None, quiet: bool) -> subprocess.Popen[bytes]:
     env = dict(os.environ, GPUMESH_TOKEN=token)
     # The self-worker goes when this serve goes, even after a kill -9 of the serve.
-    args = [sys.executable, "-m", "gpumesh", "join", url, "--no-save", "--exit-with-parent"]
+    args = [sys.executable, "-m", "gpumesh", *child_log_flags(), "join", url, "--no-save",
+            "--exit-with-parent"]
     if slots is not None:
         args += ["--slots", str(slots)]
     return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL,
