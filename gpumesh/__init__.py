@@ -130,6 +130,13 @@ elif not any(isinstance(f, _JoblibWatch) for f in sys.meta_path):
     sys.meta_path.insert(0, _JoblibWatch())
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext gpumesh``: ``mesh`` in the notebook, and the ``%%mesh`` cell magic."""
+    from .client.notebook import load_ipython_extension as load
+
+    load(ipython)
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

@@ -114,7 +114,7 @@ class MeshFunction(Generic[P, R]):
         if mesh is None:
             return await asyncio.to_thread(self.fn, *args, **kwargs)
         future = mesh.submit_calls(self.fn, [(args, kwargs)], self.options)[0]
-        return await asyncio.wrap_future(future)  # type: ignore[no-any-return]
+        return await asyncio.wrap_future(future)
 
     async def amap(self, items: Iterable[Any]) -> AsyncIterator[tuple[int, R]]:
         """``async for index, result in fn.amap(items)``: results as they finish, with their
