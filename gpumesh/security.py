@@ -55,6 +55,18 @@ _CACHE_SIZE = 8
 _cache_lock = threading.Lock()
 _stretched: OrderedDict[str, bytes] = OrderedDict()  # token -> scrypt output, this process only
 _in_flight: dict[str, threading.Event] = {}  # tokens being stretched now, set when done
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (joblib, multiprocessing) has no thread finishing a stretch it saw
+    start: it must not wait for one, nor find the lock held."""
+    global _cache_lock
+    _cache_lock = threading.Lock()
+    _in_flight.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 _warned: set[bytes] = set()
 
 

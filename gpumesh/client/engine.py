@@ -335,7 +335,7 @@ class Engine:
         poller = self._poller()
         now = time.time()
         wait = min(self._session.next_timer(now), self._session.heartbeat / 4)
-        if self._acks:
+        if self._acks and self._connected.is_set():
             wait = min(wait, max(self._acks_since + ACK_DELAY - now, 0.0))
         poller.poll(0 if self._link.backlog else max(1, int(wait * 1000)))
         now = time.time()

@@ -190,7 +190,9 @@ class Ledger:
         if need:
             header["need"] = need  # the worker picks the slot whose own GPU satisfies it
         header.update(task=task.task_id, lease=task.lease_id, attempt=task.attempts)
-        if worker.fnref:
+        if worker.fnref and "shm" not in task.spec and "split" not in task.spec:
+            # Only a task whose function frame was checked against its digest at SUBMIT (one in
+            # shared memory or in slices was not) may be kept and named by that digest.
             payload = self._by_reference(header, payload, worker)
         self.send(worker.routing, Command.TASK, header, payload)
 

@@ -64,8 +64,10 @@ class WorkerSide:
                 # under an id whose agent is still talking (a copied state folder that escaped
                 # the identity check) must not take its leases.
                 raise ProtocolError(ErrorCode.UNEXPECTED, (
-                    f"worker id {worker_id} is in use by a connected worker; "
-                    "start this worker with its own id"))
+                    f"worker id {worker_id} is in use by a worker heard from "
+                    f"{now - worker.last_seen:.1f}s ago; if that was this machine's previous "
+                    "agent, this one takes over by itself once that one has been silent for "
+                    f"{ledger.timing.heartbeat * 2:g}s (it retries)"))
             if worker.routing != routing:
                 ledger.peers.pop(worker.routing, None)
             if worker.incarnation != hello.incarnation:

@@ -29,7 +29,7 @@ import zmq
 
 from .._version import __version__
 from ..config import Endpoint, Settings, parse_url
-from ..errors import MeshError
+from ..errors import AuthenticationError, MeshError
 from ..protocol import (
     Command,
     Departure,
@@ -134,6 +134,7 @@ class WorkerAgent:
         # Pickled functions the coordinator told this session to keep (TASK ``fnkeep``), by
         # digest: later TASKs of the same function name it (``fnref``) instead of carrying it.
         self.functions: dict[str, Any] = {}
+        self._resyncing = False  # a HELLO went out for a missing function; WELCOME ends it
         # lease id -> (RESULT header, frames), kept until the coordinator's RESULT_ACK
         self.unacked: dict[int, tuple[dict[str, Any], list[Any]]] = {}
         # The coordinator's shared-memory folder, when this agent can read it (same machine):
@@ -158,6 +159,7 @@ class WorkerAgent:
         self._rediscover = rediscover
         self._browsing: threading.Thread | None = None
         self._moved_to: Endpoint | None = None
+        self._trusted: Endpoint | None = None  # the last address whose coordinator welcomed us
         # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
         self.session = Session(Role.WORKER, self.worker_id, endpoint, settings.timing,
                                self.link, self)
@@ -232,7 +234,7 @@ class WorkerAgent:
         sock = self.link.sock
         ready = dict(poller.poll(self._poll_timeout()))
         now = time.time()
-        for event in self.link.monitor_events():
+        for event in self._link_events():
             if event is LinkEvent.CONNECTED:
                 log.debug("handshake with %s succeeded", self.endpoint)
         if sock is not None and sock in ready:
@@ -332,6 +334,23 @@ class WorkerAgent:
         self._browsing = threading.Thread(target=browse, name="gpumesh-rediscover", daemon=True)
         self._browsing.start()
 
+    def _link_events(self) -> list[LinkEvent]:
+        """The link's events. A failed handshake at an address that LAN discovery suggested
+        is not fatal when another address already admitted us: anyone can advertise a copy of
+        the mesh's fingerprint, so it is a wrong address, and the worker goes back."""
+        try:
+            return self.link.monitor_events()
+        except AuthenticationError:
+            trusted = self._trusted
+            if trusted is None or trusted == self.endpoint:
+                raise  # the address we were given, or the one that admitted us: a real refusal
+            self.say(f"[worker] {self.endpoint}, found on the LAN, failed the handshake: it is "
+                     f"not this mesh's coordinator; dialling {trusted} again")
+            self.endpoint = self.link.endpoint = self.session.endpoint = trusted
+            self.link.reset()
+            self.session.hello()
+            return []
+
     def _follow_move(self) -> None:
         """Dial the coordinator's new address from the next reconnect on."""
         moved, self._moved_to = self._moved_to, None
@@ -406,7 +425,7 @@ class WorkerAgent:
             for lease_id in msg.header.get("leases", []):
                 self._cancel(int(lease_id), now, report=True)
         elif command is Command.ERROR:
-            if msg.header.get("code") == ErrorCode.MALFORMED.value and not self.welcomed:
+            if msg.header.get("code") == ErrorCode.MALFORMED.value and not self.joined_once:
                 # Our HELLO was refused (e.g. more slots than the coordinator accepts for this
                 # machine): saying HELLO again would be refused the same way.
                 raise MeshError(f"the coordinator refused this worker: "
@@ -414,6 +433,8 @@ class WorkerAgent:
             log.warning("coordinator error: %s", str(msg.header.get("message"))[:500])
 
     def on_welcome(self, h: dict[str, Any], now: float) -> None:
+        self._resyncing = False
+        self._trusted = self.endpoint  # this address admitted us: a coordinator of the mesh
         self.shm = SharedFolder.join(h.get("shm")) if self.settings.share_memory else None
         if self.shm is not None:
             # Before anything that names a shared file: the coordinator reads in order.
@@ -488,9 +509,11 @@ class WorkerAgent:
         if h.get("fnref") is True:
             function = self.functions.get(digest)
             if function is None:
-                log.warning("task %s names a function this worker was never given; starting a "
-                            "new session so the coordinator sends it again", h.get("task"))
-                self.session.hello()
+                if not self._resyncing:  # one new session; the HELLO hands back the others too
+                    log.warning("task %s names a function this worker was never given; starting "
+                                "a new session so the coordinator sends it again", h.get("task"))
+                    self.session.hello()
+                    self._resyncing = True
                 return None
             return [function, *payload]
         if h.get("fnkeep") is True and payload:

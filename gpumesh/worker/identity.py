@@ -30,7 +30,8 @@ _MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 def machine_fingerprint(home: Path) -> str:
     """This machine and this folder: the OS's machine id (or the MAC), the host name, and the
-    folder's device and inode (a copy, even on the same machine, is another folder)."""
+    folder's inode (a copy, even on the same machine, is another folder; the device number is
+    left out: on NFS, overlay or btrfs it can change at every boot)."""
     machine = ""
     for path in _MACHINE_ID_FILES:
         try:
@@ -44,7 +45,7 @@ def machine_fingerprint(home: Path) -> str:
 
         machine = f"mac:{uuid.getnode():012x}"
     folder = os.stat(home)
-    material = f"{machine}\n{socket.gethostname()}\n{folder.st_dev}:{folder.st_ino}"
+    material = f"{machine}\n{socket.gethostname()}\n{folder.st_ino}"
     return hashlib.sha256(material.encode()).hexdigest()[:32]
 
 

@@ -85,7 +85,9 @@ def test_the_submitters_values_win_over_the_workers_passed_ones(mesh_env, tmp_pa
 
 def test_env_the_worker_owns_or_the_submitter_lacks_fails_before_sending(mesh_env, monkeypatch):
     mesh_env.start_coordinator()
+    mesh_env.add_worker()  # a call goes to the mesh only with a worker there (else it runs here)
     client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
         accelerate(client, env=["CUDA_VISIBLE_DEVICES"])
     monkeypatch.delenv("GM_NOT_SET_ANYWHERE", raising=False)

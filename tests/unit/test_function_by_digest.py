@@ -152,3 +152,32 @@ def test_a_named_function_the_agent_lacks_starts_a_new_session_not_a_wrong_run(a
     assert not agent.queue and not agent.session.welcomed
     hello = [m.header for m in agent.sent if m.command is Command.HELLO][-1]
     assert hello["held"] == []  # the coordinator takes the task back and sends it whole
+
+
+def test_a_task_journaled_in_slices_or_shared_memory_always_travels_whole(broker):
+    fn, digest = function("f")
+    broker.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": i, "nf": 2, "kind": "fn", "fn": digest}
+                                                    for i in range(2)]},
+                         [fn, b"a", fn, b"b"]), 0.0)
+    for task in broker.tasks.values():
+        # As if its function frame had come in slices: never checked against its digest, so
+        # it must never be kept under that digest on a worker.
+        task.spec["split"] = [1, 1]
+    broker.outbox.clear()
+    broker.dispatch(0.0)
+    tasks = sent(broker, Command.TASK)
+    assert len(tasks) == 2 and not any("fnkeep" in t.header or "fnref" in t.header for t in tasks)
+    assert broker.workers["w1"].functions == set()
+
+
+def test_several_missing_functions_make_one_new_session_not_one_each(agent):
+    _, digest = function("f")
+    agent.session.welcomed = True
+    for lease in (5, 6, 7):
+        agent._on_task(msg(Command.TASK, {"task": f"T{lease}", "lease": lease, "kind": "fn",
+                                          "fn": digest, "fnref": True}, [b"args"]), 0.0)
+    assert [m.command for m in agent.sent].count(Command.HELLO) == 1
+    agent.session.on_message(msg(Command.WELCOME, {}), 1.0)
+    agent._on_task(msg(Command.TASK, {"task": "T8", "lease": 8, "kind": "fn", "fn": digest,
+                                      "fnref": True}, [b"args"]), 2.0)
+    assert [m.command for m in agent.sent].count(Command.HELLO) == 2  # a later miss: again

@@ -178,3 +178,45 @@ def test_one_token_is_stretched_once_however_many_threads_ask(monkeypatch):
         thread.join(10)
     assert len(calls) == 1 and len(results) == 4 and len(set(results)) == 1
     assert security._in_flight == {}
+
+
+def test_a_child_forked_mid_stretch_stretches_for_itself(monkeypatch):
+    import hashlib
+    import os
+    import threading
+    import time
+
+    from gpumesh import security
+
+    real = hashlib.scrypt
+    started = threading.Event()
+
+    def slow_scrypt(*args, **kwargs):
+        started.set()
+        time.sleep(0.5)
+        return real(*args, **{**kwargs, "n": 2**10})
+
+    monkeypatch.setattr(security.hashlib, "scrypt", slow_scrypt)
+    token = "forked." + "z" * 40
+    thread = threading.Thread(target=security.stretch, args=(token,))
+    thread.start()
+    assert started.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: nobody will finish the parent's stretch here
+        try:
+            security.stretch(token)
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child waited forever for its parent's stretch")
+    thread.join(5)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -217,3 +217,24 @@ def test_a_joining_worker_hears_how_it_differs_from_its_coordinator():
     # Whatever a coordinator sends, nothing odd is echoed to the owner's terminal.
     assert version_notes({"python": "3.11"}, {"python": "\x1b[2J3.1", "gpumesh": "x" * 500}) == []
     assert version_notes({"python": "3.11"}, {"python": 3.12, "gpumesh": ["1"]}) == []
+
+
+def test_an_impostor_found_on_the_lan_sends_the_worker_back_not_out(agent):
+    from gpumesh.errors import AuthenticationError
+
+    lines: list[str] = []
+    agent.say = lines.append
+    home, impostor = parse_url("tcp://127.0.0.1:9"), parse_url("tcp://127.0.0.1:19")
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 1.0)  # home admits us
+
+    def refuse():
+        raise AuthenticationError("authentication failed")
+
+    agent.endpoint = agent.link.endpoint = agent.session.endpoint = impostor  # moved by a browse
+    agent.link.monitor_events = refuse
+    assert agent._link_events() == []
+    assert agent.endpoint == agent.link.endpoint == agent.session.endpoint == home
+    assert "failed the handshake: it is not this mesh's coordinator" in lines[-1]
+    assert agent.sent[-1].command is Command.HELLO
+    with pytest.raises(AuthenticationError):  # at the address that admitted us: a real refusal
+        agent._link_events()
