@@ -497,17 +497,18 @@ def _job_id() -> str:
     return secrets.token_hex(6)
 
 
-_OPEN_LINES: set[tuple[str, str]] = set()  # (worker, stream) whose last chunk ended mid-line
+_OPEN_LINES: set[tuple[str, str, str]] = set()  # (worker, stream, task) whose last chunk ended mid-line
 
 
-def _print_output(worker: str, stream: str, data: bytes) -> None:
+def _print_output(worker: str, stream: str, data: bytes, task: str = "") -> None:
     """A task's output, each line prefixed with its worker. ``print`` flushes the text and the
-    newline as separate chunks at times: a chunk that continues a line gets no prefix."""
+    newline as separate chunks at times: a chunk that continues a line of the same task gets no
+    prefix (two tasks of one worker print side by side, each its own lines)."""
     target = sys.stderr if stream == "err" else sys.stdout
     text = data.decode("utf-8", "replace")
     if not text:
         return
-    key = (worker, stream)
+    key = (worker, stream, task)
     out = []
     for piece in text.splitlines(keepends=True):
         if key in _OPEN_LINES:

@@ -67,7 +67,7 @@ IDS_PER_MESSAGE = 20_000
 ACK_DELAY = 0.005
 ACK_BATCH = 1000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
-OutputHandler = Callable[[str, str, bytes], None]  # (worker short id, stream, data)
+OutputHandler = Callable[[str, str, bytes, str], None]  # (worker short id, stream, data, task)
 
 
 class TaskFuture(concurrent.futures.Future[Any]):
@@ -604,7 +604,8 @@ class Engine:
         if self.on_output is not None and msg.payload:
             data = msg.payload[0]
             self.on_output(str(msg.header.get("worker", "")), str(msg.header.get("stream", "out")),
-                           data.bytes if hasattr(data, "bytes") else bytes(data))
+                           data.bytes if hasattr(data, "bytes") else bytes(data),
+                           str(msg.header.get("task", "")))
 
     def _on_reply(self, msg: Message, now: float) -> None:
         qid = msg.header.get("qid", 0)

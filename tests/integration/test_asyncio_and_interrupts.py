@@ -63,7 +63,22 @@ def _client_process(mesh_env, code: str) -> subprocess.Popen[str]:
     env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
            "GPUMESH_TOKEN": mesh_env.token}
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_interruptible)
+
+
+def _interruptible() -> None:
+    """Ctrl+C as a terminal delivers it: a shell runs background jobs (CI, nohup) with SIGINT
+    ignored, and Python then never turns SIGINT into KeyboardInterrupt in the children."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Kill it if it still runs, and close its pipes either way (a test that failed must not
+    leave open files for a later test's gc to trip over)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
 
 
 def test_ctrl_c_during_map_cancels_its_tasks_on_the_mesh(mesh_env):
@@ -82,7 +97,7 @@ def test_ctrl_c_during_map_cancels_its_tasks_on_the_mesh(mesh_env):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
-        proc.kill()
+        _stop(proc)
     assert proc.returncode != 0
     assert "[gpumesh] interrupted: cancelled 8 unfinished task(s) on the mesh" in err, err
     assert mesh_env.token not in err
@@ -103,14 +118,15 @@ def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
            "GPUMESH_TOKEN": mesh_env.token}
     proc = subprocess.Popen([sys.executable, "-m", "gpumesh", "submit", str(script), "--payloads",
                              str(payloads), "--wait"], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_interruptible)
     try:
         wait_for(lambda: client.status(tasks=False)["counts"].get("running") == 1,
                  what="the job running")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:
-        proc.kill()
+        _stop(proc)
     assert proc.returncode == 130, err
     assert "keeps running on the mesh" in err and "gpumesh status " in err, err
     assert client.status(tasks=False)["counts"].get("running") == 1

@@ -3,7 +3,9 @@ backend-agnostic tests of ``test_parallel.py`` (through ``joblib_mesh_plugin``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -86,13 +88,39 @@ def test_joblib_own_parallel_tests_pass_on_the_mesh(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(tmp_path / "pytest.ini"), "-p", "joblib_mesh_plugin",
-         "-p", "no:cacheprovider", "--pyargs", "joblib.test.test_parallel", "-k", "gpumesh",
-         "-q", "--timeout", "60", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    before = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+    try:
+        done = _run_joblib_tests(tmp_path, env)
+    finally:
+        _sweep_joblib_litter(before)
     tail = done.stdout[-3000:]
     assert done.returncode == 0, tail + done.stderr[-2000:]
     assert " passed" in tail and "failed" not in tail, tail
     passed = int(tail.rsplit(" passed", 1)[0].split()[-1])
     assert passed >= 60, tail  # about 76 of joblib's tests take the backend
+
+
+SHM = "/dev/shm"
+
+
+def _sweep_joblib_litter(before: set[str]) -> None:
+    """joblib's own tests leave loky semaphores and memmapping folders in /dev/shm when the
+    processes that made them are gone: remove the ones this run made, so the suite leaves none."""
+    if not os.path.isdir(SHM):
+        return
+    for name in set(os.listdir(SHM)) - before:
+        if name.startswith(("joblib_memmapping_folder_", "sem.loky-")):
+            path = os.path.join(SHM, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def _run_joblib_tests(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(tmp_path / "pytest.ini"), "-p", "joblib_mesh_plugin",
+         "-p", "no:cacheprovider", "--pyargs", "joblib.test.test_parallel", "-k", "gpumesh",
+         "-q", "--timeout", "60", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)

@@ -66,5 +66,49 @@ def test_load_ext_and_mesh_cell_magic_run_on_two_workers(mesh_env, monkeypatch):
 
     assert "cell output shows" in text(notebook.cells[1])
     out = text(notebook.cells[2])
-    assert "[1, 2, 3, 4]" in out and "task 3 here" in out
+    assert "[1, 2, 3, 4] 2" in out and "task 3 here" in out  # both workers' runners ran some
     assert mesh_env.token not in out
+
+
+def test_the_stop_button_cancels_the_cells_tasks_on_the_mesh(mesh_env, monkeypatch):
+    require("ipykernel")
+    jupyter_client = require("jupyter_client")
+    from conftest import wait_for
+
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(2, client)
+    env = {**mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel()
+    kernel = manager.client()
+    kernel.start_channels()
+    try:
+        kernel.wait_for_ready(timeout=60)
+        for code in ("%load_ext gpumesh",
+                     "%%mesh\nimport time\ndef nap(x):\n    time.sleep(60)\n    return x"):
+            kernel.execute_interactive(code, timeout=60)
+        long_cell = kernel.execute("nap.map(range(8))")
+
+        def counts():
+            return client.status(tasks=False)["counts"]
+
+        wait_for(lambda: counts().get("running", 0) == 2, timeout=30,
+                 what="the cell's tasks running on both workers")
+        manager.interrupt_kernel()  # the notebook's stop button
+        while True:
+            reply = kernel.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == long_cell:
+                break
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        wait_for(lambda: not counts().get("running") and not counts().get("pending"),
+                 timeout=30, what="nothing of the interrupted cell left on the mesh")
+    finally:
+        kernel.stop_channels()
+        manager.shutdown_kernel(now=True)

@@ -180,15 +180,15 @@ def test_task_output_reaches_the_caller(mesh_env):
     seen = []
     client = mesh_env.client()
     engine = client._get_engine()
-    engine.on_output = lambda worker, stream, data: seen.append((worker, stream, data))
+    engine.on_output = lambda worker, stream, data, task: seen.append((worker, stream, data, task))
 
     def chatty():
         print("hello from the task", flush=True)
         return 1
 
     assert client.submit(chatty).result(timeout=30) == 1
-    wait_for(lambda: any(b"hello from the task" in d for _, _, d in seen), what="task output")
-    assert seen[0][1] == "out" and len(seen[0][0]) == 8
+    wait_for(lambda: any(b"hello from the task" in d for _, _, d, _ in seen), what="task output")
+    assert seen[0][1] == "out" and len(seen[0][0]) == 8 and len(seen[0][3]) == 12  # its task id
 
 
 def tensor_stats(t):
