@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, MeshError
 from ..protocol.taskenv import check_env_name
 from ..security import stretch_in_background
-from ..worker import WorkerAgent, devices
+from ..worker import WorkerAgent, benchcache, devices
 from ..worker.identity import claim as claim_worker_id
 from .lifecycle import stop_with_parent
 from .output import fail, say
@@ -68,6 +69,7 @@ def discovered(settings: Settings, token: str) -> tuple[str, Callable[[], str | 
 
 
 def join(settings: Settings, *, url: str | None, token: str, slots: int | None, benchmark: bool,
+         rebenchmark: bool = False,
          save: bool, ready_fd: int | None, prefetch: int | None = None, max_slots: int | None = None,
          exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
     rediscover = None
@@ -84,8 +86,10 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
     # agent then finds the keys cached; a bad token is reported by the agent as before.
     stretching = stretch_in_background(token)
     inventory = devices.probe()
+    measured_at = None
     if benchmark:
-        figures = devices.benchmark(inventory)
+        figures, measured_at = benchcache.measured(settings.home, inventory, rerun=rebenchmark,
+                                                   run=devices.benchmark)
         inventory["score"] = devices.score_of(figures)
         inventory["gflops"] = figures["gflops"]
         inventory["bandwidth_gbps"] = figures["bandwidth_gbps"]
@@ -95,7 +99,9 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
     if max_slots is not None:
         slots = min(slots, max_slots)  # the owner's cap wins over the detected hardware
     click.echo(f"[worker] device={inventory['device']} {inventory['device_name']} "
-               f"score={inventory['score']:.3f} GFLOP/s")
+               f"score={inventory['score']:.3f} GFLOP/s" + (
+                   f" (measured {time.strftime('%Y-%m-%d', time.localtime(measured_at))}; "
+                   "--rebenchmark measures again)" if measured_at is not None else ""))
     click.echo(f"[worker] runs up to {slots} task(s) at once"
                + (f" (capped by --max-slots {max_slots})" if max_slots and max_slots == slots else ""))
     def joined(worker_id: str) -> None:

@@ -168,6 +168,9 @@ def _prefetch(value: str) -> int | None:
                    "tasks are short (under 0.2 s), which hides the round trip, and none "
                    "otherwise; 0 never queues.")
 @click.option("--no-benchmark", is_flag=True, help="Skip the join benchmark (score 0).")
+@click.option("--rebenchmark", is_flag=True,
+              help="Measure the benchmark again instead of reusing this machine's figures "
+                   "(kept in GPUMESH_HOME/benchmark.json for 30 days).")
 @click.option("--pass-env", "pass_env", multiple=True, metavar="NAME",
               help="Give every task this machine's value of variable NAME (repeatable). Tasks "
                    "otherwise see only PATH, HOME, the locale and the like.")
@@ -177,13 +180,15 @@ def _prefetch(value: str) -> int | None:
 @_color_option
 def join(url: str | None, token: str | None, slots: int | None, max_slots: int | None,
          prefetch: int | None,
-         no_benchmark: bool, pass_env: tuple[str, ...], no_save: bool, ready_fd: int | None,
+         no_benchmark: bool, rebenchmark: bool, pass_env: tuple[str, ...], no_save: bool,
+         ready_fd: int | None,
          exit_with_parent: bool) -> None:
     """Join this machine to a coordinator as a worker.
 
     Without URL, it finds the coordinator of this token's mesh on the LAN (zeroconf), and
-    looks again if that coordinator moves. The machine's owner can take it back at any time with 'gpumesh pause', 'resume' and
-    'drain', run on this machine.
+    looks again if that coordinator moves. The benchmark's figures are kept per machine
+    (--rebenchmark measures again). The machine's owner can take it back at any time with
+    'gpumesh pause', 'resume' and 'drain', run on this machine.
 
     \b
     Example:
@@ -199,6 +204,7 @@ def join(url: str | None, token: str | None, slots: int | None, max_slots: int |
         fail("no token: set GPUMESH_TOKEN, or pass --token-file PATH (the file 'gpumesh serve' "
              "saved as ~/.gpumesh/token, copied here)")
     run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
+             rebenchmark=rebenchmark,
              save=not no_save, ready_fd=ready_fd, prefetch=prefetch, max_slots=max_slots,
              exit_with_parent=exit_with_parent, pass_env=pass_env)
 
