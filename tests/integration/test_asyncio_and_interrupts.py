@@ -73,6 +73,18 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _interrupt_once_running(proc: subprocess.Popen[str], client, running: int,
+                            what: str) -> tuple[str, str]:
+    """Ctrl+C the process once ``running`` of its tasks run on the mesh; its (stdout, stderr)."""
+    try:
+        wait_for(lambda: client.status(tasks=False)["counts"].get("running") == running,
+                 what=what)
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=30)
+    finally:
+        _stop(proc)
+
+
 def _stop(proc: subprocess.Popen[str]) -> None:
     """Kill it if it still runs, and close its pipes either way (a test that failed must not
     leave open files for a later test's gc to trip over)."""
@@ -91,13 +103,7 @@ def test_ctrl_c_during_map_cancels_its_tasks_on_the_mesh(mesh_env):
         from test_asyncio_and_interrupts import nap
         mesh(nap).map([60] * 8)
         """)
-    try:
-        wait_for(lambda: client.status(tasks=False)["counts"].get("running") == 2,
-                 what="the map running on both slots")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        _stop(proc)
+    _, err = _interrupt_once_running(proc, client, 2, "the map running on both slots")
     assert proc.returncode != 0
     assert "[gpumesh] interrupted: cancelled 8 unfinished task(s) on the mesh" in err, err
     assert mesh_env.token not in err
@@ -120,13 +126,7 @@ def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
                              str(payloads), "--wait"], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=_interruptible)
-    try:
-        wait_for(lambda: client.status(tasks=False)["counts"].get("running") == 1,
-                 what="the job running")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        _stop(proc)
+    out, err = _interrupt_once_running(proc, client, 1, "the job running")
     assert proc.returncode == 130, err
     assert "keeps running on the mesh" in err and "gpumesh status " in err, err
     assert client.status(tasks=False)["counts"].get("running") == 1

@@ -44,19 +44,25 @@ MAGIC_CELLS = [
 ]
 
 
-def test_load_ext_and_mesh_cell_magic_run_on_two_workers(mesh_env, monkeypatch):
-    nbformat = require("nbformat")
-    nbclient = require("nbclient")
-    require("ipykernel")
+def _two_workers_for_the_kernel(mesh_env, monkeypatch):
+    """A coordinator with two one-slot workers, and the environment a kernel started now
+    inherits to reach it (``from gpumesh import mesh`` needs nothing more); a client of it."""
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=1)
     mesh_env.add_worker(slots=1)
     client = mesh_env.client()
     mesh_env.wait_workers(2, client)
-    for key, value in mesh_env.env.items():
+    for key, value in {**mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
+                       "GPUMESH_TOKEN": mesh_env.token}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("GPUMESH_URL", mesh_env.coordinator.url)
-    monkeypatch.setenv("GPUMESH_TOKEN", mesh_env.token)
+    return client
+
+
+def test_load_ext_and_mesh_cell_magic_run_on_two_workers(mesh_env, monkeypatch):
+    nbformat = require("nbformat")
+    nbclient = require("nbclient")
+    require("ipykernel")
+    _two_workers_for_the_kernel(mesh_env, monkeypatch)
     cells = [nbformat.v4.new_code_cell(c) for c in MAGIC_CELLS]
     notebook = nbformat.v4.new_notebook(cells=cells)
     nbclient.NotebookClient(notebook, timeout=60, kernel_name="python3").execute()
@@ -75,15 +81,7 @@ def test_the_stop_button_cancels_the_cells_tasks_on_the_mesh(mesh_env, monkeypat
     jupyter_client = require("jupyter_client")
     from conftest import wait_for
 
-    mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=1)
-    mesh_env.add_worker(slots=1)
-    client = mesh_env.client()
-    mesh_env.wait_workers(2, client)
-    env = {**mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
-           "GPUMESH_TOKEN": mesh_env.token}
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    client = _two_workers_for_the_kernel(mesh_env, monkeypatch)
     manager = jupyter_client.KernelManager(kernel_name="python3")
     manager.start_kernel()
     kernel = manager.client()
