@@ -1,11 +1,14 @@
-"""Writing many buffers to a file descriptor at once: the journal's blob files, the runner
-pipe's memfd and the shared-memory folder all write frames straight from their buffers."""
+"""Writing files: many buffers to a file descriptor at once (the journal's blob files, the runner
+pipe's memfd and the shared-memory folder write frames straight from their buffers), and small
+owner-only files replaced whole (worker ids, the benchmark cache)."""
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 try:
     IOV_MAX = min(int(os.sysconf("SC_IOV_MAX")), 1024)
@@ -27,3 +30,20 @@ def write_all(fd: int, views: Sequence[memoryview]) -> None:
             else:
                 pending[0] = head[written:]
                 written = 0
+
+
+def replace_private(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path``, owner-only (0600) from the first byte and swapped in whole: a
+    crash leaves the old file or the new one, never half of either. Raises OSError; the
+    temporary file is removed then."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            write_all(fd, [memoryview(data)])
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

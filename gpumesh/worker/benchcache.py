@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..fileio import replace_private
 
 CACHE_FILE = "benchmark.json"
 BENCHMARK_VERSION = 2  # the method (median of rounds): a change measures again
@@ -43,7 +43,10 @@ def measured(home: Path, inventory: dict[str, Any], *, rerun: bool,
                 return {k: float(figures[k]) for k in ("gflops", "bandwidth_gbps")}, \
                     float(cached["at"])
     figures = run(inventory)
-    _write(path, {"key": key, "at": now, "figures": figures})
+    try:
+        replace_private(path, json.dumps({"key": key, "at": now, "figures": figures}).encode())
+    except OSError:
+        pass  # a cache: not having it only costs a measurement next time
     return figures, None
 
 
@@ -58,16 +61,3 @@ def _read(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, json.dumps(data).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a cache: not having it only costs a measurement

@@ -20,6 +20,8 @@ import socket
 from pathlib import Path
 from typing import IO, Any
 
+from ..fileio import replace_private
+
 log = logging.getLogger("gpumesh.worker")
 
 FOLDER = "workers"
@@ -85,7 +87,7 @@ def claim(home: Path) -> WorkerIdentity:
         if known is not None and known.get("machine") == fingerprint:
             return WorkerIdentity(str(known["id"]), lock)
         worker_id = secrets.token_hex(6)
-        _write_private(path, json.dumps({"id": worker_id, "machine": fingerprint}).encode())
+        replace_private(path, json.dumps({"id": worker_id, "machine": fingerprint}).encode())
         return WorkerIdentity(worker_id, lock, copied=known is not None)
     log.warning("%d agents already run from %s: this one gets a passing worker id",
                 MAX_AGENTS, home)
@@ -101,13 +103,3 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
     return data
 
-
-def _write_private(path: Path, data: bytes) -> None:
-    """0600 from the first byte, replaced atomically (a crash leaves the old file or the new)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
