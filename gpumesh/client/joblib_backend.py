@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import sys
 import threading
+import time
+import weakref
 from typing import Any
 
 from joblib._parallel_backends import (  # joblib's documented extension point lives here
@@ -28,6 +30,10 @@ from .tasks import TaskOptions
 
 NAME = "gpumesh"
 
+
+
+SLOTS_FRESH = 1.0  # seconds a mesh's slot count is reused
+_SLOTS: weakref.WeakKeyDictionary[GPUMesh, tuple[float, int]] = weakref.WeakKeyDictionary()
 
 class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
     """``MeshBackend(mesh=None, options=None)``: ``mesh`` a ``GPUMesh`` (default: the saved
@@ -76,10 +82,19 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         return max(slots + 1 + (n_jobs if n_jobs is not None else -1), 1)
 
     def _slots(self) -> int:
+        """The mesh's alive slots, asked at most once a second: joblib calls
+        ``effective_n_jobs`` many times per ``Parallel`` call, and a query each time ran into
+        the coordinator's limit of 20 requests a second per client."""
         mesh = self._connected_mesh()
         if mesh is None:
             return 1
-        return sum(int(w.get("slots", 1) or 1) for w in mesh.workers() if w.get("alive")) or 1
+        now = time.monotonic()
+        known = _SLOTS.get(mesh)
+        if known is not None and now - known[0] < SLOTS_FRESH:
+            return known[1]
+        slots = sum(int(w.get("slots", 1) or 1) for w in mesh.workers() if w.get("alive")) or 1
+        _SLOTS[mesh] = (now, slots)
+        return slots
 
     def configure(self, n_jobs: int = 1, parallel: Any = None, prefer: str | None = None,
                   require: str | None = None, **kwargs: Any) -> int:
