@@ -212,6 +212,18 @@ class Store:
     def _set_meta(self, key: str, value: int) -> None:
         self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
+    def size_bytes(self) -> int:
+        """The journal's size on disk: the database and its write-ahead log (0 in memory)."""
+        if str(self.path) == ":memory:":
+            return 0
+        total = 0
+        for path in (self.path, Path(f"{self.path}-wal")):
+            try:
+                total += path.stat().st_size
+            except OSError:
+                pass
+        return total
+
     def next_epoch(self) -> int:
         """A new coordinator epoch, durable before it is used: lease ids stay monotonic."""
         epoch = (self._meta("epoch") or 0) + 1

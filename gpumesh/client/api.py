@@ -420,6 +420,23 @@ class GPUMesh:
         Any client may; the worker's owner is told who did it."""
         return self._require().control("kill", worker)
 
+    def steer_worker(self, worker: str, action: str) -> dict[str, Any]:
+        """Ask a worker to ``drain``, ``pause`` or ``resume`` as its owner's ``gpumesh ACTION``
+        would; it never undoes what its owner chose on its machine. The worker, the
+        coordinator's log and the event stream are told who asked."""
+        if action not in ("drain", "pause", "resume"):
+            raise ValueError(f"action must be drain, pause or resume, not {action!r}")
+        return self._require().control(action, worker)
+
+    def health(self) -> dict[str, Any]:
+        """The coordinator's own state: ``{uptime, queue, journal_bytes, clients, workers,
+        finished_total, ...}`` (docs/protocol.md, QUERY ``health``)."""
+        return self._require().query("health")
+
+    def events(self, since: int = 0) -> list[list[Any]]:
+        """State changes after event number ``since``: ``[[seq, time, kind, data], ...]``."""
+        return self._require().query("events", since=since)
+
     @staticmethod
     def results_to_dataframe(results: Iterable[Any]) -> Any:
         """A pandas DataFrame: a row per result; dict results become columns."""

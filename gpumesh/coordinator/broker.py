@@ -135,6 +135,18 @@ class Broker:
     def count_malformed(self, routing: bytes) -> None:
         self.ledger.count_malformed(routing)
 
+    def count_traffic(self, routing: bytes, nbytes: int, up: bool) -> None:
+        """One message between a worker and the coordinator (``up``: from the worker); a
+        message of any other peer is not counted."""
+        peer = self.ledger.peers.get(routing)
+        if peer is None or peer[0] is not Role.WORKER:
+            return
+        worker = self.ledger.workers.get(peer[1])
+        if worker is not None:
+            traffic = worker.traffic
+            traffic[0 if up else 1] += nbytes
+            traffic[2 if up else 3] += 1
+
     # ----------------------------------------------------------------- restore
 
     def restore(self, now: float) -> int:

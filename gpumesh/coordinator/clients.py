@@ -4,7 +4,8 @@ Who may do what (docs/protocol.md, "Roles and ownership"): any client holding th
 look at every job and worker. A client acts on its own tasks (CANCEL, FETCH, RESULT_ACK
 ignore other clients' task ids), and on its owner's jobs (CONTROL ``cancel``/``retry``); another
 owner's job needs ``force``, so nobody stops a friend's work by a mistyped id. Removing a worker
-(``kill``) is open to every client, and the worker and the event stream are told who did it.
+(``kill``) or asking it to ``drain``/``pause``/``resume`` is open to every client, and the worker,
+the log and the event stream are told who did it.
 Owners are ``user@host`` as the client says: this guards against mistakes, not against a token
 holder who lies, who can run code on every worker anyway.
 """
@@ -39,7 +40,7 @@ from .jobs import Job, find_job
 from .ledger import Ledger
 from .retention import Retention
 from .state import MIN_TASK_BYTES, ClientSession, Task, TaskState, make_room
-from .workers import WorkerSide
+from .workers import REMOTE_ACTIONS, WorkerSide
 
 REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
 # What a task counts against the byte quotas at least: its record costs the coordinator memory
@@ -267,6 +268,8 @@ class ClientSide:
                     for w in ledger.workers.values()]
         elif q.what == "status":
             data = self.retention.status(q.job, now, tasks=q.tasks)
+        elif q.what == "health":
+            data = self.retention.health(now)
         elif q.what == "events":
             # Paged by sequence number, not by position: events arrive (and the oldest go)
             # between pages.
@@ -287,7 +290,8 @@ class ClientSide:
         return False
 
     def control(self, client: ClientSession, c: Control, now: float) -> None:
-        """``cancel``/``retry`` a job, ``kill`` a worker; the REPLY says what was done."""
+        """``cancel``/``retry`` a job, ``kill``/``drain``/``pause``/``resume`` a worker; the REPLY
+        says what was done."""
         if not self._may_ask(client, c.qid, now):
             return
         data: dict[str, Any]
@@ -308,6 +312,10 @@ class ClientSide:
             worker = self.workers.find(c.target)
             data = {"error": worker} if isinstance(worker, str) else \
                 self.workers.kill(worker, now, by=client.owner)
+        elif c.action in REMOTE_ACTIONS:
+            worker = self.workers.find(c.target)
+            data = {"error": worker} if isinstance(worker, str) else \
+                self.workers.steer(worker, c.action, now, by=client.owner)
         else:
             self.ledger.error(client.routing, ErrorCode.UNSUPPORTED,
                               f"unknown action {c.action!r}", c.qid)

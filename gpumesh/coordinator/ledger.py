@@ -96,6 +96,7 @@ class Ledger:
         self.shm: SharedFolder | None = None
         self._order = itertools.count()
         self.released = 0  # tasks finished or forgotten since memory was last given back
+        self.finished_total = 0  # tasks finished in this run: monitors derive throughput from it
         self._lease_counter = itertools.count(1)
         self._event_seq = itertools.count(1)
 
@@ -253,6 +254,7 @@ class Ledger:
             if worker is not None:
                 worker.leases.pop(task.lease_id, None)
         self.released += 1
+        self.finished_total += 1
         retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
         self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
                                keep_input=retryable)
@@ -264,8 +266,10 @@ class Ledger:
             self.drop_shared(task.spec)
         if job is not None and job.all_finished:  # only its tasks
             job.finished_at = now
+        # Latency (submit to finish) and run time let a monitor chart them without a query.
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
-                  worker=result.get("worker", ""))
+                  worker=result.get("worker", ""), latency=round(now - task.submitted_at, 6),
+                  elapsed=result.get("elapsed", 0.0))
         self.deliver(task, now)
 
     def fail(self, task: Task, status: ResultStatus, diagnosis: str, now: float,

@@ -7,8 +7,10 @@ It acts on the ``Ledger`` (the shared state). The rules are in docs/protocol.md,
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import Any
 
+from .._version import __version__
 from .jobs import LIST_JOBS, MAX_JOBS, find_job
 from .ledger import Ledger
 from .state import Task, WorkerState
@@ -104,3 +106,24 @@ class Retention:
         return {"job": None, "counts": counts, "workers": alive, "workers_paused": paused,
                 "jobs_known": len(self.ledger.jobs),
                 "jobs": [j.describe(self.ledger.tasks, now, tasks=False) for j in recent]}
+
+    def health(self, now: float) -> dict[str, Any]:
+        """The coordinator's own state, for monitors: O(jobs + workers + clients), no task scan."""
+        ledger = self.ledger
+        queue: Counter[str] = Counter()
+        for job in ledger.jobs.values():
+            queue.update(job.tally)
+        workers = Counter(w.state.value for w in ledger.workers.values())
+        return {
+            "version": __version__,
+            "uptime": now - ledger.started_at,
+            "queue": {state: n for state, n in sorted(queue.items()) if n > 0},
+            "time": now,
+            "finished_total": ledger.finished_total,
+            "journal_bytes": ledger.store.size_bytes(),
+            "clients": sum(1 for c in ledger.clients.values() if c.routing is not None),
+            "workers": dict(workers),
+            "jobs": len(ledger.jobs),
+            "events": ledger.events[-1].seq if ledger.events else 0,
+            "malformed": sum(ledger.malformed.values()),
+        }

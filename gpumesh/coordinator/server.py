@@ -22,6 +22,7 @@ import zmq
 from ..config import Settings
 from ..errors import ConfigError
 from ..protocol import Command, ErrorCode, ProtocolError, batches, encode
+from ..protocol.serialize import payload_nbytes
 from ..security import (
     MeshKeys,
     configure_server,
@@ -147,6 +148,8 @@ class Coordinator:
                 self._reject(routing, exc)
                 continue
             broker.handle(routing, msg, now)  # contains its own failures
+            # After handle: a worker's first HELLO is counted once its session exists.
+            broker.count_traffic(routing, payload_nbytes(frames) - len(routing), up=True)
 
     def _contained(self, duty: str, action: Callable[[float], object], now: float) -> None:
         """A bug in one turn's timers or dispatch is logged; the next turn runs as usual."""
@@ -173,10 +176,12 @@ class Coordinator:
 
     def _flush(self, now: float) -> None:
         outbox, self.broker.outbox = self.broker.outbox, []
+        broker = self.broker
         if len(outbox) == 1:
             routing, frames = outbox[0]
+            broker.count_traffic(routing, payload_nbytes(frames), up=False)
             if not send_frames(self._router, [routing, *frames]):
-                self.broker.unreachable(routing, now)
+                broker.unreachable(routing, now)
             return
         # One send per peer per turn where it reads BATCH; the order to each peer is kept.
         by_peer: dict[bytes, list[list[Any]]] = {}
@@ -187,6 +192,7 @@ class Coordinator:
             if len(messages) > 1 and ledger.reads_batches(routing):
                 messages = batches(messages, limits)
             for frames in messages:
+                broker.count_traffic(routing, payload_nbytes(frames), up=False)
                 if not send_frames(self._router, [routing, *frames]):
                     self.broker.unreachable(routing, now)
                     break

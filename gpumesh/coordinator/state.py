@@ -184,6 +184,12 @@ class WorkerSession:
     # digests it holds, so later TASKs of one function name it instead of carrying it.
     fnref: bool = False
     functions: set[str] = field(default_factory=set)
+    control: bool = False  # it takes CONTROL drain/pause/resume from clients (its HELLO said so)
+    stats: dict[str, Any] | None = None  # its latest HEARTBEAT ``stats``, checked (telemetry.py)
+    stats_at: float = 0.0
+    # Bytes and messages between it and the coordinator, counted by the server loop where the
+    # frames are handled anyway: up is worker -> coordinator.
+    traffic: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # up, down bytes; msgs
 
     @property
     def draining(self) -> bool:
@@ -247,6 +253,10 @@ class WorkerSession:
             "cores": info.cores,
             "memory": info.memory,
             "gpus": [g.to_dict() for g in info.gpus],
+            "stats": self.stats,
+            "stats_at": self.stats_at,
+            "traffic": {"up_bytes": self.traffic[0], "down_bytes": self.traffic[1],
+                        "up_msgs": self.traffic[2], "down_msgs": self.traffic[3]},
         }
 
 

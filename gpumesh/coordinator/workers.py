@@ -9,6 +9,7 @@ slots (plus prefetch) allow.
 from __future__ import annotations
 
 import codecs
+import logging
 from typing import Any, cast
 
 from .. import scheduler
@@ -29,6 +30,11 @@ from ..protocol import (
 from .ledger import Ledger
 from .state import Task, TaskState, WorkerSession, WorkerState, make_room
 
+log = logging.getLogger("gpumesh.coordinator")
+
+# What a client may ask of a worker through the mesh (CONTROL, since 1.5): only what gives the
+# machine back or takes it less; the worker's owner keeps the last word (worker/owner.py).
+REMOTE_ACTIONS = ("drain", "pause", "resume")
 SPEED_SMOOTHING = 0.2  # weight of the newest task in a worker's moving average of task time
 MIN_RESULTS_FOR_SPEED = 3  # results a worker needs before it can be called a straggler
 LOST_WORKER_RETENTION = 600.0  # seconds a lost worker stays listed
@@ -78,6 +84,7 @@ class WorkerSide:
             worker.departed = ""
         worker.granted, worker.sent, worker.prefetch = hello.credit, 0, hello.prefetch
         worker.fnref, worker.functions = hello.fnref, set()  # a new session keeps none yet
+        worker.control = hello.control
         worker.mode = hello.mode
         # Handed back while the link was down (the owner paused it): no attempt is charged.
         self._release(worker, hello.release, now)
@@ -139,6 +146,8 @@ class WorkerSide:
     def heartbeat(self, worker: WorkerSession, beat: Heartbeat, now: float) -> None:
         if beat.shm:
             worker.shm = self.ledger.shares_memory(beat.shm)
+        if beat.stats is not None:
+            worker.stats, worker.stats_at = beat.stats.to_dict(), now
         expires = now + self.ledger.timing.lease_ttl
         tasks = self.ledger.tasks
         for lease_id in beat.leases:
@@ -298,6 +307,20 @@ class WorkerSide:
         if matches:
             return f"{key!r} matches {len(matches)} workers: use the worker id ('gpumesh workers')"
         return f"no worker {key!r} is connected: 'gpumesh workers' lists them"
+
+    def steer(self, worker: WorkerSession, action: str, now: float, by: str) -> dict[str, Any]:
+        """Forward ``drain``/``pause``/``resume`` to the worker, which acts as if its owner had
+        run ``gpumesh ACTION`` there; the new mode comes back in its CREDIT (``worker_mode``)."""
+        if worker.state is not WorkerState.ALIVE:
+            return {"error": f"worker {worker.label} is not connected"}
+        if not worker.control:
+            return {"error": f"worker {worker.label} runs a gpumesh that takes no {action} from "
+                             f"the mesh: run 'gpumesh {action}' on its machine"}
+        self.ledger.send(worker.routing, Command.CONTROL, {"action": action, "by": by})
+        log.info("%s asked worker %s to %s", by, worker.label, action)
+        self.ledger.emit("worker_control", now, worker=worker.worker_id, action=action, by=by)
+        return {"worker": worker.worker_id, "hostname": worker.info.hostname, "action": action,
+                "mode": worker.mode.value}
 
     def kill(self, worker: WorkerSession, now: float, by: str) -> dict[str, Any]:
         """Take a worker out of the pool: its tasks go back to the queue, and it is told to leave."""

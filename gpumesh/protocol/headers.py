@@ -17,6 +17,7 @@ from .messages import ErrorCode, ProtocolError, Role
 from .refs import Ref, parse_refs
 from .requirements import MAX_CORES, Gpu, Requirements, parse_python, parse_size
 from .taskenv import check_script_name, check_task_env
+from .telemetry import Telemetry, parse_stats
 from .vocabulary import Departure, ResultEncoding, ResultStatus, TaskKind, WorkerMode
 
 ID_CHARS = 64  # peer, task and job ids
@@ -184,6 +185,7 @@ class Hello:
     mode: WorkerMode = WorkerMode.ACTIVE
     batch: bool = False  # the peer reads BATCH messages (since 1.3)
     fnref: bool = False  # the worker keeps functions and takes TASKs that name one (since 1.4)
+    control: bool = False  # the worker takes CONTROL drain/pause/resume from the mesh (since 1.5)
 
     @property
     def draining(self) -> bool:
@@ -216,6 +218,7 @@ class Hello:
             mode=_mode(h, WorkerMode.ACTIVE),
             batch=batch,
             fnref=bool(f.flag(h, "fnref", default=False)),
+            control=bool(f.flag(h, "control", default=False)),
         )
 
 
@@ -264,11 +267,12 @@ class Heartbeat:
     # The proof read from the coordinator's shared-memory folder (gpumesh.sharedmem), once
     # per session: this peer shares the machine and may pass big frames by reference.
     shm: str = ""
+    stats: Telemetry | None = None  # a worker's load figures (since 1.5); dropped when malformed
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Heartbeat:
         return cls(f.int_list(h, "leases", max_items=MAX_IDS, default=()),
-                   f.text(h, "shm", max_len=64, default=""))
+                   f.text(h, "shm", max_len=64, default=""), parse_stats(h))
 
 
 @dataclass(frozen=True)

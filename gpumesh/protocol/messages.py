@@ -22,7 +22,7 @@ from ..config import Limits
 
 MAGIC = b"GPM"
 MAJOR = 1
-MINOR = 4
+MINOR = 5
 SIGNATURE = MAGIC + bytes([MAJOR])
 
 

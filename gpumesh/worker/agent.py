@@ -54,6 +54,7 @@ from ..transport import DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
 from .runners import Runner, RunningTask
+from .telemetry import Sampler
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -146,6 +147,8 @@ class WorkerAgent:
         self.mode = WorkerMode.ACTIVE  # the owner's choice (gpumesh pause/resume/drain)
         self.removed = False  # `gpumesh kill` took this worker out of the mesh
         self.owner = OwnerControls(self)
+        # CPU/RAM/GPU use for the heartbeats, sampled in a thread of its own.
+        self.sampler = Sampler(gpu_indices)
         self._local_control = local_control
         self.control: ControlServer | None = None
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
@@ -191,11 +194,13 @@ class WorkerAgent:
                                          self.endpoint.zmq)
         self._started_at = time.time()
         self.session.start(self._started_at)
+        self.sampler.start()
         try:
             while not self._stop.is_set():
                 self._turn()
             self._leave()
         finally:
+            self.sampler.stop()
             for runner in self.runners:
                 runner.kill()
             if self.control is not None:
@@ -287,11 +292,15 @@ class WorkerAgent:
             "incarnation": self.incarnation, "slots": self.slots, "credit": self.granted,
             "prefetch": self.prefetch, "held": held, "info": self.info,
             "draining": self.draining, "mode": self.mode.value,
-            "release": list(self._pending_release), "fnref": True,
+            "release": list(self._pending_release), "fnref": True, "control": True,
         }
 
     def heartbeat_header(self) -> dict[str, Any]:
-        return {"leases": self._held_leases()}
+        stats = self.sampler.latest()
+        header: dict[str, Any] = {"leases": self._held_leases()}
+        if stats is not None:
+            header["stats"] = stats
+        return header
 
     def on_lost(self, now: float, delay: float, was_welcomed: bool) -> None:
         """One line when an outage starts (and one when it ends, in on_welcome), however many
@@ -424,6 +433,12 @@ class WorkerAgent:
         elif command is Command.CANCEL:
             for lease_id in msg.header.get("leases", []):
                 self._cancel(int(lease_id), now, report=True)
+        elif command is Command.CONTROL:
+            # A client of the mesh asked (the coordinator says who): as the owner's own
+            # command would, except that it never overrides what the owner chose here.
+            action, by = msg.header.get("action"), str(msg.header.get("by", "?"))[:200]
+            if action in ("drain", "pause", "resume"):
+                self.owner.on_control(str(action), now, by=by)
         elif command is Command.ERROR:
             if msg.header.get("code") == ErrorCode.MALFORMED.value and not self.joined_once:
                 # Our HELLO was refused (e.g. more slots than the coordinator accepts for this

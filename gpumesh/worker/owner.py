@@ -2,7 +2,9 @@
 
 Requests arrive through the local control channel (control.py). Nothing is lost: queued tasks
 are handed back unstarted (no attempt is charged), running ones finish, or with ``drain-now``
-are handed back too. ``OwnerControls`` acts on the agent through the few things ``AgentState``
+are handed back too. A client of the mesh may ask the same (CONTROL ``drain``/``pause``/``resume``
+through the coordinator, ``by`` naming who): it acts alike, but never undoes what the machine's
+owner chose here. ``OwnerControls`` acts on the agent through the few things ``AgentState``
 names, so it needs nothing else of the agent and the agent imports it, never the reverse.
 """
 
@@ -47,10 +49,21 @@ class OwnerControls:
     def __init__(self, agent: AgentState) -> None:
         self.agent = agent
         self._drain_idle_since: float | None = None
+        self._owner_chose = False  # the mode was set here by the owner, not through the mesh
 
-    def on_control(self, action: str, now: float) -> dict[str, Any]:
+    def on_control(self, action: str, now: float, by: str | None = None) -> dict[str, Any]:
+        """``by``: the ``user@host`` of a mesh client that asked; None for the owner."""
         agent = self.agent
         released: list[int] = []
+        if by is not None:
+            if self._owner_chose and agent.mode is not WorkerMode.ACTIVE:
+                agent.say(f"[worker] {by} asked to {action} through the mesh; ignored: this "
+                          f"machine's owner {agent.mode.value} it")
+                return self.status()
+            if action != "status" and (action != "resume" or agent.mode is not WorkerMode.ACTIVE):
+                agent.say(f"[worker] {action} asked by {by} through the mesh")
+        elif action != "status":
+            self._owner_chose = action != "resume"
         if action == "pause" and agent.mode is WorkerMode.ACTIVE:
             agent.mode = WorkerMode.PAUSED
             released = self._hand_back_queued()
