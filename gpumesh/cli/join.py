@@ -50,6 +50,12 @@ def passed_variables(names: Sequence[str]) -> list[str]:
     return passed
 
 
+def save_joined(settings: Settings, url: str, token: str) -> None:
+    """What ``join`` saves once the coordinator admitted it (``setup`` too): the connection that
+    later commands and ``@mesh`` use."""
+    save_connection(settings.config_path, parse_url(url).zmq, token, **save_kdf(token))
+
+
 def discovered(settings: Settings, token: str) -> tuple[str, Callable[[], str | None]]:
     """The URL of this mesh's coordinator on the LAN, and how to look for it again."""
     if not settings.discovery:
@@ -107,7 +113,7 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
     def joined(worker_id: str) -> None:
         # Saved only now: a wrong token must not replace a working saved connection.
         if save:
-            save_connection(settings.config_path, endpoint.zmq, token, **save_kdf(token))
+            save_joined(settings, endpoint.zmq, token)
         if ready_fd is not None:
             os.write(ready_fd, f"{worker_id}\n".encode())
 

@@ -503,6 +503,25 @@ def doctor(as_json: bool, timeout: float, url: str | None, token: str | None) ->
 
 
 @cli.command()
+def setup() -> None:
+    """Set up this machine by answering a few questions (needs the ui extra).
+
+    Asks whether this machine starts a coordinator, joins a mesh as a worker or only uses
+    one from Python; makes or takes the token (never shown); for a worker, finds the mesh's
+    coordinator on the LAN or takes its address. After a summary and your yes, it saves what
+    'serve' or 'join' would save, and prints the command to run next. Ctrl+C saves nothing.
+
+    \b
+    Example:
+      pip install "gpumesh[ui]"
+      gpumesh setup
+    """
+    from .setup import run as run_setup
+
+    run_setup(_settings())
+
+
+@cli.command()
 @click.option("--file", "path", type=click.Path(dir_okay=False), default=None,
               help="Write it to this new file, readable only by you, instead of printing it.")
 def token(path: str | None) -> None:

@@ -93,6 +93,16 @@ def serve_token(settings: Settings, token: str | None, weak_token: bool) -> tupl
     return salted, parse_token(salted).salt
 
 
+def save_served(settings: Settings, url: str, token: str) -> Path:
+    """What ``serve`` saves (``setup`` too): the connection, ``url`` being how this machine
+    dials the coordinator, and the token file that the printed join commands name. Returns the
+    token file's path."""
+    save_connection(settings.config_path, url, token, **save_kdf(token))
+    token_path = settings.home / TOKEN_FILE
+    write_token_file(token_path, token, replace=True)
+    return token_path
+
+
 def tailscale_bind(settings: Settings, host: str | None, host_ip: str | None) -> tuple[str, str]:
     """``--tailscale``: (the address to bind, this machine's Tailscale address to print).
 
@@ -173,8 +183,7 @@ def serve(
     local_url = parse_url(f"[{local_host}]:{port}" if ":" in local_host else f"{local_host}:{port}").zmq
     token_path = settings.home / TOKEN_FILE
     if save:
-        save_connection(settings.config_path, local_url, token, **save_kdf(token))
-        write_token_file(token_path, token, replace=True)
+        save_served(settings, local_url, token)
     coordinator.broker.listeners.append(print_event)
     # How the banner's commands get the token: never the token itself on a command line.
     token_arg = f" --token-file {_home_display(token_path)}" if save else ""

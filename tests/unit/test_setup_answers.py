@@ -1,0 +1,86 @@
+"""The wizard's plain half: how answers are checked, saved and turned into next commands."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+
+import pytest
+
+from gpumesh.cli.setup import (
+    Answers,
+    next_steps,
+    port_problem,
+    save,
+    slots_problem,
+    token_problem,
+    url_problem,
+)
+from gpumesh.config import Settings, load_connection
+from gpumesh.tokens import new_token
+
+STRONG = new_token()
+
+
+def test_a_pasted_token_is_checked_as_serve_checks_it_without_being_quoted():
+    assert token_problem(STRONG, serve=True) is None
+    assert token_problem(f"  {STRONG}\n", serve=False) is None
+    assert "paste the token" in (token_problem("   ", serve=False) or "")
+    assert "no spaces" in (token_problem("abc def", serve=False) or "")
+    weak = "hunter2hunter2"
+    refused = token_problem(weak, serve=True) or ""
+    assert "too weak to guard a coordinator" in refused and weak not in refused
+    assert token_problem(weak, serve=False) is None  # the coordinator decides; a warning follows
+
+
+def test_ports_and_addresses_are_checked_as_serve_and_join_check_them():
+    assert port_problem("0") and port_problem("65536") and port_problem("80a")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert "in use" in (port_problem(str(port)) or "")
+    assert port_problem(str(port)) is None
+    for url in ("192.0.2.10:8000", "tcp://192.0.2.10:8000", "gpumesh://host:8000", "host"):
+        assert url_problem(url) is None, url
+    assert "unsupported URL scheme" in (url_problem("ftp://x") or "")
+    assert slots_problem("4") is None and slots_problem("0") and slots_problem("x")
+
+
+@pytest.fixture
+def settings(tmp_path):
+    return Settings(home=tmp_path / "home")
+
+
+def test_serve_answers_are_saved_by_serves_own_writer(settings):
+    written = save(settings, Answers("serve", STRONG, generated=True, port=8123))
+    saved = load_connection(settings.config_path)
+    assert saved is not None and (saved.url, saved.token) == ("tcp://127.0.0.1:8123", STRONG)
+    assert saved.stretched is not None  # the key cache serve keeps
+    assert written == [settings.config_path, settings.home / "token"]
+    for path in written:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_client_saves_the_connection_only(settings):
+    written = save(settings, Answers("use", STRONG, url="gpumesh://127.0.0.1:8123"))
+    assert written == [settings.config_path]
+    assert json.loads(settings.config_path.read_text())["url"] == "tcp://127.0.0.1:8123"
+
+
+def test_next_commands_name_the_token_file_never_the_token(settings):
+    steps = {
+        "serve": next_steps(settings, Answers("serve", STRONG, host="0.0.0.0", port=8001)),
+        "join": next_steps(settings, Answers("join", STRONG, url="tcp://h:8000", slots=2)),
+        "found": next_steps(settings, Answers("join", STRONG, url="tcp://h:8000",
+                                              discovered=True)),
+        "use": next_steps(settings, Answers("use", STRONG, url="tcp://h:8000")),
+    }
+    token_file = settings.home / "token"
+    assert steps["serve"][0] == f"gpumesh serve --host 0.0.0.0 --port 8001 --token-file {token_file}"
+    assert steps["join"][0] == f"gpumesh join tcp://h:8000 --token-file {token_file} --slots 2"
+    assert steps["found"][0] == f"gpumesh join --token-file {token_file}"
+    assert steps["use"][0].startswith("gpumesh workers")
+    assert all(STRONG not in line and STRONG.split(".")[1] not in line
+               for lines in steps.values() for line in lines)
