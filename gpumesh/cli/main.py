@@ -55,6 +55,15 @@ def _color_option(fn: _F) -> _F:
                         help="Colour the output even when it is not a terminal.")(fn)
 
 
+def _dashboard_options(fn: _F) -> _F:
+    fn = click.option("--dashboard-port", default=8265, show_default=True,
+                      type=click.IntRange(0, 65535),
+                      help="TCP port of the dashboard page (0 picks a free one).")(fn)
+    return click.option("--dashboard-host", default="127.0.0.1", show_default=True,
+                        help="Address the dashboard binds. Any other than loopback asks "
+                             "visitors for the mesh token.")(fn)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", message=VERSION_LINE)
 @click.option("-v", "--verbose", is_flag=True, help="Debug-level logging on stderr.")
@@ -103,6 +112,10 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--pending-timeout", type=click.FloatRange(min=0.1), default=None,
               help="Seconds an unschedulable task waits before it fails (default 60).")
 @click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
+@click.option("--dashboard", is_flag=True,
+              help="Also serve the live web dashboard (see 'gpumesh dashboard'); it stops "
+                   "with serve.")
+@_dashboard_options
 @click.option("--quiet-worker", is_flag=True, hidden=True)
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
@@ -110,7 +123,8 @@ def cli(verbose: bool, json_logs: bool) -> None:
 def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, public: bool,
           token: str | None, weak_token: bool, db: str | None,
           no_self_worker: bool, slots: int | None, safe_mode: bool,
-          pending_timeout: float | None, no_save: bool, quiet_worker: bool,
+          pending_timeout: float | None, no_save: bool, dashboard: bool, dashboard_host: str,
+          dashboard_port: int, quiet_worker: bool,
           ready_fd: int | None, exit_with_parent: bool) -> None:
     """Start a coordinator (and join this machine to it).
 
@@ -121,6 +135,7 @@ def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, pub
       GPUMESH_TOKEN=$(cat mesh.token) gpumesh serve --host 0.0.0.0   # let others join
       gpumesh serve --port 8000 --tailscale           # join via the Tailscale address
       gpumesh serve --port 8000 --public              # join from anywhere (ngrok)
+      gpumesh serve --dashboard                       # and a live page on 127.0.0.1:8265
 
     On Windows, a bind beyond loopback adds the firewall rule "gpumesh PORT" when run as
     Administrator (kept for the next run), and otherwise prints the command to run.
@@ -139,7 +154,8 @@ def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, pub
               weak_token=weak_token or settings.weak_token,
               self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
               pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker,
-              save=not no_save, exit_with_parent=exit_with_parent)
+              save=not no_save, exit_with_parent=exit_with_parent,
+              dashboard=(dashboard_host, dashboard_port) if dashboard else None)
 
 
 def _prefetch(value: str) -> int | None:
@@ -355,6 +371,31 @@ def kill(worker: str, url: str | None, token: str | None) -> None:
     from . import jobs
 
     sys.exit(_with_client(url, token, lambda c: jobs.control(c, "kill", worker)))
+
+
+@cli.command()
+@_dashboard_options
+@click.option("--exit-with-parent", is_flag=True, hidden=True)
+@_connection
+def dashboard(dashboard_host: str, dashboard_port: int, exit_with_parent: bool,
+              url: str | None, token: str | None) -> None:
+    """Serve a live web page of the mesh: workers and their GPU/CPU use, jobs, failures,
+    throughput and latency, the coordinator's health.
+
+    Bound to loopback by default. Bound to another address, the page asks for the mesh token
+    before it shows anything (plain HTTP: only on a network you trust). Cancel and drain from
+    the page act as this machine's user@host.
+
+    \b
+    Examples:
+      gpumesh dashboard                               # http://127.0.0.1:8265/
+      gpumesh dashboard --url tcp://192.0.2.10:8000 --token-file mesh.token
+      gpumesh dashboard --dashboard-host 0.0.0.0      # others log in with the token
+    """
+    from .dashboard import run as run_dashboard
+
+    run_dashboard(_settings(), url=url, token=chosen_token(token), host=dashboard_host,
+                  port=dashboard_port, exit_with_parent=exit_with_parent)
 
 
 @cli.command()

@@ -63,6 +63,9 @@ def print_event(event: Event) -> None:
         verb = "left" if reason in ("left", "drained") else \
             "removed" if reason.startswith("removed") else "lost"
         say(f"[mesh] worker {verb}: {w['hostname']} {w['id'][:8]} ({reason})")
+    elif event.kind == "worker_control":
+        say(f"[mesh] {event.data['by']} asked worker {event.data['worker'][:8]} to "
+            f"{event.data['action']}")
 
 
 def serve_token(settings: Settings, token: str | None, weak_token: bool) -> tuple[str, str | None]:
@@ -133,6 +136,7 @@ def serve(
     ready_fd: int | None, quiet: bool, save: bool = True, exit_with_parent: bool = False,
     weak_token: bool = False, host_ip: str | None = None, tailscale: bool = False,
     public: bool = False, tunnel: tunnels.TunnelProvider | None = None,
+    dashboard: tuple[str, int] | None = None,
 ) -> None:
     """Run a coordinator until SIGINT/SIGTERM. ``tailscale`` binds and prints this machine's
     Tailscale address; ``public`` opens a TCP tunnel through ``tunnel`` (ngrok by default) once
@@ -252,7 +256,7 @@ def serve(
             loop.join(5)
             fail(str(exc))
     advertiser = None
-    child = None
+    child = page = None
     try:
         if public:
             _public_banner(public_url, token_arg)
@@ -268,12 +272,19 @@ def serve(
             child = _start_self_worker(local_url, token, slots, quiet)
             ok("Self-worker started — this machine's CPU/GPU is part of the pool")
             click.echo("   (disable with --no-self-worker)")
+        if dashboard is not None:
+            from .dashboard import start_child
+
+            page = start_child(local_url, token, *dashboard)
         if ready_fd is not None:
             os.write(ready_fd, f"{port}\n".encode())
             os.close(ready_fd)
         while not stop.wait(0.5):
             if not loop.is_alive():
                 fail("the coordinator loop stopped unexpectedly; see the log above")
+            if page is not None and page.poll() is not None:
+                say("[mesh] the dashboard stopped (see above); the coordinator keeps running")
+                page = None
             if child is not None and child.poll() is not None:
                 if child.returncode == 0:
                     # Drained or removed on purpose ('gpumesh drain', 'gpumesh kill'): respect it.
@@ -283,12 +294,13 @@ def serve(
                 say(f"[mesh] self-worker exited with code {child.returncode}; restarting it")
                 child = _start_self_worker(local_url, token, slots, quiet)
     finally:
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGINT)
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        for process in (child, page):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
         if advertiser is not None:
             advertiser.close()
         if provider is not None:

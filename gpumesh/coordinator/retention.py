@@ -117,7 +117,7 @@ class Retention:
         return {
             "version": __version__,
             "uptime": now - ledger.started_at,
-            "queue": {state: n for state, n in sorted(queue.items()) if n > 0},
+            "queue": {state: queue[state] for state in ("pending", "running") if queue[state]},
             "time": now,
             "finished_total": ledger.finished_total,
             "journal_bytes": ledger.store.size_bytes(),

@@ -1,0 +1,62 @@
+"""``gpumesh dashboard``: serve the live web page of a mesh until Ctrl+C (or its parent goes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import click
+
+from ..config import Settings
+from ..errors import MeshError
+from .lifecycle import stop_with_parent
+from .output import child_log_flags, fail, ok
+
+
+def run(settings: Settings, *, url: str | None, token: str | None, host: str, port: int,
+        exit_with_parent: bool = False) -> None:
+    from ..client import GPUMesh
+    from ..dashboard import Dashboard
+    from ..dashboard.guard import is_loopback
+
+    try:
+        endpoint, token = settings.resolve_connection(url, token)
+        client = GPUMesh(endpoint.zmq, token, quiet=True, settings=settings)
+    except MeshError as exc:
+        fail(str(exc))
+    try:
+        dashboard = Dashboard(client, token, host=host, port=port)
+    except OSError as exc:
+        client.close()
+        fail(f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc}. Pick another "
+             "port with --dashboard-port")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if exit_with_parent:
+        stop_with_parent(stop.set)
+    thread = dashboard.start()
+    ok(f"Dashboard on {dashboard.url} (mesh {endpoint.zmq})")
+    if not is_loopback(host):
+        click.echo("   Reachable from other machines: the page asks for the mesh token before it "
+                   "shows anything. Plain HTTP: use it on a network you trust.")
+    try:
+        while not stop.wait(0.5):
+            if not thread.is_alive():
+                fail("the dashboard stopped unexpectedly; run 'gpumesh -v dashboard' for details")
+    finally:
+        dashboard.close()
+        client.close()
+    click.echo("[gpumesh] dashboard stopped")
+
+
+def start_child(url: str, token: str, host: str, port: int) -> subprocess.Popen[bytes]:
+    """``gpumesh serve --dashboard``: the page in a process of its own, so its JSON and HTTP
+    work never takes the coordinator's loop's time (one GIL each); it stops with serve."""
+    env = dict(os.environ, GPUMESH_TOKEN=token)
+    args = [sys.executable, "-m", "gpumesh", *child_log_flags(), "dashboard", "--url", url,
+            "--dashboard-host", host, "--dashboard-port", str(port), "--exit-with-parent"]
+    return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)

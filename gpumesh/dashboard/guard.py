@@ -1,0 +1,159 @@
+"""Who may see and steer the mesh through the dashboard: Host, login, session, CSRF, Origin.
+
+- Host: only the names this server answers to (loopback names, the bound address, and on a
+  wildcard bind this machine's names and any IP literal), so a DNS-rebinding page cannot
+  reach a loopback dashboard under its own name.
+- Login: off loopback, the mesh token (compared with ``hmac.compare_digest``; failed tries
+  limited per address and in all) opens a session: a random cookie, HttpOnly and
+  SameSite=Strict. On loopback any visit gets a session, for its CSRF token only.
+- Actions: POST with the session's CSRF token in ``X-CSRF-Token`` and an ``Origin`` of this
+  very server, on loopback too: any page the user visits can POST to 127.0.0.1.
+
+The token is held only to compare with; it never goes into a response, a log line or an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+SESSION_SECONDS = 12 * 3600
+MAX_SESSIONS = 1000
+FAILURE_WINDOW = 60.0  # seconds over which failed logins are counted
+FAILURES_PER_ADDRESS = 5
+FAILURES_IN_ALL = 30  # any addresses together: a spread-out guesser is slowed as well
+
+
+@dataclass
+class Session:
+    created: float
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+class Guard:
+    def __init__(self, token: str, host: str, port: int) -> None:
+        self._token = token.encode()
+        self.host = host
+        self.port = port
+        self.login_required = not is_loopback(host)
+        self.cookie = f"gpumesh_dashboard_{port}"  # cookies ignore ports: one name per port
+        self._secret = secrets.token_bytes(32)  # signs CSRF tokens; new with every start
+        self._sessions: dict[str, Session] = {}
+        self._failures: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+        wildcard = host in ("", "0.0.0.0", "::", "*")
+        self._wildcard = wildcard
+        names = {"localhost", "127.0.0.1", "[::1]", host.lower(),
+                 f"[{host.lower()}]" if ":" in host else host.lower()}
+        if wildcard:
+            fqdn = socket.getfqdn().lower()
+            hostname = socket.gethostname().lower()
+            names |= {hostname, f"{hostname}.local", fqdn}
+        self._names = names
+
+    # ----------------------------------------------------------------- Host and Origin
+
+    def host_ok(self, header: str | None) -> bool:
+        """Whether ``Host`` names this server (the port must match too)."""
+        if not header or len(header) > 300:
+            return False
+        name, _, port = header.lower().rpartition(":")
+        if not name or "]" in port:  # no port given: browsers always send it for a non-80
+            name, port = header.lower(), "80"
+        if port != str(self.port):
+            return False
+        if name in self._names or (name.startswith("127.") and _is_ip(name)):
+            return True
+        return self._wildcard and _is_ip(name)
+
+    def origin_ok(self, origin: str | None, host: str | None) -> bool:
+        """A state change must come from a page of this server: ``Origin`` is its own URL."""
+        return bool(origin and host and self.host_ok(host)
+                    and hmac.compare_digest(origin.lower(), f"http://{host.lower()}"))
+
+    # ----------------------------------------------------------------- sessions
+
+    def session(self, cookie_value: str | None) -> str | None:
+        """The session id a cookie proves, or None."""
+        if not cookie_value or len(cookie_value) > 100:
+            return None
+        with self._lock:
+            found = self._sessions.get(cookie_value)
+            if found is None:
+                return None
+            if time.time() - found.created > SESSION_SECONDS:
+                del self._sessions[cookie_value]
+                return None
+        return cookie_value
+
+    def open_session(self) -> str:
+        sid = secrets.token_urlsafe(32)
+        with self._lock:
+            if len(self._sessions) >= MAX_SESSIONS:  # the oldest go first
+                for old in sorted(self._sessions, key=lambda k: self._sessions[k].created)[
+                        :len(self._sessions) - MAX_SESSIONS + 1]:
+                    del self._sessions[old]
+            self._sessions[sid] = Session(time.time())
+        return sid
+
+    def close_session(self, sid: str) -> None:
+        with self._lock:
+            self._sessions.pop(sid, None)
+
+    def set_cookie(self, sid: str) -> str:
+        return (f"{self.cookie}={sid}; HttpOnly; SameSite=Strict; Path=/; "
+                f"Max-Age={SESSION_SECONDS}")
+
+    def clear_cookie(self) -> str:
+        return f"{self.cookie}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"
+
+    def csrf(self, sid: str) -> str:
+        return hmac.new(self._secret, sid.encode(), hashlib.sha256).hexdigest()
+
+    def csrf_ok(self, sid: str | None, given: str | None) -> bool:
+        return bool(sid and given and len(given) <= 100
+                    and hmac.compare_digest(given.encode(), self.csrf(sid).encode()))
+
+    # ----------------------------------------------------------------- login
+
+    def login_blocked(self, address: str) -> bool:
+        now = time.time()
+        with self._lock:
+            recent = [t for tries in self._failures.values() for t in tries
+                      if now - t < FAILURE_WINDOW]
+            mine = [t for t in self._failures.get(address, []) if now - t < FAILURE_WINDOW]
+        return len(mine) >= FAILURES_PER_ADDRESS or len(recent) >= FAILURES_IN_ALL
+
+    def check_token(self, address: str, given: str) -> bool:
+        """Whether ``given`` is the mesh token; a wrong one is counted against ``address``."""
+        if hmac.compare_digest(given.encode("utf-8", "replace"), self._token):
+            return True
+        now = time.time()
+        with self._lock:
+            if len(self._failures) > 10_000:
+                self._failures.clear()
+            tries = [t for t in self._failures.get(address, []) if now - t < FAILURE_WINDOW]
+            self._failures[address] = [*tries, now]
+        return False

@@ -1,0 +1,295 @@
+"""The dashboard's HTTP server: static page, a server-sent event stream, and two actions.
+
+Standard library only (``ThreadingHTTPServer``). Every request passes the Guard (guard.py) first;
+every response carries a Content-Security-Policy without inline script, ``nosniff`` and
+``X-Frame-Options: DENY``. The page gets mesh data as JSON and shows it with ``textContent``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from ..client import GPUMesh
+from ..errors import MeshError
+from .guard import Guard
+from .monitor import Monitor
+
+log = logging.getLogger("gpumesh.dashboard")
+
+DEFAULT_PORT = 8265
+MAX_BODY = 4096
+MAX_STREAMS = 32  # browsers watching at once; each holds a thread
+KEEPALIVE = 15.0  # seconds between comments on an idle event stream
+STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
+          "/style.css": ("style.css", "text/css"), "/login": ("login.html", "text/html")}
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self' data:; connect-src 'self'; form-action 'self'; "
+                               "frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+LOGIN_MESSAGES = {"failed": "That is not this mesh's token.",
+                  "blocked": "Too many wrong tokens: wait a minute and try again."}
+
+
+def _assets() -> dict[str, bytes]:
+    folder = resources.files("gpumesh.dashboard") / "static"
+    return {name: (folder / name).read_bytes() for name, _ in STATIC.values()}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    dashboard: Dashboard
+
+
+class Dashboard:
+    """Serve the page at ``host:port`` for the mesh ``client`` reaches; ``token`` is that
+    mesh's token, asked of browsers when the bind is not loopback."""
+
+    def __init__(self, client: GPUMesh, token: str, host: str = "127.0.0.1",
+                 port: int = DEFAULT_PORT, interval: float = 1.0) -> None:
+        self.monitor = Monitor(client, interval)
+        self.assets = _assets()
+        server_class = type("Server", (_Server,), {
+            "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+        self.httpd = server_class((host, port), Handler)  # raises OSError when taken
+        self.httpd.dashboard = self
+        self.port = self.httpd.server_address[1]
+        self.guard = Guard(token, host, self.port)
+        self.streams = 0
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        host = self.guard.host
+        shown = "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
+        return f"http://[{shown}]:{self.port}/" if ":" in shown else f"http://{shown}:{self.port}/"
+
+    def serve_forever(self) -> None:
+        self.monitor.start()
+        self.httpd.serve_forever(poll_interval=0.25)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, name="gpumesh-dashboard",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.monitor.stop()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "gpumesh-dashboard"
+    sys_version = ""
+
+    @property
+    def dashboard(self) -> Dashboard:
+        return self.server.dashboard
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        log.debug("%s %s", self.address_string(), format % args)
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _send(self, status: int, body: bytes = b"", content_type: str = "application/json",
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in {**SECURITY_HEADERS, **(headers or {})}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Type", f"{content_type}; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, data: Any, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(data, default=str).encode(), headers=headers)
+
+    def _redirect(self, where: str, headers: dict[str, str] | None = None) -> None:
+        self._send(HTTPStatus.SEE_OTHER, b"", "text/plain", {"Location": where, **(headers or {})})
+
+    def _sid(self) -> str | None:
+        try:
+            jar = SimpleCookie(self.headers.get("Cookie", ""))
+        except CookieError:
+            return None
+        morsel = jar.get(self.dashboard.guard.cookie)
+        return self.dashboard.guard.session(morsel.value if morsel else None)
+
+    def _body(self) -> bytes | None:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            return None
+        if not 0 <= length <= MAX_BODY:
+            return None
+        return self.rfile.read(length)
+
+    def _host_ok(self) -> bool:
+        if self.dashboard.guard.host_ok(self.headers.get("Host")):
+            return True
+        self._json(HTTPStatus.MISDIRECTED_REQUEST, {"error": "unknown Host"})
+        return False
+
+    # ----------------------------------------------------------------- GET
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        if not self._host_ok():
+            return
+        guard = self.dashboard.guard
+        url = urlsplit(self.path)
+        sid = self._sid()
+        if url.path in ("/app.js", "/style.css"):
+            self._static(url.path)
+        elif url.path == "/login":
+            if not guard.login_required:
+                self._redirect("/")
+                return
+            message = LOGIN_MESSAGES.get(url.query, "")
+            page = self.dashboard.assets["login.html"].replace(
+                b"<!--MESSAGE-->", message.encode())  # a fixed text: nothing is echoed
+            self._send(HTTPStatus.OK, page, "text/html")
+        elif url.path == "/":
+            if sid is None and guard.login_required:
+                self._redirect("/login")
+            elif sid is None:
+                self._static("/", {"Set-Cookie": guard.set_cookie(guard.open_session())})
+            else:
+                self._static("/")
+        elif sid is None:
+            self._json(HTTPStatus.UNAUTHORIZED, {"error": "log in first", "login": "/login"})
+        elif url.path == "/api/session":
+            self._json(HTTPStatus.OK, {"csrf": guard.csrf(sid),
+                                       "login_required": guard.login_required})
+        elif url.path == "/api/stream":
+            self._stream()
+        elif url.path == "/api/job":
+            job = parse_qs(url.query).get("id", [""])[0][:200]
+            self._answer(lambda: self.dashboard.monitor.job(job))
+        else:
+            self._json(HTTPStatus.NOT_FOUND, {"error": "not found"})
+
+    def _static(self, path: str, headers: dict[str, str] | None = None) -> None:
+        name, kind = STATIC[path]
+        self._send(HTTPStatus.OK, self.dashboard.assets[name], kind, headers)
+
+    def _answer(self, work: Any) -> None:
+        try:
+            self._json(HTTPStatus.OK, work())
+        except MeshError as exc:  # the coordinator's words: they never hold the token
+            self._json(HTTPStatus.CONFLICT, {"error": str(exc)[:1000]})
+
+    def _stream(self) -> None:
+        dashboard = self.dashboard
+        with dashboard._lock:
+            if dashboard.streams >= MAX_STREAMS:
+                self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "too many viewers"})
+                return
+            dashboard.streams += 1
+        try:
+            self.send_response(HTTPStatus.OK)
+            for name, value in SECURITY_HEADERS.items():
+                self.send_header(name, value)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            monitor = dashboard.monitor
+            self._event("history", list(monitor.history))
+            seen = -1
+            while not monitor.stopped:
+                version = monitor.wait_change(seen, KEEPALIVE)
+                if version == seen:
+                    self.wfile.write(b": keepalive\n\n")
+                else:
+                    seen = version
+                    self._event("snapshot", monitor.snapshot)
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # the browser went away
+        finally:
+            with dashboard._lock:
+                dashboard.streams -= 1
+
+    def _event(self, kind: str, data: Any) -> None:
+        self.wfile.write(f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n".encode())
+
+    # ----------------------------------------------------------------- POST
+
+    def do_POST(self) -> None:
+        if not self._host_ok():
+            return
+        guard = self.dashboard.guard
+        if not guard.origin_ok(self.headers.get("Origin"), self.headers.get("Host")):
+            self._json(HTTPStatus.FORBIDDEN, {"error": "cross-origin request refused"})
+            return
+        body = self._body()
+        if body is None:
+            self._json(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": "request too large"})
+            return
+        path = urlsplit(self.path).path
+        if path == "/login":
+            self._login(body)
+            return
+        sid = self._sid()
+        if sid is None:
+            self._json(HTTPStatus.UNAUTHORIZED, {"error": "log in first", "login": "/login"})
+            return
+        if not guard.csrf_ok(sid, self.headers.get("X-CSRF-Token")):
+            self._json(HTTPStatus.FORBIDDEN, {"error": "missing or wrong CSRF token: reload"})
+            return
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            request = None
+        if not isinstance(request, dict):
+            self._json(HTTPStatus.BAD_REQUEST, {"error": "send a JSON object"})
+            return
+        monitor = self.dashboard.monitor
+        if path == "/logout":
+            guard.close_session(sid)
+            self._json(HTTPStatus.OK, {}, {"Set-Cookie": guard.clear_cookie()})
+        elif path == "/api/cancel" and isinstance(request.get("job"), str):
+            self._answer(lambda: monitor.cancel(request["job"][:200],
+                                                force=request.get("force") is True))
+        elif path == "/api/worker" and isinstance(request.get("worker"), str) \
+                and request.get("action") in ("drain", "pause", "resume"):
+            self._answer(lambda: monitor.steer(request["worker"][:200], request["action"]))
+        else:
+            self._json(HTTPStatus.NOT_FOUND, {"error": "no such action"})
+
+    def _login(self, body: bytes) -> None:
+        guard = self.dashboard.guard
+        address = self.client_address[0]
+        if not guard.login_required:
+            self._redirect("/")
+            return
+        if guard.login_blocked(address):
+            self._redirect("/login?blocked")
+            return
+        given = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0]
+        if not guard.check_token(address, given.strip()):
+            log.info("dashboard: a wrong token from %s", address)
+            self._redirect("/login?failed")
+            return
+        self._redirect("/", {"Set-Cookie": guard.set_cookie(guard.open_session())})

@@ -1,0 +1,138 @@
+"""The dashboard as a user sees it: headless Chromium against a live mesh (one for the module).
+
+Workers appear in the picture and the list, a running job's progress bar moves, a failed
+task's error and remote traceback show (as text, never as markup), cancel and drain work
+from the page. Screenshots go to GPUMESH_TEST_ARTIFACTS (default: a temporary folder).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Mesh, require, wait_for
+from dashboard_tasks import explode, pause
+
+from gpumesh.dashboard import Dashboard
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    chosen = os.environ.get("GPUMESH_TEST_ARTIFACTS")
+    folder = Path(chosen) if chosen else tmp_path_factory.mktemp("artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Any, Dashboard]]:
+    sync_api = require("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"chromium is missing at {CHROMIUM}: .ci/run installs it")
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    mesh = Mesh(tmp_path_factory.mktemp("mesh"))
+    playwright = browser = dashboard = None
+    try:
+        mesh.start_coordinator()
+        mesh.add_worker(slots=2)
+        mesh.add_worker(slots=2)
+        client = mesh.client()
+        mesh.wait_workers(2, client)
+        dashboard = Dashboard(client, mesh.token, port=0, interval=0.5)
+        dashboard.start()
+        playwright = sync_api.sync_playwright().start()
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.goto(dashboard.url)
+        yield mesh, page, dashboard
+    finally:
+        if browser is not None:
+            browser.close()
+        if playwright is not None:
+            playwright.stop()
+        if dashboard is not None:
+            dashboard.close()
+        mesh.close()
+
+
+def test_the_workers_appear_with_their_load(live, artifacts):
+    mesh, page, _ = live
+    page.wait_for_selector("#conn.live")
+    page.wait_for_function("document.querySelectorAll('#workers .worker').length === 2")
+    assert page.locator("#mesh g.node").count() == 2
+    page.wait_for_selector("#workers .worker .bar")  # the heartbeats' CPU/RAM figures
+    assert "journal" in page.locator("#health").inner_text()
+    page.screenshot(path=str(artifacts / "dashboard-workers.png"), full_page=True)
+
+
+def test_a_running_jobs_progress_advances(live, artifacts):
+    mesh, page, _ = live
+    client = mesh.clients[0]
+    futures = client.submit_calls(pause, [((0.25,), {}) for _ in range(16)], job="progressjob",
+                                  name="progress")
+    row = page.locator('#jobs tr[data-job="progressjob"]')
+    row.wait_for()
+    bar = row.locator(".progress")
+    wait_for(lambda: 0 < int(bar.get_attribute("data-finished") or 0) < 16, 20,
+             "the job part-way through")
+    part = int(bar.get_attribute("data-finished") or 0)
+    page.screenshot(path=str(artifacts / "dashboard-progress.png"), full_page=True)
+    wait_for(lambda: int(bar.get_attribute("data-finished") or 0) > part, 20, "progress to advance")
+    client.gather(futures, timeout=30)
+    wait_for(lambda: bar.get_attribute("data-finished") == "16", 10, "the bar to fill")
+    assert "succeeded" in row.inner_text()
+
+
+def test_a_failed_task_shows_its_error_as_text(live, artifacts):
+    mesh, page, _ = live
+    client = mesh.clients[0]
+    (future,) = client.submit_calls(explode, [((7,), {})], job="failjob", name="explodes")
+    with pytest.raises(Exception, match="boom 7"):
+        future.result(timeout=30)
+    page.locator('#failures li[data-task]').first.wait_for()
+    page.locator('#jobs tr[data-job="failjob"]').click()
+    task_row = page.locator("#tasks tr.task-failed")
+    task_row.wait_for()
+    assert "boom 7: <b>not bold</b>" in task_row.inner_text()  # shown, not rendered
+    task_row.click()
+    detail = page.locator("#task-error")
+    wait_for(lambda: "explode" in detail.inner_text(), 10, "the remote traceback")
+    assert page.locator("#task-error b, #tasks b, script:not([src])").count() == 0
+    page.screenshot(path=str(artifacts / "dashboard-failure.png"), full_page=True)
+    page.locator("#job-close").click()
+
+
+def test_cancel_from_the_page(live, artifacts):
+    mesh, page, _ = live
+    client = mesh.clients[0]
+    futures = client.submit_calls(pause, [((60,), {}) for _ in range(6)], job="canceljob",
+                                  name="long")
+    row = page.locator('#jobs tr[data-job="canceljob"]')
+    wait_for(lambda: "running" in row.inner_text() if row.count() else False, 20,
+             "the long job to run")
+    row.locator("button.cancel").click()
+    wait_for(lambda: "cancelled" in row.inner_text(), 20, "the job to show cancelled")
+    page.screenshot(path=str(artifacts / "dashboard-cancelled.png"), full_page=True)
+    assert all(f.cancelled() or f.exception(timeout=10) for f in futures)
+
+
+def test_drain_from_the_page(live, artifacts):
+    mesh, page, _ = live
+    page.once("dialog", lambda dialog: dialog.accept())
+    card = page.locator("#workers .worker").first
+    worker = card.get_attribute("data-worker")
+    card.locator("button.drain").click()
+    left = page.locator(f'#workers .worker[data-worker="{worker}"] .badge.left')
+    left.wait_for(timeout=20_000)
+    assert any(e[2] == "worker_control" and e[3]["action"] == "drain"
+               for e in mesh.clients[0].events())
+    page.screenshot(path=str(artifacts / "dashboard-drained.png"), full_page=True)

@@ -1,0 +1,233 @@
+"""The dashboard's HTTP rules, without a browser: Host, login, cookie flags, CSRF and Origin,
+security headers, and the token in no response. A stub mesh stands behind the page (the
+browser tests use a live one); the CLI test runs ``gpumesh dashboard`` against a live mesh."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpumesh.dashboard import Dashboard
+from gpumesh.dashboard.guard import FAILURES_PER_ADDRESS, Guard
+
+TOKEN = "salt.s3cret-token-for-the-dashboard-tests"
+
+
+class StubMesh:
+    def __init__(self) -> None:
+        self.cancelled: list[tuple[str, bool]] = []
+        self.steered: list[tuple[str, str]] = []
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [{"id": "w1", "hostname": "<img src=x onerror=alert(1)>", "alive": True,
+                 "state": "alive", "running": 0, "slots": 1, "score": 1.0}]
+
+    def status(self, job: str | None = None, *, tasks: bool = True) -> dict[str, Any]:
+        if job:
+            return {"job": job, "name": job, "tasks": []}
+        return {"jobs": [], "counts": {}}
+
+    def health(self) -> dict[str, Any]:
+        return {"finished_total": 0}
+
+    def events(self, since: int = 0) -> list[Any]:
+        return []
+
+    def cancel_job(self, job: str, *, force: bool = False) -> int:
+        self.cancelled.append((job, force))
+        return 2
+
+    def steer_worker(self, worker: str, action: str) -> dict[str, Any]:
+        self.steered.append((worker, action))
+        return {"worker": worker, "action": action}
+
+
+@pytest.fixture
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[Dashboard, StubMesh]]:
+    stub = StubMesh()
+    dashboard = Dashboard(stub, TOKEN, port=0, interval=0.2)  # type: ignore[arg-type]
+    # Off loopback a login is asked; the test flips it rather than bind beyond loopback.
+    dashboard.guard.login_required = getattr(request, "param", False)
+    dashboard.start()
+    try:
+        yield dashboard, stub
+    finally:
+        dashboard.close()
+
+
+class Browser:
+    """http.client with full control of Host, Origin and cookies; every response kept."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.host = f"127.0.0.1:{port}"
+        self.cookie = ""
+        self.seen: list[str] = []
+
+    def request(self, method: str, path: str, body: bytes = b"", **headers: str
+                ) -> tuple[http.client.HTTPResponse, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        sent = {"Host": self.host, **({"Cookie": self.cookie} if self.cookie else {}),
+                **{k.replace("_", "-"): v for k, v in headers.items()}}
+        conn.request(method, path, body=body, headers=sent)
+        response = conn.getresponse()
+        data = response.read()
+        conn.close()
+        self.seen.append(str(response.headers) + data.decode("utf-8", "replace"))
+        cookie = response.headers.get("Set-Cookie")
+        if cookie:
+            self.cookie = cookie.split(";", 1)[0]
+        return response, data
+
+    def post(self, path: str, data: dict[str, Any], **headers: str
+             ) -> tuple[http.client.HTTPResponse, bytes]:
+        return self.request("POST", path, json.dumps(data).encode(),
+                            Content_Type="application/json", **headers)
+
+    def csrf(self) -> str:
+        response, data = self.request("GET", "/api/session")
+        assert response.status == 200
+        return str(json.loads(data)["csrf"])
+
+
+def test_the_page_has_its_security_headers_and_a_strict_cookie(served):
+    dashboard, _ = served
+    browser = Browser(dashboard.port)
+    response, body = browser.request("GET", "/")
+    assert response.status == 200 and b"/app.js" in body
+    csp = response.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    assert "frame-ancestors 'none'" in csp
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert response.headers["X-Frame-Options"] == "DENY"
+    flags = [part.strip() for part in response.headers["Set-Cookie"].split(";")]
+    assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= set(flags)
+    assert b"<script>" not in body.replace(b'<script src="/app.js" defer></script>', b"")
+
+
+@pytest.mark.parametrize("host", ["evil.example:{port}", "127.0.0.1:1", "", "localhost"])
+def test_a_foreign_host_header_is_refused(served, host):
+    dashboard, _ = served
+    browser = Browser(dashboard.port)
+    browser.host = host.format(port=dashboard.port)
+    response, _ = browser.request("GET", "/")
+    assert response.status == 421
+    browser.host = f"localhost:{dashboard.port}"
+    assert browser.request("GET", "/")[0].status == 200
+
+
+def test_actions_need_the_csrf_token_and_this_origin_even_on_loopback(served):
+    dashboard, stub = served
+    browser = Browser(dashboard.port)
+    browser.request("GET", "/")
+    csrf = browser.csrf()
+    origin = f"http://127.0.0.1:{dashboard.port}"
+    refused = [
+        browser.post("/api/cancel", {"job": "j"}, Origin=origin),  # no CSRF header
+        browser.post("/api/cancel", {"job": "j"}, Origin=origin, X_CSRF_Token="0" * 64),
+        browser.post("/api/cancel", {"job": "j"}, X_CSRF_Token=csrf),  # no Origin
+        browser.post("/api/cancel", {"job": "j"}, Origin="http://evil.example",
+                     X_CSRF_Token=csrf),
+        browser.post("/api/cancel", {"job": "j"}, Origin=f"http://localhost:{dashboard.port}",
+                     X_CSRF_Token=csrf),  # another origin of the same server
+    ]
+    assert [r.status for r, _ in refused] == [403] * 5 and stub.cancelled == []
+    other = Browser(dashboard.port)  # another session's token does not open this one
+    other.request("GET", "/")
+    assert other.post("/api/cancel", {"job": "j"}, Origin=origin,
+                      X_CSRF_Token=csrf)[0].status == 403
+    response, body = browser.post("/api/cancel", {"job": "j", "force": True}, Origin=origin,
+                                  X_CSRF_Token=csrf)
+    assert response.status == 200 and json.loads(body) == {"cancelled": 2}
+    assert stub.cancelled == [("j", True)]
+    response, _ = browser.post("/api/worker", {"worker": "w1", "action": "drain"},
+                               Origin=origin, X_CSRF_Token=csrf)
+    assert response.status == 200 and stub.steered == [("w1", "drain")]
+    response, _ = browser.post("/api/worker", {"worker": "w1", "action": "kill"},
+                               Origin=origin, X_CSRF_Token=csrf)
+    assert response.status == 404
+    assert browser.request("GET", "/api/cancel")[0].status == 404  # never by GET
+
+
+@pytest.mark.parametrize("served", [True], indirect=True)
+def test_off_loopback_the_token_is_asked_and_never_shown(served):
+    dashboard, _ = served
+    browser = Browser(dashboard.port)
+    origin = f"http://127.0.0.1:{dashboard.port}"
+    response, _ = browser.request("GET", "/")
+    assert response.status == 303 and response.headers["Location"] == "/login"
+    assert browser.request("GET", "/api/session")[0].status == 401
+    assert browser.request("GET", "/api/stream")[0].status == 401
+    response, _ = browser.request("GET", "/login?failed")
+    assert response.status == 200
+    form = b"token=wrong"
+    response, _ = browser.request("POST", "/login", form, Origin=origin,
+                                  Content_Type="application/x-www-form-urlencoded")
+    assert response.headers["Location"] == "/login?failed" and not browser.cookie
+    response, _ = browser.request("POST", "/login", f"token={TOKEN}".encode(),
+                                  Content_Type="application/x-www-form-urlencoded")
+    assert response.status == 403 and not browser.cookie  # no Origin: refused
+    response, _ = browser.request("POST", "/login", f"token={TOKEN}".encode(), Origin=origin,
+                                  Content_Type="application/x-www-form-urlencoded")
+    assert response.headers["Location"] == "/" and browser.cookie
+    flags = response.headers["Set-Cookie"]
+    assert "HttpOnly" in flags and "SameSite=Strict" in flags
+    csrf = browser.csrf()
+    assert browser.request("GET", "/")[0].status == 200
+    assert browser.post("/logout", {}, Origin=origin, X_CSRF_Token=csrf)[0].status == 200
+    assert browser.request("GET", "/api/session")[0].status == 401
+    assert not any(TOKEN in text or TOKEN.split(".")[1] in text for text in browser.seen)
+
+
+@pytest.mark.parametrize("served", [True], indirect=True)
+def test_failed_logins_are_limited(served):
+    dashboard, _ = served
+    browser = Browser(dashboard.port)
+    origin = f"http://127.0.0.1:{dashboard.port}"
+    for _ in range(FAILURES_PER_ADDRESS):
+        browser.request("POST", "/login", b"token=guess", Origin=origin)
+    response, _ = browser.request("POST", "/login", f"token={TOKEN}".encode(), Origin=origin)
+    assert response.headers["Location"] == "/login?blocked" and not browser.cookie
+
+
+def test_a_bind_beyond_loopback_requires_login():
+    assert Guard(TOKEN, "0.0.0.0", 8265).login_required
+    assert Guard(TOKEN, "192.0.2.7", 8265).login_required
+    assert not Guard(TOKEN, "127.0.0.1", 8265).login_required
+    wildcard = Guard(TOKEN, "0.0.0.0", 8265)
+    assert wildcard.host_ok("192.0.2.7:8265") and not wildcard.host_ok("evil.example:8265")
+    assert Guard(TOKEN, "::1", 8265).host_ok("[::1]:8265")
+
+
+def test_gpumesh_dashboard_prints_its_url_serves_and_stops(mesh_env):
+    coordinator = mesh_env.start_coordinator()
+    env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "dashboard", "--url", coordinator.url,
+         "--dashboard-port", "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert found, line
+        browser = Browser(int(found.group(1)))
+        assert browser.request("GET", "/")[0].status == 200
+        assert browser.request("GET", "/api/session")[0].status == 200
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "dashboard stopped" in rest
+    assert mesh_env.token not in line + rest
