@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -17,6 +18,23 @@ from gpumesh.config import Settings
 # Network safety (TESTING.md): zeroconf in the root namespace only ever on loopback. Every
 # process a test starts inherits this; tests in network namespaces may choose otherwise.
 os.environ["GPUMESH_DISCOVERY_INTERFACES"] = "127.0.0.1"
+
+@pytest.fixture(autouse=True)
+def _gpumesh_logging_as_found() -> Iterator[None]:
+    """An in-process CLI call (CliRunner) configures the ``gpumesh`` logger as a command would:
+    its own stderr handler and ``propagate = False``. Left so, every later test's ``caplog`` sees
+    nothing from gpumesh, so each test gets the logger and the CLI's log flags back as found."""
+    from gpumesh.cli import output
+
+    logger = logging.getLogger("gpumesh")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    flags = list(output._flags)
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
+    output._flags[:] = flags
+
 
 # Fast timing so failure detection takes seconds, not tens of seconds.
 FAST = {
