@@ -14,7 +14,7 @@ from typing import Any
 from ..fileio import replace_private
 
 CACHE_FILE = "benchmark.json"
-BENCHMARK_VERSION = 2  # the method (median of rounds): a change measures again
+BENCHMARK_VERSION = 3  # the method (median of rounds; one BLAS thread): a change measures again
 MAX_AGE = 30 * 86400.0  # seconds: drivers and clocks change; a month-old figure is measured again
 
 

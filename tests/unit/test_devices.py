@@ -25,11 +25,32 @@ def test_the_real_cpu_benchmark_stays_within_its_budget_and_is_positive(monkeypa
     budgets = []
     timed = devices._timed
     monkeypatch.setattr(devices, "_timed", lambda fn, budget, **kw: budgets.append(budget) or timed(fn, budget, **kw))
-    figures = devices.benchmark({"gpus": []}, budget=0.4)
+    figures = devices._benchmark_numpy(0.4)  # what the CPU benchmark's child process runs
     assert sum(budgets) <= 0.4  # it splits its budget, so it takes seconds, not minutes
     assert figures["gflops"] > 0 and figures["bandwidth_gbps"] > 0
     assert devices.score_of(figures) == round(figures["gflops"] * 0.7
                                               + figures["bandwidth_gbps"] * 0.3, 3)
+
+
+def test_the_cpu_benchmark_measures_one_blas_thread_in_a_child(monkeypatch):
+    # A multi-threaded BLAS swung the score 10x on a loaded machine (bench/stability.py); the
+    # thread-count variables work only before the BLAS loads, hence the child process.
+    monkeypatch.setattr(devices, "_IN_CHILD", (
+        "import json, os; print(json.dumps({'gflops': float(os.environ['OPENBLAS_NUM_THREADS']),"
+        " 'bandwidth_gbps': float(os.environ['OMP_NUM_THREADS']), 'backend': 0}))"))
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "8")
+    assert devices.benchmark({"gpus": []}, budget=0.2) == {
+        "gflops": 1.0, "bandwidth_gbps": 1.0, "backend": 0.0}
+    figures = devices.benchmark({"gpus": []}, budget=0.2)  # the real child
+    assert figures["gflops"] > 0 and figures["bandwidth_gbps"] > 0
+
+
+def test_the_cpu_benchmark_measures_here_when_no_child_can_run(monkeypatch, caplog):
+    monkeypatch.setattr(devices.sys, "executable", "/nonexistent/python")
+    with caplog.at_level("WARNING", logger="gpumesh.worker"):
+        figures = devices.benchmark({"gpus": []}, budget=0.2)
+    assert figures["gflops"] > 0 and figures["bandwidth_gbps"] > 0
+    assert "measuring in this process instead" in caplog.text
 
 
 def test_the_pure_python_benchmark_runs_without_numpy():
