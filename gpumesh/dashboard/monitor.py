@@ -9,6 +9,7 @@ comes from the coordinator's count of finished tasks, latency from the ``task_fi
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import threading
@@ -36,6 +37,7 @@ class Monitor:
         self.version = 0
         self.snapshot: dict[str, Any] = {"workers": [], "jobs": [], "counts": {}, "health": None,
                                          "events": [], "failures": [], "error": "connecting..."}
+        self.encoded = json.dumps(self.snapshot)  # the snapshot as every browser is sent it
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_SECONDS)
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -125,8 +127,9 @@ class Monitor:
         })
 
     def _publish(self, snapshot: dict[str, Any]) -> None:
+        encoded = json.dumps(snapshot, default=str)  # once, however many browsers watch
         with self._changed:
-            self.snapshot = snapshot
+            self.snapshot, self.encoded = snapshot, encoded
             self.version += 1
             self._changed.notify_all()
 

@@ -215,7 +215,7 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.close_connection = True
             monitor = dashboard.monitor
-            self._event("history", list(monitor.history))
+            self._event("history", json.dumps(list(monitor.history)))
             seen = -1
             while not monitor.stopped:
                 version = monitor.wait_change(seen, KEEPALIVE)
@@ -223,7 +223,7 @@ class Handler(BaseHTTPRequestHandler):
                     self.wfile.write(b": keepalive\n\n")
                 else:
                     seen = version
-                    self._event("snapshot", monitor.snapshot)
+                    self._event("snapshot", monitor.encoded)
                 self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass  # the browser went away
@@ -231,8 +231,9 @@ class Handler(BaseHTTPRequestHandler):
             with dashboard._lock:
                 dashboard.streams -= 1
 
-    def _event(self, kind: str, data: Any) -> None:
-        self.wfile.write(f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n".encode())
+    def _event(self, kind: str, encoded: str) -> None:
+        """One server-sent event; JSON has no raw newline, so one ``data`` line holds it."""
+        self.wfile.write(f"event: {kind}\ndata: {encoded}\n\n".encode())
 
     # ----------------------------------------------------------------- POST
 

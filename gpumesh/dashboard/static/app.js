@@ -87,12 +87,12 @@ function drawMesh(workers, now) {
     lastTraffic[w.id] = [now, moved];
     const width = 1 + Math.min(Math.log10(1 + Math.max(rate, 0)) , 6);
     picture.append(svg("line", {x1: cx, y1: cy, x2: x, y2: y, "stroke-width": width.toFixed(1)}));
-    picture.append(svg("text", {x: (cx + x) / 2, y: (cy + y) / 2 - 4, class: "edge-label"},
+    picture.append(svg("text", {x: cx + (x - cx) * 0.45, y: cy + (y - cy) * 0.45 - 4, class: "edge-label"},
       `${bytes(Math.max(rate, 0))}/s`));
     const state = workerState(w);
     const node = svg("g", {class: "node", "data-worker": w.id});
     node.append(svg("circle", {cx: x, cy: y, r: 26, class: `state-${state}`}));
-    node.append(svg("text", {x: x, y: y + 4}, `${w.running}/${w.slots}`));
+    node.append(svg("text", {x: x, y: y + 4}, `${Math.min(w.running, w.slots)}/${w.slots}`));
     node.append(svg("text", {x: x, y: y + 42}, w.hostname || w.id.slice(0, 8)));
     node.append(svg("text", {x: x, y: y + 56, class: "sub"},
       `${w.device_name || w.device} · score ${Number(w.score).toFixed(1)} · ${state}`));
@@ -124,7 +124,8 @@ function drawWorkers(workers) {
     const card = el("div", {class: "worker", "data-worker": w.id},
       el("span", {class: "name"}, w.hostname || w.id.slice(0, 8)), " ",
       el("span", {class: `badge ${state}`}, state), " ",
-      el("span", {class: "muted"}, `${w.device_name || w.device} · ${w.id.slice(0, 8)} · score ${Number(w.score).toFixed(1)} · ${w.running}/${w.slots} slots · ${w.completed} done`));
+      el("span", {class: "muted"}, `${w.device_name || w.device} · ${w.id.slice(0, 8)} · score ${Number(w.score).toFixed(1)} · ${Math.min(w.running, w.slots)}/${w.slots} slots busy` +
+        (w.running > w.slots ? ` (+${w.running - w.slots} queued)` : "") + ` · ${w.completed} done`));
     const stats = w.stats;
     if (stats) {
       if (stats.cpu !== null && stats.cpu !== undefined) card.append(meter("CPU", stats.cpu / 100, `${stats.cpu.toFixed(0)} %`));
@@ -293,7 +294,9 @@ function drawLists(data) {
   if (!failures.children.length) failures.append(el("li", {class: "muted"}, "none"));
   const events = document.getElementById("events");
   events.replaceChildren();
-  for (const [seq, time, kind, detail] of [...(data.events || [])].reverse().slice(0, 60)) {
+  // Successful tasks are in the throughput chart: listing each would bury everything else.
+  const notable = (data.events || []).filter(([, , kind, d]) => kind !== "task_finished" || (d && d.state !== "done"));
+  for (const [seq, time, kind, detail] of notable.reverse().slice(0, 60)) {
     const d = detail || {};
     const who = d.worker && typeof d.worker === "object" ? d.worker.hostname || d.worker.id : d.worker;
     const text = [kind, d.job, d.state, who, d.action, d.by && `by ${d.by}`, d.reason, d.count && `${d.count} task(s)`]
