@@ -26,7 +26,10 @@ POLL_EVERY = 1.0  # seconds between rounds of queries
 HISTORY_SECONDS = 600
 RECENT_EVENTS = 100  # events the page lists
 RECENT_FAILURES = 50
-JOB_CACHE = 1.0  # seconds a job's detail is reused: many browsers cost one query
+# Seconds a job's detail is reused, at least: many browsers cost one query. A big job's detail
+# is a paged answer read from the journal, so it is reused a second more per 1,000 tasks.
+JOB_CACHE = 1.0
+MAX_JOB_CACHE = 10.0
 MAX_TASKS_SHOWN = 2000  # tasks of one job the page lists (the counts cover them all)
 
 
@@ -46,7 +49,7 @@ class Monitor:
         self._events: deque[list[Any]] = deque(maxlen=RECENT_EVENTS)
         self._failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self._finished: tuple[float, int] | None = None  # (when, finished_total) last round
-        self._jobs: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._jobs: dict[str, tuple[float, dict[str, Any]]] = {}  # id -> (until, view)
         self._jobs_lock = threading.Lock()
 
     def start(self) -> None:
@@ -136,14 +139,15 @@ class Monitor:
     # ----------------------------------------------------------------- on demand
 
     def job(self, job_id: str) -> dict[str, Any]:
-        """A job with its tasks (at most MAX_TASKS_SHOWN), reused for JOB_CACHE seconds."""
+        """A job with its tasks (at most MAX_TASKS_SHOWN), reused for a while (JOB_CACHE)."""
         now = time.monotonic()
         with self._jobs_lock:
             cached = self._jobs.get(job_id)
-            if cached is not None and now - cached[0] < JOB_CACHE:
+            if cached is not None and now < cached[0]:
                 return cached[1]
         view = self.client.status(job_id)
         tasks = view.get("tasks") or []
+        expires = now + min(JOB_CACHE + len(tasks) / 1000, MAX_JOB_CACHE)
         if len(tasks) > MAX_TASKS_SHOWN:
             view = {**view, "tasks": tasks[:MAX_TASKS_SHOWN],
                     "tasks_not_shown": len(tasks) - MAX_TASKS_SHOWN
@@ -151,7 +155,7 @@ class Monitor:
         with self._jobs_lock:
             if len(self._jobs) > 64:
                 self._jobs.clear()
-            self._jobs[job_id] = (now, view)
+            self._jobs[job_id] = (expires, view)
         return view
 
     def cancel(self, job_id: str, force: bool) -> dict[str, Any]:

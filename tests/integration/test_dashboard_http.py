@@ -7,14 +7,17 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from gpumesh.dashboard import Dashboard
 from gpumesh.dashboard.guard import FAILURES_PER_ADDRESS, Guard
@@ -231,3 +234,49 @@ def test_gpumesh_dashboard_prints_its_url_serves_and_stops(mesh_env):
             proc.wait()
     assert proc.returncode == 0 and "dashboard stopped" in rest
     assert mesh_env.token not in line + rest
+
+
+def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_it(tmp_path):
+    env = {**os.environ, "GPUMESH_HOME": str(tmp_path), "GPUMESH_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "serve", "--port", "0", "--db", ":memory:",
+         "--no-self-worker", "--no-save", "--dashboard", "--dashboard-port", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []],
+                              daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        def dashboard_line() -> re.Match[str] | None:
+            while not lines.empty():
+                seen.append(lines.get())
+                found = re.search(r"Dashboard on http://127\.0\.0\.1:(\d+)/", seen[-1])
+                if found:
+                    return found
+            return None
+
+        port = int(wait_for(dashboard_line, 30, "the dashboard's URL").group(1))  # type: ignore[attr-defined]
+        browser = Browser(port)
+        assert browser.request("GET", "/")[0].status == 200
+        assert browser.request("GET", "/api/session")[0].status == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+
+        def closed() -> bool:
+            try:
+                Browser(port).request("GET", "/")
+            except OSError:
+                return True
+            return False
+
+        wait_for(closed, 15, "the dashboard to stop with serve")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert TOKEN not in "".join(seen)

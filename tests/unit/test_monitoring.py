@@ -195,3 +195,21 @@ def test_a_sample_is_what_the_coordinator_accepts():
     used, total = memory()
     assert 0 < used <= total
     CpuMeter().percent()  # primes without raising
+
+
+def test_the_agent_sends_its_latest_sample_and_drains_when_the_mesh_asks(tmp_path):
+    from test_worker_agent import recording_agent
+
+    for agent in recording_agent(tmp_path):
+        assert "stats" not in agent.heartbeat_header()  # nothing sampled yet
+        agent.sampler._latest = {"cpu": 5.0, "ram": [1, 2], "gpus": []}
+        assert agent.heartbeat_header()["stats"]["cpu"] == 5.0
+        agent.session.welcomed = True
+        control = encode(Command.CONTROL, {"action": "drain", "by": "ann@lap"})
+        agent.session.on_message(decode(control, Limits()), 1.0)
+        assert agent.mode is WorkerMode.DRAINING
+        credit = [m.header for m in agent.sent if m.command is Command.CREDIT][-1]
+        assert credit["mode"] == "draining"
+        ignored = encode(Command.CONTROL, {"action": "drain-now", "by": "ann@lap"})
+        agent.session.on_message(decode(ignored, Limits()), 1.0)  # not a mesh action: ignored
+        assert sum(m.command is Command.CREDIT for m in agent.sent) == 1
