@@ -167,7 +167,8 @@ def test_serve_path_saves_what_serve_then_runs_with(tmp_path, wizards):
 def test_join_path_offers_the_coordinator_that_discovery_finds(tmp_path, advertised, wizards):
     port, token = advertised
     home = tmp_path / "worker"
-    wizard = Wizard(_env(home))
+    # A deadline, not a wait: browsing returns once this mesh answers (about 1 s on loopback).
+    wizard = Wizard(_env(home, GPUMESH_DISCOVERY_TIMEOUT="15"))
     wizards.append(wizard)
     wizard.answer("This machine will", DOWN + ENTER)  # join a mesh as a worker
     wizard.answer("Paste the token", token + ENTER)
