@@ -194,6 +194,8 @@ def run(settings: Settings) -> None:
         written = save(settings, answers)
     except MeshError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot save in {settings.home}: {exc.strerror or exc}")
     finally:
         signal.signal(signal.SIGINT, previous)
     wizard.done(answers, written)
