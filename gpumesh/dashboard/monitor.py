@@ -93,6 +93,8 @@ class Monitor:
             health: dict[str, Any] | None = client.health()
         except MeshError:
             health = None  # a coordinator older than protocol 1.5
+        if health is not None and int(health.get("events") or 0) < self._since:
+            self._since = 0  # the coordinator restarted: its events are numbered from 1 again
         events = client.events(self._since)
         latencies = []
         for seq, when, kind, data in events:
@@ -122,12 +124,18 @@ class Monitor:
         if last is None or now <= last[0]:
             return
         latencies.sort()
-        self.history.append({
+        point = {
             "t": now, "throughput": max(total - last[1], 0) / (now - last[0]),
             "p50": statistics.median(latencies) if latencies else None,
             "p95": latencies[min(int(len(latencies) * 0.95), len(latencies) - 1)]
             if latencies else None,
-        })
+        }
+        with self._changed:  # a browser may be copying the history just now
+            self.history.append(point)
+
+    def history_json(self) -> str:
+        with self._changed:
+            return json.dumps(list(self.history))
 
     def _publish(self, snapshot: dict[str, Any]) -> None:
         encoded = json.dumps(snapshot, default=str)  # once, however many browsers watch

@@ -37,7 +37,8 @@ SECURITY_HEADERS = {
                                "frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
+    # Not "no-referrer": under it Chromium sends "Origin: null" with the page's own form POSTs.
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
 LOGIN_MESSAGES = {"failed": "That is not this mesh's token.",
@@ -70,6 +71,7 @@ class Dashboard:
         self.guard = Guard(token, host, self.port)
         self.streams = 0
         self._lock = threading.Lock()
+        self._serving = False
 
     @property
     def url(self) -> str:
@@ -78,18 +80,21 @@ class Dashboard:
         return f"http://[{shown}]:{self.port}/" if ":" in shown else f"http://{shown}:{self.port}/"
 
     def serve_forever(self) -> None:
+        self._serving = True
         self.monitor.start()
         self.httpd.serve_forever(poll_interval=0.25)
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="gpumesh-dashboard",
                                   daemon=True)
+        self._serving = True
         thread.start()
         return thread
 
     def close(self) -> None:
         self.monitor.stop()
-        self.httpd.shutdown()
+        if self._serving:  # shutdown() waits for serve_forever, which would never come
+            self.httpd.shutdown()
         self.httpd.server_close()
 
 
@@ -215,7 +220,7 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.close_connection = True
             monitor = dashboard.monitor
-            self._event("history", json.dumps(list(monitor.history)))
+            self._event("history", monitor.history_json())
             seen = -1
             while not monitor.stopped:
                 version = monitor.wait_change(seen, KEEPALIVE)

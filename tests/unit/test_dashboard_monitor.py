@@ -15,6 +15,7 @@ class Stub:
         self.finished = 0
         self.pending_events: list[list[Any]] = []
         self.asked_since: list[int] = []
+        self.last_seq = 0
 
     def workers(self) -> list[dict[str, Any]]:
         return [{"id": "w1", "hostname": "<b>box</b>"}]
@@ -27,11 +28,12 @@ class Stub:
     def health(self) -> dict[str, Any]:
         if not self.has_health:
             raise MeshError("the coordinator refused the request: unknown query 'health'")
-        return {"finished_total": self.finished}
+        return {"finished_total": self.finished, "events": self.last_seq}
 
     def events(self, since: int = 0) -> list[list[Any]]:
         self.asked_since.append(since)
         events, self.pending_events = self.pending_events, []
+        self.last_seq = max([self.last_seq, *(e[0] for e in events)])
         return events
 
 
@@ -53,6 +55,9 @@ def test_throughput_latency_and_failures_from_two_rounds():
     assert stub.asked_since == [0, 0] and monitor._since == 3
     monitor.poll(13.0)
     assert stub.asked_since[-1] == 3  # only what is new
+    stub.last_seq = 0  # the coordinator restarted: numbering starts again
+    monitor.poll(14.0)
+    assert stub.asked_since[-1] == 0
     assert json.loads(monitor.encoded)["workers"][0]["hostname"] == "<b>box</b>"  # as data
 
 

@@ -349,7 +349,12 @@ async function start() {
     conn.textContent = "live"; conn.className = "conn live";
     render(JSON.parse(event.data));
   });
-  stream.addEventListener("error", () => { conn.textContent = "reconnecting…"; conn.className = "conn down"; });
+  stream.addEventListener("error", () => {
+    conn.textContent = "reconnecting…"; conn.className = "conn down";
+    // Refused (the dashboard restarted, the session expired): EventSource gives up, so load
+    // the page again, which logs in again where that is needed.
+    if (stream.readyState === EventSource.CLOSED) setTimeout(() => location.reload(), 3000);
+  });
 }
 
 start();
