@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 from gpumesh.dashboard.monitor import Monitor
@@ -77,3 +79,10 @@ def test_a_big_jobs_detail_is_cut_and_reused():
     assert len(view["tasks"]) == 2000 and view["tasks_not_shown"] == 500
     stub.status = None  # type: ignore[assignment]  # a second ask would fail: it is cached
     assert monitor.job("j1") is view
+
+
+def test_the_dashboard_is_a_layer_above_the_client_only():
+    code = ("import sys, gpumesh.dashboard; print(sorted(m for m in sys.modules if m.startswith("
+            "('gpumesh.coordinator', 'gpumesh.worker', 'gpumesh.cli.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
