@@ -103,6 +103,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "gpumesh-dashboard"
     sys_version = ""
+    timeout = 30  # seconds a silent connection holds its thread (a read or a send that stalls)
 
     @property
     def dashboard(self) -> Dashboard:
@@ -144,6 +145,7 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             return None
         if not 0 <= length <= MAX_BODY:
+            self.close_connection = True  # its body is not read: nothing more can follow it
             return None
         return self.rfile.read(length)
 
