@@ -433,6 +433,14 @@ class GPUMesh:
         finished_total, ...}`` (docs/protocol.md, QUERY ``health``)."""
         return self._require().query("health")
 
+    def task_detail(self, task_id: str) -> dict[str, Any]:
+        """One task as the coordinator holds it: state, worker, attempts, times and its whole
+        ``error`` (type, message, remote traceback). Raises MeshError once it is forgotten."""
+        answer = self._require().query("task", task=task_id)
+        if isinstance(answer, dict) and "error" in answer and "id" not in answer:
+            raise MeshError(str(answer["error"]))
+        return answer
+
     def events(self, since: int = 0) -> list[list[Any]]:
         """State changes after event number ``since``: ``[[seq, time, kind, data], ...]``."""
         return self._require().query("events", since=since)

@@ -270,6 +270,8 @@ class ClientSide:
             data = self.retention.status(q.job, now, tasks=q.tasks)
         elif q.what == "health":
             data = self.retention.health(now)
+        elif q.what == "task" and q.task is not None:
+            data = self.retention.task_detail(q.task)
         elif q.what == "events":
             # Paged by sequence number, not by position: events arrive (and the oldest go)
             # between pages.

@@ -107,6 +107,20 @@ class Retention:
                 "jobs_known": len(self.ledger.jobs),
                 "jobs": [j.describe(self.ledger.tasks, now, tasks=False) for j in recent]}
 
+    def task_detail(self, task_id: str) -> dict[str, Any]:
+        """One task as the coordinator holds it, its whole error and traceback included (a
+        job's status keeps the last DETAIL_CHARS of it); an ``error`` once it is forgotten."""
+        task = self.ledger.tasks.get(task_id)
+        if task is None:
+            return {"error": f"the coordinator no longer holds task {task_id} (its result was "
+                             "collected): its job's status keeps a summary"}
+        header = task.result_header or {}
+        return {"id": task.task_id, "job": task.job_id, "state": task.state.public,
+                "worker": task.worker_id or header.get("worker", ""), "attempts": task.attempts,
+                "submitted_at": task.submitted_at, "finished_at": task.finished_at or None,
+                "elapsed": header.get("elapsed"), "error": header.get("error"),
+                "diagnosis": header.get("diagnosis"), "failures": list(task.failures)}
+
     def health(self, now: float) -> dict[str, Any]:
         """The coordinator's own state, for monitors: O(jobs + workers + clients), no task scan."""
         ledger = self.ledger

@@ -166,6 +166,10 @@ class Monitor:
             self._jobs[job_id] = (expires, view)
         return view
 
+    def task(self, task_id: str) -> dict[str, Any]:
+        """One task with its whole error and traceback (no cache: asked on a click)."""
+        return self.client.task_detail(task_id)
+
     def cancel(self, job_id: str, force: bool) -> dict[str, Any]:
         cancelled = self.client.cancel_job(job_id, force=force)
         self._forget(job_id)

@@ -193,6 +193,9 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path == "/api/job":
             job = parse_qs(url.query).get("id", [""])[0][:200]
             self._answer(lambda: self.dashboard.monitor.job(job))
+        elif url.path == "/api/task":
+            task = parse_qs(url.query).get("id", [""])[0][:64]
+            self._answer(lambda: self.dashboard.monitor.task(task))
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": "not found"})
 

@@ -516,6 +516,7 @@ class Query:
     tasks: bool
     since: int
     page: int
+    task: str | None = None  # ``task``: one task's detail (since 1.5)
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Query:
@@ -526,6 +527,7 @@ class Query:
             tasks=f.flag(h, "tasks", default=True),
             since=f.integer(h, "since", low=0, high=f.INT64, default=0),
             page=f.integer(h, "page", low=0, high=f.INT64, default=0),
+            task=f.text(h, "task", min_len=1, max_len=ID_CHARS, default=None),
         )
 
 

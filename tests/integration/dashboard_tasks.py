@@ -11,5 +11,8 @@ def pause(seconds: float) -> float:
     return seconds
 
 
-def explode(x: int) -> int:
+def explode(x: int, depth: int = 30) -> int:
+    """Fails deep down: its traceback is longer than a job's status keeps of it."""
+    if depth:
+        return explode(x, depth - 1)
     raise ValueError(f"boom {x}: <b>not bold</b> & <script>alert(1)</script>")

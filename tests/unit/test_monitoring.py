@@ -114,6 +114,27 @@ def test_task_finished_events_carry_latency_and_run_time():
     assert ask(b, "health", 4.0)["finished_total"] == 1
 
 
+def test_a_tasks_whole_error_is_asked_by_id_and_a_hostile_id_is_refused():
+    b = make_broker()
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}]}, [b"p"]),
+             1.0)
+    b.dispatch(1.0)
+    task = next(iter(b.tasks.values()))
+    trace = "Traceback (most recent call last):\n" + "  frame\n" * 5000
+    b.handle(W, msg(Command.RESULT, {"task": task.task_id, "lease": task.lease_id,
+                                     "status": "error", "elapsed": 0.5,
+                                     "error": {"type": "E", "message": "m", "traceback": trace}}),
+             3.0)
+    b.handle(C, msg(Command.QUERY, {"what": "task", "task": task.task_id, "qid": 9}), 4.0)
+    detail = sent(b, Command.REPLY)[-1]["data"]
+    assert detail["error"]["traceback"] == trace and detail["worker"] == "w1"
+    assert detail["state"] == "failed" and detail["job"] == task.job_id
+    b.handle(C, msg(Command.QUERY, {"what": "task", "task": "nope", "qid": 10}), 4.0)
+    assert "no longer holds" in sent(b, Command.REPLY)[-1]["data"]["error"]
+    b.handle(C, msg(Command.QUERY, {"what": "task", "task": "x" * 65, "qid": 11}), 4.0)
+    assert sent(b, Command.ERROR)[-1]["code"] == "malformed"
+
+
 # ----------------------------------------------------------------- drain from the mesh
 
 @pytest.mark.parametrize("action", ["drain", "pause", "resume"])

@@ -236,13 +236,25 @@ async function refreshJob() {
   }
 }
 
-function showTask(task) {
+async function showTask(task) {
+  const first = !openTask || openTask.id !== task.id;
   openTask = task;
   document.getElementById("task-detail").hidden = false;
   document.getElementById("task-title").textContent =
     `task ${task.id} · ${task.state} · worker ${task.worker || "-"} · ${task.attempts} attempt(s) · ${seconds(task.elapsed)}`;
-  const text = [task.error, task.detail].filter(Boolean).join("\n\n") || "no error";
-  document.getElementById("task-error").textContent = text;
+  const box = document.getElementById("task-error");
+  if (!first) return;
+  // The job's list keeps the end of a traceback; the coordinator holds the whole of it until
+  // the result is collected.
+  box.textContent = [task.error, task.detail].filter(Boolean).join("\n\n") || "no error";
+  if (task.state !== "failed") return;
+  const response = await fetch(`/api/task?id=${encodeURIComponent(task.id)}`, {credentials: "same-origin"});
+  const full = await response.json().catch(() => ({}));
+  if (!response.ok || !full.id || openTask.id !== task.id) return;
+  const error = full.error || {};
+  const failures = (full.failures || []).length ? `earlier attempts: ${full.failures.join("; ")}` : "";
+  box.textContent = [error.type && `${error.type}: ${error.message || ""}`, error.traceback, full.diagnosis, failures]
+    .filter(Boolean).join("\n\n") || box.textContent;
 }
 
 // ------------------------------------------------------------------ charts and lists
