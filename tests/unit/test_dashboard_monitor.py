@@ -54,6 +54,7 @@ def test_throughput_latency_and_failures_from_two_rounds():
     point = monitor.history[-1]
     assert point["throughput"] == 15.0 and point["p50"] == 1.0 and point["p95"] == 1.5
     assert [f["task"] for f in monitor.snapshot["failures"]] == ["t2"]
+    assert [e[0] for e in monitor.snapshot["events"]] == [2]  # done tasks are only counted
     assert stub.asked_since == [0, 0] and monitor._since == 3
     monitor.poll(13.0)
     assert stub.asked_since[-1] == 3  # only what is new
