@@ -87,7 +87,7 @@ function drawMesh(workers, now) {
     lastTraffic[w.id] = [now, moved];
     const width = 1 + Math.min(Math.log10(1 + Math.max(rate, 0)) , 6);
     picture.append(svg("line", {x1: cx, y1: cy, x2: x, y2: y, "stroke-width": width.toFixed(1)}));
-    picture.append(svg("text", {x: cx + (x - cx) * 0.45, y: cy + (y - cy) * 0.45 - 4, class: "edge-label"},
+    picture.append(svg("text", {x: cx + (x - cx) * 0.35, y: cy + (y - cy) * 0.35 - 4, class: "edge-label"},
       `${bytes(Math.max(rate, 0))}/s`));
     const state = workerState(w);
     const node = svg("g", {class: "node", "data-worker": w.id});
