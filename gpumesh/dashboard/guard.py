@@ -67,10 +67,9 @@ class Guard:
         self._wildcard = wildcard
         names = {"localhost", "127.0.0.1", "[::1]", host.lower(),
                  f"[{host.lower()}]" if ":" in host else host.lower()}
-        if wildcard:
-            fqdn = socket.getfqdn().lower()
+        if wildcard:  # this machine's own name, as the OS says it (no DNS lookup)
             hostname = socket.gethostname().lower()
-            names |= {hostname, f"{hostname}.local", fqdn}
+            names |= {hostname, f"{hostname}.local"}
         self._names = names
 
     # ----------------------------------------------------------------- Host and Origin
