@@ -17,18 +17,25 @@ from .output import child_log_flags, fail, ok
 
 
 def run(settings: Settings, *, url: str | None, token: str | None, host: str, port: int,
+        cert: str | None = None, key: str | None = None,
         exit_with_parent: bool = False) -> None:
     from ..client import GPUMesh
     from ..dashboard import Dashboard
-    from ..dashboard.guard import is_loopback
+    from ..dashboard.tls import prepare
 
+    try:
+        # Before anything connects or binds: off loopback there is HTTPS or no dashboard.
+        tls = prepare(host, settings.home, cert, key)
+    except MeshError as exc:
+        fail(str(exc))
     try:
         endpoint, token = settings.resolve_connection(url, token)
         client = GPUMesh(endpoint.zmq, token, quiet=True, settings=settings)
     except MeshError as exc:
         fail(str(exc))
     try:
-        dashboard = Dashboard(client, token, host=host, port=port)
+        dashboard = Dashboard(client, token, host=host, port=port,
+                              tls=tls[0] if tls else None)
     except OSError as exc:
         client.close()
         fail(f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc}. Pick another "
@@ -40,9 +47,13 @@ def run(settings: Settings, *, url: str | None, token: str | None, host: str, po
         stop_with_parent(stop.set)
     thread = dashboard.start()
     ok(f"Dashboard on {dashboard.url} (mesh {endpoint.zmq})")
-    if not is_loopback(host):
-        click.echo("   Reachable from other machines: the page asks for the mesh token before it "
-                   "shows anything. Plain HTTP: use it on a network you trust.")
+    if tls is not None:
+        made = "made now, " if tls[1].generated else ""
+        click.echo(f"   HTTPS with {tls[1].cert} ({made}SHA-256 fingerprint {tls[1].fingerprint})")
+        if dashboard.guard.login_required:
+            click.echo("   Reachable from other machines: the page asks for the mesh token before "
+                       "it shows anything. A browser warns about a self-signed certificate: "
+                       "go on only if the fingerprint it shows is the one above.")
     try:
         while not stop.wait(0.5):
             if not thread.is_alive():
@@ -53,10 +64,12 @@ def run(settings: Settings, *, url: str | None, token: str | None, host: str, po
     click.echo("[gpumesh] dashboard stopped")
 
 
-def start_child(url: str, token: str, host: str, port: int) -> subprocess.Popen[bytes]:
+def start_child(url: str, token: str, host: str, port: int, cert: str | None = None,
+                key: str | None = None) -> subprocess.Popen[bytes]:
     """``gpumesh serve --dashboard``: the page in a process of its own, so its JSON and HTTP
     work never takes the coordinator's loop's time (one GIL each); it stops with serve."""
     env = dict(os.environ, GPUMESH_TOKEN=token)
+    tls = ["--dashboard-cert", cert, "--dashboard-key", key] if cert and key else []
     args = [sys.executable, "-m", "gpumesh", *child_log_flags(), "dashboard", "--url", url,
-            "--dashboard-host", host, "--dashboard-port", str(port), "--exit-with-parent"]
+            "--dashboard-host", host, "--dashboard-port", str(port), *tls, "--exit-with-parent"]
     return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)

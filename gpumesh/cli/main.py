@@ -56,12 +56,19 @@ def _color_option(fn: _F) -> _F:
 
 
 def _dashboard_options(fn: _F) -> _F:
+    fn = click.option("--dashboard-key", type=click.Path(dir_okay=False), default=None,
+                      metavar="FILE", help="PEM private key of --dashboard-cert.")(fn)
+    fn = click.option("--dashboard-cert", type=click.Path(dir_okay=False), default=None,
+                      metavar="FILE",
+                      help="Serve the page over HTTPS with this PEM certificate (with "
+                           "--dashboard-key). Off loopback without it, a self-signed one is "
+                           "made with openssl and kept in GPUMESH_HOME.")(fn)
     fn = click.option("--dashboard-port", default=8265, show_default=True,
                       type=click.IntRange(0, 65535),
                       help="TCP port of the dashboard page (0 picks a free one).")(fn)
     return click.option("--dashboard-host", default="127.0.0.1", show_default=True,
-                        help="Address the dashboard binds. Any other than loopback asks "
-                             "visitors for the mesh token.")(fn)
+                        help="Address the dashboard binds. Any other than loopback serves "
+                             "HTTPS and asks visitors for the mesh token.")(fn)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -124,7 +131,8 @@ def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, pub
           token: str | None, weak_token: bool, db: str | None,
           no_self_worker: bool, slots: int | None, safe_mode: bool,
           pending_timeout: float | None, no_save: bool, dashboard: bool, dashboard_host: str,
-          dashboard_port: int, quiet_worker: bool,
+          dashboard_port: int, dashboard_cert: str | None, dashboard_key: str | None,
+          quiet_worker: bool,
           ready_fd: int | None, exit_with_parent: bool) -> None:
     """Start a coordinator (and join this machine to it).
 
@@ -140,6 +148,8 @@ def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, pub
     On Windows, a bind beyond loopback adds the firewall rule "gpumesh PORT" when run as
     Administrator (kept for the next run), and otherwise prints the command to run.
     """
+    if dashboard and (dashboard_cert is None) != (dashboard_key is None):
+        raise click.UsageError("give both --dashboard-cert and --dashboard-key, or neither")
     settings = _settings()
     token = chosen_token(token)
     if token:
@@ -155,7 +165,8 @@ def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, pub
               self_worker=not no_self_worker, slots=slots, safe_mode=safe_mode,
               pending_timeout=pending_timeout, ready_fd=ready_fd, quiet=quiet_worker,
               save=not no_save, exit_with_parent=exit_with_parent,
-              dashboard=(dashboard_host, dashboard_port) if dashboard else None)
+              dashboard=(dashboard_host, dashboard_port, dashboard_cert, dashboard_key)
+              if dashboard else None)
 
 
 def _prefetch(value: str) -> int | None:
@@ -377,25 +388,29 @@ def kill(worker: str, url: str | None, token: str | None) -> None:
 @_dashboard_options
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_connection
-def dashboard(dashboard_host: str, dashboard_port: int, exit_with_parent: bool,
+def dashboard(dashboard_host: str, dashboard_port: int, dashboard_cert: str | None,
+              dashboard_key: str | None, exit_with_parent: bool,
               url: str | None, token: str | None) -> None:
     """Serve a live web page of the mesh: workers and their GPU/CPU use, jobs, failures,
     throughput and latency, the coordinator's health.
 
-    Bound to loopback by default. Bound to another address, the page asks for the mesh token
-    before it shows anything (plain HTTP: only on a network you trust). Cancel and drain from
-    the page act as this machine's user@host.
+    Bound to loopback by default (plain HTTP). Bound to another address, the page is HTTPS
+    (--dashboard-cert/--dashboard-key, or a self-signed certificate made with openssl, whose
+    fingerprint is printed) and asks for the mesh token before it shows anything. Cancel and
+    drain from the page act as this machine's user@host.
 
     \b
     Examples:
       gpumesh dashboard                               # http://127.0.0.1:8265/
       gpumesh dashboard --url tcp://192.0.2.10:8000 --token-file mesh.token
-      gpumesh dashboard --dashboard-host 0.0.0.0      # others log in with the token
+      gpumesh dashboard --dashboard-host 0.0.0.0      # HTTPS; others log in with the token
+      ssh -L 8265:127.0.0.1:8265 HOST                 # or keep it on loopback, reach it so
     """
     from .dashboard import run as run_dashboard
 
     run_dashboard(_settings(), url=url, token=chosen_token(token), host=dashboard_host,
-                  port=dashboard_port, exit_with_parent=exit_with_parent)
+                  port=dashboard_port, cert=dashboard_cert, key=dashboard_key,
+                  exit_with_parent=exit_with_parent)
 
 
 @cli.command()

@@ -136,7 +136,7 @@ def serve(
     ready_fd: int | None, quiet: bool, save: bool = True, exit_with_parent: bool = False,
     weak_token: bool = False, host_ip: str | None = None, tailscale: bool = False,
     public: bool = False, tunnel: tunnels.TunnelProvider | None = None,
-    dashboard: tuple[str, int] | None = None,
+    dashboard: tuple[str, int, str | None, str | None] | None = None,
 ) -> None:
     """Run a coordinator until SIGINT/SIGTERM. ``tailscale`` binds and prints this machine's
     Tailscale address; ``public`` opens a TCP tunnel through ``tunnel`` (ngrok by default) once

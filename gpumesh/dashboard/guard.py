@@ -5,7 +5,8 @@
   reach a loopback dashboard under its own name.
 - Login: off loopback, the mesh token (compared with ``hmac.compare_digest``; failed tries
   limited per address and in all) opens a session: a random cookie, HttpOnly and
-  SameSite=Strict. On loopback any visit gets a session, for its CSRF token only.
+  SameSite=Strict, and Secure over TLS (off loopback the page is HTTPS: tls.py). On loopback
+  any visit gets a session, for its CSRF token only.
 - Actions: POST with the session's CSRF token in ``X-CSRF-Token`` and an ``Origin`` of this
   very server, on loopback too: any page the user visits can POST to 127.0.0.1.
 
@@ -53,8 +54,9 @@ def _is_ip(name: str) -> bool:
 
 
 class Guard:
-    def __init__(self, token: str, host: str, port: int) -> None:
+    def __init__(self, token: str, host: str, port: int, tls: bool = False) -> None:
         self._token = token.encode()
+        self.tls = tls  # served over HTTPS: the cookie is Secure, the Origin is https://
         self.host = host
         self.port = port
         self.login_required = not is_loopback(host)
@@ -90,7 +92,11 @@ class Guard:
     def origin_ok(self, origin: str | None, host: str | None) -> bool:
         """A state change must come from a page of this server: ``Origin`` is its own URL."""
         return bool(origin and host and self.host_ok(host)
-                    and hmac.compare_digest(origin.lower(), f"http://{host.lower()}"))
+                    and hmac.compare_digest(origin.lower(), f"{self.scheme}://{host.lower()}"))
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
     # ----------------------------------------------------------------- sessions
 
@@ -123,10 +129,14 @@ class Guard:
 
     def set_cookie(self, sid: str) -> str:
         return (f"{self.cookie}={sid}; HttpOnly; SameSite=Strict; Path=/; "
-                f"Max-Age={SESSION_SECONDS}")
+                f"Max-Age={SESSION_SECONDS}{self._secure}")
 
     def clear_cookie(self) -> str:
-        return f"{self.cookie}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"
+        return f"{self.cookie}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{self._secure}"
+
+    @property
+    def _secure(self) -> str:
+        return "; Secure" if self.tls else ""  # over TLS, never sent back in the clear
 
     def csrf(self, sid: str) -> str:
         return hmac.new(self._secret, sid.encode(), hashlib.sha256).hexdigest()

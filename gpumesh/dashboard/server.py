@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import ssl
 import threading
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
@@ -29,6 +30,7 @@ DEFAULT_PORT = 8265
 MAX_BODY = 4096
 MAX_STREAMS = 32  # browsers watching at once; each holds a thread
 KEEPALIVE = 15.0  # seconds between comments on an idle event stream
+HANDSHAKE_SECONDS = 10.0  # a TLS client that says nothing gives its thread back after this
 STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
           "/style.css": ("style.css", "text/css"), "/login": ("login.html", "text/html")}
 SECURITY_HEADERS = {
@@ -53,22 +55,26 @@ def _assets() -> dict[str, bytes]:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     dashboard: Dashboard
+    tls: ssl.SSLContext | None = None
 
 
 class Dashboard:
     """Serve the page at ``host:port`` for the mesh ``client`` reaches; ``token`` is that
-    mesh's token, asked of browsers when the bind is not loopback."""
+    mesh's token, asked of browsers when the bind is not loopback. With ``tls`` (tls.py) the
+    page is HTTPS: each connection's handshake runs in its own thread, never the accepting one."""
 
     def __init__(self, client: GPUMesh, token: str, host: str = "127.0.0.1",
-                 port: int = DEFAULT_PORT, interval: float = 1.0) -> None:
+                 port: int = DEFAULT_PORT, interval: float = 1.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.monitor = Monitor(client, interval)
         self.assets = _assets()
         server_class = type("Server", (_Server,), {
             "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
         self.httpd = server_class((host, port), Handler)  # raises OSError when taken
         self.httpd.dashboard = self
+        self.httpd.tls = tls
         self.port = self.httpd.server_address[1]
-        self.guard = Guard(token, host, self.port)
+        self.guard = Guard(token, host, self.port, tls=tls is not None)
         self.streams = 0
         self._lock = threading.Lock()
         self._serving = False
@@ -77,7 +83,9 @@ class Dashboard:
     def url(self) -> str:
         host = self.guard.host
         shown = "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
-        return f"http://[{shown}]:{self.port}/" if ":" in shown else f"http://{shown}:{self.port}/"
+        scheme = self.guard.scheme
+        return (f"{scheme}://[{shown}]:{self.port}/" if ":" in shown
+                else f"{scheme}://{shown}:{self.port}/")
 
     def serve_forever(self) -> None:
         self._serving = True
@@ -108,6 +116,33 @@ class Handler(BaseHTTPRequestHandler):
     @property
     def dashboard(self) -> Dashboard:
         return self.server.dashboard
+
+    def setup(self) -> None:
+        self._refused = False
+        context = self.server.tls
+        if context is not None:  # the handshake, here in this connection's thread
+            self.request.settimeout(HANDSHAKE_SECONDS)
+            try:
+                self.request = context.wrap_socket(self.request, server_side=True)
+            except (OSError, ssl.SSLError, ValueError) as exc:  # silent, plain HTTP, or gone
+                log.debug("dashboard: TLS handshake from %s failed: %s",
+                          self.client_address[0], exc)
+                self._refused = True
+                return  # nothing to read or write: handle() and finish() do nothing
+        super().setup()
+
+    def handle(self) -> None:
+        if not self._refused:
+            super().handle()
+
+    def finish(self) -> None:
+        if self._refused:
+            return
+        try:
+            super().finish()
+        finally:
+            if self.server.tls is not None:  # the server closes only the socket it accepted
+                self.request.close()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         log.debug("%s %s", self.address_string(), format % args)

@@ -10,16 +10,20 @@ import os
 import queue
 import re
 import signal
+import socket
+import ssl
+import stat
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import wait_for
 
-from gpumesh.dashboard import Dashboard
+from gpumesh.dashboard import Dashboard, tls
 from gpumesh.dashboard.guard import FAILURES_PER_ADDRESS, Guard
 
 TOKEN = "salt.s3cret-token-for-the-dashboard-tests"
@@ -68,17 +72,22 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[Dashboard, StubMesh
 
 
 class Browser:
-    """http.client with full control of Host, Origin and cookies; every response kept."""
+    """http.client with full control of Host, Origin and cookies; every response kept. With
+    ``trust`` (a CA file) it speaks HTTPS and checks the certificate names 127.0.0.1."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, trust: Path | None = None, timeout: float = 10) -> None:
         self.port = port
         self.host = f"127.0.0.1:{port}"
         self.cookie = ""
         self.seen: list[str] = []
+        self.timeout = timeout
+        self.context = ssl.create_default_context(cafile=str(trust)) if trust else None
 
     def request(self, method: str, path: str, body: bytes = b"", **headers: str
                 ) -> tuple[http.client.HTTPResponse, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn = (http.client.HTTPSConnection("127.0.0.1", self.port, timeout=self.timeout,
+                                            context=self.context) if self.context
+                else http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout))
         sent = {"Host": self.host, **({"Cookie": self.cookie} if self.cookie else {}),
                 **{k.replace("_", "-"): v for k, v in headers.items()}}
         conn.request(method, path, body=body, headers=sent)
@@ -280,3 +289,99 @@ def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_i
         if proc.stdout is not None:
             proc.stdout.close()
     assert TOKEN not in "".join(seen)
+
+
+# ------------------------------------------------------------------ HTTPS off loopback
+# The socket stays on 127.0.0.1 (TESTING.md); login is forced on as for a bind beyond it.
+
+
+def need_openssl() -> None:
+    """The certificate is made by the openssl command: skip without it, fail under CI."""
+    if tls.shutil.which("openssl") is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("openssl is missing: CI installs it")
+        pytest.skip("openssl is not installed")
+
+
+@pytest.fixture
+def tls_served(tmp_path: Path) -> Iterator[tuple[Dashboard, tls.Certificate]]:
+    need_openssl()
+    made = tls.self_signed(tmp_path, "127.0.0.1")
+    dashboard = Dashboard(StubMesh(), TOKEN, port=0, interval=0.2,  # type: ignore[arg-type]
+                          tls=tls.server_context(made.cert, made.key))
+    dashboard.guard.login_required = True
+    dashboard.start()
+    try:
+        yield dashboard, made
+    finally:
+        dashboard.close()
+
+
+def test_the_certificate_is_made_once_per_machine_with_a_private_key(tmp_path):
+    need_openssl()
+    first = tls.self_signed(tmp_path, "127.0.0.1")
+    assert first.generated and first.key.parent == tmp_path
+    assert stat.S_IMODE(first.key.stat().st_mode) == 0o600
+    again = tls.self_signed(tmp_path, "127.0.0.1")
+    assert not again.generated and again.fingerprint == first.fingerprint
+    assert stat.S_IMODE(again.key.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tls.CERT_FILE, tls.KEY_FILE]
+    assert re.fullmatch(r"([0-9A-F]{2}:){31}[0-9A-F]{2}", first.fingerprint)
+
+
+def test_over_tls_the_login_works_and_the_cookie_is_secure(tls_served):
+    dashboard, made = tls_served
+    assert dashboard.url == f"https://127.0.0.1:{dashboard.port}/"
+    browser = Browser(dashboard.port, trust=made.cert)  # checks the name 127.0.0.1 too
+    response, _ = browser.request("GET", "/")
+    assert response.status == 303 and response.headers["Location"] == "/login"
+    form = f"token={TOKEN}".encode()
+    response, _ = browser.request("POST", "/login", form,
+                                  Origin=f"http://127.0.0.1:{dashboard.port}")
+    assert response.status == 403 and not browser.cookie  # an http:// page is another origin
+    origin = f"https://127.0.0.1:{dashboard.port}"
+    response, _ = browser.request("POST", "/login", form, Origin=origin)
+    assert response.headers["Location"] == "/"
+    flags = [part.strip() for part in response.headers["Set-Cookie"].split(";")]
+    assert {"Secure", "HttpOnly", "SameSite=Strict"} <= set(flags)
+    csrf = browser.csrf()
+    response, _ = browser.post("/logout", {}, Origin=origin, X_CSRF_Token=csrf)
+    assert response.status == 200 and "Secure" in response.headers["Set-Cookie"]
+    with socket.create_connection(("127.0.0.1", dashboard.port), timeout=10) as raw, \
+            browser.context.wrap_socket(raw, server_hostname="127.0.0.1") as wrapped:  # type: ignore[union-attr]
+        served = wrapped.getpeercert(binary_form=True)
+    assert served is not None
+    assert tls.hashlib.sha256(served).hexdigest().upper() == made.fingerprint.replace(":", "")
+
+
+def test_plain_http_to_the_tls_port_gets_nothing(tls_served):
+    dashboard, _ = tls_served
+    with pytest.raises((OSError, http.client.HTTPException)):
+        Browser(dashboard.port).request("GET", "/login")
+
+
+def test_a_silent_client_does_not_hold_up_another(tls_served):
+    dashboard, made = tls_served
+    with socket.create_connection(("127.0.0.1", dashboard.port), timeout=10):
+        # Says nothing: its handshake waits in its own thread, HANDSHAKE_SECONDS at most.
+        browser = Browser(dashboard.port, trust=made.cert, timeout=5)
+        response, _ = browser.request("GET", "/login")
+        assert response.status == 200
+
+
+def test_off_loopback_without_openssl_the_dashboard_refuses_to_start(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {**os.environ, "GPUMESH_HOME": str(tmp_path / "home"), "GPUMESH_TOKEN": TOKEN,
+           "PATH": str(empty)}
+    # 192.0.2.7 (TEST-NET) is never bound: the refusal comes before any socket.
+    done = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "dashboard", "--url", "tcp://127.0.0.1:9",
+         "--dashboard-host", "192.0.2.7", "--dashboard-port", "0"],
+        env=env, capture_output=True, text=True, timeout=60)
+    out = (done.stdout + done.stderr).strip()
+    assert done.returncode != 0
+    assert len(out.splitlines()) == 1, out
+    assert "--dashboard-cert FILE --dashboard-key FILE" in out
+    assert "ssh -L 8265:127.0.0.1:8265" in out and "openssl" in out
+    assert TOKEN not in out
