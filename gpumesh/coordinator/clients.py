@@ -12,6 +12,7 @@ holder who lies, who can run code on every worker anyway.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,6 +42,8 @@ from .ledger import Ledger
 from .retention import Retention
 from .state import MIN_TASK_BYTES, ClientSession, Task, TaskState, make_room
 from .workers import REMOTE_ACTIONS, WorkerSide
+
+log = logging.getLogger("gpumesh.coordinator")
 
 REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
 # What a task counts against the byte quotas at least: its record costs the coordinator memory
@@ -306,8 +309,13 @@ class ClientSide:
                                  f"not by {client.owner}: pass --force to {c.action} it anyway",
                         "owner": job.owner}
             elif c.action == "cancel":
-                data = {"job": job.job_id, "owner": job.owner,
-                        "cancelled": self.cancel_job(job, now)}
+                cancelled = self.cancel_job(job, now)
+                # Who cancelled, as for a drain: the job's owner may be someone else.
+                log.info("%s cancelled job %s (%s): %d task(s)", client.owner, job.job_id,
+                         job.name, cancelled)
+                self.ledger.emit("job_cancelled", now, job=job.job_id, count=cancelled,
+                                 by=client.owner)
+                data = {"job": job.job_id, "owner": job.owner, "cancelled": cancelled}
             else:
                 data = {"job": job.job_id, "owner": job.owner, "retried": self.retry_job(job, now)}
         elif c.action == "kill":

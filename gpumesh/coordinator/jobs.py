@@ -162,6 +162,18 @@ class Job:
         return self.summaries.get(task_id, {"id": task_id, "state": "unknown"})
 
 
+def short_type(name: Any) -> str:
+    """An exception's type as a traceback's last line names it: ``builtins.`` dropped."""
+    text = str(name)[:200]
+    return text.removeprefix("builtins.")
+
+
+def error_line(error: dict[str, Any]) -> str:
+    """``Type: message`` of a task's error record."""
+    kind, message = error.get("type"), str(error.get("message", ""))
+    return f"{short_type(kind)}: {message}" if kind else message
+
+
 def summarize(task: Task) -> dict[str, Any]:
     """The one-line record of a finished task that its job keeps."""
     header = task.result_header or {}
@@ -174,6 +186,8 @@ def summarize(task: Task) -> dict[str, Any]:
         pass  # the state says it all
     elif isinstance(error, dict):
         summary["error"] = str(error.get("message", ""))
+        if error.get("type"):  # "ValueError: task 3 is unhappy", not only the message
+            summary["error_type"] = short_type(error["type"])
         trace = str(error.get("traceback", "")).strip()
         if trace:
             summary["detail"] = trace[-DETAIL_CHARS:]

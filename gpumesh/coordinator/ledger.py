@@ -33,7 +33,7 @@ from ..protocol import (
 from ..protocol.refs import ref_names, refs_of
 from ..sharedmem import SharedFolder, materialize
 from ..store import Store
-from .jobs import Job, summarize
+from .jobs import Job, error_line, summarize
 from .state import (
     REDELIVER_AFTER,
     ClientSession,
@@ -45,6 +45,8 @@ from .state import (
 )
 
 log = logging.getLogger("gpumesh.coordinator")
+
+EVENT_ERROR_CHARS = 300  # of a failed task's "Type: message" in its task_finished event
 
 EVENT_HISTORY = 10_000
 MAX_PEER_COUNTERS = 10_000
@@ -266,10 +268,18 @@ class Ledger:
             self.drop_shared(task.spec)
         if job is not None and job.all_finished:  # only its tasks
             job.finished_at = now
-        # Latency (submit to finish) and run time let a monitor chart them without a query.
+        # Latency (submit to finish) and run time let a monitor chart them without a query;
+        # a failure says what failed, so a list of recent failures needs no query either.
+        extra: dict[str, Any] = {}
+        if state is TaskState.FAILED:
+            error = result.get("error")
+            if isinstance(error, dict):
+                extra["error"] = error_line(error)[:EVENT_ERROR_CHARS]
+            elif result.get("diagnosis"):
+                extra["error"] = str(result["diagnosis"])[:EVENT_ERROR_CHARS]
         self.emit("task_finished", now, task=task.task_id, job=task.job_id, state=state.value,
                   worker=result.get("worker", ""), latency=round(now - task.submitted_at, 6),
-                  elapsed=result.get("elapsed", 0.0))
+                  elapsed=result.get("elapsed", 0.0), **extra)
         self.deliver(task, now)
 
     def fail(self, task: Task, status: ResultStatus, diagnosis: str, now: float,
@@ -388,8 +398,11 @@ class Ledger:
             return
         worker.state = WorkerState.LOST
         worker.departed = departed
+        worker.lost_reason = reason
         self.peers.pop(worker.routing, None)
-        self.emit("worker_lost", now, worker=worker.summary(), reason=reason)
+        # ``departed``: it went on purpose (drained, left, removed), which a monitor shows as a
+        # normal departure, not as a failure.
+        self.emit("worker_lost", now, worker=worker.summary(), reason=reason, departed=departed)
 
 
 def _cancelled_result(task: Task) -> dict[str, Any]:

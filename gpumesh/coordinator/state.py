@@ -176,6 +176,7 @@ class WorkerSession:
     completed: int = 0
     busy_seconds: float = 0.0
     departed: str = ""  # "left" or "removed" when it went on purpose (shown instead of "lost")
+    lost_reason: str = ""  # why it went: "drained", "left", "silent" ...
     mode: WorkerMode = WorkerMode.ACTIVE  # as the worker's owner set it
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
@@ -244,6 +245,7 @@ class WorkerSession:
             "alive": self.state is WorkerState.ALIVE,
             "state": (self.mode.value if self.draining else "alive")
             if self.state is WorkerState.ALIVE else (self.departed or self.state.value),
+            "reason": self.lost_reason if self.state is not WorkerState.ALIVE else "",
             "slots": self.slots,
             "running": len(self.leases),
             "completed": self.completed,

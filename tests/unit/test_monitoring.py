@@ -135,6 +135,46 @@ def test_a_tasks_whole_error_is_asked_by_id_and_a_hostile_id_is_refused():
     assert sent(b, Command.ERROR)[-1]["code"] == "malformed"
 
 
+def test_a_failure_names_its_exception_type_in_its_event_and_its_jobs_list():
+    b = make_broker()
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}]}, [b"p"]),
+             1.0)
+    b.dispatch(1.0)
+    task = next(iter(b.tasks.values()))
+    b.handle(W, msg(Command.RESULT, {"task": task.task_id, "lease": task.lease_id,
+                                     "status": "error", "elapsed": 0.5,
+                                     "error": {"type": "builtins.ValueError",
+                                               "message": "task 3 is unhappy"}}), 3.0)
+    event = [e for e in b.ledger.events if e.kind == "task_finished"][-1]
+    assert event.data["error"] == "ValueError: task 3 is unhappy"
+    b.handle(C, msg(Command.QUERY, {"what": "status", "job": task.job_id, "qid": 8}), 4.0)
+    (row,) = sent(b, Command.REPLY)[-1]["data"]["tasks"]
+    assert (row["error_type"], row["error"]) == ("ValueError", "task 3 is unhappy")
+
+
+def test_a_cancel_is_logged_and_evented_with_who_asked(caplog):
+    b = make_broker()
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": i, "nf": 1, "kind": "script"}
+                                               for i in (1, 2)]}, [b"p", b"q"]), 1.0)
+    job = next(iter(b.tasks.values())).job_id
+    with caplog.at_level("INFO", logger="gpumesh.coordinator"):
+        b.handle(C, msg(Command.CONTROL, {"action": "cancel", "target": job, "qid": 4}), 2.0)
+    assert sent(b, Command.REPLY)[-1]["data"]["cancelled"] == 2
+    assert f"ann@lap cancelled job {job}" in caplog.text
+    (event,) = [e for e in b.ledger.events if e.kind == "job_cancelled"]
+    assert event.data == {"job": job, "count": 2, "by": "ann@lap"}
+
+
+def test_a_drained_worker_is_a_departure_not_a_loss():
+    b = make_broker()
+    b.handle(W, msg(Command.DISCONNECT, {"reason": "drained"}), 2.0)
+    event = b.ledger.events[-1]
+    assert event.kind == "worker_lost" and event.data["departed"] == "left"
+    assert event.data["reason"] == "drained"
+    (worker,) = ask(b, "workers", 3.0)
+    assert (worker["state"], worker["reason"]) == ("left", "drained")
+
+
 # ----------------------------------------------------------------- drain from the mesh
 
 @pytest.mark.parametrize("action", ["drain", "pause", "resume"])
