@@ -5,6 +5,12 @@ One ``GPUMesh`` client, one thread asking about once a second (``workers``, ``st
 many browsers watch: each browser waits on ``wait_change`` for the next snapshot. Throughput
 comes from the coordinator's count of finished tasks, latency from the ``task_finished`` events
 (submit to finish), both kept for HISTORY_SECONDS.
+
+When the mesh refuses (wrong token) or does not answer, the snapshot says so (``connected``
+false, ``error``, ``down_since``), the terminal is told once, and the next round waits longer
+each time (BACKOFF), so a wrong token does not mean a refused handshake a second forever.
+Events: successful tasks are counted, never listed, and a burst of one kind of event for one
+job (a cancel of 54 tasks) is one entry with a ``repeat`` count.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections import deque
 from typing import Any
 
 from ..client import GPUMesh
-from ..errors import MeshError
+from ..errors import AuthenticationError, MeshError
 
 log = logging.getLogger("gpumesh.dashboard")
 
@@ -31,6 +37,13 @@ RECENT_FAILURES = 50
 JOB_CACHE = 1.0
 MAX_JOB_CACHE = 10.0
 MAX_TASKS_SHOWN = 2000  # tasks of one job the page lists (the counts cover them all)
+# Longest wait between rounds while the mesh refuses this token / does not answer: each
+# failed round doubles the wait from the poll interval up to this.
+BACKOFF = {"token": 60.0, "unreachable": 10.0}
+BURST_LOOKBACK = 20  # recent events a task_finished may be folded into
+BURST_SECONDS = 60.0
+STEER_WAIT = 5.0  # seconds an action waits for the worker's new mode to show in a snapshot
+EXPECTED_STATE = {"drain": ("draining", "left"), "pause": ("paused",), "resume": ("alive",)}
 
 
 class Monitor:
@@ -39,7 +52,9 @@ class Monitor:
         self.interval = interval
         self.version = 0
         self.snapshot: dict[str, Any] = {"workers": [], "jobs": [], "counts": {}, "health": None,
-                                         "events": [], "failures": [], "error": "connecting..."}
+                                         "events": [], "failures": [], "connected": False,
+                                         "error": "connecting to the coordinator...",
+                                         "down_kind": "connecting", "down_since": None}
         self.encoded = json.dumps(self.snapshot)  # the snapshot as every browser is sent it
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_SECONDS)
         self._changed = threading.Condition()
@@ -51,6 +66,9 @@ class Monitor:
         self._finished: tuple[float, int] | None = None  # (when, finished_total) last round
         self._jobs: dict[str, tuple[float, dict[str, Any]]] = {}  # id -> (until, view)
         self._jobs_lock = threading.Lock()
+        self._down: tuple[str, float] | None = None  # (kind, since) while the mesh is unusable
+        self._failed_rounds = 0
+        self.steer_wait = STEER_WAIT
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gpumesh-dashboard-poll",
@@ -77,12 +95,37 @@ class Monitor:
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
-            try:
-                self.poll(time.time())
-            except Exception as exc:  # a monitor's failure is shown, never fatal
-                log.debug("dashboard poll failed", exc_info=True)
-                self._publish({**self.snapshot, "error": _short(exc)})
-            self._stop.wait(max(self.interval - (time.monotonic() - started), 0.05))
+            delay = self.round(time.time())
+            self._stop.wait(max(delay - (time.monotonic() - started), 0.05))
+
+    def round(self, now: float) -> float:
+        """One poll, its failure shown rather than raised; the seconds until the next one."""
+        try:
+            self.poll(now)
+        except Exception as exc:  # a monitor's failure is shown, never fatal
+            log.debug("dashboard poll failed", exc_info=True)
+            kind = "token" if isinstance(exc, AuthenticationError) else "unreachable"
+            self._failed(kind, now, exc)
+            self._failed_rounds += 1
+            return min(self.interval * 2 ** self._failed_rounds, BACKOFF[kind])
+        if self._down is not None:
+            log.warning("dashboard: connected to the coordinator again")
+        self._down, self._failed_rounds = None, 0
+        return self.interval
+
+    def _failed(self, kind: str, now: float, exc: BaseException) -> None:
+        if kind == "token":
+            reason = ("the token does not match this mesh's coordinator (give the mesh's "
+                      "token: --token-file or GPUMESH_TOKEN)")
+        else:
+            reason = f"the coordinator is not answering ({_short(exc)})"
+        if self._down is None or self._down[0] != kind:
+            # Once per outage, not per retry: the page shows it live.
+            log.warning("dashboard: cannot watch the mesh: %s; retrying less and less often",
+                        reason)
+            self._down = (kind, now)
+        self._publish({**self.snapshot, "connected": False, "error": reason,
+                       "down_kind": kind, "down_since": self._down[1]})
 
     def poll(self, now: float) -> None:
         """One round of queries; the new snapshot goes to every waiting browser."""
@@ -102,7 +145,7 @@ class Monitor:
             if kind != "task_finished" or data.get("state") != "done":
                 # Successful tasks are in the throughput chart: kept here, a .map's thousand
                 # would push every other event out.
-                self._events.append([seq, when, kind, data])
+                self._note(seq, when, kind, data)
             if kind == "task_finished":
                 if isinstance(data.get("latency"), (int, float)):
                     latencies.append(float(data["latency"]))
@@ -114,7 +157,23 @@ class Monitor:
             "counts": status.get("counts", {}), "health": health,
             "events": list(self._events), "failures": list(self._failures),
             "point": self.history[-1] if self.history else None, "error": None,
+            "connected": True, "down_kind": None, "down_since": None,
         })
+
+    def _note(self, seq: int, when: float, kind: str, data: dict[str, Any]) -> None:
+        """Keep an event for the list. A task_finished of the same job and state as one of the
+        last few kept, within BURST_SECONDS (a cancel's 54 tasks, a queue's and the running
+        ones a moment apart), adds to that entry's ``repeat`` count, which moves to the end."""
+        if kind == "task_finished" and data.get("job"):
+            key = (data.get("job"), data.get("state"))
+            for index in range(len(self._events) - 1, max(len(self._events) - BURST_LOOKBACK, 0) - 1, -1):
+                old = self._events[index]
+                if old[2] == kind and (old[3].get("job"), old[3].get("state")) == key \
+                        and when - float(old[1]) <= BURST_SECONDS:
+                    del self._events[index]
+                    data = {**old[3], "repeat": int(old[3].get("repeat", 1)) + 1}
+                    break
+        self._events.append([seq, when, kind, data])
 
     def _sample(self, now: float, health: dict[str, Any] | None, latencies: list[float],
                 events: list[Any]) -> None:
@@ -178,8 +237,29 @@ class Monitor:
         self._forget(job_id)
         return {"cancelled": cancelled}
 
-    def steer(self, worker: str, action: str) -> dict[str, Any]:
-        return self.client.steer_worker(worker, action)
+    def steer(self, worker: str, action: str, wait: float | None = None) -> dict[str, Any]:
+        """Ask a worker to drain/pause/resume and say what it did: its state once a snapshot
+        shows the one asked for, or, when none does within ``wait``, the state it kept and
+        ``held`` (its owner chose that state on the machine, which the mesh never undoes)."""
+        answer = dict(self.client.steer_worker(worker, action))
+        wanted = EXPECTED_STATE.get(action, ())
+        deadline = time.monotonic() + (self.steer_wait if wait is None else wait)
+        seen = self.version
+        state = self._state_of(worker)
+        while state not in wanted and not self.stopped:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            seen = self.wait_change(seen, left)
+            state = self._state_of(worker)
+        answer["state"] = state
+        answer["held"] = state not in wanted and state is not None
+        return answer
+
+    def _state_of(self, worker: str) -> str | None:
+        with self._changed:
+            workers = self.snapshot.get("workers") or []
+        return next((str(w.get("state")) for w in workers if w.get("id") == worker), None)
 
     def _forget(self, job_id: str) -> None:
         with self._jobs_lock:

@@ -52,8 +52,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Any, 
         dashboard.start()
         playwright = sync_playwright().start()
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page = browser.new_page(viewport={"width": 1600, "height": 1100})
+        missing: list[str] = []
+        page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
         page.goto(dashboard.url)
+        page.wait_for_selector("#conn.live")
+        assert missing == []  # no favicon.ico 404 on load
         yield mesh, page, dashboard
     finally:
         if browser is not None:
@@ -72,6 +76,13 @@ def test_the_workers_appear_with_their_load(live, artifacts):
     assert page.locator("#mesh g.node").count() == 2
     page.wait_for_selector("#workers .worker .bar")  # the heartbeats' CPU/RAM figures
     assert "journal" in page.locator("#health").inner_text()
+    # Two workers of one machine share its hostname: the short worker id tells them apart.
+    names = page.locator("#workers .worker .name").all_inner_texts()
+    assert len(set(names)) == 2 and all("(" in name for name in names)
+    # At 1,600 px the cards use the width: the events sit beside the charts, not below them.
+    charts = page.locator("#charts-card").bounding_box()
+    events = page.locator("#events-card").bounding_box()
+    assert charts and events and events["y"] == charts["y"] and events["x"] > 1100
     page.screenshot(path=str(artifacts / "dashboard-workers.png"), full_page=True)
 
 
@@ -100,10 +111,11 @@ def test_a_failed_task_shows_its_error_as_text(live, artifacts):
     with pytest.raises(Exception, match="boom 7"):
         future.result(timeout=30)
     page.locator('#failures li[data-task]').first.wait_for()
+    assert "ValueError: boom 7" in page.locator("#failures li[data-task]").first.inner_text()
     page.locator('#jobs tr[data-job="failjob"]').click()
     task_row = page.locator("#tasks tr.task-failed")
     task_row.wait_for()
-    assert "boom 7: <b>not bold</b>" in task_row.inner_text()  # shown, not rendered
+    assert "ValueError: boom 7: <b>not bold</b>" in task_row.inner_text()  # shown, not rendered
     task_row.click()
     detail = page.locator("#task-error")
     # The whole remote traceback: its start is beyond what the job's status keeps of it.
@@ -125,7 +137,37 @@ def test_cancel_from_the_page(live, artifacts):
              "the long job to run")
     row.locator("button.cancel").click()
     wait_for(lambda: "cancelled" in row.inner_text(), 20, "the job to show cancelled")
+    assert all(f.cancelled() or f.exception(timeout=10) for f in futures)
+    # One line for the burst (queued tasks at once, running ones a moment later), and who asked.
+    events = page.locator("#events")
+    wait_for(lambda: "6 tasks cancelled in job canceljob" in events.inner_text(), 10,
+             "the burst as one line")
+    assert events.inner_text().count("cancelled in job canceljob") == 1
+    assert "job canceljob cancelled by " in events.inner_text()
     page.screenshot(path=str(artifacts / "dashboard-cancelled.png"), full_page=True)
+
+
+def test_cancel_of_another_owners_job_asks_in_page_terms(live, monkeypatch):
+    mesh, page, _ = live
+    monkeypatch.setenv("LOGNAME", "bob")  # what this client says its owner is (user@host)
+    bob = mesh.client()
+    futures = bob.submit_calls(pause, [((60,), {}) for _ in range(2)], job="bobsjob", name="bobs")
+    monkeypatch.undo()
+    asked: list[str] = []
+
+    def answer(dialog: Any) -> None:
+        asked.append(dialog.message)
+        dialog.accept()
+
+    page.on("dialog", answer)
+    try:
+        row = page.locator('#jobs tr[data-job="bobsjob"]')
+        row.locator("button.cancel").click()
+        wait_for(lambda: "cancelled" in row.inner_text(), 20, "the forced cancel")
+    finally:
+        page.remove_listener("dialog", answer)
+    assert len(asked) == 1 and "was submitted by bob@" in asked[0]
+    assert "not by you" in asked[0] and "--force" not in asked[0]
     assert all(f.cancelled() or f.exception(timeout=10) for f in futures)
 
 
@@ -166,4 +208,28 @@ def test_drain_from_the_page(live, artifacts):
     left.wait_for(timeout=20_000)
     assert any(e[2] == "worker_control" and e[3]["action"] == "drain"
                for e in mesh.clients[0].events())
+    # A departure, not a failure: said so, and counted as left rather than lost.
+    assert left.inner_text() == "left (drained)"
+    wait_for(lambda: "worker left" in page.locator("#events").inner_text(), 10, "the event")
+    assert "lost" not in page.locator("#worker-count").inner_text()
+    assert "lost" not in page.locator("#health").inner_text()
     page.screenshot(path=str(artifacts / "dashboard-drained.png"), full_page=True)
+
+
+def test_a_wrong_token_shows_not_connected_never_live(live, artifacts):
+    mesh, page, _ = live
+    wrong = Dashboard(mesh.client(token="salt." + "x" * 32), "unused", port=0, interval=0.2)
+    wrong.start()
+    context = page.context.browser.new_context()
+    try:
+        other = context.new_page()
+        other.goto(wrong.url)
+        conn = other.locator("#conn")
+        wait_for(lambda: "token does not match" in conn.inner_text(), 20, "the refusal")
+        assert "live" not in conn.get_attribute("class")
+        assert other.locator("body.stale").count() == 1
+        assert "0 alive" not in other.locator("#worker-count").inner_text()
+        other.screenshot(path=str(artifacts / "dashboard-wrong-token.png"))
+    finally:
+        context.close()
+        wrong.close()

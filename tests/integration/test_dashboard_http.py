@@ -33,10 +33,12 @@ class StubMesh:
     def __init__(self) -> None:
         self.cancelled: list[tuple[str, bool]] = []
         self.steered: list[tuple[str, str]] = []
+        self.state = "alive"
+        self.owner_holds = False  # its owner paused it on the machine: the mesh cannot resume it
 
     def workers(self) -> list[dict[str, Any]]:
         return [{"id": "w1", "hostname": "<img src=x onerror=alert(1)>", "alive": True,
-                 "state": "alive", "running": 0, "slots": 1, "score": 1.0}]
+                 "state": self.state, "running": 0, "slots": 1, "score": 1.0}]
 
     def status(self, job: str | None = None, *, tasks: bool = True) -> dict[str, Any]:
         if job:
@@ -55,6 +57,8 @@ class StubMesh:
 
     def steer_worker(self, worker: str, action: str) -> dict[str, Any]:
         self.steered.append((worker, action))
+        if not self.owner_holds:
+            self.state = {"drain": "draining", "pause": "paused"}.get(action, "alive")
         return {"worker": worker, "action": action}
 
 
@@ -161,13 +165,36 @@ def test_actions_need_the_csrf_token_and_this_origin_even_on_loopback(served):
                                   X_CSRF_Token=csrf)
     assert response.status == 200 and json.loads(body) == {"cancelled": 2}
     assert stub.cancelled == [("j", True)]
-    response, _ = browser.post("/api/worker", {"worker": "w1", "action": "drain"},
-                               Origin=origin, X_CSRF_Token=csrf)
+    response, body = browser.post("/api/worker", {"worker": "w1", "action": "drain"},
+                                  Origin=origin, X_CSRF_Token=csrf)
     assert response.status == 200 and stub.steered == [("w1", "drain")]
+    assert json.loads(body)["state"] == "draining" and json.loads(body)["held"] is False
     response, _ = browser.post("/api/worker", {"worker": "w1", "action": "kill"},
                                Origin=origin, X_CSRF_Token=csrf)
     assert response.status == 404
     assert browser.request("GET", "/api/cancel")[0].status == 404  # never by GET
+
+
+def test_a_resume_the_workers_owner_overrules_is_reported_as_held(served):
+    dashboard, stub = served
+    stub.state, stub.owner_holds = "paused", True
+    dashboard.monitor.steer_wait = 1.0  # how long the answer waits for a state that won't come
+    browser = Browser(dashboard.port)
+    browser.request("GET", "/")
+    wait_for(lambda: dashboard.monitor._state_of("w1") == "paused", 10, "the paused worker")
+    response, body = browser.post("/api/worker", {"worker": "w1", "action": "resume"},
+                                  Origin=f"http://127.0.0.1:{dashboard.port}",
+                                  X_CSRF_Token=browser.csrf())
+    answer = json.loads(body)
+    assert response.status == 200 and answer["held"] is True and answer["state"] == "paused"
+
+
+def test_the_favicon_is_no_404(served):
+    dashboard, _ = served
+    response, body = Browser(dashboard.port).request("GET", "/favicon.ico")
+    assert response.status == 204 and body == b""
+    page = Browser(dashboard.port).request("GET", "/")[1]
+    assert b'<link rel="icon" href="data:,">' in page  # img-src allows data: (the CSP)
 
 
 @pytest.mark.parametrize("served", [True], indirect=True)

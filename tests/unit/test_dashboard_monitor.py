@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from gpumesh.dashboard.monitor import Monitor
-from gpumesh.errors import MeshError
+from gpumesh.errors import AuthenticationError, ConnectionFailed, MeshError
 
 
 class Stub:
@@ -87,3 +87,97 @@ def test_the_dashboard_is_a_layer_above_the_client_only():
             "('gpumesh.coordinator', 'gpumesh.worker', 'gpumesh.cli.'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+class Refusing(Stub):
+    """A mesh that refuses this token, or does not answer, until told otherwise."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error: Exception | None = error
+        self.rounds = 0
+
+    def workers(self) -> list[dict[str, Any]]:
+        self.rounds += 1
+        if self.error is not None:
+            raise self.error
+        return super().workers()
+
+
+def test_a_wrong_token_is_said_once_shown_as_such_and_retried_less_and_less(caplog):
+    stub = Refusing(AuthenticationError("authentication failed: the token does not match"))
+    monitor = Monitor(stub, interval=1.0)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="gpumesh.dashboard"):
+        delays = [monitor.round(100.0 + i) for i in range(8)]
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    snapshot = json.loads(monitor.encoded)
+    assert snapshot["connected"] is False and snapshot["down_kind"] == "token"
+    assert "token does not match this mesh" in snapshot["error"]
+    assert snapshot["down_since"] == 100.0
+    assert len([r for r in caplog.records if "cannot watch" in r.message]) == 1
+    stub.error = None
+    with caplog.at_level("WARNING", logger="gpumesh.dashboard"):
+        assert monitor.round(200.0) == 1.0
+    assert json.loads(monitor.encoded)["connected"] is True
+    assert "connected to the coordinator again" in caplog.text
+
+
+def test_an_unreachable_coordinator_is_shown_since_when_and_its_figures_kept():
+    stub = Refusing(ConnectionFailed("cannot reach a coordinator at tcp://127.0.0.1:9"))
+    stub.error = None
+    monitor = Monitor(stub, interval=1.0)  # type: ignore[arg-type]
+    monitor.round(10.0)
+    stub.error = ConnectionFailed("cannot reach a coordinator at tcp://127.0.0.1:9")
+    delays = [monitor.round(11.0 + i) for i in range(6)]
+    assert delays[-1] == 10.0  # the cap for a silent coordinator: it comes back by itself
+    snapshot = json.loads(monitor.encoded)
+    assert snapshot["connected"] is False and snapshot["down_kind"] == "unreachable"
+    assert snapshot["down_since"] == 11.0 and "not answering" in snapshot["error"]
+    assert snapshot["workers"]  # the last figures stay, the page greys them
+
+
+def test_successful_tasks_never_displace_events_and_a_burst_is_one_line():
+    stub = Stub()
+    monitor = Monitor(stub)  # type: ignore[arg-type]
+    joined = [1, 90.0, "worker_joined", {"worker": {"id": "w1", "hostname": "vm"}}]
+    done = [finished(2 + i, 0.1) for i in range(300)]
+    cancelled = [[400 + i, 200.0 + i, "task_finished",
+                  {"task": f"c{i}", "job": "jx", "state": "cancelled"}] for i in range(54)]
+    asked = [350, 215.0, "job_cancelled", {"job": "jx", "count": 54, "by": "ann@lap"}]
+    # The queued tasks are cancelled at once, the running ones when their workers stop them.
+    stub.pending_events = [joined, *done, *cancelled[:20], asked]
+    monitor.poll(10.0)
+    stub.pending_events = cancelled[20:]
+    monitor.poll(11.0)
+    events = monitor.snapshot["events"]
+    assert [e[2] for e in events] == ["worker_joined", "job_cancelled", "task_finished"]
+    assert events[2][3]["repeat"] == 54 and events[2][3]["job"] == "jx"
+
+
+class Steered(Stub):
+    def __init__(self, obeys: bool) -> None:
+        super().__init__()
+        self.obeys = obeys
+        self.state = "paused"
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [{"id": "w1", "hostname": "vm", "state": self.state}]
+
+    def steer_worker(self, worker: str, action: str) -> dict[str, Any]:
+        if self.obeys:
+            self.state = "alive"
+        return {"worker": worker, "action": action, "mode": "paused"}
+
+
+def test_an_action_reports_the_workers_state_after_it_and_when_its_owner_holds_it():
+    for obeys in (True, False):
+        stub = Steered(obeys)
+        monitor = Monitor(stub, interval=0.05)  # type: ignore[arg-type]
+        monitor.poll(1.0)
+        monitor.start()
+        try:
+            answer = monitor.steer("w1", "resume", wait=1.0)
+        finally:
+            monitor.stop()
+        assert answer["state"] == ("alive" if obeys else "paused")
+        assert answer["held"] is (not obeys)

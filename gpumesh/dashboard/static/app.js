@@ -10,6 +10,8 @@ let snapshot = null;
 let openJob = null;      // the job whose tasks are listed
 let openTask = null;     // the task whose error is shown
 let lastTraffic = {};    // worker id -> [time, up+down bytes], for the edge rates
+let received = 0;        // Date.now() when the last snapshot came
+const SILENCE_MS = 6000; // snapshots come about every second while the mesh answers
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -53,6 +55,31 @@ function workerState(w) {
   return w.state;
 }
 
+// A worker that went on purpose (drained, stopped, removed) departed; only "lost" is a failure.
+function departed(w) {
+  return w.state === "left" || w.state === "removed";
+}
+
+function stateText(w) {
+  const state = workerState(w);
+  return departed(w) && w.reason && w.reason !== w.state ? `${state} (${w.reason})` : state;
+}
+
+function clock(t) {
+  return new Date(t * 1000).toLocaleTimeString();
+}
+
+// Several workers of one machine share its hostname: the short worker id tells them apart.
+function workerName(w, always) {
+  const host = w.hostname || w.id.slice(0, 8);
+  const twins = (snapshot && snapshot.workers || []).filter((o) => o.hostname === w.hostname).length;
+  return always || twins > 1 ? `${host} (${w.id.slice(0, 6)})` : host;
+}
+
+function workerById(id) {
+  return (snapshot && snapshot.workers || []).find((w) => w.id === id);
+}
+
 function notice(text) {
   const box = document.getElementById("notice");
   box.textContent = text || "";
@@ -87,15 +114,17 @@ function drawMesh(workers, now) {
     lastTraffic[w.id] = [now, moved];
     const width = 1 + Math.min(Math.log10(1 + Math.max(rate, 0)) , 6);
     picture.append(svg("line", {x1: cx, y1: cy, x2: x, y2: y, "stroke-width": width.toFixed(1)}));
-    picture.append(svg("text", {x: cx + (x - cx) * 0.35, y: cy + (y - cy) * 0.35 - 4, class: "edge-label"},
-      `${bytes(Math.max(rate, 0))}/s`));
+    if (w.alive && rate >= 1) {  // idle edges carry no label: fewer words over the picture
+      picture.append(svg("text", {x: cx + (x - cx) * 0.35, y: cy + (y - cy) * 0.35 - 4, class: "edge-label"},
+        `${bytes(rate)}/s`));
+    }
     const state = workerState(w);
     const node = svg("g", {class: "node", "data-worker": w.id});
     node.append(svg("circle", {cx: x, cy: y, r: 26, class: `state-${state}`}));
     node.append(svg("text", {x: x, y: y + 4}, `${Math.min(w.running, w.slots)}/${w.slots}`));
-    node.append(svg("text", {x: x, y: y + 42}, w.hostname || w.id.slice(0, 8)));
+    node.append(svg("text", {x: x, y: y + 42}, workerName(w)));
     node.append(svg("text", {x: x, y: y + 56, class: "sub"},
-      `${w.device_name || w.device} · score ${Number(w.score).toFixed(1)} · ${state}`));
+      `${w.device_name || w.device} · score ${Number(w.score).toFixed(1)} · ${stateText(w)}`));
     picture.append(node);
   });
   picture.append(svg("circle", {cx: cx, cy: cy, r: 34, class: "coordinator"}));
@@ -118,12 +147,14 @@ function drawWorkers(workers) {
   const box = document.getElementById("workers");
   box.replaceChildren();
   const alive = workers.filter((w) => w.alive).length;
-  document.getElementById("worker-count").textContent = `${alive} alive of ${workers.length}`;
+  const gone = workers.filter(departed).length, lost = workers.filter((w) => w.state === "lost").length;
+  document.getElementById("worker-count").textContent = `${alive} alive` +
+    (gone ? ` · ${gone} left` : "") + (lost ? ` · ${lost} lost` : "");
   for (const w of workers) {
     const state = workerState(w);
     const card = el("div", {class: "worker", "data-worker": w.id},
-      el("span", {class: "name"}, w.hostname || w.id.slice(0, 8)), " ",
-      el("span", {class: `badge ${state}`}, state), " ",
+      el("span", {class: "name"}, workerName(w)), " ",
+      el("span", {class: `badge ${state}`}, stateText(w)), " ",
       el("span", {class: "muted"}, `${w.device_name || w.device} · ${w.id.slice(0, 8)} · score ${Number(w.score).toFixed(1)} · ${Math.min(w.running, w.slots)}/${w.slots} slots busy` +
         (w.running > w.slots ? ` (+${w.running - w.slots} queued)` : "") + ` · ${w.completed} done`));
     const stats = w.stats;
@@ -149,11 +180,18 @@ function drawWorkers(workers) {
 }
 
 async function steer(w, action) {
-  const name = w.hostname || w.id.slice(0, 8);
+  const name = workerName(w, true);
   if (action === "drain" && !confirm(`Drain ${name}? Running tasks finish, then it leaves the mesh.`)) return;
+  notice(`asking ${name} to ${action}…`);
   try {
-    await post("/api/worker", {worker: w.id, action});
-    notice(`${action} sent to ${name}`);
+    // The answer comes once the worker's new state shows, or says that it kept its own.
+    const answer = await post("/api/worker", {worker: w.id, action});
+    if (answer.held) {
+      notice(`${name} is still ${answer.state}: its owner set that on its machine, and the mesh ` +
+             `does not undo an owner's choice (they can run 'gpumesh resume' there).`);
+    } else {
+      notice(`${name}: ${action} done, now ${answer.state || "gone"}`);
+    }
   } catch (error) { notice(`${action} ${name}: ${error.message}`); }
 }
 
@@ -203,7 +241,14 @@ async function cancelJob(job, force) {
     const answer = await post("/api/cancel", {job: job.job, force: !!force});
     notice(`cancelled ${answer.cancelled} task(s) of ${job.name}`);
   } catch (error) {
-    if (!force && /--force/.test(error.message) && confirm(`${error.message}\n\nCancel it anyway?`)) return cancelJob(job, true);
+    // The coordinator words it for the command line ("pass --force"); the page asks instead.
+    const other = /submitted by (\S+), not by (\S+?):/.exec(error.message);
+    if (!force && other) {
+      if (confirm(`Job "${job.name}" was submitted by ${other[1]}, not by you (${other[2]}).\n\n` +
+                  `Cancel its unfinished tasks anyway?`)) return cancelJob(job, true);
+      notice(`job ${job.name} left running`);
+      return;
+    }
     notice(`cancel ${job.name}: ${error.message}`);
   }
 }
@@ -230,11 +275,24 @@ async function refreshJob() {
       el("td", {}, task.index), el("td", {}, task.id), el("td", {}, task.state),
       el("td", {}, (task.worker || "").slice(0, 12)), el("td", {}, task.attempts),
       el("td", {}, seconds(task.elapsed)),
-      el("td", {class: "error-text"}, task.error || ""));
+      el("td", {class: "error-text"}, errorText(task)));
     body.append(row);
     if (openTask && openTask.id === task.id) showTask(task);
   }
 }
+
+function errorText(task) {
+  if (!task.error) return "";
+  return task.error_type ? `${task.error_type}: ${task.error}` : task.error;
+}
+
+// cloudpickle names the code of functions shipped by value "<dynamic-code>". The submitting
+// client maps those frames back to its script (client/remotetb.py) from its own __main__;
+// the dashboard has neither that process's code objects nor its source file, and must never
+// unpickle a task's function to get them. It says what the frames are instead.
+const DYNAMIC_NOTE = 'Frames in "<dynamic-code>" are functions of the submitting script, sent by ' +
+  "value: their line numbers are that script's own lines (the submitting Python shows them " +
+  "with the file name and source).";
 
 async function showTask(task) {
   const first = !openTask || openTask.id !== task.id;
@@ -246,32 +304,66 @@ async function showTask(task) {
   if (!first) return;
   // The job's list keeps the end of a traceback; the coordinator holds the whole of it until
   // the result is collected.
-  box.textContent = [task.error, task.detail].filter(Boolean).join("\n\n") || "no error";
+  box.textContent = [errorText(task), task.detail].filter(Boolean).join("\n\n") || "no error";
   if (task.state !== "failed") return;
   const response = await fetch(`/api/task?id=${encodeURIComponent(task.id)}`, {credentials: "same-origin"});
   const full = await response.json().catch(() => ({}));
   if (!response.ok || !full.id || openTask.id !== task.id) return;
   const error = full.error || {};
   const failures = (full.failures || []).length ? `earlier attempts: ${full.failures.join("; ")}` : "";
-  box.textContent = [error.type && `${error.type}: ${error.message || ""}`, error.traceback, full.diagnosis, failures]
+  const kind = error.type && error.type.replace(/^builtins\./, "");
+  const trace = error.traceback || "";
+  box.textContent = [kind && `${kind}: ${error.message || ""}`, trace, full.diagnosis, failures,
+    trace.includes("<dynamic-code>") ? DYNAMIC_NOTE : ""]
     .filter(Boolean).join("\n\n") || box.textContent;
 }
 
 // ------------------------------------------------------------------ charts and lists
 
-function chart(id, series, colors) {
+// A step of 1, 2 or 5 times a power of ten at or above x: axis tops read as round numbers.
+function niceTop(x) {
+  const power = Math.pow(10, Math.floor(Math.log10(x)));
+  return [1, 2, 5, 10].map((m) => m * power).find((v) => v >= x);
+}
+
+// One chart: `floor` is the smallest top of the scale (an idle mesh draws a flat line at 0, not
+// a scale of 1e-9), `label(top)` writes the top with its unit. The time axis runs from the
+// oldest point kept (at least 1 min, at most 10) to now.
+function chart(id, series, colors, floor, label) {
   const canvas = document.getElementById(id);
+  const ratio = window.devicePixelRatio || 1;
+  const cssWidth = canvas.clientWidth || 560, cssHeight = canvas.clientHeight || 120;
+  if (canvas.width !== Math.round(cssWidth * ratio)) {  // sharp text at any width
+    canvas.width = Math.round(cssWidth * ratio);
+    canvas.height = Math.round(cssHeight * ratio);
+  }
   const ctx = canvas.getContext("2d");
-  const w = canvas.width, h = canvas.height;
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  const w = cssWidth, h = cssHeight, left = 4, bottom = 16, plot = h - bottom - 4;
   ctx.clearRect(0, 0, w, h);
   const now = Date.now() / 1000;
   const first = Math.min(...series.flat().map((p) => p[0]), now);
-  const span = Math.min(Math.max(now - first, 60), 600);  // the history there is, 1 to 10 min
-  const values = series.flat().filter((p) => p[1] !== null);
-  const top = Math.max(...values.map((p) => p[1]), 1e-9) * 1.15;
+  const span = Math.min(Math.max(now - first, 60), 600);
+  const values = series.flat().filter((p) => p[1] !== null).map((p) => p[1]);
+  const top = niceTop(Math.max(...values, floor));
+  ctx.strokeStyle = "#2a3540";
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  ctx.moveTo(left, h - bottom + 0.5); ctx.lineTo(w, h - bottom + 0.5);
+  ctx.moveTo(left, h - bottom - plot / 2 + 0.5); ctx.lineTo(w, h - bottom - plot / 2 + 0.5);
+  ctx.stroke();
   ctx.fillStyle = "#8a96a3";
   ctx.font = "10px sans-serif";
-  ctx.fillText(top.toPrecision(3), 4, 12);
+  ctx.textAlign = "left";
+  ctx.fillText(label(top), left, 11);
+  ctx.fillText(label(top / 2), left, h - bottom - plot / 2 - 3);
+  ctx.fillText("0", left, h - bottom - 3);
+  const minutes = span / 60;
+  ctx.fillText(`−${minutes.toFixed(minutes < 2 ? 1 : 0)} min`, left, h - 3);
+  ctx.textAlign = "center";
+  ctx.fillText(`−${(minutes / 2).toFixed(minutes < 4 ? 1 : 0)} min`, w / 2, h - 3);
+  ctx.textAlign = "right";
+  ctx.fillText("now", w - 2, h - 3);
   series.forEach((points, i) => {
     ctx.strokeStyle = colors[i];
     ctx.lineWidth = 1.5;
@@ -279,64 +371,126 @@ function chart(id, series, colors) {
     let started = false;
     for (const [t, v] of points) {
       if (v === null) { started = false; continue; }
-      const x = w - ((now - t) / span) * w, y = h - (v / top) * (h - 4);
+      const x = left + (w - left) * (1 - (now - t) / span), y = h - bottom - (v / top) * plot;
       if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
     }
     ctx.stroke();
   });
 }
 
+function rate(v) {
+  return `${v < 10 ? Number(v.toPrecision(2)) : Math.round(v)} tasks/s`;
+}
+
+function millis(v) {
+  return v < 1 ? `${Number((v * 1000).toPrecision(3))} ms` : `${Number(v.toPrecision(3))} s`;
+}
+
 function drawCharts() {
   const cutoff = Date.now() / 1000 - 600;
   history = history.filter((p) => p.t >= cutoff);
-  chart("throughput", [history.map((p) => [p.t, p.throughput])], ["#3fb950"]);
-  chart("latency", [history.map((p) => [p.t, p.p50]), history.map((p) => [p.t, p.p95])], ["#58a6ff", "#d29922"]);
+  chart("throughput", [history.map((p) => [p.t, p.throughput])], ["#3fb950"], 1, rate);
+  chart("latency", [history.map((p) => [p.t, p.p50]), history.map((p) => [p.t, p.p95])],
+        ["#58a6ff", "#d29922"], 0.01, millis);
   const last = history[history.length - 1];
-  document.getElementById("tp-now").textContent = last ? `now ${last.throughput.toFixed(1)}/s` : "";
-  document.getElementById("lat-now").textContent = last && last.p50 !== null ? `now ${seconds(last.p50)} / ${seconds(last.p95)}` : "";
+  document.getElementById("tp-now").textContent = last ? `now ${rate(last.throughput)}` : "";
+  document.getElementById("lat-now").textContent = last && last.p50 !== null ? `now ${millis(last.p50)} / ${millis(last.p95)}` : "";
+}
+
+function workerLabel(d) {
+  const ref = d.worker && typeof d.worker === "object" ? d.worker : {id: d.worker};
+  if (!ref.id) return "";
+  const known = workerById(ref.id);
+  return known ? workerName(known, true) : `${ref.hostname || "worker"} (${String(ref.id).slice(0, 6)})`;
+}
+
+// One line of the Events card, in words; `repeat` is a burst the server folded into one.
+function eventText(kind, d) {
+  const who = workerLabel(d);
+  const by = d.by ? `by ${d.by}` : "";
+  switch (kind) {
+    case "task_finished":
+      return d.repeat > 1 ? `${d.repeat} tasks ${d.state} in job ${d.job}`
+        : `task ${d.task} ${d.state} in job ${d.job}` + (d.error ? ` · ${d.error}` : "");
+    case "worker_lost":
+      return d.departed ? `worker left · ${who} · ${d.reason || d.departed}` : `worker lost · ${who} · ${d.reason || ""}`;
+    case "worker_joined": return `worker joined · ${who}`;
+    case "worker_mode": return `worker ${who} is now ${d.mode}`;
+    case "worker_control": return `${d.action} asked of ${who} ${by}`;
+    case "job_cancelled": return `job ${d.job} cancelled ${by} · ${d.count} task(s)`;
+    case "submitted": return `job ${d.job} submitted · ${d.count} task(s)`;
+    case "retried": return `job ${d.job} retried · ${d.count} task(s)`;
+    default:
+      return [kind, d.job, d.state, who, d.action, by, d.reason, d.count && `${d.count} task(s)`]
+        .filter(Boolean).join(" · ");
+  }
 }
 
 function drawLists(data) {
   const failures = document.getElementById("failures");
   failures.replaceChildren();
   for (const f of [...(data.failures || [])].reverse()) {
+    const where = workerById(f.worker);
     failures.append(el("li", {class: "clickable", "data-task": f.task, onclick: () => showJob(f.job)},
-      `${new Date(f.time * 1000).toLocaleTimeString()} task ${f.task} of job ${f.job} on ${(f.worker || "-").slice(0, 8)}`));
+      `${clock(f.time)} task ${f.task} of job ${f.job} on ${where ? workerName(where, true) : (f.worker || "-").slice(0, 8)}`,
+      f.error ? el("div", {class: "error-text"}, f.error) : null));
   }
   if (!failures.children.length) failures.append(el("li", {class: "muted"}, "none"));
   const events = document.getElementById("events");
   events.replaceChildren();
-  // Successful tasks are in the throughput chart: listing each would bury everything else.
+  // The server keeps successful tasks out of the list; an older one may still send them.
   const notable = (data.events || []).filter(([, , kind, d]) => kind !== "task_finished" || (d && d.state !== "done"));
   for (const [seq, time, kind, detail] of notable.reverse().slice(0, 60)) {
     const d = detail || {};
-    const who = d.worker && typeof d.worker === "object" ? d.worker.hostname || d.worker.id : d.worker;
-    const text = [kind, d.job, d.state, who, d.action, d.by && `by ${d.by}`, d.reason, d.count && `${d.count} task(s)`]
-      .filter(Boolean).join(" · ");
-    events.append(el("li", {"data-seq": seq}, `${new Date(time * 1000).toLocaleTimeString()} ${text}`));
+    const quiet = (kind === "worker_lost" && d.departed) || kind === "worker_mode" || kind === "submitted";
+    events.append(el("li", {"data-seq": seq, "data-kind": kind, class: quiet ? "muted" : ""},
+      `${clock(time)} ${eventText(kind, d)}`));
   }
+  if (!events.children.length) events.append(el("li", {class: "muted"}, "none yet"));
 }
 
-function drawHealth(h, error) {
+function drawHealth(h, workers) {
   const box = document.getElementById("health");
-  if (error) { box.textContent = error; return; }
   if (!h) { box.textContent = "coordinator health: not reported (older coordinator)"; return; }
-  const workers = Object.entries(h.workers || {}).map(([k, v]) => `${v} ${k}`).join(", ");
+  // Counted from the workers themselves: a drained worker has left, it is not lost.
+  const states = {};
+  for (const w of workers) { const s = departed(w) ? "left" : w.state; states[s] = (states[s] || 0) + 1; }
+  const words = Object.entries(states).map(([k, v]) => `${v} ${k}`).join(", ");
   box.textContent = `coordinator ${h.version} · up ${seconds(h.uptime)} · queue ${countsText(h.queue) || "empty"} · ` +
-    `journal ${bytes(h.journal_bytes)} · ${h.clients} client(s) · workers ${workers || "none"}`;
+    `journal ${bytes(h.journal_bytes)} · ${h.clients} client(s) · workers ${words || "none"}`;
+}
+
+// The badge says whether what the page shows is live; when it is not, the figures are greyed.
+function drawConnection(data) {
+  const conn = document.getElementById("conn");
+  if (data.connected === false) {
+    const why = data.down_kind === "unreachable" && data.down_since
+      ? `coordinator not answering since ${clock(data.down_since)}`
+      : data.down_kind === "token" ? "the token does not match this mesh" : data.error || "connecting…";
+    conn.textContent = data.down_kind === "connecting" ? "connecting…" : `not connected: ${why}`;
+    conn.className = "conn down";
+    conn.title = data.error || "";
+    document.body.classList.add("stale");
+    return false;
+  }
+  conn.textContent = "live"; conn.className = "conn live"; conn.title = "";
+  document.body.classList.remove("stale");
+  return true;
 }
 
 function render(data) {
   snapshot = data;
+  received = Date.now();
   if (data.point && (!history.length || history[history.length - 1].t < data.point.t)) history.push(data.point);
   const now = data.time || Date.now() / 1000;
-  drawHealth(data.health, data.error);
+  if (!drawConnection(data) && data.time === undefined) return;  // nothing yet to grey
+  drawHealth(data.health, data.workers || []);
   drawMesh(data.workers || [], now);
   drawWorkers(data.workers || []);
   drawJobs(data.jobs || [], data.counts || {});
   drawLists(data);
   drawCharts();
-  if (openJob) refreshJob();
+  if (openJob && data.connected !== false) refreshJob();
 }
 
 // ------------------------------------------------------------------ start
@@ -357,10 +511,14 @@ async function start() {
   const conn = document.getElementById("conn");
   const stream = new EventSource("/api/stream");
   stream.addEventListener("history", (event) => { history = JSON.parse(event.data); drawCharts(); });
-  stream.addEventListener("snapshot", (event) => {
-    conn.textContent = "live"; conn.className = "conn live";
-    render(JSON.parse(event.data));
-  });
+  stream.addEventListener("snapshot", (event) => render(JSON.parse(event.data)));
+  // A coordinator that stops answering holds the dashboard's query until its timeout: no new
+  // snapshot comes meanwhile, so the page says so itself rather than show old figures as live.
+  setInterval(() => {
+    if (snapshot && snapshot.connected !== false && snapshot.time && Date.now() - received > SILENCE_MS) {
+      drawConnection({connected: false, down_kind: "unreachable", down_since: snapshot.time});
+    }
+  }, 1000);
   stream.addEventListener("error", () => {
     conn.textContent = "reconnecting…"; conn.className = "conn down";
     // Refused (the dashboard restarted, the session expired): EventSource gives up, so load
