@@ -164,6 +164,9 @@ class Settings:
     url: str | None = None
     token: str | None = field(default=None, repr=False)
     host: str = DEFAULT_HOST
+    # Whether GPUMESH_HOST chose ``host``: only then does it win over the address the saved
+    # coordinator was bound to (``serve`` without --host).
+    host_given: bool = False
     local_only: bool = False
     verbose: bool = False
     # A coordinator started with a weak token refuses it unless this is set (GPUMESH_WEAK_TOKEN).
@@ -198,6 +201,7 @@ class Settings:
             url=env.get("GPUMESH_URL") or None,
             token=env.get("GPUMESH_TOKEN") or None,
             host=env.get("GPUMESH_HOST") or DEFAULT_HOST,
+            host_given=bool(env.get("GPUMESH_HOST")),
             local_only=_env_bool(env.get("GPUMESH_LOCAL")),
             verbose=_env_bool(env.get("GPUMESH_VERBOSE")),
             weak_token=_env_bool(env.get("GPUMESH_WEAK_TOKEN")),
@@ -245,7 +249,9 @@ class Settings:
 class SavedConnection:
     """The coordinator this machine last served or joined, as kept in ``config.json``.
 
-    ``stretched`` caches the slow key-derivation step for ``token`` (see gpumesh.security), so
+    ``served`` is (the address bound, the port) when this machine's own coordinator saved it
+    (``serve``, ``setup``); ``slots`` is the slot count a worker here was told (``join
+    --slots``, ``setup``), None for join's default. ``stretched`` caches the slow key-derivation step for ``token`` (see gpumesh.security), so
     each command does not pay it again: the file already holds the token in the clear, so the
     cache exposes nothing new. It is bound to the token and the KDF by ``check``.
     """
@@ -254,6 +260,20 @@ class SavedConnection:
     token: str = field(repr=False)
     kdf: str | None = None
     stretched: bytes | None = field(default=None, repr=False)
+    served: tuple[str, int] | None = None
+    slots: int | None = None
+
+    @property
+    def own_coordinator(self) -> bool:
+        """Whether this is this machine's coordinator: saved by ``serve``/``setup``, or (a
+        file from before they said so) dialled on loopback."""
+        if self.served is not None:
+            return True
+        try:
+            host = parse_url(self.url).host
+        except ConfigError:
+            return False
+        return host == "localhost" or _is_loopback(host)
 
     def stretched_for(self, token: str, kdf: str) -> bytes | None:
         """The cached stretched key for ``token`` under ``kdf``, or None."""
@@ -279,12 +299,40 @@ def load_connection(path: Path) -> SavedConnection | None:
         if not (isinstance(url, str) and isinstance(token, str) and url and token):
             raise TypeError("url and token must be non-empty strings")
         kdf, stretched = _cached_stretch(data, token)
-        return SavedConnection(url=url, token=token, kdf=kdf, stretched=stretched)
+        return SavedConnection(url=url, token=token, kdf=kdf, stretched=stretched,
+                               served=_served(data.get("serve")), slots=_slots(data.get("slots")))
     except (ValueError, KeyError, TypeError):
         raise ConfigError(
             f"{path} is not a gpumesh config file: delete it and run 'gpumesh serve' or "
             "'gpumesh join' again"
         ) from None
+
+
+def _served(value: object) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError("serve must be an object")
+    host, port = value.get("host"), value.get("port")
+    if not (isinstance(host, str) and host and isinstance(port, int)
+            and not isinstance(port, bool) and 0 < port < 65536):
+        raise TypeError("serve needs a host and a port")
+    return host, port
+
+
+def _slots(value: object) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1024:
+        raise TypeError("slots must be a number from 1 to 1024")
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check(stretched: bytes, token: str, kdf: str) -> str:
@@ -309,11 +357,17 @@ def _cached_stretch(data: Mapping[str, object], token: str) -> tuple[str | None,
 
 
 def save_connection(path: Path, url: str, token: str, *, kdf: str | None = None,
-                    stretched: bytes | None = None) -> None:
+                    stretched: bytes | None = None, served: tuple[str, int] | None = None,
+                    slots: int | None = None) -> None:
     """Write the connection with mode 0600 from the first byte (never world-readable), in a
-    folder that is 0700. ``kdf``/``stretched`` cache the token's slow derivation step."""
+    folder that is 0700. ``kdf``/``stretched`` cache the token's slow derivation step;
+    ``served`` and ``slots`` are kept as ``SavedConnection`` describes them."""
     ensure_home(path.parent)
     data: dict[str, object] = {"url": url, "token": token}
+    if served is not None:
+        data["serve"] = {"host": served[0], "port": served[1]}
+    if slots is not None:
+        data["slots"] = slots
     if kdf and stretched:
         data["kdf"] = {"name": kdf, "key": stretched.hex(), "check": _check(stretched, token, kdf)}
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")

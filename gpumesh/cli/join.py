@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import os
 import signal
 import time
@@ -10,7 +11,7 @@ from typing import Any
 
 import click
 
-from ..config import Settings, ensure_home, parse_url, save_connection
+from ..config import SavedConnection, Settings, ensure_home, parse_url, save_connection
 from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, MeshError
 from ..protocol.taskenv import check_env_name
@@ -50,13 +51,53 @@ def passed_variables(names: Sequence[str]) -> list[str]:
     return passed
 
 
-def save_joined(settings: Settings, url: str, token: str) -> None:
+NO_TOKEN = ("no token: set GPUMESH_TOKEN, or pass --token-file PATH (the file 'gpumesh serve' "
+            "saved as ~/.gpumesh/token, copied here), or run 'gpumesh setup'")
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def save_joined(settings: Settings, url: str, token: str, slots: int | None = None) -> None:
     """What ``join`` saves once the coordinator admitted it (``setup`` too): the connection that
-    later commands and ``@mesh`` use."""
-    save_connection(settings.config_path, parse_url(url).zmq, token, **save_kdf(token))
+    later commands and ``@mesh`` use, and the slot count it was told (None: join's default).
+    What this machine's own coordinator saved with the same token is kept."""
+    try:
+        saved = settings.saved_connection()
+    except MeshError:
+        saved = None
+    served = saved.served if saved is not None and _same(saved.token, token) else None
+    save_connection(settings.config_path, parse_url(url).zmq, token, served=served, slots=slots,
+                    **save_kdf(token))
 
 
-def discovered(settings: Settings, token: str) -> tuple[str, Callable[[], str | None]]:
+def with_saved(settings: Settings, url: str | None, token: str | None,
+               slots: int | None) -> tuple[str | None, str, int | None, SavedConnection | None]:
+    """(url, token, slots) of this ``join``: what was given (flags, GPUMESH_TOKEN), each missing
+    one from the saved connection (its slots only for its own token); and that connection when
+    its URL was taken. A URL that is
+    still None means nothing is saved: join looks on the LAN."""
+    saved = None
+    if url is None or token is None or slots is None:
+        try:
+            saved = settings.saved_connection()
+        except MeshError as exc:
+            if token is None:
+                raise
+            click.echo(f"warning: {exc}", err=True)
+    if token is None:
+        if saved is None:
+            raise ConfigError(NO_TOKEN)
+        token = saved.token
+    if saved is not None and slots is None and _same(saved.token, token):
+        slots = saved.slots  # a count told for this mesh
+    if url is None and saved is not None:
+        return saved.url, token, slots, saved
+    return url, token, slots, None
+
+
+def discovered(settings: Settings, token: str) -> tuple[str, Callable[[], str | None] | None]:
     """The URL of this mesh's coordinator on the LAN, and how to look for it again."""
     if not settings.discovery:
         raise ConfigError("no URL given, and LAN discovery is off (GPUMESH_DISCOVERY=0): pass "
@@ -67,22 +108,37 @@ def discovered(settings: Settings, token: str) -> tuple[str, Callable[[], str | 
     url, found = find_coordinator(token, interfaces, timeout)
     click.echo(f"[worker] found it on {found.host}: {url}")
 
+    return url, again_on_lan(settings, token)
+
+
+def again_on_lan(settings: Settings, token: str) -> Callable[[], str | None] | None:
+    """How the agent looks for a coordinator that moved (None when discovery is off)."""
+    if not settings.discovery:
+        return None
+
     def again() -> str | None:
         return find_coordinator(token, browse_interfaces(settings.discovery_interfaces),
-                                timeout)[0]
+                                settings.discovery_timeout)[0]
 
-    return url, again
+    return again
 
 
-def join(settings: Settings, *, url: str | None, token: str, slots: int | None, benchmark: bool,
-         rebenchmark: bool = False,
+def join(settings: Settings, *, url: str | None, token: str | None, slots: int | None,
+         benchmark: bool, rebenchmark: bool = False,
          save: bool, ready_fd: int | None, prefetch: int | None = None, max_slots: int | None = None,
          exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
+    """Join until stopped. A missing URL, token or slot count comes from the saved
+    connection (``with_saved``); with no URL saved either, the coordinator is found on the LAN."""
     rediscover = None
     try:
         passed = passed_variables(pass_env)
+        url, token, slots, saved = with_saved(settings, url, token, slots)
         if url is None:
             url, rediscover = discovered(settings, token)
+        elif saved is not None:
+            click.echo(f"[worker] no URL given: dialling the saved coordinator {saved.url} "
+                       "(from the connection saved here; pass a URL to dial another)")
+            rediscover = again_on_lan(settings, token)
         endpoint = parse_url(url)
     except MeshError as exc:
         fail(str(exc))
@@ -101,6 +157,7 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
         inventory["bandwidth_gbps"] = figures["bandwidth_gbps"]
     else:
         inventory["score"] = 0.0
+    told = slots
     slots = slots or default_slots(inventory)
     if max_slots is not None:
         slots = min(slots, max_slots)  # the owner's cap wins over the detected hardware
@@ -113,7 +170,7 @@ def join(settings: Settings, *, url: str | None, token: str, slots: int | None, 
     def joined(worker_id: str) -> None:
         # Saved only now: a wrong token must not replace a working saved connection.
         if save:
-            save_joined(settings, endpoint.zmq, token)
+            save_joined(settings, endpoint.zmq, token, told)
         if ready_fd is not None:
             os.write(ready_fd, f"{worker_id}\n".encode())
 

@@ -90,10 +90,12 @@ def cli(verbose: bool, json_logs: bool) -> None:
 
 
 @cli.command()
-@click.option("--host", default=None, help="Address to bind (default 127.0.0.1, or GPUMESH_HOST). "
-              "0.0.0.0 lets other machines join.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535),
-              help="TCP port (0 picks a free one).")
+@click.option("--host", default=None, help="Address to bind (default GPUMESH_HOST, else the "
+              "one this machine's coordinator saved, else 127.0.0.1). 0.0.0.0 lets other "
+              "machines join.")
+@click.option("--port", default=None, type=click.IntRange(0, 65535),
+              help=f"TCP port (0 picks a free one). Default: the one this machine's "
+                   f"coordinator saved, else {DEFAULT_PORT}.")
 @click.option("--host-ip", default=None, metavar="IP",
               help="The address other machines should dial, advertised on the LAN and printed "
                    "(default: this machine's LAN address; set it when that is a VPN or VM "
@@ -105,7 +107,8 @@ def cli(verbose: bool, json_logs: bool) -> None:
               help="Open an ngrok TCP tunnel (pip install 'gpumesh[tunnel]', an ngrok account) "
                    "and print its tcp:// address: anyone with the token can then join. Closed "
                    "when serve stops.")
-@token_options(envvar=True, what="(or GPUMESH_TOKEN; generated when absent, and saved unless --no-save)")
+@token_options(envvar=True, what="(or GPUMESH_TOKEN; else the one this machine's coordinator "
+                                "saved; generated when none is, and saved unless --no-save)")
 @click.option("--weak-token", is_flag=True, envvar="GPUMESH_WEAK_TOKEN",
               help="Accept a token shorter than 22 characters (or GPUMESH_WEAK_TOKEN=1). A short "
                    "token can be guessed offline from one recorded handshake.")
@@ -127,7 +130,7 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--ready-fd", type=int, default=None, hidden=True)
 @click.option("--exit-with-parent", is_flag=True, hidden=True)
 @_color_option
-def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, public: bool,
+def serve(host: str | None, port: int | None, host_ip: str | None, tailscale: bool, public: bool,
           token: str | None, weak_token: bool, db: str | None,
           no_self_worker: bool, slots: int | None, safe_mode: bool,
           pending_timeout: float | None, no_save: bool, dashboard: bool, dashboard_host: str,
@@ -139,6 +142,7 @@ def serve(host: str | None, port: int, host_ip: str | None, tailscale: bool, pub
     \b
     Examples:
       gpumesh serve --port 8000                       # makes a token: ~/.gpumesh/token
+      gpumesh serve                                   # again: the saved token and port
       gpumesh serve --port 8000 --token-file mesh.token
       GPUMESH_TOKEN=$(cat mesh.token) gpumesh serve --host 0.0.0.0   # let others join
       gpumesh serve --port 8000 --tailscale           # join via the Tailscale address
@@ -184,7 +188,7 @@ def _prefetch(value: str) -> int | None:
 
 @cli.command()
 @click.argument("url", required=False)
-@token_options(envvar=True, what="(or GPUMESH_TOKEN; required)")
+@token_options(envvar=True, what="(or GPUMESH_TOKEN; else the saved connection's)")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Tasks run at once (default: one per GPU, else one per core up to 4).")
 @click.option("--max-slots", type=click.IntRange(1, 1024), default=None,
@@ -212,14 +216,17 @@ def join(url: str | None, token: str | None, slots: int | None, max_slots: int |
          exit_with_parent: bool) -> None:
     """Join this machine to a coordinator as a worker.
 
-    Without URL, it finds the coordinator of this token's mesh on the LAN (zeroconf), and
-    looks again if that coordinator moves. The benchmark's figures are kept per machine
+    Without URL, token or --slots, it takes them from the connection saved on this machine
+    (by 'gpumesh setup', or the last join or serve). With no URL saved either, it finds the
+    coordinator of this token's mesh on the LAN (zeroconf). Either way it looks on the LAN
+    again if that coordinator moves. The benchmark's figures are kept per machine
     (--rebenchmark measures again). The machine's owner can take it back at any time with
     'gpumesh pause', 'resume' and 'drain', run on this machine.
 
     \b
     Example:
-      gpumesh join --token-file mesh.token                     # finds it on the LAN
+      gpumesh join                                             # the saved connection
+      gpumesh join --token-file mesh.token                     # saved URL, else the LAN
       gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token
       gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token --max-slots 1  # one GPU only
       gpumesh join tcp://192.0.2.10:8000 --token-file mesh.token --pass-env HF_HOME
@@ -227,9 +234,6 @@ def join(url: str | None, token: str | None, slots: int | None, max_slots: int |
     from .join import join as run_join
 
     token = chosen_token(token)
-    if not token:
-        fail("no token: set GPUMESH_TOKEN, or pass --token-file PATH (the file 'gpumesh serve' "
-             "saved as ~/.gpumesh/token, copied here)")
     run_join(_settings(), url=url, token=token, slots=slots, benchmark=not no_benchmark,
              rebenchmark=rebenchmark,
              save=not no_save, ready_fd=ready_fd, prefetch=prefetch, max_slots=max_slots,

@@ -10,20 +10,29 @@ import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
 from .. import tunnels
-from ..config import DEFAULT_HOST, Settings, ensure_home, parse_url, save_connection
+from ..config import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    Settings,
+    ensure_home,
+    parse_url,
+    save_connection,
+)
 from ..coordinator import Coordinator, Event
 from ..discovery import Advertiser, advertised_addresses, binds_everywhere
-from ..errors import MeshError
+from ..errors import ConfigError, MeshError
 from ..firewall import firewall_step
 from ..security import derive_keys, note_weak
 from ..tokens import (
     new_token,
     parse_token,
+    read_token_file,
     refuse_weak,
     weak_warning,
     with_salt,
@@ -96,11 +105,85 @@ def serve_token(settings: Settings, token: str | None, weak_token: bool) -> tupl
     return salted, parse_token(salted).salt
 
 
-def save_served(settings: Settings, url: str, token: str) -> Path:
+@dataclass(frozen=True)
+class SavedCoordinator:
+    """What this machine's coordinator saved: its token, and the address and port it was bound
+    to when known (None: not saved). ``where`` is the file the token was read from."""
+
+    token: str = field(repr=False)
+    where: Path
+    host: str | None = None
+    port: int | None = None
+
+
+def saved_coordinator(settings: Settings, *, quiet: bool = False) -> SavedCoordinator | None:
+    """The token (and bind) that this machine's coordinator saved, for a ``serve`` told none.
+
+    From the saved connection when it is this machine's own coordinator (a connection to
+    another machine's is a worker's, whose token belongs to that mesh); else, when no
+    connection is saved at all, from the token file alone. A token file that cannot be read is
+    a ConfigError, never a reason to make a new token over it; a damaged connection is a
+    warning on stderr (unless ``quiet``), as ``serve`` replaces it.
+    """
+    token_path = settings.home / TOKEN_FILE
+    try:
+        saved = settings.saved_connection()
+    except MeshError as exc:
+        if not quiet:
+            click.echo(f"warning: {exc}", err=True)
+        saved = None
+    if saved is not None:
+        if not saved.own_coordinator:
+            return None
+        where = token_path if token_path.exists() else settings.config_path
+        if saved.served is not None:
+            return SavedCoordinator(saved.token, where, *saved.served)
+        return SavedCoordinator(saved.token, where, port=parse_url(saved.url).port)
+    if not token_path.exists():
+        return None
+    try:
+        return SavedCoordinator(read_token_file(token_path), token_path)
+    except MeshError as exc:
+        raise ConfigError(f"{exc}. It holds this machine's saved token: fix or delete it, or "
+                          "choose a token with --token-file PATH") from None
+
+
+def saved_tokens(settings: Settings) -> list[str]:
+    """The tokens saved here now (the token file's, the connection's), unreadable ones left out."""
+    found = []
+    try:
+        found.append(read_token_file(settings.home / TOKEN_FILE))
+    except MeshError:
+        pass
+    try:
+        saved = settings.saved_connection()
+    except MeshError:
+        saved = None
+    if saved is not None:
+        found.append(saved.token)
+    return found
+
+
+def replaces_saved(settings: Settings, token: str) -> bool:
+    """Whether saving ``token`` replaces another token saved on this machine."""
+    return any(not hmac.compare_digest(old.encode(), token.encode())
+               for old in saved_tokens(settings))
+
+
+def save_served(settings: Settings, url: str, token: str, served: tuple[str, int]) -> Path:
     """What ``serve`` saves (``setup`` too): the connection, ``url`` being how this machine
-    dials the coordinator, and the token file that the printed join commands name. Returns the
-    token file's path."""
-    save_connection(settings.config_path, url, token, **save_kdf(token))
+    dials the coordinator and ``served`` its (bind address, port), and the token file that the
+    printed join commands name. A worker's slot count saved with the same token is kept.
+    Returns the token file's path."""
+    slots = None
+    try:
+        saved = settings.saved_connection()
+    except MeshError:
+        saved = None
+    if saved is not None and hmac.compare_digest(saved.token.encode(), token.encode()):
+        slots = saved.slots
+    save_connection(settings.config_path, url, token, served=served, slots=slots,
+                    **save_kdf(token))
     token_path = settings.home / TOKEN_FILE
     write_token_file(token_path, token, replace=True)
     return token_path
@@ -131,7 +214,8 @@ def tailscale_bind(settings: Settings, host: str | None, host_ip: str | None) ->
 
 
 def serve(
-    settings: Settings, *, host: str | None, port: int, token: str | None, db: str | None,
+    settings: Settings, *, host: str | None, port: int | None, token: str | None,
+    db: str | None,
     self_worker: bool, slots: int | None, safe_mode: bool, pending_timeout: float | None,
     ready_fd: int | None, quiet: bool, save: bool = True, exit_with_parent: bool = False,
     weak_token: bool = False, host_ip: str | None = None, tailscale: bool = False,
@@ -140,14 +224,35 @@ def serve(
 ) -> None:
     """Run a coordinator until SIGINT/SIGTERM. ``tailscale`` binds and prints this machine's
     Tailscale address; ``public`` opens a TCP tunnel through ``tunnel`` (ngrok by default) once
-    the self-check passes, and closes it when serve stops."""
-    generated = token is None
+    the self-check passes, and closes it when serve stops.
+
+    Without ``token`` it reuses the one this machine's coordinator saved, and makes one only
+    when none is saved; without ``host``/``port`` (and GPUMESH_HOST) it binds as that
+    coordinator was bound, else 127.0.0.1:8000.
+    """
     if tailscale and public:
         fail("--tailscale and --public are two ways to reach this coordinator: choose one")
+    try:
+        own = saved_coordinator(settings) if token is None or host is None or port is None \
+            else None
+    except MeshError as exc:
+        fail(str(exc))
+    reused = token is None and own is not None
+    if reused and own is not None:
+        token = own.token
+    generated = token is None
     tailnet: str | None = None
     if tailscale:
         host, tailnet = tailscale_bind(settings, host, host_ip)
+    from_saved = []
+    if host is None and not settings.host_given and own is not None and own.host is not None:
+        host = own.host
+        from_saved.append("address")
+    if port is None and own is not None and own.port is not None:
+        port = own.port
+        from_saved.append("port")
     host = host or settings.host
+    port = DEFAULT_PORT if port is None else port
     if host_ip is not None:
         try:
             ipaddress.IPv4Address(host_ip)
@@ -186,8 +291,9 @@ def serve(
     local_host = host if not host or host not in ("0.0.0.0", "*", "::") else "127.0.0.1"
     local_url = parse_url(f"[{local_host}]:{port}" if ":" in local_host else f"{local_host}:{port}").zmq
     token_path = settings.home / TOKEN_FILE
+    replaced = save and replaces_saved(settings, token)
     if save:
-        save_served(settings, local_url, token)
+        save_served(settings, local_url, token, (host, port))
     coordinator.broker.listeners.append(print_event)
     # How the banner's commands get the token: never the token itself on a command line.
     token_arg = f" --token-file {_home_display(token_path)}" if save else ""
@@ -195,15 +301,25 @@ def serve(
     if save:
         click.echo(f"[gpumesh] config saved to {_home_display(settings.config_path)}")
     ok(f"Coordinator listening on {host}:{port}")
+    if from_saved:
+        click.echo(f"   ({' and '.join(from_saved)} as this machine's coordinator saved them; "
+                   "--host and --port choose others)")
     if generated:
         click.echo(f"   Token: {token}")
         click.echo("   (generated for you; set GPUMESH_TOKEN or pass --token-file to choose one)")
+    elif reused and own is not None:
+        click.echo(f"   Token: <your token> (the one saved in {_home_display(own.where)}, "
+                   "reused; never printed)")
     elif added_salt:
         click.echo(f"   Token: {added_salt}.<your token> -- share it in this form: the salt "
                    "in front is not secret, and every worker and client needs it")
     else:
         click.echo("   Token: <your token> (as given; never printed)")
-    if save:
+    if replaced:
+        click.echo(f"   Saved, readable only by you, in {_home_display(token_path)}, replacing "
+                   "the token saved there before: workers holding the old one are locked out "
+                   "until they get this one")
+    elif save:
         click.echo(f"   Saved, readable only by you, in {_home_display(token_path)}")
     else:
         click.echo("   (not saved: give it to 'gpumesh join' as GPUMESH_TOKEN or --token-file)")

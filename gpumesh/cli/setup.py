@@ -120,9 +120,10 @@ def save(settings: Settings, answers: Answers) -> list[Path]:
 
     derive_keys(answers.token)  # cached by now mostly; save_kdf keeps the result, as serve's does
     if answers.role == "serve":
-        token_path = save_served(settings, answers.local_url, answers.token)
+        token_path = save_served(settings, answers.local_url, answers.token,
+                                 (answers.host, answers.port))
         return [settings.config_path, token_path]
-    save_joined(settings, answers.local_url, answers.token)
+    save_joined(settings, answers.local_url, answers.token, answers.slots)
     if answers.role == "use":
         return [settings.config_path]
     token_path = settings.home / TOKEN_FILE

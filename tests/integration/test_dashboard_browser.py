@@ -17,7 +17,7 @@ import pytest
 from conftest import Mesh, require, wait_for
 from dashboard_tasks import explode, pause
 
-from gpumesh.dashboard import Dashboard
+from gpumesh.dashboard import Dashboard, tls
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -171,15 +171,23 @@ def test_cancel_of_another_owners_job_asks_in_page_terms(live, monkeypatch):
     assert all(f.cancelled() or f.exception(timeout=10) for f in futures)
 
 
-def test_off_loopback_the_page_asks_for_the_token(live, artifacts):
+def test_off_loopback_the_page_is_https_and_asks_for_the_token(live, artifacts, tmp_path):
     mesh, page, _ = live
-    guarded = Dashboard(mesh.clients[0], mesh.token, port=0)
+    if shutil.which("openssl") is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("openssl is missing: CI installs it")
+        pytest.skip("openssl is not installed")
+    made = tls.self_signed(tmp_path, "127.0.0.1")
+    guarded = Dashboard(mesh.clients[0], mesh.token, port=0,
+                        tls=tls.server_context(made.cert, made.key))
     # As bound beyond loopback; the test keeps the socket on loopback (TESTING.md).
     guarded.guard.login_required = True
     guarded.start()
-    context = page.context.browser.new_context()
+    # The user checked the fingerprint on the warning page; the test trusts it the same way.
+    context = page.context.browser.new_context(ignore_https_errors=True)
     try:
         login = context.new_page()
+        assert guarded.url.startswith("https://")
         login.goto(guarded.url)
         assert login.url.endswith("/login")
         login.fill("input[name=token]", "not-the-token")
@@ -188,7 +196,9 @@ def test_off_loopback_the_page_asks_for_the_token(live, artifacts):
         assert "not this mesh's token" in login.inner_text("body")
         login.fill("input[name=token]", mesh.token)
         login.click("button[type=submit]")
-        login.wait_for_selector("#conn.live")  # the cookie took, the stream flows
+        login.wait_for_selector("#conn.live")  # the Secure cookie took, the stream flows
+        (cookie,) = context.cookies()
+        assert cookie["secure"] and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert mesh.token not in login.content()
         login.screenshot(path=str(artifacts / "dashboard-after-login.png"))
         login.click("#logout")

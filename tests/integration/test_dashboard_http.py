@@ -272,11 +272,21 @@ def test_gpumesh_dashboard_prints_its_url_serves_and_stops(mesh_env):
     assert mesh_env.token not in line + rest
 
 
-def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_it(tmp_path):
+@pytest.mark.parametrize("with_tls", [False, True], ids=["http", "given-certificate"])
+def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_it(tmp_path,
+                                                                                   with_tls):
     env = {**os.environ, "GPUMESH_HOME": str(tmp_path), "GPUMESH_TOKEN": TOKEN}
+    flags: list[str] = []
+    trust, scheme = None, "http"
+    if with_tls:  # the user's pair, passed on to the dashboard's own process
+        need_openssl()
+        (tmp_path / "mine").mkdir(mode=0o700)
+        made = tls.self_signed(tmp_path / "mine", "127.0.0.1")
+        flags = ["--dashboard-cert", str(made.cert), "--dashboard-key", str(made.key)]
+        trust, scheme = made.cert, "https"
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpumesh", "serve", "--port", "0", "--db", ":memory:",
-         "--no-self-worker", "--no-save", "--dashboard", "--dashboard-port", "0"],
+         "--no-self-worker", "--no-save", "--dashboard", "--dashboard-port", "0", *flags],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     lines: queue.Queue[str] = queue.Queue()
@@ -288,13 +298,13 @@ def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_i
         def dashboard_line() -> re.Match[str] | None:
             while not lines.empty():
                 seen.append(lines.get())
-                found = re.search(r"Dashboard on http://127\.0\.0\.1:(\d+)/", seen[-1])
+                found = re.search(rf"Dashboard on {scheme}://127\.0\.0\.1:(\d+)/", seen[-1])
                 if found:
                     return found
             return None
 
         port = int(wait_for(dashboard_line, 30, "the dashboard's URL").group(1))  # type: ignore[attr-defined]
-        browser = Browser(port)
+        browser = Browser(port, trust=trust)
         assert browser.request("GET", "/")[0].status == 200
         assert browser.request("GET", "/api/session")[0].status == 200
         proc.send_signal(signal.SIGINT)
@@ -302,7 +312,7 @@ def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_i
 
         def closed() -> bool:
             try:
-                Browser(port).request("GET", "/")
+                Browser(port, trust=trust).request("GET", "/")
             except OSError:
                 return True
             return False

@@ -274,6 +274,47 @@ def test_save_connection_replaces_a_world_readable_file(tmp_path: Path) -> None:
     assert load_connection(path) == SavedConnection("tcp://new:2", TOKEN)
 
 
+def test_the_coordinators_bind_and_a_workers_slots_are_saved_and_loaded_back(
+        tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    save_connection(path, "tcp://127.0.0.1:18001", TOKEN, served=("0.0.0.0", 18001), slots=3)
+    data = json.loads(path.read_text())
+    assert data["serve"] == {"host": "0.0.0.0", "port": 18001} and data["slots"] == 3
+    saved = load_connection(path)
+    assert saved is not None and saved.served == ("0.0.0.0", 18001) and saved.slots == 3
+    assert saved.own_coordinator
+
+
+@pytest.mark.parametrize(("url", "served", "own"), [
+    ("tcp://192.0.2.10:8000", None, False),  # a worker's connection to another machine
+    ("tcp://192.0.2.10:8000", ("0.0.0.0", 8000), True),  # said by serve itself
+    ("tcp://127.0.0.1:8000", None, True),  # saved before serve said so: loopback is here
+    ("tcp://localhost:8000", None, True),
+    ("tcp://[::1]:8000", None, True),
+])
+def test_own_coordinator(url: str, served: tuple[str, int] | None, own: bool) -> None:
+    assert SavedConnection(url, TOKEN, served=served).own_coordinator is own
+
+
+@pytest.mark.parametrize("extra", [
+    {"serve": "127.0.0.1:8000"}, {"serve": {"host": "", "port": 8000}},
+    {"serve": {"host": "127.0.0.1", "port": 0}}, {"serve": {"host": "127.0.0.1", "port": True}},
+    {"slots": 0}, {"slots": "3"}, {"slots": 2000}, {"slots": False},
+])
+def test_a_damaged_bind_or_slot_count_is_config_error(tmp_path: Path, extra: dict) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"url": "tcp://h:1", "token": TOKEN, **extra}))
+    with pytest.raises(ConfigError) as info:
+        load_connection(path)
+    assert TOKEN not in str(info.value)
+
+
+def test_from_env_says_whether_gpumesh_host_chose_the_bind(tmp_path: Path) -> None:
+    assert Settings.from_env({"GPUMESH_HOME": str(tmp_path)}).host_given is False
+    given = Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_HOST": "127.0.0.1"})
+    assert given.host_given is True and given.host == "127.0.0.1"
+
+
 def test_load_connection_missing_file_is_none(tmp_path: Path) -> None:
     assert load_connection(tmp_path / "nope.json") is None
 
