@@ -188,7 +188,7 @@ async function steer(w, action) {
     const answer = await post("/api/worker", {worker: w.id, action});
     if (answer.held) {
       notice(`${name} is still ${answer.state}: its owner set that on its machine, and the mesh ` +
-             `does not undo an owner's choice (they can run 'gpumesh resume' there).`);
+             `does not undo an owner's choice (they can run 'gpumesh ${action}' there).`);
     } else {
       notice(`${name}: ${action} done, now ${answer.state || "gone"}`);
     }
