@@ -74,7 +74,7 @@ def names_for(host: str) -> tuple[list[str], list[str]]:
     try:
         address = ipaddress.ip_address(bare)
     except ValueError:
-        if bare and bare not in ("*",) and bare.lower() not in dns:
+        if bare and bare != "*" and bare.lower() not in dns:
             dns.insert(0, bare.lower())
     else:
         if not address.is_unspecified and str(address) not in ips:

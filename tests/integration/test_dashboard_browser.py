@@ -18,6 +18,7 @@ from conftest import Mesh, require, wait_for
 from dashboard_tasks import explode, pause
 
 from gpumesh.dashboard import Dashboard, tls
+from gpumesh.errors import ConnectionFailed
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -243,3 +244,42 @@ def test_a_wrong_token_shows_not_connected_never_live(live, artifacts):
     finally:
         context.close()
         wrong.close()
+
+
+class Flaky:
+    """The live mesh's client, until ``down``: then every round fails as if it were stopped."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.down = client, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def workers(self) -> Any:
+        if self.down:
+            raise ConnectionFailed("cannot reach a coordinator at tcp://127.0.0.1:9")
+        return self.client.workers()
+
+
+def test_a_silent_coordinator_greys_the_page_and_says_since_when(live, artifacts):
+    mesh, page, _ = live
+    flaky = Flaky(mesh.clients[0])
+    watched = Dashboard(flaky, mesh.token, port=0, interval=0.2)  # type: ignore[arg-type]
+    watched.start()
+    context = page.context.browser.new_context()
+    try:
+        other = context.new_page()
+        other.goto(watched.url)
+        other.wait_for_selector("#conn.live")
+        flaky.down = True
+        conn = other.locator("#conn")
+        wait_for(lambda: "coordinator not answering since" in conn.inner_text(), 10, "the outage")
+        assert other.locator("body.stale").count() == 1
+        assert other.locator("#workers .worker").count() >= 1  # the last figures, greyed
+        other.screenshot(path=str(artifacts / "dashboard-not-answering.png"))
+        flaky.down = False
+        other.wait_for_selector("#conn.live", timeout=15_000)  # back by itself
+        assert other.locator("body.stale").count() == 0
+    finally:
+        context.close()
+        watched.close()

@@ -364,6 +364,11 @@ def test_the_certificate_is_made_once_per_machine_with_a_private_key(tmp_path):
     assert stat.S_IMODE(again.key.stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == [tls.CERT_FILE, tls.KEY_FILE]
     assert re.fullmatch(r"([0-9A-F]{2}:){31}[0-9A-F]{2}", first.fingerprint)
+    # Bound to an address the certificate does not name: made again, naming it (no socket).
+    other = tls.self_signed(tmp_path, "192.0.2.7")
+    assert other.generated and other.fingerprint != first.fingerprint
+    assert not tls.self_signed(tmp_path, "192.0.2.7").generated
+    assert "192.0.2.7" in tls.names_for("192.0.2.7")[1]
 
 
 def test_over_tls_the_login_works_and_the_cookie_is_secure(tls_served):
