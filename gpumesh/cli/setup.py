@@ -10,6 +10,7 @@ masked), not in the summary, not in the commands printed at the end (they name t
 from __future__ import annotations
 
 import getpass
+import hmac
 import signal
 import socket
 import sys
@@ -26,7 +27,6 @@ from .output import fail
 
 Role = Literal["serve", "join", "use"]
 LAN = "0.0.0.0"
-NEEDS_UI = 'gpumesh setup needs the ui extra: pip install "gpumesh[ui]"'
 CANCELLED = "setup cancelled: nothing was saved"
 NOT_A_TERMINAL = """\
 error: gpumesh setup asks questions, and this is not a terminal. The same, without questions:
@@ -36,13 +36,33 @@ error: gpumesh setup asks questions, and this is not a terminal. The same, witho
   gpumesh join tcp://HOST:8000 --token-file mesh.token   # ... or names its coordinator"""
 
 
+def needs_ui(package: Path | None = None) -> str:
+    """What to install for the wizard, as gpumesh was installed: from a source checkout (the
+    package folder beside the project's pyproject.toml) the extra of that checkout, else the
+    published one."""
+    package = package or Path(__file__).resolve().parents[1]
+    project = package.parent / "pyproject.toml"
+    try:
+        checkout = 'name = "gpumesh"' in project.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        checkout = False
+    if checkout:
+        return (f'gpumesh setup needs the ui extra: pip install -e ".[ui]" in {package.parent} '
+                "(the source checkout this gpumesh runs from)")
+    return 'gpumesh setup needs the ui extra: pip install "gpumesh[ui]"'
+
+
 @dataclass(frozen=True)
 class Answers:
-    """What the wizard was told. ``url`` is None for serve; ``slots`` None means join's default."""
+    """What the wizard was told. ``url`` is None for serve; ``slots`` None means join's default.
+    ``kept``: the token is the one this machine's coordinator saved; ``replaces``: saving it
+    replaces another token that coordinator saved."""
 
     role: Role
     token: str = field(repr=False)
     generated: bool = False
+    kept: bool = False
+    replaces: bool = False
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     url: str | None = None
@@ -56,12 +76,13 @@ class Answers:
             parse_url(self.url or "").zmq
 
 
-def token_problem(text: str, *, serve: bool) -> str | None:
+def token_problem(text: str, *, serve: bool, token_path: str = "~/.gpumesh/token") -> str | None:
     """Why a pasted token cannot be used, in one line that never quotes it; None when it can.
-    A coordinator refuses a weak token, as ``serve`` does without ``--weak-token``."""
+    A coordinator refuses a weak token, as ``serve`` does without ``--weak-token``.
+    ``token_path`` is where the coordinator keeps it, as shown in the hint."""
     text = text.strip()
     if not text:
-        return "paste the token (the one line in the coordinator's ~/.gpumesh/token)"
+        return f"paste the token (the one line in the coordinator's {token_path})"
     if any(ch.isspace() for ch in text):
         return "a token has no spaces: paste the one line of the token file"
     try:
@@ -151,18 +172,21 @@ def next_steps(settings: Settings, answers: Answers) -> list[str]:
             steps.append(f"   on another machine: copy {token_file(settings)} there (scp, "
                          "readable only by you), then run 'gpumesh setup' there and choose to "
                          "join, or 'gpumesh join --token-file FILE'")
-        steps.append("python demo.py   # in another terminal: @mesh code runs on the mesh")
-        return steps
+        return steps + CODE_STEPS
     if answers.role == "join":
-        url = "" if answers.discovered else f" {answers.url}"
-        slots = f" --slots {answers.slots}" if answers.slots is not None else ""
-        steps = [f"gpumesh join{url} {tokens}{slots}",
-                 "   joins this machine to the mesh as a worker, until Ctrl+C"]
+        steps = ["gpumesh join",
+                 "   joins this machine to the mesh as a worker, until Ctrl+C, with the saved "
+                 "coordinator and token" + (f", {answers.slots} slots" if answers.slots else "")]
         if answers.discovered:
             steps.append("   (it finds the coordinator on the LAN again, even after it moves)")
         return steps
-    return ["gpumesh workers   # the mesh's workers, through the saved connection",
-            "python demo.py    # 'from gpumesh import mesh': @mesh code runs on the mesh"]
+    return ["gpumesh workers   # the mesh's workers, through the saved connection", *CODE_STEPS]
+
+
+# A pip install ships no demo.py: the README's Quickstart shows the code, 'gpumesh demo' runs it.
+CODE_STEPS = ["then, in another terminal, a script with 'from gpumesh import mesh' and @mesh on a "
+              "function runs it on the mesh (the README's Quickstart, step 3)",
+              "gpumesh demo   # to watch @mesh code at work first, on a mesh of its own"]
 
 
 # ----------------------------------------------------------------------------- the flow
@@ -177,7 +201,7 @@ def run(settings: Settings) -> None:
         import questionary
         from rich.console import Console
     except ImportError:
-        fail(NEEDS_UI)
+        fail(needs_ui())
     wizard = _Wizard(settings, questionary, Console(highlight=False))
     try:
         answers = wizard.ask()
@@ -241,25 +265,44 @@ class _Wizard:
             f"{home_display(path)} holds a saved connection ({what}). Replace it at the end?",
             default=False).unsafe_ask())
 
-    def _token(self, *, serve: bool) -> tuple[str, bool]:
+    def _token(self, *, serve: bool, current: str | None = None) -> tuple[str, bool]:
+        """(the token, whether it was generated). ``current``: the token this machine's
+        coordinator saved, offered first to a coordinator."""
         if serve:
+            choices = [self.q.Choice("generate a new token (recommended)", "new"),
+                       self.q.Choice("paste an existing token", "paste")]
+            if current is not None:
+                choices.insert(0, self.q.Choice(
+                    f"keep the current token (the one in {token_file(self.settings)}; its "
+                    "workers stay in)", "keep"))
             made = self.q.select("The mesh's token (whoever holds it can run code on every "
-                                 "worker):", choices=[
-                self.q.Choice("generate a new token (recommended)", "new"),
-                self.q.Choice("paste an existing token", "paste"),
-            ]).unsafe_ask()
+                                 "worker):", choices=choices).unsafe_ask()
+            if made == "keep" and current is not None:
+                return current, False
             if made == "new":
                 return new_token(), True
+        path = token_file(self.settings)
         token = self.q.password(
-            "Paste the token (the coordinator's ~/.gpumesh/token; typing is hidden):",
-            validate=lambda text: token_problem(text, serve=serve) or True).unsafe_ask().strip()
-        warning = weak_warning(token)
-        if warning:
-            self.console.print(f"[yellow]warning:[/yellow] {warning}")
+            f"Paste the token (the coordinator's {path}; typing is hidden):",
+            validate=lambda text: token_problem(text, serve=serve, token_path=path) or True,
+        ).unsafe_ask().strip()
+        from ..security import note_weak
+
+        # Marked as warned, so deriving its keys later does not log the same warning again.
+        if note_weak(token):
+            self.console.print(f"[yellow]warning:[/yellow] {weak_warning(token)}")
         return token, False
 
     def _serve(self) -> Answers:
-        token, generated = self._token(serve=True)
+        from .serve import saved_coordinator
+
+        try:
+            own = saved_coordinator(self.settings, quiet=True)
+        except MeshError:
+            own = None  # an unreadable token file: nothing to keep, and it is replaced
+        current = own.token if own is not None else None
+        token, generated = self._token(serve=True, current=current)
+        kept = current is not None and hmac.compare_digest(current.encode(), token.encode())
         if generated:
             self.console.print(f"A new token will be saved in {token_file(self.settings)}, "
                                "readable only by you (it is never printed).")
@@ -273,9 +316,11 @@ class _Wizard:
             self.console.print(f"[yellow]The coordinator will be reachable from other machines: "
                                f"only do this on a network you trust, and keep the token "
                                f"secret.[/yellow] Tasks run as {user}.")
-        port = self.q.text("Port:", default=str(DEFAULT_PORT),
+        saved_port = own.port if own is not None and own.port else DEFAULT_PORT
+        port = self.q.text("Port:", default=str(saved_port),
                            validate=lambda text: port_problem(text, host) or True).unsafe_ask()
-        return Answers("serve", token, generated=generated, host=host, port=int(port))
+        return Answers("serve", token, generated=generated, kept=kept,
+                       replaces=current is not None and not kept, host=host, port=int(port))
 
     def _connect(self, role: Role) -> Answers:
         token, _ = self._token(serve=False)
@@ -308,7 +353,9 @@ class _Wizard:
             others = len([f for f in found if f.mesh != fingerprint])
             self.console.print("No coordinator of this mesh answered on the LAN"
                                + (f" ({others} of other meshes did)." if others else ".")
-                               + " Give its address instead.")
+                               + " A coordinator bound to 127.0.0.1 is never advertised "
+                               "('gpumesh serve --host 0.0.0.0' advertises it). Give its "
+                               "address instead.")
             return None, False
         local = adapters()
         choices = [self.q.Choice(f"{f.host} at {f.urls(local)[0]} (gpumesh {f.version})",
@@ -360,8 +407,12 @@ class _Wizard:
     def _summary(self, answers: Answers) -> None:
         rows = {"serve": "start a coordinator", "join": "join a mesh as a worker",
                 "use": "use a mesh from Python"}
-        lines = [("This machine will", rows[answers.role]),
-                 ("Token", "new, never shown" if answers.generated else "pasted, never shown")]
+        token = "kept (the current one), never shown" if answers.kept else \
+            "new, never shown" if answers.generated else "pasted, never shown"
+        lines = [("This machine will", rows[answers.role]), ("Token", token)]
+        if answers.replaces:
+            lines.append(("Current token", "replaced: workers holding the old token are locked "
+                          "out until they get the new one"))
         if answers.role == "serve":
             lines.append(("Reachable from", "this machine only" if answers.host == DEFAULT_HOST
                           else "the LAN (0.0.0.0)"))

@@ -20,6 +20,11 @@ from pathlib import Path
 import pytest
 from conftest import FAST, require
 
+from gpumesh.cli.serve import save_served
+from gpumesh.cli.setup import needs_ui
+from gpumesh.config import Settings
+from gpumesh.tokens import new_token
+
 if sys.platform == "win32":
     pytest.skip("pseudo-terminals are POSIX only", allow_module_level=True)
 
@@ -29,6 +34,7 @@ require("rich")
 
 DOWN, ENTER, CTRL_C, CTRL_U = "\x1b[B", "\r", "\x03", "\x15"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{11}\.[A-Za-z0-9_-]{22,}")  # SALT.SECRET
 PROMPT_TIMEOUT = 30
 
 
@@ -110,6 +116,22 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     return proc.communicate(timeout=15)[0]
 
 
+def _join_until_admitted(args: list[str], env: dict[str, str]) -> tuple[bool, str]:
+    """Run ``gpumesh join ARGS`` until the coordinator admits it, then stop it: (admitted, its
+    output). A join that exits first is (False, its output)."""
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "gpumesh", "join", *args, "--no-benchmark",
+                             "--ready-fd", str(write_fd)], env=env, pass_fds=[write_fd],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as ready:
+        admitted = bool(ready.readline().strip())
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    return admitted, proc.communicate(timeout=15)[0]
+
+
 @pytest.fixture
 def advertised(tmp_path: Path) -> Iterator[tuple[int, str]]:
     """A coordinator bound to loopback and advertising it there (--host-ip), standing in for a
@@ -164,6 +186,98 @@ def test_serve_path_saves_what_serve_then_runs_with(tmp_path, wizards):
     assert "Token: <your token> (as given; never printed)" in output and token not in output
 
 
+def test_plain_serve_after_the_wizard_keeps_its_token_and_port(tmp_path, wizards):
+    home = tmp_path / "home"
+    env = _env(home)
+    wizard = Wizard(env)
+    wizards.append(wizard)
+    wizard.answer("This machine will", ENTER)  # start a coordinator
+    wizard.answer("The mesh's token", ENTER)  # generate a new one
+    wizard.answer("Who may connect", ENTER)  # this machine only
+    free = _free_port()
+    wizard.answer("Port:", CTRL_U + str(free) + ENTER)
+    wizard.answer("Save this?", "y")
+    assert wizard.finish() == 0, wizard.output
+    token = (home / "token").read_text().strip()
+    config = (home / "config.json").read_text()
+
+    serve, port = _start_serve(["serve"], env)  # no --port, no token
+    output = _stop(serve)
+    shown = token in output
+    assert not shown, "serve printed the saved token"
+    output = TOKEN_SHAPE.sub("<a token>", output)  # one it made, shown by a failure below
+    assert port == free, output
+    assert "reused; never printed" in output and "generated for you" not in output
+    kept = (home / "token").read_text().strip() == token and json.loads(
+        (home / "config.json").read_text())["token"] == json.loads(config)["token"]
+    assert kept
+
+
+def _saved_coordinator(home: Path) -> tuple[str, int]:
+    """A coordinator's saved token and port in ``home``, as serve or setup saves them."""
+    token, port = new_token(), _free_port()
+    save_served(Settings(home=home), f"tcp://127.0.0.1:{port}", token, ("127.0.0.1", port))
+    return token, port
+
+
+def test_setup_again_keeps_the_current_token_by_default(tmp_path, wizards):
+    home = tmp_path / "home"
+    token, port = _saved_coordinator(home)
+    wizard = Wizard(_env(home))
+    wizards.append(wizard)
+    wizard.answer("holds a saved connection", "y")
+    wizard.answer("This machine will", ENTER)
+    wizard.answer("keep the current token", ENTER)  # the first choice, the default
+    wizard.answer("Who may connect", ENTER)
+    wizard.answer("Port:", ENTER)  # the saved port is the default
+    wizard.answer("Save this?", "y")
+    assert wizard.finish() == 0, wizard.output
+    assert "Token:             kept (the current one), never shown" in wizard.output
+    assert "locked out" not in wizard.output
+    saved = json.loads((home / "config.json").read_text())
+    assert saved["url"] == f"tcp://127.0.0.1:{port}"
+    kept = saved["token"] == token and (home / "token").read_text().strip() == token
+    assert kept and token not in wizard.output
+
+
+def test_setup_again_with_a_new_token_says_who_is_locked_out(tmp_path, wizards):
+    home = tmp_path / "home"
+    token, _ = _saved_coordinator(home)
+    wizard = Wizard(_env(home))
+    wizards.append(wizard)
+    wizard.answer("holds a saved connection", "y")
+    wizard.answer("This machine will", ENTER)
+    wizard.answer("keep the current token", DOWN + ENTER)  # generate a new one
+    wizard.answer("Who may connect", ENTER)
+    wizard.answer("Port:", ENTER)
+    wizard.answer("Save this?", "y")
+    assert wizard.finish() == 0, wizard.output
+    summary = " ".join(wizard.output.split())  # the summary line may wrap
+    assert "workers holding the old token are locked out until they get the new one" in summary
+    replaced = (home / "token").read_text().strip() != token
+    assert replaced and token not in wizard.output
+
+
+def test_a_weak_token_is_warned_about_once_and_the_hints_name_real_paths(tmp_path, wizards):
+    home = tmp_path / "client"
+    weak = "hunter2hunter2"
+    wizard = Wizard(_env(home))  # discovery on, on loopback, where nothing is advertised
+    wizards.append(wizard)
+    wizard.answer("This machine will", DOWN + DOWN + ENTER)  # use it from Python only
+    wizard.answer(f"Paste the token (the coordinator's {home / 'token'};", weak + ENTER)
+    wizard.answer("Coordinator address", "127.0.0.1:9" + ENTER)
+    wizard.answer("Check that it answers now?", "n")
+    wizard.answer("Save this?", ENTER)
+    assert wizard.finish() == 0, wizard.output
+    assert wizard.output.count("this mesh's token is weak") == 1, wizard.output
+    summary = " ".join(wizard.output.split())
+    assert "A coordinator bound to 127.0.0.1 is never advertised ('gpumesh serve --host " \
+           "0.0.0.0' advertises it)" in summary
+    assert "python demo.py" not in wizard.output and "gpumesh demo" in wizard.output
+    shown = weak in wizard.output
+    assert not shown
+
+
 def test_join_path_offers_the_coordinator_that_discovery_finds(tmp_path, advertised, wizards):
     port, token = advertised
     home = tmp_path / "worker"
@@ -183,9 +297,21 @@ def test_join_path_offers_the_coordinator_that_discovery_finds(tmp_path, adverti
     assert saved["url"] == f"tcp://127.0.0.1:{port}" and saved["token"] == token
     assert (home / "token").read_text().strip() == token
     assert _mode(home / "config.json") == _mode(home / "token") == 0o600
+    assert saved["slots"] == 3
     assert "Looking for this mesh's coordinator" in wizard.output
-    assert f"gpumesh join --token-file {home / 'token'} --slots 3" in wizard.output
+    assert any(row.strip() == "gpumesh join" for row in wizard.output.splitlines())
     assert token not in wizard.output
+
+    # That plain command works: the saved coordinator, token and slots, nothing asked of the
+    # LAN (discovery off), no token in the environment.
+    admitted, output = _join_until_admitted([], _env(home, GPUMESH_DISCOVERY="0"))
+    assert admitted, output
+    assert f"dialling the saved coordinator tcp://127.0.0.1:{port}" in output
+    assert "runs up to 3 task(s) at once" in output and token not in output
+    # A token file alone keeps the saved coordinator too, instead of browsing the LAN.
+    admitted, output = _join_until_admitted(["--token-file", str(home / "token")],
+                                            _env(home, GPUMESH_DISCOVERY="0"))
+    assert admitted, output
 
 
 def test_a_typed_address_is_checked_before_it_is_saved(tmp_path, advertised, wizards):
@@ -255,4 +381,5 @@ def test_without_the_ui_extra_it_says_what_to_install(tmp_path, wizards):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 1
-    assert 'gpumesh setup needs the ui extra: pip install "gpumesh[ui]"' in child.before
+    # As gpumesh was installed: here, the checkout the tests run from.
+    assert needs_ui() in " ".join(child.before.split())

@@ -10,6 +10,7 @@ import pytest
 
 from gpumesh.cli.setup import (
     Answers,
+    needs_ui,
     next_steps,
     port_problem,
     save,
@@ -32,6 +33,8 @@ def test_a_pasted_token_is_checked_as_serve_checks_it_without_being_quoted():
     refused = token_problem(weak, serve=True) or ""
     assert "too weak to guard a coordinator" in refused and weak not in refused
     assert token_problem(weak, serve=False) is None  # the coordinator decides; a warning follows
+    hint = token_problem("", serve=False, token_path="/srv/mesh/token") or ""
+    assert "the coordinator's /srv/mesh/token" in hint
 
 
 def test_ports_and_addresses_are_checked_as_serve_and_join_check_them():
@@ -58,6 +61,7 @@ def test_serve_answers_are_saved_by_serves_own_writer(settings):
     saved = load_connection(settings.config_path)
     assert saved is not None and (saved.url, saved.token) == ("tcp://127.0.0.1:8123", STRONG)
     assert saved.stretched is not None  # the key cache serve keeps
+    assert saved.served == ("127.0.0.1", 8123)  # what a plain 'gpumesh serve' binds again
     assert written == [settings.config_path, settings.home / "token"]
     for path in written:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -67,6 +71,15 @@ def test_a_client_saves_the_connection_only(settings):
     written = save(settings, Answers("use", STRONG, url="gpumesh://127.0.0.1:8123"))
     assert written == [settings.config_path]
     assert json.loads(settings.config_path.read_text())["url"] == "tcp://127.0.0.1:8123"
+
+
+def test_a_workers_slot_count_is_saved_for_join(settings):
+    save(settings, Answers("join", STRONG, url="tcp://127.0.0.1:8123", slots=3))
+    saved = load_connection(settings.config_path)
+    assert saved is not None and saved.slots == 3 and saved.served is None
+    save(settings, Answers("join", STRONG, url="tcp://127.0.0.1:8123"))  # join's default
+    saved = load_connection(settings.config_path)
+    assert saved is not None and saved.slots is None
 
 
 def test_next_commands_name_the_token_file_never_the_token(settings):
@@ -79,8 +92,26 @@ def test_next_commands_name_the_token_file_never_the_token(settings):
     }
     token_file = settings.home / "token"
     assert steps["serve"][0] == f"gpumesh serve --host 0.0.0.0 --port 8001 --token-file {token_file}"
-    assert steps["join"][0] == f"gpumesh join tcp://h:8000 --token-file {token_file} --slots 2"
-    assert steps["found"][0] == f"gpumesh join --token-file {token_file}"
+    # join needs nothing more: the URL, the token and the slots are saved.
+    assert steps["join"][0] == steps["found"][0] == "gpumesh join"
+    assert "2 slots" in steps["join"][1]
     assert steps["use"][0].startswith("gpumesh workers")
+    # A pip install ships no demo.py: the steps point at 'gpumesh demo' and the README.
+    for role in ("serve", "use"):
+        assert not any("demo.py" in line for line in steps[role])
+        assert any(line.startswith("gpumesh demo") for line in steps[role])
     assert all(STRONG not in line and STRONG.split(".")[1] not in line
                for lines in steps.values() for line in lines)
+
+
+def test_the_ui_hint_fits_how_gpumesh_was_installed(tmp_path):
+    installed = tmp_path / "site-packages" / "gpumesh"
+    installed.mkdir(parents=True)
+    assert needs_ui(installed) == 'gpumesh setup needs the ui extra: pip install "gpumesh[ui]"'
+    checkout = tmp_path / "src" / "gpumesh"
+    checkout.mkdir(parents=True)
+    (checkout.parent / "pyproject.toml").write_text('[project]\nname = "gpumesh"\n')
+    hint = needs_ui(checkout)
+    assert f'pip install -e ".[ui]" in {checkout.parent}' in hint
+    (checkout.parent / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert "gpumesh[ui]" in needs_ui(checkout)  # a package vendored in another project
