@@ -35,6 +35,7 @@ from ..tokens import (
     read_token_file,
     refuse_weak,
     weak_warning,
+    weakness,
     with_salt,
     write_token_file,
 )
@@ -263,6 +264,12 @@ def serve(
             click.echo(f"warning: --host-ip {host_ip} does not open the port: the coordinator "
                        f"is bound to {host} only, so it is neither advertised nor reachable "
                        "there (add --host 0.0.0.0 to let other machines join)", err=True)
+    if reused and own is not None and not weak_token and weakness(own.token):
+        # refuse_weak's advice, to leave the token out, would bring this same token back.
+        fail(f"the token saved in {_home_display(own.where)} is too weak to guard a "
+             f"coordinator: {weakness(own.token)}. Pass --weak-token to keep it (its workers "
+             "stay in), or make a strong one with 'gpumesh token --file mesh.token' and pass "
+             "--token-file mesh.token (then every worker needs the new one)")
     try:
         token, added_salt = serve_token(settings, token, weak_token)
     except MeshError as exc:
@@ -321,7 +328,7 @@ def serve(
                    "until they get this one")
     elif save:
         click.echo(f"   Saved, readable only by you, in {_home_display(token_path)}")
-    else:
+    elif not reused:
         click.echo("   (not saved: give it to 'gpumesh join' as GPUMESH_TOKEN or --token-file)")
     click.echo("")
     click.echo(f"   Join from THIS machine:   gpumesh join {local_url}{token_arg}")

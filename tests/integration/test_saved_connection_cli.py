@@ -106,6 +106,24 @@ def test_serve_makes_a_token_only_when_none_is_saved_and_never_over_an_unreadabl
     assert (home / "token").read_text() == ""
 
 
+def test_a_weak_saved_token_is_reused_only_when_accepted_again(tmp_path):
+    home = tmp_path / "home"
+    weak = "sunshine42"
+    first, output = _until_ready(["serve", "--port", "0", "--no-self-worker", "--weak-token"],
+                                 _env(home, GPUMESH_TOKEN=weak))
+    assert first, output
+    salted = (home / "token").read_text().strip()
+    port, output = _until_ready(["serve", "--no-self-worker"], _env(home))
+    assert not port and "is too weak to guard a coordinator" in output, output
+    assert "--weak-token to keep it" in output and "leave the token out" not in output
+    port, output = _until_ready(["serve", "--no-self-worker", "--weak-token"], _env(home))
+    leaked = _leaks(salted) or weak in _raw[-1]
+    assert not leaked
+    assert port == first, output
+    kept = (home / "token").read_text().strip() == salted
+    assert kept
+
+
 def test_a_workers_saved_token_is_not_a_coordinators(tmp_path):
     """A worker's saved connection (to another machine) holds that mesh's token: a coordinator
     started here makes its own, and says it replaced the saved one."""
