@@ -34,7 +34,11 @@ log = logging.getLogger("gpumesh.discovery")
 
 SERVICE_TYPE = "_gpumesh._tcp.local."
 TXT_VERSION = "1"
-SETTLE = 0.4  # seconds to keep listening after the first answer, for others of the same mesh
+# Seconds to keep listening after the first answer, for other coordinators of the same mesh. It
+# spans the browser's next startup query (they go out about 1 s apart): a second coordinator
+# whose answer to one query was lost or late then still shows up, and two are listed instead of
+# one being picked silently. 0.4 s missed it about one browse in eight on a loaded machine.
+SETTLE = 1.2
 RESOLVE_MS = 1500  # how long to wait for one advertisement's SRV/TXT/A records
 MAX_FOUND = 64  # advertisements kept from one browse: a hostile LAN cannot grow it further
 MAX_ADDRESSES = 8  # addresses kept per advertisement
