@@ -38,6 +38,9 @@ SHARED_THRESHOLD = 64 * 1024
 _SHARED = 1
 # in a length: this frame lies in the shared file, not on the socket
 _IN_FILE = 1 << 63
+# Written on stdout and stderr, with a nonce and a NUL, by a task handed ahead as it starts
+# (gpumesh/worker/runners.py): the pipes are not ordered with this socket.
+MARKER = b"\x00gpumesh-next-task:"
 _ALIGN = 64  # each frame in the shared file starts at a multiple of this (numpy likes it)
 _MAX_FDS = 4  # room to see (and close) a few more than the one we accept
 _SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE", "F_SEAL_SEAL")

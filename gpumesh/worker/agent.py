@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,7 @@ from ..sharedmem import SharedFolder
 from ..transport import DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
-from .runners import Runner, RunningTask
+from .runners import QueuedTask, Runner, RunningTask
 from .telemetry import Sampler
 
 log = logging.getLogger("gpumesh.worker")
@@ -70,13 +69,6 @@ AUTO_PREFETCH_PER_SLOT = 16
 MAX_PREFETCH = 256  # what a HELLO may announce (protocol.headers)
 RUN_TIME_WEIGHT = 0.2  # of the newest task in the moving average
 
-
-
-@dataclass
-class QueuedTask:
-    task: RunningTask
-    header: dict[str, Any]
-    frames: list[Any]
 
 
 class WorkerAgent:
@@ -279,8 +271,7 @@ class WorkerAgent:
 
     def on_hello(self) -> dict[str, Any]:
         """A new session: what this worker holds and grants, for the HELLO."""
-        held = [[r.task.task_id, r.task.lease_id] for r in self.runners if r.task is not None]
-        held += [[q.task.task_id, q.task.lease_id] for q in self.queue]
+        held = [[task.task_id, task.lease_id] for task in self._held_tasks()]
         # Finished but not yet acknowledged: claimed too, so their results count after a
         # coordinator restart (only leases a coordinator granted or re-claimed are accepted).
         held += [[result["task"], lease] for lease, (result, _) in self.unacked.items()]
@@ -397,7 +388,7 @@ class WorkerAgent:
         self.link.post(encode(Command.CREDIT, header))
 
     def free_slots(self) -> int:
-        busy = sum(1 for r in self.runners if r.task is not None) + len(self.queue)
+        busy = len(self._held_tasks())
         return 0 if self.draining else max(self.slots + self._granted_depth - busy, 0)
 
     def prefetch_depth(self) -> int:
@@ -538,21 +529,18 @@ class WorkerAgent:
         return payload
 
     def _start_queued(self, now: float) -> None:
-        """Start queued tasks, in order, each in an idle slot that suits it."""
-        idle = [r for r in self.runners if r.idle]
-        if not idle or not self.queue:
+        """Start queued tasks, in order, each in an idle slot that suits it; while tasks are
+        short, hand each busy runner its next one ahead (gpumesh/worker/runners.py)."""
+        if not self.queue:
             return
-        for queued in list(self.queue):
+        idle = [r for r in self.runners if r.idle]
+        for queued in list(self.queue) if idle else ():
             runner = next((r for r in idle if self._slot_fits(r.slot, queued.task.header)), None)
             if runner is None:
                 continue  # its GPU is busy: later tasks may still fit the free slots
             idle.remove(runner)
             self.queue.remove(queued)
-            queued.task.started = now
-            timeout = queued.task.header.get("timeout")
-            if isinstance(timeout, (int, float)) and timeout > 0:
-                # The clock starts when the task runs: time queued behind others does not count.
-                queued.task.deadline = now + float(timeout)
+            _started(queued.task, now)
             try:
                 runner.send(queued.task, queued.header, queued.frames)
             except OSError:
@@ -560,7 +548,24 @@ class WorkerAgent:
                 runner.task = None
                 self._runner_died(runner, now)
             if not idle:
+                break
+        if not self.queue or self.draining or self._mean_run is None \
+                or self._mean_run >= PREFETCH_HORIZON:
+            return  # a long task handed ahead could wait while another slot is free
+        for runner in self.runners:
+            if not self.queue:
                 return
+            if not runner.takes_ahead:
+                continue
+            ahead = next((q for q in self.queue if self._slot_fits(runner.slot, q.task.header)),
+                         None)
+            if ahead is None:
+                continue
+            self.queue.remove(ahead)
+            try:
+                runner.hand_ahead(ahead)
+            except OSError:
+                self.queue.appendleft(ahead)  # the runner died: _check_runners sees to it
 
     def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
         """Whether the GPU this slot is pinned to meets the task's ``need`` (the scheduler's
@@ -575,22 +580,36 @@ class WorkerAgent:
 
     def _cancel(self, lease_id: int, now: float, *, report: bool) -> bool:
         """Drop a queued or running task; False when this agent no longer has it."""
+        cancelled = {"status": ResultStatus.CANCELLED.value}
         for queued in list(self.queue):
             if queued.task.lease_id == lease_id:
                 self.queue.remove(queued)
                 if report:
-                    self._report(queued.task, {"status": ResultStatus.CANCELLED.value}, [], now)
+                    self._report(queued.task, cancelled, [], now)
                 return True
         for runner in self.runners:
+            if runner.next is not None and runner.next.task.lease_id == lease_id:
+                dropped = runner.drop_next()
+                if report and dropped is not None:
+                    self._report(dropped, cancelled, [], now)
+                return True
             if runner.task is not None and runner.task.lease_id == lease_id:
                 task = runner.task
                 runner.task = None
-                runner.kill()
-                runner.start()
+                self._restart(runner)
                 if report:
-                    self._report(task, {"status": ResultStatus.CANCELLED.value}, [], now)
+                    self._report(task, cancelled, [], now)
                 return True
         return False
+
+    def _restart(self, runner: Runner) -> None:
+        """Kill and start a runner again; a task handed ahead to it goes back to the front
+        of the queue (it never started)."""
+        following = runner.take_back()
+        if following is not None:
+            self.queue.appendleft(following)
+        runner.kill()
+        runner.start()
 
     # ----------------------------------------------------------------- runners
 
@@ -600,6 +619,10 @@ class WorkerAgent:
         except PipeClosed:
             self._runner_died(runner, now)
             return
+        self._on_runner_header(runner, header, frames, now)
+
+    def _on_runner_header(self, runner: Runner, header: dict[str, Any], frames: list[Any],
+                          now: float) -> None:
         if header.get("ready"):
             runner.ready = True
             return
@@ -608,45 +631,64 @@ class WorkerAgent:
             for _ in range(64):  # at most 4 MiB per stream here; the rest follows as usual
                 if not self._on_runner_output(runner, stream):
                     break
-        task, runner.task = runner.task, None
+        task = runner.task
+        following = runner.finished()
+        if following is not None:
+            _started(following.task, now)  # it began as the runner wrote this result
         if task is not None:
             self._report(task, header, frames, now)
+        if runner.restart_after_task:
+            self._restart(runner)  # the task handed ahead was dropped: it must not run on
 
     def _on_runner_output(self, runner: Runner, stream: str) -> bool:
         """Forward what the runner printed; False when there was nothing to read."""
-        chunks = runner.read_stream(stream)
-        for chunk in chunks:
-            task = runner.task
+        pieces = runner.read_stream(stream)
+        for task, chunk in pieces or ():
             if task is None:
                 log.debug("runner %d printed outside a task: %r", runner.slot, chunk[:200])
                 continue
             if self.welcomed:
                 self.link.post(encode(Command.OUTPUT, {"task": task.task_id, "stream": stream},
                                       [chunk]))
-        return bool(chunks)
+        return pieces is not None
 
     def _check_runners(self, now: float) -> None:
         for runner in self.runners:
-            if runner.proc is not None and runner.proc.poll() is not None:
+            dead = runner.proc is not None and runner.proc.poll() is not None
+            if runner.next is not None and (dead or _late(runner.task, now)):
+                # Its result may already be in the socket, unread this turn: then the task
+                # that died or ran late is the one handed ahead, not the one we thought.
+                self._read_written(runner, now)
+            if dead:
                 self._runner_died(runner, now)
-            elif runner.task is not None and runner.task.deadline is not None \
-                    and now >= runner.task.deadline:
+            elif runner.task is not None and _late(runner.task, now):
                 task, runner.task = runner.task, None
-                runner.kill()
-                runner.start()
+                self._restart(runner)
                 timeout = float(task.header.get("timeout", 0))
                 self._report(task, {"status": ResultStatus.TIMEOUT.value, "error": {
                     "type": "gpumesh.TaskTimeout",
                     "message": f"the task ran past its timeout of {timeout:g}s and was stopped",
                     "traceback": ""}}, [], now)
 
+    def _read_written(self, runner: Runner, now: float) -> None:
+        """Handle the messages a runner wrote before it died or ran late, without waiting."""
+        while runner.control is not None and runner.has_message():
+            try:
+                header, frames = runner.receive()
+            except PipeClosed:
+                return  # the rest is the death, which the caller handles
+            self._on_runner_header(runner, header, frames, now)
+
     def _runner_died(self, runner: Runner, now: float) -> None:
         # Drain what it printed last: the diagnosis needs its final words.
         for stream in ("out", "err"):
             if runner.proc is not None:
-                while runner.read_stream(stream):
+                while runner.read_stream(stream) is not None:
                     pass
         task, runner.task = runner.task, None
+        following = runner.take_back()
+        if following is not None:
+            self.queue.appendleft(following)  # handed ahead, never started
         code = runner.reap()
         diagnosis = runner.diagnosis(code)
         if task is not None:
@@ -691,9 +733,26 @@ class WorkerAgent:
 
     # ----------------------------------------------------------------- timers
 
+    def _held_tasks(self) -> list[RunningTask]:
+        """Running, handed ahead or queued: what this worker holds a lease for."""
+        tasks = [r.task for r in self.runners if r.task is not None]
+        tasks += [r.next.task for r in self.runners if r.next is not None]
+        return tasks + [q.task for q in self.queue]
+
     def _held_leases(self) -> list[int]:
-        leases = [r.task.lease_id for r in self.runners if r.task is not None]
-        return leases + [q.task.lease_id for q in self.queue]
+        return [task.lease_id for task in self._held_tasks()]
+
+
+def _late(task: RunningTask | None, now: float) -> bool:
+    return task is not None and task.deadline is not None and now >= task.deadline
+
+
+def _started(task: RunningTask, now: float) -> None:
+    task.started = now
+    timeout = task.header.get("timeout")
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        # The clock starts when the task runs: time queued behind others does not count.
+        task.deadline = now + float(timeout)
 
 
 def _size(value: Any) -> int:

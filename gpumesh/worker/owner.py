@@ -95,13 +95,22 @@ class OwnerControls:
                 "queued": len(agent.queue)}
 
     def _hand_back_queued(self) -> list[int]:
+        """Every task not started: queued, or handed ahead to a busy runner (which then
+        restarts once its current task ends, so the handed one never runs)."""
         released = [queued.task.lease_id for queued in self.agent.queue]
         self.agent.queue.clear()
+        for runner in self.agent.runners:
+            dropped = runner.drop_next()
+            if dropped is not None:
+                released.append(dropped.lease_id)
         return released
 
     def _hand_back_running(self) -> list[int]:
         released = []
         for runner in self.agent.runners:
+            following = runner.take_back()
+            if following is not None:
+                released.append(following.task.lease_id)
             if runner.task is not None:
                 released.append(runner.task.lease_id)
                 runner.task = None

@@ -4,11 +4,21 @@ Each slot has one long-lived runner (``python -m gpumesh.runner``) connected by 
 Its stdout and stderr are pipes the agent reads, to stream what tasks print and to keep the last
 lines for a diagnosis when the runner dies. A runner starts with the environment tasks may see
 (gpumesh/runner/environment.py), not the agent's: the worker's credentials stay out of it.
+
+While tasks are short, a busy runner is handed its next task ahead (``hand_ahead``): it starts it
+as soon as it has written the current result, without waiting for the agent to wake up, read
+that result and answer (about 0.6 ms a task here). Pipes and the socket are not ordered with
+each other, so such a task begins by writing a marker of its own on stdout and stderr: what the
+pipes carry before it belongs to the task before, what follows to the new one. A task handed
+ahead cannot be taken back from the socket: dropping it (cancel, pause) restarts the runner once
+the task before has finished.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -21,7 +31,7 @@ from typing import Any
 import msgpack
 
 from ..runner.environment import runner_process_environment
-from ..runner.pipe import PipeClosed, recv_message, send_message
+from ..runner.pipe import MARKER, PipeClosed, recv_message, send_message
 
 TAIL_LINES = 20
 
@@ -33,6 +43,19 @@ class RunningTask:
     started: float
     deadline: float | None
     header: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QueuedTask:
+    """A task this worker holds but has not started: its runner header and frames."""
+
+    task: RunningTask
+    header: dict[str, Any]
+    frames: list[Any]
+
+
+# What a stream's bytes belong to: a task, or None (printed outside any task: dropped).
+Owner = RunningTask | None
 
 
 class Runner:
@@ -52,8 +75,17 @@ class Runner:
         self.control: socket.socket | None = None
         self.ready = False
         self.task: RunningTask | None = None
+        self.next: QueuedTask | None = None  # handed ahead: starts when ``task`` ends
+        self.restart_after_task = False  # a task handed ahead was dropped: it must not run on
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._partial = {"out": b"", "err": b""}
+        self._reset_streams()
+
+    def _reset_streams(self) -> None:
+        self._owner: dict[str, Owner] = {"out": None, "err": None}
+        # Per stream, the markers still to come, in order, with the task each one starts.
+        self._markers: dict[str, deque[tuple[bytes, Owner]]] = {"out": deque(), "err": deque()}
+        self._held = {"out": b"", "err": b""}  # the start of a marker, cut by a read
 
     def start(self) -> None:
         parent, child = socket.socketpair()
@@ -69,11 +101,21 @@ class Runner:
         self.control = parent
         self.ready = False
         self.task = None
+        self.next = None
+        self.restart_after_task = False
         self.tail.clear()
+        self._partial = {"out": b"", "err": b""}
+        self._reset_streams()
 
     @property
     def idle(self) -> bool:
         return self.ready and self.task is None
+
+    @property
+    def takes_ahead(self) -> bool:
+        """Busy, with nothing handed ahead yet: the next task could go now."""
+        return (self.ready and self.task is not None and self.next is None
+                and not self.restart_after_task)
 
     def fds(self) -> list[tuple[int, str]]:
         """(file descriptor, what it is) pairs the agent polls."""
@@ -88,12 +130,64 @@ class Runner:
         return pairs
 
     def send(self, task: RunningTask, header: dict[str, Any], frames: list[Any]) -> None:
-        assert self.control is not None
+        """Start ``task`` in this idle runner."""
+        self._write(task, header, frames)
         self.task = task
+        for stream in ("out", "err"):
+            if not self._markers[stream]:
+                self._owner[stream] = task
+
+    def hand_ahead(self, queued: QueuedTask) -> None:
+        """Give this busy runner its next task now; it starts when the current one ends."""
+        nonce = secrets.token_hex(8)
+        self._write(queued.task, {**queued.header, "pre": nonce}, queued.frames)
+        self.next = queued
+        marker = MARKER + nonce.encode() + b"\x00"
+        for stream in ("out", "err"):
+            self._markers[stream].append((marker, queued.task))
+
+    def _write(self, task: RunningTask, header: dict[str, Any], frames: list[Any]) -> None:
+        assert self.control is not None
         if "env" in task.header:
             # The submitter's variables (the runner checks them before it runs anything).
             header = {**header, "env": task.header["env"]}
         send_message(self.control, [msgpack.packb(header, use_bin_type=True), *frames])
+
+    def finished(self) -> QueuedTask | None:
+        """The running task wrote its result: the one handed ahead (now running), if any.
+        None as well when that one was dropped: then ``restart_after_task`` is set, and the
+        agent restarts the runner."""
+        following, self.next = self.next, None
+        self.task = following.task if following is not None else None
+        if following is None:
+            for stream in ("out", "err"):
+                if not self._markers[stream]:
+                    self._owner[stream] = None  # printed after its task: nobody's
+        return following
+
+    def take_back(self) -> QueuedTask | None:
+        """Before a restart: the task handed ahead, which never started (None when none, or
+        when it was dropped)."""
+        following, self.next = self.next, None
+        return following
+
+    def drop_next(self) -> RunningTask | None:
+        """Give up the task handed ahead (cancelled, or handed back by the owner): it cannot
+        be taken off the socket, so the runner is restarted once the current task ends, and
+        nothing the dropped one prints is forwarded."""
+        if self.next is None:
+            return None
+        dropped, self.next = self.next.task, None
+        self.restart_after_task = True
+        for stream in ("out", "err"):
+            self._markers[stream] = deque((marker, None if owner is dropped else owner)
+                                          for marker, owner in self._markers[stream])
+        return dropped
+
+    def has_message(self) -> bool:
+        """Whether the runner has written something on its socket not yet read."""
+        assert self.control is not None
+        return bool(select.select([self.control], [], [], 0)[0])
 
     def receive(self) -> tuple[dict[str, Any], list[bytearray | memoryview]]:
         """Read one message from the runner; PipeClosed when it died."""
@@ -104,25 +198,51 @@ class Runner:
             raise PipeClosed(str(exc)) from None
         return msgpack.unpackb(frames[0], raw=False, strict_map_key=False), frames[1:]
 
-    def read_stream(self, stream: str) -> list[bytes]:
-        """Whatever the runner printed on ``stream`` since the last read, as whole chunks."""
+    def read_stream(self, stream: str) -> list[tuple[Owner, bytes]] | None:
+        """What the runner printed on ``stream`` since the last read, each piece with the task
+        that printed it; None when there was nothing to read (or the pipe closed)."""
         assert self.proc is not None
         pipe = self.proc.stdout if stream == "out" else self.proc.stderr
         assert pipe is not None
+        if pipe.closed:
+            return None  # read to its end already
         try:
             data = os.read(pipe.fileno(), 65536)
         except BlockingIOError:
-            return []
+            return None
         except OSError:
             data = b""
         if not data:
             pipe.close()
-            return []
-        text = self._partial[stream] + data
+            held, self._held[stream] = self._held[stream], b""
+            return [(self._owner[stream], held)] if held else None
+        pieces = self._split_at_markers(stream, self._held[stream] + data)
+        text = self._partial[stream] + b"".join(chunk for _, chunk in pieces)
         lines = text.split(b"\n")
         self._partial[stream] = lines.pop()
         self.tail.extend(line.decode("utf-8", "replace") for line in lines)
-        return [data]
+        return [(owner, chunk) for owner, chunk in pieces if chunk]
+
+    def _split_at_markers(self, stream: str, data: bytes) -> list[tuple[Owner, bytes]]:
+        pieces: list[tuple[Owner, bytes]] = []
+        self._held[stream] = b""
+        markers = self._markers[stream]
+        while markers:
+            marker, starts = markers[0]
+            at = data.find(marker)
+            if at < 0:
+                # Hold back an end that may be the start of the marker, cut by this read.
+                keep = next((n for n in range(min(len(marker) - 1, len(data)), 0, -1)
+                             if data.endswith(marker[:n])), 0)
+                if keep:
+                    self._held[stream], data = data[-keep:], data[:-keep]
+                break
+            pieces.append((self._owner[stream], data[:at]))
+            markers.popleft()
+            self._owner[stream] = starts
+            data = data[at + len(marker):]
+        pieces.append((self._owner[stream], data))
+        return pieces
 
     def kill(self) -> None:
         """Stop the runner and everything it started (its process group)."""

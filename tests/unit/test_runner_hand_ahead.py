@@ -1,0 +1,279 @@
+"""A busy runner handed its next task ahead (gpumesh/worker/runners.py): what each task printed
+stays its own, a dropped one never reports, and nothing is lost when the runner goes.
+
+The stream tests feed a runner's pipes by hand; the agent tests run real runner processes
+under an agent that is never connected (what it would send is captured).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import time
+from types import SimpleNamespace
+
+import cloudpickle
+import pytest
+from test_worker_agent import recording_agent
+
+from gpumesh.config import Limits
+from gpumesh.protocol import Command, encode, serialize
+from gpumesh.runner.pipe import MARKER
+from gpumesh.worker.runners import QueuedTask, Runner, RunningTask
+
+# ----------------------------------------------------------------- output at the markers
+
+
+@pytest.fixture
+def piped_runner():
+    """A Runner whose stdout/stderr are pipes this test writes to (no process)."""
+    runner = Runner(0, {}, 1 << 20)
+    ends = {}
+    files = {}
+    for stream in ("out", "err"):
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        files[stream] = os.fdopen(read_fd, "rb", buffering=0)
+        ends[stream] = write_fd
+    runner.proc = SimpleNamespace(stdout=files["out"], stderr=files["err"])
+    runner.ready = True
+    yield runner, ends
+    for stream in ("out", "err"):
+        os.close(ends[stream])
+        files[stream].close()
+
+
+def _task(name: str) -> RunningTask:
+    return RunningTask(name, hash(name) & 0xFFFF, 0.0, None, {})
+
+
+def _handed(runner: Runner, name: str) -> bytes:
+    """Hand a task ahead without a socket; the marker its runner would write."""
+    sent = []
+    runner._write = lambda task, header, frames: sent.append(header)  # type: ignore[method-assign]
+    runner.hand_ahead(QueuedTask(_task(name), {"kind": "fn"}, []))
+    return MARKER + sent[0]["pre"].encode() + b"\x00"
+
+
+def _read(runner: Runner, stream: str = "out") -> list[tuple[str | None, bytes]]:
+    pieces = runner.read_stream(stream) or []
+    return [(owner.task_id if owner else None, chunk) for owner, chunk in pieces]
+
+
+def test_output_after_the_marker_belongs_to_the_task_handed_ahead(piped_runner):
+    runner, ends = piped_runner
+    runner._write = lambda *args: None  # type: ignore[method-assign]
+    runner.send(_task("A"), {}, [])
+    marker = _handed(runner, "B")
+    os.write(ends["out"], b"a's last line\n" + marker + b"b's first line\n")
+    assert _read(runner) == [("A", b"a's last line\n"), ("B", b"b's first line\n")]
+    # The result of A is read after B began: B runs on, and what it prints stays B's.
+    assert runner.finished().task.task_id == "B" and runner.task.task_id == "B"
+    os.write(ends["out"], b"b again\n")
+    assert _read(runner) == [("B", b"b again\n")]
+    assert list(runner.tail) == ["a's last line", "b's first line", "b again"]  # no marker
+
+
+def test_a_marker_cut_by_a_read_is_held_until_it_is_whole(piped_runner):
+    runner, ends = piped_runner
+    runner._write = lambda *args: None  # type: ignore[method-assign]
+    runner.send(_task("A"), {}, [])
+    marker = _handed(runner, "B")
+    os.write(ends["out"], b"from a" + marker[:7])
+    assert _read(runner) == [("A", b"from a")]
+    os.write(ends["out"], marker[7:] + b"from b")
+    assert _read(runner) == [("B", b"from b")]
+    # A held end that turns out not to be a marker is passed on, to its task.
+    assert runner.finished().task.task_id == "B"
+    marker_c = _handed(runner, "C")
+    os.write(ends["err"], b"b says " + marker_c[:5])
+    assert _read(runner, "err") == [("A", b"b says ")]  # stderr has not seen B's marker yet
+    os.write(ends["err"], b"!" + marker + b"more")
+    assert _read(runner, "err") == [("A", marker_c[:5] + b"!"), ("B", b"more")]
+
+
+def test_the_result_before_the_marker_keeps_the_old_task_until_it_comes(piped_runner):
+    runner, ends = piped_runner
+    runner._write = lambda *args: None  # type: ignore[method-assign]
+    runner.send(_task("A"), {}, [])
+    marker_b = _handed(runner, "B")
+    runner.finished()  # A's result came first; B's marker is still on its way
+    marker_c = _handed(runner, "C")  # and C is handed ahead behind B
+    os.write(ends["out"], b"a late\n" + marker_b + b"b\n" + marker_c + b"c\n")
+    assert _read(runner) == [("A", b"a late\n"), ("B", b"b\n"), ("C", b"c\n")]
+
+
+def test_what_a_dropped_task_prints_goes_to_nobody(piped_runner):
+    runner, ends = piped_runner
+    runner._write = lambda *args: None  # type: ignore[method-assign]
+    runner.send(_task("A"), {}, [])
+    marker = _handed(runner, "B")
+    assert runner.drop_next().task_id == "B"
+    assert runner.restart_after_task and not runner.takes_ahead
+    os.write(ends["out"], b"a\n" + marker + b"b ran a little\n")
+    assert _read(runner) == [("A", b"a\n"), (None, b"b ran a little\n")]
+    assert runner.finished() is None and runner.task is None
+
+
+# ----------------------------------------------------------------- real runners, one agent
+
+
+def _speak(i):
+    import time as clock
+    print(f"start {i}", flush=True)
+    clock.sleep(0.02)
+    print(f"end {i}", flush=True)
+    return i
+
+
+@pytest.fixture
+def live_agent(tmp_path):
+    gen = recording_agent(tmp_path)
+    agent = next(gen)
+    agent.session.welcomed = True
+    runner = agent.runners[0]
+    runner.start()
+    _pump(agent, lambda: runner.ready, "the runner to start")
+    agent._mean_run = 0.02  # tasks known to be short: hand-ahead is on
+    yield agent
+    for r in agent.runners:
+        r.kill()
+    next(gen, None)
+
+
+def _pump(agent, until, what: str, timeout: float = 20.0) -> None:
+    """The agent's loop, for its runners only, until ``until()``."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        owners = {fd: (runner, kind) for runner in agent.runners for fd, kind in runner.fds()}
+        ready, _, _ = select.select(list(owners), [], [], 0.1)
+        now = time.time()
+        for fd in ready:
+            runner, kind = owners[fd]
+            if kind == "control":
+                agent._on_runner_message(runner, now)
+            else:
+                agent._on_runner_output(runner, kind)
+        agent._check_runners(now)
+        agent._start_queued(now)
+
+
+def _give(agent, lease: int, fn=_speak, timeout: float | None = None) -> None:
+    # This test module cannot be imported in the runner: its functions travel by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    frames = [*serialize.dumps(fn), *serialize.dumps(((lease,), {}))]
+    header = {"task": f"task-{lease}", "lease": lease, "kind": "fn", "name": "speak"}
+    if timeout is not None:
+        header["timeout"] = timeout
+    agent._on_task(_message(header, frames), time.time())
+
+
+def _message(header, frames):
+    from gpumesh.protocol import decode
+    return decode(encode(Command.TASK, header, frames), Limits())
+
+
+def _results(agent) -> dict[str, str]:
+    return {m.header["task"]: m.header["status"] for m in agent.sent if m.command is Command.RESULT}
+
+
+def _output(agent) -> dict[str, bytes]:
+    seen: dict[str, bytes] = {}
+    for m in agent.sent:
+        if m.command is Command.OUTPUT:
+            seen[m.header["task"]] = seen.get(m.header["task"], b"") + bytes(m.payload[0])
+    return seen
+
+
+def test_each_task_handed_ahead_prints_as_itself_and_runs_in_turn(live_agent):
+    agent, runner = live_agent, live_agent.runners[0]
+    for lease in (1, 2, 3):
+        _give(agent, lease)
+    assert runner.task.task_id == "task-1" and runner.next.task.task_id == "task-2"
+    assert [q.task.task_id for q in agent.queue] == ["task-3"]
+    assert sorted(agent._held_leases()) == [1, 2, 3] and agent.free_slots() == 0
+    _pump(agent, lambda: len(_results(agent)) == 3, "three results")
+    assert _results(agent) == {f"task-{i}": "ok" for i in (1, 2, 3)}
+    _pump(agent, lambda: all(b"end" in _output(agent).get(f"task-{i}", b"") for i in (1, 2, 3)),
+          "their output")
+    assert _output(agent) == {f"task-{i}": f"start {i}\nend {i}\n".encode() for i in (1, 2, 3)}
+    assert runner.task is None and runner.next is None and not agent.queue
+
+
+def test_a_cancelled_task_handed_ahead_reports_once_and_its_runner_starts_afresh(live_agent):
+    agent, runner = live_agent, live_agent.runners[0]
+    _give(agent, 1)
+    _give(agent, 2)
+    _give(agent, 3)
+    first_pid = runner.proc.pid
+    assert agent._cancel(2, time.time(), report=True)
+    assert _results(agent) == {"task-2": "cancelled"}
+    _pump(agent, lambda: len(_results(agent)) == 3, "the other two results")
+    assert _results(agent) == {"task-1": "ok", "task-2": "cancelled", "task-3": "ok"}
+    assert runner.proc.pid != first_pid  # task 2 could not be taken back: its runner went
+    assert "task-2" not in _output(agent)
+
+
+def test_a_task_handed_ahead_to_a_runner_that_dies_goes_back_to_the_queue(live_agent):
+    agent, runner = live_agent, live_agent.runners[0]
+
+    def die(i):
+        import os as system
+        system._exit(3)
+
+    _give(agent, 1, fn=die)
+    _give(agent, 2)
+    assert runner.next.task.task_id == "task-2"
+    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
+    assert _results(agent) == {"task-1": "crashed", "task-2": "ok"}
+
+
+def test_the_timeout_of_a_task_handed_ahead_counts_from_when_it_starts(live_agent):
+    agent, runner = live_agent, live_agent.runners[0]
+
+    def nap(i):
+        import time as clock
+        clock.sleep(0.5)
+        return i
+
+    _give(agent, 1, fn=nap)
+    _give(agent, 2, fn=nap, timeout=0.8)  # waits ~0.5 s behind task 1: that does not count
+    assert runner.next.task.deadline is None
+    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
+
+
+def test_pausing_hands_back_the_task_handed_ahead_and_it_never_reports(live_agent):
+    agent, runner = live_agent, live_agent.runners[0]
+    _give(agent, 1)
+    _give(agent, 2)
+    status = agent.owner.on_control("pause", time.time())
+    assert status["handed_back"] == 1
+    released = [m.header["release"] for m in agent.sent if m.command is Command.CREDIT]
+    assert released == [[2]]
+    _pump(agent, lambda: runner.ready and runner.task is None and "task-1" in _results(agent),
+          "task 1 to finish and the runner to start again")
+    assert _results(agent) == {"task-1": "ok"}
+    assert "task-2" not in _output(agent)
+
+
+def test_a_result_unread_when_the_task_handed_ahead_kills_its_runner_is_not_lost(live_agent):
+    agent, runner = live_agent, live_agent.runners[0]
+
+    def quick(i):
+        return i
+
+    def die(i):
+        import os as system
+        system._exit(3)
+
+    _give(agent, 1, fn=quick)
+    _give(agent, 2, fn=die)
+    assert runner.next.task.task_id == "task-2"
+    runner.proc.wait(timeout=20)  # task 1 wrote its result, task 2 began and killed the runner
+    # The agent notices the death before it has read task 1's result from the socket.
+    agent._check_runners(time.time())
+    assert _results(agent) == {"task-1": "ok", "task-2": "crashed"}
+    assert not agent.queue
