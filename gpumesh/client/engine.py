@@ -65,6 +65,8 @@ IDS_PER_MESSAGE = 20_000
 # RESULT_ACK per loop turn: a message costs both sides far more than the ids in it, and the
 # coordinator merely keeps a result a few milliseconds longer.
 ACK_DELAY = 0.005
+CHUNK = 500  # tasks per SUBMIT
+FIRST_CHUNK = 16  # tasks in a batch's first SUBMIT
 ACK_BATCH = 1000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
 OutputHandler = Callable[[str, str, bytes, str], None]  # (worker short id, stream, data, task)
@@ -419,13 +421,17 @@ class Engine:
         for job, group in by_job.items():
             chunk: list[_Submission] = []
             size = header = 0
+            # A small first chunk: the coordinator starts it on idle workers while it still
+            # journals the rest (a 200-task .map's first task began after 40 ms, now ~8).
+            most = FIRST_CHUNK
             for sub in group:
                 chunk.append(sub)
                 size += serialize.payload_nbytes(sub.frames)
                 header += sub.header_bytes
-                if len(chunk) >= 500 or size >= 8 * 1024 * 1024 or header >= header_budget:
+                if len(chunk) >= most or size >= 8 * 1024 * 1024 or header >= header_budget:
                     self._send_chunk(job, chunk, now)
                     chunk, size, header = [], 0, 0
+                    most = CHUNK
             if chunk:
                 self._send_chunk(job, chunk, now)
 

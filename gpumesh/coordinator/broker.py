@@ -350,6 +350,12 @@ class Broker:
 
     # ----------------------------------------------------------------- dispatch
 
+    def work_waits_for_idle_workers(self) -> bool:
+        """Pending tasks and a worker with credit: a dispatch now would start something."""
+        ledger = self.ledger
+        return bool(ledger.pending) and any(
+            w.credit > 0 and w.state is WorkerState.ALIVE for w in ledger.workers.values())
+
     def dispatch(self, now: float) -> int:
         """Hand pending tasks to workers with credit. Returns how many were sent."""
         ledger = self.ledger

@@ -150,6 +150,10 @@ class Coordinator:
             broker.handle(routing, msg, now)  # contains its own failures
             # After handle: a worker's first HELLO is counted once its session exists.
             broker.count_traffic(routing, payload_nbytes(frames) - len(routing), up=True)
+            if msg.command is Command.SUBMIT and broker.work_waits_for_idle_workers():
+                # A .map's first chunk starts on idle workers before the rest of the batch
+                # is journaled (the client makes it small); the rest waits one turn.
+                return
 
     def _contained(self, duty: str, action: Callable[[float], object], now: float) -> None:
         """A bug in one turn's timers or dispatch is logged; the next turn runs as usual."""
