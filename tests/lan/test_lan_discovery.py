@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -142,5 +143,26 @@ def test_a_discovered_worker_follows_its_coordinator_to_another_address(mesh_env
                  timeout=60, what="the worker to find the coordinator at its new address")
         assert worker.poll() is None
         assert time.time() - moved < 60
+    finally:
+        lab.close()
+
+
+def test_two_hosts_started_from_a_copied_home_folder_are_two_workers(mesh_env, tmp_path):
+    require_netns()
+    lab = Lab(["a", "b", "c"])
+    try:
+        env = _env(mesh_env, mesh_env.token)
+        port = _serve(lab, "a", env, tmp_path, "--host", "0.0.0.0", "--no-self-worker")
+        url_a = f"tcp://127.0.0.1:{port}"
+        home_b = tmp_path / "home-b"
+        _, worker_b = _join(lab, "b", {**env, "GPUMESH_HOME": str(home_b)})
+        # The folder taken to another machine, worker id file and all (exo#748, #1599).
+        home_c = tmp_path / "home-c"
+        shutil.copytree(home_b, home_c)
+        assert list(home_c.glob("workers/*.json")), "the copy holds b's worker id"
+        _, worker_c = _join(lab, "c", {**env, "GPUMESH_HOME": str(home_c)})
+        assert worker_c != worker_b
+        wait_for(lambda: _alive(lab, "a", env, url_a) == {worker_b, worker_c}, timeout=30,
+                 what="both workers alive, neither replacing the other")
     finally:
         lab.close()
