@@ -20,12 +20,22 @@ ALLOWED = frozenset({
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
 })
 ALLOWED_PREFIXES = ("LC_",)  # the locale: LC_ALL, LC_CTYPE, ...
+# What function tasks inherit and script tasks never see: the worker's --color/--no-color
+# choice (the spec: "the function-task subprocess a worker spawns ... inherits the
+# environment"; scripts run with the allow-list alone).
+FUNCTIONS_ONLY = frozenset({"GPUMESH_COLOR"})
 
 
 def base_environment(environ: Mapping[str, str], passed: Iterable[str] = ()) -> dict[str, str]:
-    """What every task on this worker sees: ``environ`` cut to the allow-list plus ``passed``."""
-    keep = ALLOWED | set(passed)
+    """What every function task on this worker sees: ``environ`` cut to the allow-list, plus
+    ``passed`` and ``FUNCTIONS_ONLY`` (which ``script_environment`` takes out again)."""
+    keep = ALLOWED | FUNCTIONS_ONLY | set(passed)
     return {k: v for k, v in environ.items() if k in keep or k.startswith(ALLOWED_PREFIXES)}
+
+
+def script_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """What a script task starts from: the base without what only function tasks inherit."""
+    return {k: v for k, v in base.items() if k not in FUNCTIONS_ONLY}
 
 
 def runner_process_environment(environ: Mapping[str, str], passed: Iterable[str] = ()

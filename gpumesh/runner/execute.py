@@ -26,7 +26,7 @@ import msgpack
 
 from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.taskenv import check_script_name, check_task_env
-from .environment import task_environ
+from .environment import script_environment, task_environ
 
 STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error report
 
@@ -43,7 +43,7 @@ def run_task(header: dict[str, Any], frames: Sequence[Any], base_env: dict[str, 
     except ValueError as exc:
         return _refused(f"this worker refused the task's env: {exc}")
     if script:
-        return run_script(header, frames, {**base_env, **task_env})
+        return run_script(header, frames, {**script_environment(base_env), **task_env})
     with task_environ(base_env, task_env):
         return run_function(header, frames)
 

@@ -155,3 +155,14 @@ def test_a_script_gets_exactly_its_environment_and_its_own_directory(tmp_path, m
     one, two, worker, cwd = json.loads(payload[0])
     assert (one, two, worker) == ("base", "task", None)
     assert os.path.basename(cwd).startswith("gpumesh-script-") and not os.path.exists(cwd)
+
+
+def test_function_tasks_inherit_the_workers_colour_choice_and_scripts_never_see_it():
+    # serve/join --color and --no-color set GPUMESH_COLOR (the spec's "Terminal output").
+    base = base_environment({"PATH": os.environ.get("PATH", ""), "GPUMESH_COLOR": "0"})
+    header, frames = function_task(read_variables, "GPUMESH_COLOR")
+    result, payload = run_task(header, frames, base)
+    assert result == {"status": "ok"} and serialize.loads(payload) == {"GPUMESH_COLOR": "0"}
+    source = b"import os\nprint(repr(os.environ.get('GPUMESH_COLOR')))\n"
+    result, payload = run_task({"kind": "script", "name": "colour.py"}, [source, b"{}"], base)
+    assert result["status"] == "ok" and payload[0].strip() == b"None"
