@@ -43,7 +43,7 @@ def test_every_option_in_the_cli_table_exists_in_that_commands_help():
     for row in _section("CLI").splitlines():
         if not row.startswith("| `gpumesh "):
             continue
-        usage = row.split("|")[1]
+        usage = re.split(r"(?<!\\)\|", row)[1]
         for part in re.split(r" / ", usage):
             name = re.search(r"gpumesh ([a-z]+)", part) or re.match(r"`?([a-z]+)", part.strip())
             if name is None or name.group(1) not in cli.commands:  # type: ignore[attr-defined]
@@ -62,3 +62,27 @@ def test_environment_table_matches_the_variables_the_code_reads():
     table = set(re.findall(r"^\| `(GPUMESH_[A-Z_]+)`", README, re.M))
     assert code - table == set(), "read by the code, missing from the README's table"
     assert table - code == set(), "in the README's table, read nowhere"
+
+
+# Options every command takes alike, which the paragraph under the table describes once.
+_GENERAL = {"--help", "--url", "--token", "--token-file", "--color", "--no-color"}
+
+
+def test_every_option_of_every_command_is_in_its_cli_table_row():
+    section = _section("CLI")
+    rows: dict[str, str] = {}
+    for row in section.splitlines():
+        if row.startswith("| `gpumesh "):
+            usage = re.split(r"(?<!\\)\|", row)[1]  # a cell may hold an escaped \|
+            for name in re.findall(r"(?:/ `?(?:gpumesh )?|gpumesh )([a-z]+)", usage):
+                rows[name] = rows.get(name, "") + usage
+    missing = []
+    for name, command in cli.commands.items():  # type: ignore[attr-defined]
+        for param in command.params:
+            for option in getattr(param, "opts", []) + getattr(param, "secondary_opts", []):
+                if not option.startswith("--") or param.hidden:  # type: ignore[attr-defined]
+                    continue
+                general = option in _GENERAL and option in section.split("\n\n", 2)[-1]
+                if not general and option not in rows.get(name, ""):
+                    missing.append(f"{name} {option}")
+    assert not missing, f"options in --help but not in the README's CLI table: {missing}"
