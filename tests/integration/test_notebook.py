@@ -110,3 +110,95 @@ def test_the_stop_button_cancels_the_cells_tasks_on_the_mesh(mesh_env, monkeypat
     finally:
         kernel.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+def _run_notebook(cells, nbformat, nbclient):
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbclient.NotebookClient(notebook, timeout=60, kernel_name="python3").execute()
+    return notebook
+
+
+def test_mesh_cell_wraps_only_the_functions_it_defines(mesh_env, monkeypatch):
+    nbformat = require("nbformat")
+    nbclient = require("nbclient")
+    require("ipykernel")
+    _two_workers_for_the_kernel(mesh_env, monkeypatch)
+    cells = [
+        "%load_ext gpumesh",
+        "def earlier(x):\n    return x",
+        "%%mesh\nimport functools\nfrom os.path import join\nfrom textwrap import dedent as undent\n"
+        "alias = earlier\n"
+        "def tagged(fn):\n    @functools.wraps(fn)\n    def inner(*a):\n        return fn(*a)\n"
+        "    return inner\n"
+        "@tagged\ndef twice(x):\n    return 2 * x\n"
+        "def square(x):\n    return x * x",
+        "from gpumesh.client.decorators import MeshFunction\n"
+        "print({n: isinstance(globals()[n], MeshFunction)\n"
+        "       for n in ('join', 'undent', 'earlier', 'alias', 'tagged', 'twice', 'square')})\n"
+        "print(join('a', 'b'), square.map([1, 2, 3]), twice.map([4]))",
+    ]
+    notebook = _run_notebook(cells, nbformat, nbclient)
+    out = "".join(o.get("text", "") for o in notebook.cells[3].outputs
+                  if o["output_type"] == "stream")
+    assert ("{'join': False, 'undent': False, 'earlier': False, 'alias': False, 'tagged': True, "
+            "'twice': True, 'square': True}") in out, out
+    assert "a/b [1, 4, 9] [8]" in out, out
+
+
+def test_a_failing_mesh_cell_fails_the_notebook_with_its_error(mesh_env, monkeypatch):
+    nbformat = require("nbformat")
+    nbclient = require("nbclient")
+    require("ipykernel")
+    import pytest
+
+    _two_workers_for_the_kernel(mesh_env, monkeypatch)
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in (
+        "%load_ext gpumesh",
+        "%%mesh\ndef defined_first(x):\n    return x\nraise ValueError('the cell broke')",
+        "print('after the failed cell')",
+    )])
+    with pytest.raises(nbclient.exceptions.CellExecutionError) as failed:
+        nbclient.NotebookClient(notebook, timeout=60, kernel_name="python3").execute()
+    assert "ValueError" in str(failed.value) and "the cell broke" in str(failed.value)
+    errors = [o for o in notebook.cells[1].outputs if o["output_type"] == "error"]
+    assert [(e["ename"], e["evalue"]) for e in errors] == [("ValueError", "the cell broke")]
+    assert not notebook.cells[2].outputs  # nbclient stopped at the failed cell
+
+
+def test_a_mesh_cell_run_outside_a_cell_raises_its_error():
+    """``run_cell_magic`` called by code, with no cell of its own whose result could fail: the
+    cell's error is raised to that code."""
+    import types
+
+    import pytest
+
+    from gpumesh.client.notebook import load_ipython_extension
+
+    class Shell:
+        """What the magic uses of an InteractiveShell: a namespace and a run_cell."""
+
+        def __init__(self):
+            self.user_ns, self.user_module = {}, types.ModuleType("__main__")
+            self.displayhook = types.SimpleNamespace(exec_result=None)
+            self.magic = None
+
+        def push(self, names):
+            self.user_ns.update(names)
+
+        def register_magic_function(self, fn, magic_kind, magic_name):
+            self.magic = fn
+
+        def transform_cell(self, cell):
+            return cell
+
+        def run_cell(self, cell):
+            try:
+                exec(cell, self.user_ns)
+            except Exception as e:
+                return types.SimpleNamespace(error_before_exec=None, error_in_exec=e)
+            return types.SimpleNamespace(error_before_exec=None, error_in_exec=None)
+
+    shell = Shell()
+    load_ipython_extension(shell)
+    with pytest.raises(ValueError, match="the cell broke"):
+        shell.magic("", "raise ValueError('the cell broke')")
