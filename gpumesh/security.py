@@ -3,7 +3,9 @@
 The token never crosses the wire. Both sides derive the same two Curve25519 keypairs from it:
 scrypt (N=2^17, r=8, p=1) of the token's secret part with its salt part (``SALT.SECRET``, see
 gpumesh.tokens; a token without one gets a fixed domain salt), then HKDF-SHA256 into the
-coordinator's server pair and one client pair shared by every worker and client. The
+coordinator's server pair and one client pair shared by every worker and client. A generated
+token (a ``rand-`` salt, 192 random bits of secret) skips scrypt: nobody can guess it at any
+cost per guess, so stretching it would only cost every process 0.4 s and 128 MiB. The
 coordinator's ZAP handler admits only the derived client public key, so a peer must hold the
 token to complete a handshake, and it must also hold it to know the server key it encrypts
 to: authentication is mutual. scrypt makes each guess at a recorded handshake cost about
@@ -45,6 +47,7 @@ log = logging.getLogger("gpumesh.security")
 ZAP_DOMAIN = "gpumesh"
 # Changing any of these changes every mesh's keys: a breaking change (docs/stability.md).
 KDF = "scrypt-n17-r8-p1/gpumesh-v2"
+RANDOM_KDF = "hmac-sha256-random/gpumesh-v2"  # generated tokens: HMAC of the secret, no scrypt
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**17, 8, 1
 _SCRYPT_MAXMEM = 256 * 1024 * 1024  # needs 128 * r * N = 128 MiB
 _SALT_PREFIX = b"gpumesh/v2/salt/"
@@ -92,10 +95,22 @@ def _hkdf(key_material: bytes, info: bytes, length: int = 32) -> bytes:
     return out[:length]
 
 
+def kdf_for(token: str) -> str:
+    """The name of the derivation ``stretch`` uses for ``token`` (the saved cache's key)."""
+    return RANDOM_KDF if parse_token(token).random else KDF
+
+
 def stretch(token: str) -> bytes:
     """scrypt of the token's secret with its salt: the one slow step, done once per process
-    per token (and cached across commands by the CLI, see ``remember_stretched``)."""
+    per token (and cached across commands by the CLI, see ``remember_stretched``). A generated
+    token's secret is already random: HMAC-SHA256 with its salt as the key, in microseconds."""
     parsed = parse_token(token)
+    if parsed.random:
+        assert parsed.salt is not None
+        value = hmac.new(_SALT_PREFIX + parsed.salt.encode(), parsed.secret.encode("utf-8"),
+                         hashlib.sha256).digest()
+        remember_stretched(token, value)  # one path for callers: cached like any other
+        return value
     while True:
         with _cache_lock:
             cached = _stretched.get(token)

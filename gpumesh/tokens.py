@@ -3,7 +3,8 @@
 A token is a secret, optionally preceded by a salt and a dot. The salt (8-32 URL-safe
 characters) is not secret: it makes each mesh's key derivation different, so nobody can
 precompute guesses for every mesh at once. The secret is what an attacker must guess. Generated
-tokens are ``SALT.SECRET`` with an 11-character salt and a 32-character (192-bit) secret.
+tokens are ``rand-XXXXXXXX.SECRET``: a 13-character salt whose ``rand-`` says the secret is
+random, and a 32-character (192-bit) secret.
 
 Nothing here prints or logs a token, and no message built here contains one. ``Token`` hides
 its secret from ``repr`` and ``str``; ``Token.text`` is the only way back to the full string.
@@ -23,6 +24,12 @@ from .errors import ConfigError
 # 22 URL-safe base64 characters carry 132 bits when random: the least a coordinator accepts
 # without --weak-token. It measures length, not randomness: a generated token is what is meant.
 MIN_SECRET_CHARS = 22
+# A generated token's salt starts with this, and its secret is 32 characters of
+# secrets.token_urlsafe: 192 random bits, which no stretching could make harder to guess, so
+# its keys skip scrypt (gpumesh.security). Nothing else can tell a random secret from a chosen
+# one: a hand-written token with this prefix and a chosen secret loses the stretching.
+RANDOM_SALT_PREFIX = "rand-"
+RANDOM_SECRET_CHARS = 32
 SALT_MIN, SALT_MAX = 8, 32
 _SALT = re.compile(rf"[A-Za-z0-9_-]{{{SALT_MIN},{SALT_MAX}}}")
 # A token file holds one line; anything much longer is not a token file.
@@ -48,6 +55,12 @@ class Token:
     def weak(self) -> bool:
         return len(self.secret) < MIN_SECRET_CHARS
 
+    @property
+    def random(self) -> bool:
+        """Made by ``new_token``, by its form: a ``rand-`` salt and a 32-character secret."""
+        return (self.salt is not None and self.salt.startswith(RANDOM_SALT_PREFIX)
+                and len(self.secret) >= RANDOM_SECRET_CHARS)
+
     def __str__(self) -> str:
         return repr(self)
 
@@ -68,8 +81,9 @@ def new_salt() -> str:
 
 
 def new_token() -> str:
-    """A fresh ``SALT.SECRET`` token: 11 salt characters, a 192-bit secret (32 characters)."""
-    return f"{new_salt()}.{secrets.token_urlsafe(24)}"
+    """A fresh ``SALT.SECRET`` token: a ``rand-`` salt of 13 characters (which says the secret
+    is random) and a 192-bit secret (32 characters)."""
+    return f"{RANDOM_SALT_PREFIX}{secrets.token_urlsafe(6)}.{secrets.token_urlsafe(24)}"
 
 
 def with_salt(text: str) -> str:

@@ -68,21 +68,21 @@ def chosen_token(token: str | None) -> str | None:
 def prime_key_cache(settings: Settings) -> None:
     """Let this command reuse the saved connection's stretched key instead of paying scrypt
     (about 0.4 s) again. A damaged or stale cache is ignored: the key is derived afresh."""
-    from ..security import KDF, remember_stretched
+    from ..security import kdf_for, remember_stretched
 
     try:
         saved = settings.saved_connection()
     except MeshError:
         return
     if saved is not None:
-        stretched = saved.stretched_for(saved.token, KDF)
+        stretched = saved.stretched_for(saved.token, kdf_for(saved.token))
         if stretched is not None:
             remember_stretched(saved.token, stretched)
 
 
 def save_kdf(token: str) -> dict[str, Any]:
     """The ``save_connection`` arguments that cache this token's stretched key, when known."""
-    from ..security import KDF, cached_stretch
+    from ..security import cached_stretch, kdf_for
 
     stretched = cached_stretch(token)
-    return {"kdf": KDF, "stretched": stretched} if stretched else {}
+    return {"kdf": kdf_for(token), "stretched": stretched} if stretched else {}

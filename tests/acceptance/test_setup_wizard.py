@@ -34,7 +34,7 @@ require("rich")
 
 DOWN, ENTER, CTRL_C, CTRL_U = "\x1b[B", "\r", "\x03", "\x15"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{11}\.[A-Za-z0-9_-]{22,}")  # SALT.SECRET
+TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{11,13}\.[A-Za-z0-9_-]{22,}")  # SALT.SECRET
 PROMPT_TIMEOUT = 30
 
 

@@ -27,7 +27,7 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
 
 
 # A token as gpumesh makes them (SALT.SECRET): blanked out of any output a test may show.
-TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{11}\.[A-Za-z0-9_-]{22,}")
+TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{11,13}\.[A-Za-z0-9_-]{22,}")
 
 
 def _until_ready(args: list[str], env: dict[str, str]) -> tuple[str, str]:

@@ -20,6 +20,7 @@ from gpumesh.client import GPUMesh
 from gpumesh.client.launch import start_coordinator
 from gpumesh.config import Settings
 from gpumesh.errors import AuthenticationError, ConfigError
+from gpumesh.security import kdf_for
 from gpumesh.tokens import new_token, write_token_file
 
 WEAK = "sunshine42"
@@ -116,7 +117,7 @@ def test_the_banner_keeps_the_token_off_command_lines_and_saves_it_0600(tmp_path
         assert stat.S_IMODE((home / name).stat().st_mode) == 0o600
     assert (home / "token").read_text() == token + "\n"
     saved = json.loads((home / "config.json").read_text())
-    assert saved["token"] == token and saved["kdf"]["name"].startswith("scrypt")
+    assert saved["token"] == token and saved["kdf"]["name"] == kdf_for(token)
     # A monitoring command with --token-file and no URL: the saved coordinator answers (it has
     # stopped by now, so the answer is the clear "cannot reach" error, with no token in it).
     result = gpumesh("workers", "--token-file", str(home / "token"), env=_env(home))
@@ -140,7 +141,7 @@ def test_serve_reads_the_token_file_and_refuses_both_ways_at_once(tmp_path: Path
 
 def test_gpumesh_token_makes_strong_salted_tokens(tmp_path: Path) -> None:
     printed = gpumesh("token", env=_env(tmp_path)).stdout.strip()
-    assert re.fullmatch(r"[A-Za-z0-9_-]{11}\.[A-Za-z0-9_-]{32}", printed)
+    assert re.fullmatch(r"rand-[A-Za-z0-9_-]{8}\.[A-Za-z0-9_-]{32}", printed)
     path = tmp_path / "mesh.token"
     made = gpumesh("token", "--file", str(path), env=_env(tmp_path))
     assert made.returncode == 0 and made.stdout == ""

@@ -7,6 +7,7 @@ derivations.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 
 import pytest
@@ -29,6 +30,7 @@ from gpumesh.security import (
 SALTED = "AbCdEfGhIjK." + "k" * 32  # the generated form: SALT.SECRET
 OTHER_SALT = "ZyXwVuTsRqP." + "k" * 32  # same secret, another mesh's salt
 STRONG = "Zq3-" + "k" * 40  # a saltless strong token, like secrets.token_urlsafe(32)
+GENERATED = "rand-AbCdEfGh." + "k" * 32  # the form `gpumesh token` makes: random, no scrypt
 WEAK = "Qm9wNTwLxkE.sunshine42"  # a weak secret with a salt, as `serve --weak-token` makes it
 
 _Z85_ALPHABET = set(
@@ -220,3 +222,30 @@ def test_a_child_forked_mid_stretch_stretches_for_itself(monkeypatch):
         raise AssertionError("the forked child waited forever for its parent's stretch")
     thread.join(5)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_generated_token_skips_scrypt_and_its_keys_are_pinned(monkeypatch):
+    def no_scrypt(*args, **kwargs):
+        raise AssertionError("a generated token's secret is random: it needs no scrypt")
+
+    monkeypatch.setattr(security.hashlib, "scrypt", no_scrypt)
+    keys = derive_keys(GENERATED)
+    assert security.kdf_for(GENERATED) == "hmac-sha256-random/gpumesh-v2"
+    material = hmac.new(b"gpumesh/v2/salt/rand-AbCdEfGh", b"k" * 32, hashlib.sha256).digest()
+    assert stretch(GENERATED) == material
+    assert keys.server_secret == z85.encode(security._hkdf(material, b"curve-server"))
+    assert keys.fingerprint == "015853f23b37"
+    assert keys.server_public == b"a=&(%K+hX9P5Mt6EU(4K3eHuuaiQ]o7tccIwW+=k"
+    # Another salt is another mesh, as for stretched tokens.
+    assert derive_keys("rand-ZyXwVuTs." + "k" * 32).fingerprint != keys.fingerprint
+
+
+def test_only_the_generated_form_skips_scrypt():
+    from gpumesh.tokens import new_token, parse_token
+
+    assert parse_token(new_token()).random and len(new_token()) == 13 + 1 + 32
+    for chosen in ("rand-AbCdEfGh." + "k" * 31,  # a shorter secret: perhaps a chosen one
+                   "AbCdEfGhIjK." + "k" * 32,  # a salt of the older form
+                   "rand-" + "k" * 40):  # no dot: all of it is the secret
+        assert not parse_token(chosen).random
+        assert security.kdf_for(chosen) == KDF

@@ -66,7 +66,7 @@ def test_new_tokens_are_salted_strong_url_safe_and_random() -> None:
     tokens = {new_token() for _ in range(50)}
     assert len(tokens) == 50
     for text in tokens:
-        assert re.fullmatch(r"[A-Za-z0-9_-]{11}\.[A-Za-z0-9_-]{32}", text), text
+        assert re.fullmatch(r"rand-[A-Za-z0-9_-]{8}\.[A-Za-z0-9_-]{32}", text), text
         token = parse_token(text)
         assert token.salt is not None and len(token.secret) == 32 and not token.weak
 
