@@ -1,15 +1,23 @@
 """The dashboard as a user sees it: headless Chromium against a live mesh (one for the module).
 
-Workers appear in the picture and the list, a running job's progress bar moves, a failed
-task's error and remote traceback show (as text, never as markup), cancel and drain work
-from the page. Screenshots go to GPUMESH_TEST_ARTIFACTS (default: a temporary folder).
+Workers appear in the picture and the list, with their GPUs' use (a worker reading a stand-in
+``nvidia-smi``), traffic on the edges, paused and lost states; a running job's progress bar
+moves, a failed task's error and remote traceback show (as text, never as markup), cancel and
+drain work from the page. Screenshots are saved to GPUMESH_TEST_ARTIFACTS (default:
+tests/artifacts/, git-ignored), each checked to be there. The slow test follows a 1,000-task
+``.map`` on three workers as a new user would (``pytest -m slow``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +31,57 @@ from gpumesh.errors import ConnectionFailed
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TESTS = Path(__file__).resolve().parent.parent
+FAKES = TESTS / "fakes"  # nvidia-smi: two boards, 37 % and 81 % busy, 6 and 20 of 24 GiB in use
+GPU_NAME = "NVIDIA RTX 4090"
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def artifacts() -> Path:
     chosen = os.environ.get("GPUMESH_TEST_ARTIFACTS")
-    folder = Path(chosen) if chosen else tmp_path_factory.mktemp("artifacts")
+    folder = Path(chosen) if chosen else TESTS / "artifacts"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
+def shot(page: Any, artifacts: Path, name: str, **options: Any) -> Path:
+    """Save a screenshot as a test artifact and check it is there: a PNG, not empty. Written
+    under a temporary name and moved into place, so a run beside this one (same checkout)
+    never sees half a file."""
+    path = artifacts / f"{name}.png"
+    part = artifacts / f".{name}.{os.getpid()}.png"
+    page.screenshot(path=str(part), **options)
+    os.replace(part, path)
+    data = path.read_bytes()
+    assert len(data) > len(PNG) and data.startswith(PNG), f"{path} is not a saved screenshot"
+    return path
+
+
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Any, Dashboard]]:
+def browser() -> Iterator[Any]:
     require("playwright")  # skips locally without it, fails under CI=true
     from playwright.sync_api import sync_playwright
     if not os.path.exists(CHROMIUM):
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"chromium is missing at {CHROMIUM}: .ci/run installs it")
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    playwright = sync_playwright().start()
+    try:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+    finally:
+        playwright.stop()
+
+
+@pytest.fixture(scope="module")
+def live(browser: Any,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Any, Dashboard]]:
     mesh = Mesh(tmp_path_factory.mktemp("mesh"))
-    playwright = browser = dashboard = None
+    dashboard = context = None
     try:
         mesh.start_coordinator()
         mesh.add_worker(slots=2)
@@ -51,9 +90,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Any, 
         mesh.wait_workers(2, client)
         dashboard = Dashboard(client, mesh.token, port=0, interval=0.5)
         dashboard.start()
-        playwright = sync_playwright().start()
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1600, "height": 1100})
+        context = browser.new_context(viewport={"width": 1600, "height": 1100})
+        page = context.new_page()
         missing: list[str] = []
         page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
         page.goto(dashboard.url)
@@ -61,13 +99,27 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Any, 
         assert missing == []  # no favicon.ico 404 on load
         yield mesh, page, dashboard
     finally:
-        if browser is not None:
-            browser.close()
-        if playwright is not None:
-            playwright.stop()
+        if context is not None:
+            context.close()
         if dashboard is not None:
             dashboard.close()
         mesh.close()
+
+
+def fake_gpu_env(hostname: str) -> dict[str, str]:
+    """A worker that reads two GPUs through the stand-in nvidia-smi and names them."""
+    inventory = {"hostname": hostname, "gpus": [{"name": GPU_NAME, "vram": 24564 * 2**20}] * 2}
+    return {"PATH": f"{FAKES}{os.pathsep}{os.environ.get('PATH', '')}",
+            "GPUMESH_TEST_INVENTORY": json.dumps(inventory)}
+
+
+@pytest.fixture(scope="module")
+def gpu_worker(live: tuple[Mesh, Any, Dashboard]) -> Any:
+    """A third worker, joined to the live mesh when a test first asks for it."""
+    mesh, page, _ = live
+    handle = mesh.add_worker(slots=1, env=fake_gpu_env("gpubox"))
+    page.locator(f'#workers .worker[data-worker="{handle.worker_id}"]').wait_for()
+    return handle
 
 
 def test_the_workers_appear_with_their_load(live, artifacts):
@@ -84,7 +136,34 @@ def test_the_workers_appear_with_their_load(live, artifacts):
     charts = page.locator("#charts-card").bounding_box()
     events = page.locator("#events-card").bounding_box()
     assert charts and events and events["y"] == charts["y"] and events["x"] > 1100
-    page.screenshot(path=str(artifacts / "dashboard-workers.png"), full_page=True)
+    shot(page, artifacts, "dashboard-workers", full_page=True)
+
+
+def test_a_workers_gpus_show_their_name_use_and_vram(live, gpu_worker, artifacts):
+    mesh, page, _ = live
+    card = page.locator(f'#workers .worker[data-worker="{gpu_worker.worker_id}"]')
+    node = page.locator(f'#mesh g.node[data-worker="{gpu_worker.worker_id}"]')
+    assert GPU_NAME in card.inner_text()
+    assert GPU_NAME in (node.text_content() or "")
+
+    def bar(label: str) -> Any:
+        return card.locator(".bar").filter(has=page.locator(f'span:text-is("{label}")'))
+
+    # The first sample comes with a heartbeat or two after the join.
+    bar("GPU 1 VRAM").wait_for(timeout=15_000)
+    figures = {label: (bar(label).locator(".muted").inner_text(),
+                       bar(label).locator(".meter > div").get_attribute("style"))
+               for label in ("GPU 0 util", "GPU 0 VRAM", "GPU 1 util", "GPU 1 VRAM")}
+    assert figures == {
+        "GPU 0 util": ("37 %", "width: 37%;"),
+        "GPU 0 VRAM": ("6.0 GiB / 24 GiB", "width: 25%;"),
+        "GPU 1 util": ("81 %", "width: 81%;"),
+        "GPU 1 VRAM": ("20 GiB / 24 GiB", "width: 83%;"),
+    }
+    # Workers without a GPU show none: their cards have CPU and RAM bars only.
+    others = page.locator("#workers .worker").filter(has_not_text=GPU_NAME)
+    assert others.count() >= 1 and others.locator(".bar", has_text="GPU").count() == 0
+    shot(page, artifacts, "dashboard-gpus", full_page=True)
 
 
 def test_a_running_jobs_progress_advances(live, artifacts):
@@ -98,7 +177,13 @@ def test_a_running_jobs_progress_advances(live, artifacts):
     wait_for(lambda: 0 < int(bar.get_attribute("data-finished") or 0) < 16, 20,
              "the job part-way through")
     part = int(bar.get_attribute("data-finished") or 0)
-    page.screenshot(path=str(artifacts / "dashboard-progress.png"), full_page=True)
+    # Work moving on an edge: its rate is written on it (idle edges carry no label).
+    labels = page.locator("#mesh text.edge-label")
+    rate = re.compile(r"\d+(\.\d)? (B|KiB|MiB|GiB)/s")
+    wait_for(lambda: any(rate.fullmatch(t) for t in labels.all_text_contents()), 10,
+             "a traffic label on an edge")
+    assert page.locator("#mesh line").count() == page.locator("#mesh g.node").count()
+    shot(page, artifacts, "dashboard-progress", full_page=True)
     wait_for(lambda: int(bar.get_attribute("data-finished") or 0) > part, 20, "progress to advance")
     client.gather(futures, timeout=30)
     wait_for(lambda: bar.get_attribute("data-finished") == "16", 10, "the bar to fill")
@@ -124,7 +209,7 @@ def test_a_failed_task_shows_its_error_as_text(live, artifacts):
              "the whole remote traceback")
     assert "in explode" in detail.inner_text()
     assert page.locator("#task-error b, #tasks b, script:not([src])").count() == 0
-    page.screenshot(path=str(artifacts / "dashboard-failure.png"), full_page=True)
+    shot(page, artifacts, "dashboard-failure", full_page=True)
     page.locator("#job-close").click()
 
 
@@ -145,7 +230,7 @@ def test_cancel_from_the_page(live, artifacts):
              "the burst as one line")
     assert events.inner_text().count("cancelled in job canceljob") == 1
     assert "job canceljob cancelled by " in events.inner_text()
-    page.screenshot(path=str(artifacts / "dashboard-cancelled.png"), full_page=True)
+    shot(page, artifacts, "dashboard-cancelled", full_page=True)
 
 
 def test_cancel_of_another_owners_job_asks_in_page_terms(live, monkeypatch):
@@ -201,7 +286,7 @@ def test_off_loopback_the_page_is_https_and_asks_for_the_token(live, artifacts, 
         (cookie,) = context.cookies()
         assert cookie["secure"] and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert mesh.token not in login.content()
-        login.screenshot(path=str(artifacts / "dashboard-after-login.png"))
+        shot(login, artifacts, "dashboard-after-login")
         login.click("#logout")
         login.wait_for_url("**/login")
     finally:
@@ -224,7 +309,7 @@ def test_drain_from_the_page(live, artifacts):
     wait_for(lambda: "worker left" in page.locator("#events").inner_text(), 10, "the event")
     assert "lost" not in page.locator("#worker-count").inner_text()
     assert "lost" not in page.locator("#health").inner_text()
-    page.screenshot(path=str(artifacts / "dashboard-drained.png"), full_page=True)
+    shot(page, artifacts, "dashboard-drained", full_page=True)
 
 
 def test_a_wrong_token_shows_not_connected_never_live(live, artifacts):
@@ -240,7 +325,7 @@ def test_a_wrong_token_shows_not_connected_never_live(live, artifacts):
         assert "live" not in conn.get_attribute("class")
         assert other.locator("body.stale").count() == 1
         assert "0 alive" not in other.locator("#worker-count").inner_text()
-        other.screenshot(path=str(artifacts / "dashboard-wrong-token.png"))
+        shot(other, artifacts, "dashboard-wrong-token")
     finally:
         context.close()
         wrong.close()
@@ -276,10 +361,95 @@ def test_a_silent_coordinator_greys_the_page_and_says_since_when(live, artifacts
         wait_for(lambda: "coordinator not answering since" in conn.inner_text(), 10, "the outage")
         assert other.locator("body.stale").count() == 1
         assert other.locator("#workers .worker").count() >= 1  # the last figures, greyed
-        other.screenshot(path=str(artifacts / "dashboard-not-answering.png"))
+        shot(other, artifacts, "dashboard-not-answering")
         flaky.down = False
         other.wait_for_selector("#conn.live", timeout=15_000)  # back by itself
         assert other.locator("body.stale").count() == 0
     finally:
         context.close()
         watched.close()
+
+
+def test_a_paused_worker_and_then_a_lost_one_show_as_such(live, gpu_worker, artifacts):
+    mesh, page, _ = live
+    wid = gpu_worker.worker_id
+    card = page.locator(f'#workers .worker[data-worker="{wid}"]')
+    circle = page.locator(f'#mesh g.node[data-worker="{wid}"] circle')
+    # Its owner takes the machine back with the command they would type on it.
+    owner = subprocess.run([sys.executable, "-m", "gpumesh", "pause", "--worker", wid],
+                           env={**os.environ, **mesh.env}, capture_output=True, text=True,
+                           timeout=30)
+    assert owner.returncode == 0, owner.stderr
+    wait_for(lambda: card.locator(".badge").inner_text() == "paused", 15, "the paused badge")
+    assert circle.get_attribute("class") == "state-paused"
+    assert " · paused" in (page.locator(f'#mesh g.node[data-worker="{wid}"]').text_content() or "")
+    assert card.locator("button.resume").count() == 1 and card.locator("button.drain").count() == 0
+    shot(page, artifacts, "dashboard-paused", full_page=True)
+
+    gpu_worker.kill()  # kill -9: a crash, not a departure
+    wait_for(lambda: card.locator(".badge").inner_text() == "lost", 20, "the lost badge")
+    assert circle.get_attribute("class") == "state-lost"
+    assert " · lost" in (page.locator(f'#mesh g.node[data-worker="{wid}"]').text_content() or "")
+    assert card.locator("button").count() == 0  # nothing to steer on a worker that is gone
+    assert "1 lost" in page.locator("#worker-count").inner_text()
+    # Traffic is labelled on live edges only: not on the lost worker's, nor the drained one's.
+    alive = page.locator("#workers .worker .badge.alive, #workers .worker .badge.busy").count()
+    assert page.locator("#mesh text.edge-label").count() <= alive
+    wait_for(lambda: "worker lost · gpubox" in page.locator("#events").inner_text(), 10,
+             "the lost event")
+    shot(page, artifacts, "dashboard-lost", full_page=True)
+
+
+@pytest.mark.slow
+def test_a_new_user_follows_a_thousand_task_map_on_three_workers(browser, artifacts, tmp_path):
+    mesh = Mesh(tmp_path)
+    dashboard = context = None
+    runs = ThreadPoolExecutor(1)
+    try:
+        mesh.start_coordinator()
+        for _ in range(3):
+            mesh.add_worker(slots=2)
+        client = mesh.client()
+        ids = {w["id"] for w in mesh.wait_workers(3, client)}
+        dashboard = Dashboard(client, mesh.token, port=0, interval=0.5)
+        dashboard.start()
+        context = browser.new_context(viewport={"width": 1600, "height": 1100})
+        page = context.new_page()
+        # Every worker the page ever draws busy, in its list and in its picture, between
+        # the test's looks at it.
+        page.add_init_script("""
+            window.busy = {cards: new Set(), nodes: new Set()};
+            setInterval(() => {
+              for (const c of document.querySelectorAll("#workers .worker:has(.badge.busy)"))
+                window.busy.cards.add(c.dataset.worker);
+              for (const n of document.querySelectorAll("#mesh g.node:has(circle.state-busy)"))
+                window.busy.nodes.add(n.dataset.worker);
+            }, 20);
+        """)
+        results = runs.submit(client.map, pause, [0.05] * 1000, timeout=300)
+        page.goto(dashboard.url)  # opened while the .map runs
+        page.wait_for_selector("#conn.live")
+        bar = page.locator("#jobs tbody tr .progress")
+        bar.wait_for(timeout=20_000)
+        assert bar.get_attribute("data-total") == "1000"
+        wait_for(lambda: 0 < int(bar.get_attribute("data-finished") or 0) < 1000, 60,
+                 "the job part-way through")
+        shot(page, artifacts, "dashboard-map-running", full_page=True)
+        assert results.result(timeout=300) == [0.05] * 1000
+        wait_for(lambda: bar.get_attribute("data-finished") == "1000", 20, "1000/1000 on the page")
+        row = page.locator("#jobs tbody tr").first
+        assert "1000 done" in row.inner_text() and "succeeded" in row.inner_text()
+        busy = page.evaluate("({cards: [...busy.cards], nodes: [...busy.nodes]})")
+        assert set(busy["cards"]) == ids and set(busy["nodes"]) == ids
+        # A thousand successes are in the throughput chart, not in the events list.
+        events = page.locator("#events li")
+        assert page.locator('#events li[data-kind="task_finished"]').count() == 0
+        assert 0 < events.count() <= 10 and " done in job" not in page.inner_text("#events")
+        shot(page, artifacts, "dashboard-map-done", full_page=True)
+    finally:
+        runs.shutdown(wait=False, cancel_futures=True)
+        if context is not None:
+            context.close()
+        if dashboard is not None:
+            dashboard.close()
+        mesh.close()

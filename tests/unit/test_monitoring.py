@@ -4,6 +4,11 @@ a client's drain/pause/resume of a worker; with hostile values of every new fiel
 from __future__ import annotations
 
 import math
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -13,7 +18,15 @@ from gpumesh.protocol import Command, Heartbeat, Hello, Message, WorkerMode, dec
 from gpumesh.protocol.telemetry import MAX_STAT_GPUS, Telemetry, parse_stats
 from gpumesh.store import Store
 from gpumesh.worker.owner import OwnerControls
-from gpumesh.worker.telemetry import CpuMeter, Sampler, memory, parse_smi
+from gpumesh.worker.telemetry import (
+    MIB,
+    CpuMeter,
+    Sampler,
+    gpu_reader,
+    memory,
+    parse_smi,
+    read_nvidia_smi,
+)
 
 W, C = b"worker-routing", b"client-routing"
 GOOD = {"cpu": 12.5, "ram": [3 * 2**30, 8 * 2**30],
@@ -246,6 +259,97 @@ def test_nvidia_smi_lines_parse_and_odd_ones_are_skipped():
     first, second = parse_smi(text)
     assert first == {"index": 0, "util": 37.0, "used": 2**30, "total": 16 * 2**30}
     assert second["util"] is None and second["used"] == second["total"] == 10 * 2**20
+
+
+FAKES = Path(__file__).resolve().parent.parent / "fakes"  # tests/fakes/nvidia-smi
+
+
+def test_a_fake_nvidia_smi_on_path_is_read_through_the_real_call(monkeypatch):
+    monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert gpu_reader() is read_nvidia_smi
+    assert read_nvidia_smi()[0] == {"index": 0, "util": 37.0, "used": 6144 * MIB,
+                                    "total": 24564 * MIB}
+    sample = Sampler([1]).sample()  # a worker pinned to GPU 1 reports only that one
+    assert sample["gpus"] == [{"util": 81.0, "used": 20480 * MIB, "total": 24564 * MIB}]
+    assert parse_stats({"stats": sample}) is not None
+
+
+class StandInCuda:
+    """``torch.cuda`` as far as the sampler may touch it: NVML-backed calls answer; anything
+    that would open a CUDA context (and hold VRAM on every GPU) fails the test."""
+
+    def __init__(self, boards: list[tuple[float, int, int]], available: bool = True) -> None:
+        self.boards, self.available = boards, available  # (util %, used, total) per GPU
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def device_count(self) -> int:
+        return len(self.boards)
+
+    def get_device_properties(self, index: int) -> Any:
+        return SimpleNamespace(name=f"Stand-in {index}", total_memory=self.boards[index][2])
+
+    def utilization(self, index: int) -> float:
+        return self.boards[index][0]
+
+    def device_memory_used(self, index: int) -> int:
+        return self.boards[index][1]
+
+    def __getattr__(self, name: str) -> Any:  # mem_get_info, init, set_device, current_device
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AssertionError(f"the sampler called torch.cuda.{name}, which opens a CUDA context")
+
+
+@pytest.fixture
+def no_smi(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi to be found
+
+
+def test_without_nvidia_smi_gpus_are_read_through_torchs_nvml(no_smi, monkeypatch):
+    cuda = StandInCuda([(12.0, 2**30, 2**34), (100.0, 2**35, 2**34)])  # a driver over-reporting
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    reader = gpu_reader()
+    assert reader is not None
+    assert reader() == [{"index": 0, "util": 12.0, "used": 2**30, "total": 2**34},
+                        {"index": 1, "util": 100.0, "used": 2**34, "total": 2**34}]
+    sample = Sampler([0]).sample()
+    assert sample["gpus"] == [{"util": 12.0, "used": 2**30, "total": 2**34}]
+    assert parse_stats({"stats": Sampler().sample()}) is not None
+
+
+@pytest.mark.parametrize("cuda", [
+    StandInCuda([(1.0, 1, 2)], available=False),
+    SimpleNamespace(is_available=lambda: True, device_count=lambda: 1),  # a torch before NVML calls
+])
+def test_a_torch_that_cannot_say_reads_no_gpus(no_smi, monkeypatch, cuda):
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    assert gpu_reader() is None
+    assert Sampler().sample()["gpus"] == []
+
+
+def test_the_sampler_never_imports_torch_to_read_gpus(no_smi, monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert gpu_reader() is None
+    Sampler().sample()
+    assert "torch" not in sys.modules
+
+
+def test_a_gpu_reader_that_fails_costs_the_gpu_figures_once_not_the_sample(no_smi, monkeypatch):
+    calls = []
+
+    def broken(index: int) -> int:
+        calls.append(index)
+        raise RuntimeError("NVML: driver/library version mismatch")
+
+    cuda = StandInCuda([(5.0, 1, 2)])
+    cuda.device_memory_used = broken  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    sampler = Sampler()
+    first, second = sampler.sample(), sampler.sample()
+    assert first["gpus"] == second["gpus"] == [] and first["ram"][1] > 0
+    assert calls == [0]  # not asked again
 
 
 def test_a_sample_is_what_the_coordinator_accepts():
