@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import require, wait_for
 
 
@@ -47,6 +49,20 @@ def test_grid_search_on_the_mesh_gives_the_local_results(mesh_env, monkeypatch):
     client = mesh_env.client()
     with parallel_config(backend=MeshBackend(mesh=client)):
         remote = GridSearchCV(SVC(), grid, n_jobs=-1).fit(X, y)
+    _assert_same_cv_results(local, remote, np)
+    assert local.best_params_ == remote.best_params_
+    # The tasks ran on the mesh: the coordinator lists the job.
+    assert any(j["name"].startswith("joblib") for j in client.status()["jobs"])
+    with parallel_config(backend="gpumesh"):  # by name, through the saved/env connection
+        by_name = GridSearchCV(SVC(), grid, n_jobs=-1).fit(X, y)
+    _assert_same_cv_results(local, by_name, np)
+    assert local.best_params_ == by_name.best_params_
+    assert sum(j["name"].startswith("joblib") for j in client.status()["jobs"]) == 2
+
+
+def _assert_same_cv_results(local, remote, np):  # type: ignore[no-untyped-def]
+    """Every key of ``cv_results_`` but the timings, equal."""
+    assert set(local.cv_results_) == set(remote.cv_results_)
     for key, value in local.cv_results_.items():
         if "time" in key:
             continue
@@ -55,16 +71,10 @@ def test_grid_search_on_the_mesh_gives_the_local_results(mesh_env, monkeypatch):
             assert list(value) == list(remote.cv_results_[key]), key
         else:
             np.testing.assert_array_equal(value, remote.cv_results_[key], err_msg=key)
-    assert local.best_params_ == remote.best_params_
-    # The tasks ran on the mesh: the coordinator lists the job.
-    assert any(j["name"].startswith("joblib") for j in client.status()["jobs"])
-    with parallel_config(backend="gpumesh"):  # by name, through the saved/env connection
-        assert GridSearchCV(SVC(), grid, n_jobs=-1).fit(X, y).best_params_ == local.best_params_
 
 
 def test_a_failed_batch_cancels_the_others_on_the_mesh(mesh_env):
     require("joblib")
-    import pytest
     from joblib import Parallel, delayed, parallel_config
 
     from gpumesh.client.joblib_backend import MeshBackend
@@ -83,6 +93,12 @@ def test_a_failed_batch_cancels_the_others_on_the_mesh(mesh_env):
              what="nothing left running or pending on the mesh")
 
 
+# The run takes 10-75 s on a loaded 2-core machine (the global timeout is 120 s); its tests have
+# 60 s each and the whole run RUN_LIMIT.
+RUN_LIMIT = 420
+
+
+@pytest.mark.timeout(RUN_LIMIT + 60)
 def test_joblib_own_parallel_tests_pass_on_the_mesh(tmp_path):
     require("joblib")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
@@ -95,9 +111,25 @@ def test_joblib_own_parallel_tests_pass_on_the_mesh(tmp_path):
         _sweep_joblib_litter(before)
     tail = done.stdout[-3000:]
     assert done.returncode == 0, tail + done.stderr[-2000:]
-    assert " passed" in tail and "failed" not in tail, tail
-    passed = int(tail.rsplit(" passed", 1)[0].split()[-1])
-    assert passed >= 60, tail  # about 76 of joblib's tests take the backend
+    outcomes = _outcomes(tail)
+    # Only passes: a skip or an xfail is a test of the backend that did not run.
+    assert set(outcomes) <= {"passed", "deselected", "warnings", "warning"}, tail
+    assert outcomes.get("passed", 0) >= 70, tail  # 76 of joblib 1.6's tests take the backend
+    # And they ran on the mesh: the plugin never falls back to loky, and it counts the tests
+    # whose Parallel calls got results of mesh tasks (the others run n_jobs=1 in place, or
+    # abort on purpose), and the tasks the coordinator finished.
+    line = next((x for x in tail.splitlines() if x.startswith("gpumesh joblib plugin: ")), None)
+    assert line is not None, tail
+    ran, tests, results, finished = (int(n) for n in re.findall(r"\d+", line))
+    assert tests == outcomes["passed"] and ran >= 35, line  # 42 with joblib 1.6
+    assert 0 < results <= finished, line
+
+
+def _outcomes(tail: str) -> dict[str, int]:
+    """pytest's last line, ``2 failed, 74 passed, 669 deselected, 18 warnings in 71.51s``."""
+    last = tail.strip().splitlines()[-1].strip("= ")
+    counts = last.rsplit(" in ", 1)[0]
+    return {word: int(n) for n, word in (part.split() for part in counts.split(", "))}
 
 
 SHM = "/dev/shm"
@@ -123,4 +155,4 @@ def _run_joblib_tests(tmp_path: Path, env: dict[str, str]) -> subprocess.Complet
         [sys.executable, "-m", "pytest", "-c", str(tmp_path / "pytest.ini"), "-p", "joblib_mesh_plugin",
          "-p", "no:cacheprovider", "--pyargs", "joblib.test.test_parallel", "-k", "gpumesh",
          "-q", "--timeout", "60", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_LIMIT)
