@@ -92,6 +92,24 @@ def test_another_terminal_sees_the_job_and_its_results(mesh_env, tmp_path):
     assert json.loads(cli(mesh_env, "status", "--json").stdout)["jobs"][0]["job"] == job
 
 
+def test_submit_without_wait_says_the_job_keeps_running_and_how_to_follow_it(mesh_env, tmp_path):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    script, payloads = write_job(tmp_path, SLEEPY, [{"x": 1, "sleep": 60}])
+    result = cli(mesh_env, "submit", script, "--payloads", payloads)
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.split("[OK] Submitted job ")[1].split()[0]
+    assert (f"[OK] Submitted job {job} (1 task): it runs on the mesh without this terminal\n"
+            f"Follow it with: gpumesh status {job}\n") in result.stdout, result.stdout
+    # The command has exited; the job runs on, and the command it gave follows it.
+    wait_for(lambda: job_status(mesh_env, job)["counts"].get("running") == 1,
+             what="the detached job running after submit exited")
+    follow = cli(mesh_env, "status", job)
+    assert follow.returncode == 0 and job in follow.stdout and "running" in follow.stdout, \
+        follow.stdout + follow.stderr
+    assert cli(mesh_env, "cancel", job).returncode == 0
+
+
 def test_cancel_stops_a_running_job_and_the_worker_stays(mesh_env, tmp_path):
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=2)

@@ -59,6 +59,35 @@ def test_await_futures_aio_and_amap_in_finishing_order(mesh_env):
     wait_for(lambda: idle(client), what="the cancelled task stopped on the mesh")
 
 
+def test_cancelling_the_task_iterating_amap_cancels_its_pending_tasks(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    fn = MeshFunction(nap, MeshSource(client), TaskOptions())
+    seen = []
+
+    async def consume():
+        async for pair in fn.amap([60] * 6):
+            seen.append(pair)
+
+    async def main():
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.to_thread(wait_for, lambda: client.status(tasks=False)["counts"].get(
+            "running") == 2, what="two of the six tasks running, four pending")
+        assert client.status(tasks=False)["counts"].get("pending") == 4
+        consumer.cancel()
+        try:
+            await consumer
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    wait_for(lambda: idle(client), what="nothing of the cancelled amap left on the mesh")
+    assert seen == []
+    assert client.status()["jobs"][0]["counts"] == {"cancelled": 6}
+
+
 def _client_process(mesh_env, code: str) -> subprocess.Popen[str]:
     env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
            "GPUMESH_TOKEN": mesh_env.token}
@@ -109,6 +138,25 @@ def test_ctrl_c_during_map_cancels_its_tasks_on_the_mesh(mesh_env):
     assert mesh_env.token not in err
     wait_for(lambda: idle(client), what="nothing of the interrupted map left on the mesh")
     assert client.status()["jobs"][0]["counts"].get("cancelled") == 8
+
+
+def test_ctrl_c_during_a_single_call_cancels_its_task_on_the_mesh(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    proc = _client_process(mesh_env, """
+        from gpumesh import mesh
+        from test_asyncio_and_interrupts import nap
+        mesh(nap)(60)
+        """)
+    _, err = _interrupt_once_running(proc, client, 1, "the call running on the mesh")
+    assert proc.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("[gpumesh] interrupted")]
+    assert lines == ["[gpumesh] interrupted: cancelled 1 unfinished task(s) on the mesh"], err
+    assert "KeyboardInterrupt" in err  # the interrupt still reaches the caller
+    wait_for(lambda: idle(client), what="the interrupted call's task stopped on the mesh")
+    assert client.status()["jobs"][0]["counts"] == {"cancelled": 1}
 
 
 def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
