@@ -13,11 +13,13 @@ Before the first task the runner cuts its own environment down to what tasks may
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +53,21 @@ def main(argv: list[str]) -> int:
     base_env = base_environment(os.environ, argv[1:])
     set_environ(base_env)  # the interpreter has read its PYTHON* variables; tasks do not see them
     send_message(sock, [msgpack.packb({"ready": True})])
+    inbox = _Inbox(sock)
     while True:
         try:
-            frames = recv_message(sock, MAX_TASK_BYTES)
+            frames = inbox.next()
         except PipeClosed:
             return 0
         try:
             header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
-            _mark_start(header.get("pre"))
+            if "drop" in header:
+                inbox.dropped.add(header["drop"])
+                continue
+            nonce = header.get("pre")
+            _mark_start(nonce)
+            if nonce is not None and inbox.was_dropped(nonce):
+                continue  # the agent took it back while the task before ran: never start it
             folder = _shared_folder(header)
             task_frames: list[Any] = frames[1:]
             refs = parse_refs(header.get("shm"), len(task_frames))
@@ -79,6 +88,35 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         send_message(sock, [msgpack.packb(result_header, use_bin_type=True), *result_frames])
+
+
+class _Inbox:
+    """The agent's messages, in order, and the tasks handed ahead that it took back since
+    (``{drop: nonce}``: it sends one when it cancels or moves such a task while the task
+    before still runs here)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.waiting: deque[list[Any]] = deque()
+        self.dropped: set[Any] = set()
+
+    def next(self) -> list[Any]:
+        return self.waiting.popleft() if self.waiting else recv_message(self.sock, MAX_TASK_BYTES)
+
+    def was_dropped(self, nonce: Any) -> bool:
+        """Whether the task handed ahead with ``nonce`` was taken back: reads, without waiting,
+        what the agent wrote after it (a drop it sent meanwhile sits behind the task)."""
+        while select.select([self.sock], [], [], 0)[0]:
+            frames = recv_message(self.sock, MAX_TASK_BYTES)
+            header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+            if isinstance(header, dict) and "drop" in header:
+                self.dropped.add(header["drop"])
+            else:
+                self.waiting.append(frames)
+        if nonce in self.dropped:
+            self.dropped.discard(nonce)
+            return True
+        return False
 
 
 def _mark_start(nonce: Any) -> None:

@@ -262,9 +262,12 @@ class WorkerAgent:
             return 0
         now = time.time()
         waits = [self.session.heartbeat / 2, self.session.next_timer(now)]
+        idle = any(r.idle for r in self.runners)
         for runner in self.runners:
             if runner.task is not None and runner.task.deadline is not None:
                 waits.append(runner.task.deadline - now)
+            if idle and runner.next is not None and runner.task is not None:
+                waits.append(runner.task.started + PREFETCH_HORIZON - now)  # move it, then
         return max(1, int(min(waits) * 1000))
 
     # ----------------------------------------------------------------- the session's hooks
@@ -531,9 +534,11 @@ class WorkerAgent:
     def _start_queued(self, now: float) -> None:
         """Start queued tasks, in order, each in an idle slot that suits it; while tasks are
         short, hand each busy runner its next one ahead (gpumesh/worker/runners.py)."""
+        idle = [r for r in self.runners if r.idle]
+        if idle:
+            self._move_stuck_ahead(idle, now)
         if not self.queue:
             return
-        idle = [r for r in self.runners if r.idle]
         for queued in list(self.queue) if idle else ():
             runner = next((r for r in idle if self._slot_fits(r.slot, queued.task.header)), None)
             if runner is None:
@@ -555,8 +560,8 @@ class WorkerAgent:
         for runner in self.runners:
             if not self.queue:
                 return
-            if not runner.takes_ahead:
-                continue
+            if not runner.takes_ahead or _running_for(runner, now) >= PREFETCH_HORIZON:
+                continue  # a task this long is no sign that the next will start soon
             ahead = next((q for q in self.queue if self._slot_fits(runner.slot, q.task.header)),
                          None)
             if ahead is None:
@@ -566,6 +571,17 @@ class WorkerAgent:
                 runner.hand_ahead(ahead)
             except OSError:
                 self.queue.appendleft(ahead)  # the runner died: _check_runners sees to it
+
+    def _move_stuck_ahead(self, idle: list[Runner], now: float) -> None:
+        """A task handed ahead to a runner whose task turned out long goes back to the queue
+        when a slot it fits is free, instead of waiting behind that task."""
+        for runner in self.runners:
+            ahead = runner.next
+            if ahead is None or _running_for(runner, now) < PREFETCH_HORIZON:
+                continue
+            if any(self._slot_fits(r.slot, ahead.task.header) for r in idle):
+                runner.drop_next()  # the runner skips it, and restarts after its task
+                self.queue.appendleft(ahead)
 
     def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
         """Whether the GPU this slot is pinned to meets the task's ``need`` (the scheduler's
@@ -591,7 +607,7 @@ class WorkerAgent:
             if runner.next is not None and runner.next.task.lease_id == lease_id:
                 dropped = runner.drop_next()
                 if report and dropped is not None:
-                    self._report(dropped, cancelled, [], now)
+                    self._report(dropped.task, cancelled, [], now)
                 return True
             if runner.task is not None and runner.task.lease_id == lease_id:
                 task = runner.task
@@ -741,6 +757,10 @@ class WorkerAgent:
 
     def _held_leases(self) -> list[int]:
         return [task.lease_id for task in self._held_tasks()]
+
+
+def _running_for(runner: Runner, now: float) -> float:
+    return now - runner.task.started if runner.task is not None else 0.0
 
 
 def _late(task: RunningTask | None, now: float) -> bool:

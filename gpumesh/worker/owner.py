@@ -102,7 +102,7 @@ class OwnerControls:
         for runner in self.agent.runners:
             dropped = runner.drop_next()
             if dropped is not None:
-                released.append(dropped.lease_id)
+                released.append(dropped.task.lease_id)
         return released
 
     def _hand_back_running(self) -> list[int]:

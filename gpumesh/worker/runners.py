@@ -76,6 +76,7 @@ class Runner:
         self.ready = False
         self.task: RunningTask | None = None
         self.next: QueuedTask | None = None  # handed ahead: starts when ``task`` ends
+        self._next_nonce = ""
         self.restart_after_task = False  # a task handed ahead was dropped: it must not run on
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._partial = {"out": b"", "err": b""}
@@ -142,6 +143,7 @@ class Runner:
         nonce = secrets.token_hex(8)
         self._write(queued.task, {**queued.header, "pre": nonce}, queued.frames)
         self.next = queued
+        self._next_nonce = nonce
         marker = MARKER + nonce.encode() + b"\x00"
         for stream in ("out", "err"):
             self._markers[stream].append((marker, queued.task))
@@ -171,16 +173,22 @@ class Runner:
         following, self.next = self.next, None
         return following
 
-    def drop_next(self) -> RunningTask | None:
-        """Give up the task handed ahead (cancelled, or handed back by the owner): it cannot
-        be taken off the socket, so the runner is restarted once the current task ends, and
-        nothing the dropped one prints is forwarded."""
+    def drop_next(self) -> QueuedTask | None:
+        """Give up the task handed ahead (cancelled, handed back by the owner, or moved to a
+        free slot). It cannot be taken off the socket: the runner is told to skip it (``drop``,
+        which it reads before starting it) and is restarted once the current task ends, in
+        case it had started it already; nothing the dropped one prints is forwarded."""
         if self.next is None:
             return None
-        dropped, self.next = self.next.task, None
+        dropped, self.next = self.next, None
         self.restart_after_task = True
+        if self.control is not None:
+            try:
+                send_message(self.control, [msgpack.packb({"drop": self._next_nonce})])
+            except OSError:
+                pass  # the runner is gone: its death is handled as any other
         for stream in ("out", "err"):
-            self._markers[stream] = deque((marker, None if owner is dropped else owner)
+            self._markers[stream] = deque((marker, None if owner is dropped.task else owner)
                                           for marker, owner in self._markers[stream])
         return dropped
 

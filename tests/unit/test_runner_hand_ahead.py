@@ -14,12 +14,13 @@ import time
 from types import SimpleNamespace
 
 import cloudpickle
+import msgpack
 import pytest
 from test_worker_agent import recording_agent
 
 from gpumesh.config import Limits
 from gpumesh.protocol import Command, encode, serialize
-from gpumesh.runner.pipe import MARKER
+from gpumesh.runner.pipe import MARKER, send_message
 from gpumesh.worker.runners import QueuedTask, Runner, RunningTask
 
 # ----------------------------------------------------------------- output at the markers
@@ -109,7 +110,7 @@ def test_what_a_dropped_task_prints_goes_to_nobody(piped_runner):
     runner._write = lambda *args: None  # type: ignore[method-assign]
     runner.send(_task("A"), {}, [])
     marker = _handed(runner, "B")
-    assert runner.drop_next().task_id == "B"
+    assert runner.drop_next().task.task_id == "B"
     assert runner.restart_after_task and not runner.takes_ahead
     os.write(ends["out"], b"a\n" + marker + b"b ran a little\n")
     assert _read(runner) == [("A", b"a\n"), (None, b"b ran a little\n")]
@@ -277,3 +278,79 @@ def test_a_result_unread_when_the_task_handed_ahead_kills_its_runner_is_not_lost
     agent._check_runners(time.time())
     assert _results(agent) == {"task-1": "ok", "task-2": "crashed"}
     assert not agent.queue
+
+
+def test_a_task_handed_ahead_behind_a_long_one_moves_to_a_free_slot_and_never_runs_twice(
+        tmp_path):
+    gen = recording_agent(tmp_path, slots=2)
+    agent = next(gen)
+    try:
+        agent.session.welcomed = True
+        for runner in agent.runners:
+            runner.start()
+        _pump(agent, lambda: all(r.ready for r in agent.runners), "the runners to start")
+        agent._mean_run = 0.02  # tasks so far were short: hand-ahead is on
+        first, second = agent.runners
+
+        def long_nap(i):
+            import time as clock
+            clock.sleep(1.5)
+            return i
+
+        _give(agent, 1, fn=long_nap)
+        _give(agent, 2)  # into the second slot
+        _give(agent, 3)  # handed ahead: to whichever runner is busy first in the loop
+        holder = first if first.next is not None else second
+        assert holder.next.task.task_id == "task-3"
+        # Task 2 ends at once; task 1 runs on: task 3 must not wait behind it.
+        _pump(agent, lambda: "task-3" in _results(agent), "task 3's result")
+        assert "task-1" not in _results(agent), "task 3 waited for the long task"
+        _pump(agent, lambda: len(_results(agent)) == 3, "the long task's result")
+        assert _results(agent) == {f"task-{i}": "ok" for i in (1, 2, 3)}
+        assert _output(agent)["task-3"] == b"start 3\nend 3\n"  # it ran once, in one slot
+    finally:
+        for r in agent.runners:
+            r.kill()
+        next(gen, None)
+
+
+def test_no_task_is_handed_ahead_to_a_runner_whose_task_runs_long(live_agent):
+    agent, runner = live_agent, live_agent.runners[0]
+
+    def nap(i):
+        import time as clock
+        clock.sleep(0.6)
+        return i
+
+    _give(agent, 1, fn=nap)
+    _pump(agent, lambda: time.time() - runner.task.started > 0.3, "task 1 to run a while")
+    _give(agent, 2)
+    assert runner.next is None and [q.task.task_id for q in agent.queue] == ["task-2"]
+    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
+
+
+def test_a_cancelled_task_handed_ahead_is_skipped_by_its_runner_not_started(live_agent, tmp_path):
+    agent, runner = live_agent, live_agent.runners[0]
+    marker = tmp_path / "ran"
+
+    def nap(i):
+        import time as clock
+        clock.sleep(0.3)
+        return i
+
+    def touch(i):
+        open(str(marker), "w").close()
+        return i
+
+    _give(agent, 1, fn=nap)
+    _give(agent, 2, fn=touch)
+    assert runner.next.task.task_id == "task-2"
+    assert agent._cancel(2, time.time(), report=True)
+    # The agent stays out of it from here (no restart after task 1): after task 1, the runner
+    # reads task 2, then the drop, then this last task, and answers what it ran, in order.
+    send_message(runner.control, [msgpack.packb({"kind": "fn", "name": "last"}),
+                                  *serialize.dumps(_speak), *serialize.dumps(((3,), {}))])
+    answers = [runner.receive()[0]["status"] for _ in range(2)]
+    assert answers == ["ok", "ok"]  # task 1 and the last task: nothing for task 2
+    assert not marker.exists(), "the runner started a task the agent had taken back"
+    assert not runner.has_message()

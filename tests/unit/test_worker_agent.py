@@ -16,10 +16,10 @@ from gpumesh.worker.control import ControlServer
 from gpumesh.worker.runners import RunningTask
 
 
-def recording_agent(tmp_path):
+def recording_agent(tmp_path, slots=1):
     """A one-slot agent whose messages land, decoded, in ``agent.sent`` (never started)."""
     a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
-                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=1, info={},
+                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=slots, info={},
                     local_control=False)
     a.sent = []
     a.link.send = lambda frames: a.sent.append(decode(frames, Limits())) or True
