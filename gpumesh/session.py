@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from typing import Any, Protocol
 
+from ._version import __version__
 from .config import Endpoint, Timing
 from .errors import MeshError, ProtocolMismatch
 from .protocol import MAJOR, Command, ErrorCode, Message, Role, encode
@@ -29,6 +31,8 @@ log = logging.getLogger("gpumesh.session")
 # loop, one too slow would leave a lost coordinator unnoticed for hours.
 HEARTBEAT_RANGE = (0.05, 60.0)
 LIVENESS_RANGE = (1, 100)
+# A version as pip takes it (epoch, local part and all), short: it is quoted in a message.
+VERSION_TEXT = re.compile(r"[0-9][0-9A-Za-z.!+_-]{0,31}")
 
 
 class Link(Protocol):
@@ -182,8 +186,12 @@ class Session:
         if code == ErrorCode.NO_SESSION.value:
             self.hello()  # the coordinator restarted or forgot us: a new session
         elif code == ErrorCode.VERSION.value:
+            version = coordinator_version(msg.header)
+            advice = "" if version is None else \
+                f"; this is gpumesh {__version__}: {install_advice(version)}"
             raise ProtocolMismatch(f"the coordinator at {self.endpoint} refused this "
-                                   f"{self.role.value}: {str(msg.header.get('message', ''))[:500]}")
+                                   f"{self.role.value}: {str(msg.header.get('message', ''))[:500]}"
+                                   f"{advice}")
         else:
             self.hooks.on_message(msg, now)
 
@@ -193,6 +201,21 @@ class Session:
                                    "protocol version: install the same gpumesh version on both")
         if not self.hooks.on_disconnect(header, now):
             self.hello()
+
+
+def coordinator_version(header: dict[str, Any]) -> str | None:
+    """The gpumesh version an ``ERROR version`` names (``gpumesh``), when it looks like one;
+    None from a coordinator older than the field, or one that sent something else."""
+    value = header.get("gpumesh")
+    if isinstance(value, str) and VERSION_TEXT.fullmatch(value):
+        return value
+    return None
+
+
+def install_advice(version: str) -> str:
+    """What to do about a coordinator of gpumesh ``version``, for a ProtocolMismatch."""
+    return (f"install gpumesh {version} here ('pip install gpumesh=={version}'), or upgrade "
+            "every machine together")
 
 
 def _bounded(value: Any, limits: tuple[float, float], default: float) -> float:

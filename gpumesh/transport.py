@@ -12,20 +12,33 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ._version import __version__
 from .config import Endpoint, Limits
 from .errors import AuthenticationError, ProtocolMismatch
-from .protocol import MAJOR, Command, Message, ProtocolError, batches, decode, unbundle
+from .protocol import (
+    MAJOR,
+    Command,
+    ErrorCode,
+    Message,
+    ProtocolError,
+    batches,
+    decode,
+    unbundle,
+)
 from .protocol.messages import MAGIC
 from .security import MeshKeys, configure_client
+from .session import coordinator_version, install_advice
 
 log = logging.getLogger("gpumesh.transport")
 
 # Frames below this are copied by pyzmq anyway; copy=False only pays for big ones.
 ZERO_COPY_THRESHOLD = 64 * 1024
+# An ERROR version header is a few short fields; a bigger frame of another major is not read.
+MAX_VERSION_ERROR_HEADER = 4096
 AUTH_FAILED_MESSAGE = "authentication failed: the token does not match this coordinator"
 
 
@@ -199,11 +212,15 @@ class DealerLink:
             if other is not None:
                 # The coordinator passed the CURVE handshake, so it holds the token: it really
                 # runs another gpumesh. Waiting would only mean silence and retries forever.
+                version = _other_version(frames)
+                advice = ("install the coordinator's gpumesh version here, or upgrade every "
+                          "machine together ('gpumesh discover' shows each coordinator's "
+                          "version)") if version is None else install_advice(version)
+                what = (f"speaks gpumesh protocol {other}" if version is None
+                        else f"runs gpumesh {version} (protocol {other})")
                 raise ProtocolMismatch(
-                    f"the coordinator at {self.endpoint} speaks gpumesh protocol {other} and "
-                    f"this gpumesh ({__version__}) speaks {MAJOR}: install the coordinator's "
-                    "gpumesh version here, or upgrade every machine together ('gpumesh "
-                    "discover' shows each coordinator's version)") from None
+                    f"the coordinator at {self.endpoint} {what} and this gpumesh ({__version__}) "
+                    f"speaks {MAJOR}: {advice}") from None
             log.warning("dropped a malformed message from the coordinator: %s", exc.detail)
             return None
         return self._inbox.popleft() if self._inbox else None
@@ -234,6 +251,22 @@ class DealerLink:
             elif event == zmq.EVENT_DISCONNECTED:
                 events.append(LinkEvent.DROPPED)
         return events
+
+
+def _other_version(frames: Sequence[Any]) -> str | None:
+    """The gpumesh version named by an ``ERROR version`` of another major, read as every major
+    frames that one message (docs/protocol.md, ERROR): signature, command byte, msgpack map.
+    None for any other message, or one that does not name it."""
+    if len(frames) < 3 or bytes(frames[1]) != bytes([Command.ERROR]) \
+            or len(frames[2]) > MAX_VERSION_ERROR_HEADER:
+        return None
+    try:
+        header = msgpack.unpackb(bytes(frames[2]), raw=False)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return None
+    if not isinstance(header, dict) or header.get("code") != ErrorCode.VERSION.value:
+        return None
+    return coordinator_version(header)
 
 
 def _other_major(frames: Sequence[Any]) -> int | None:

@@ -288,8 +288,11 @@ class Broker:
         ledger = self.ledger
         if not check_proto(msg.header, MAJOR):
             proto = msg.header.get("proto")
-            ledger.error(routing, ErrorCode.VERSION,
-                         f"this coordinator speaks protocol v{MAJOR}, the peer {proto!r}")
+            # ``gpumesh`` names what the peer should install: a number, not "the same version".
+            ledger.send(routing, Command.ERROR, {
+                "code": ErrorCode.VERSION.value, "gpumesh": __version__,
+                "message": f"this coordinator runs gpumesh {__version__} and speaks protocol "
+                           f"v{MAJOR}, the peer {proto!r}"})
             ledger.send(routing, Command.DISCONNECT, {"reason": "version"})
             return
         hello = Hello.from_header(msg.header)  # checked whole before anything moves

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import select
 import socket
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 import psutil
@@ -130,26 +133,51 @@ def test_safe_mode_refuses_functions_and_runs_scripts(mesh_env, tmp_path):
     assert client.job_futures(job)[0].result(timeout=30) == 2
 
 
-def test_exposed_bind_prints_the_warning_banner(mesh_env):
-    env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "serve", "--host", "0.0.0.0", "--port", "0",
-         "--no-self-worker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    lines = []
+def _serve_banner(env: dict[str, str], *args: str, timeout: float = 60) -> str:
+    """What ``gpumesh serve ARGS`` prints up to its self-check (or its failure), then stop it."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpumesh", "serve", "--port", "0", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    out = b""
+    deadline = time.time() + timeout
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "Self-check" in line or "error" in line:
-                break
+        while b"Self-check" not in out and b"error" not in out and proc.poll() is None:
+            if time.time() > deadline:
+                pytest.fail(f"serve printed no self-check within {timeout}s: {out.decode()}")
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                out += os.read(proc.stdout.fileno(), 65536)
     finally:
         proc.terminate()
-        lines.append(proc.communicate(timeout=10)[0])
-    text = "".join(lines)
+        out += proc.communicate(timeout=10)[0]
+    return out.decode()
+
+
+def test_exposed_bind_prints_the_warning_banner(mesh_env):
+    env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
+    text = _serve_banner(env, "--host", "0.0.0.0", "--no-self-worker")
     assert "NETWORK-EXPOSED COORDINATOR" in text
     assert "arbitrary code on this machine as" in text
+    assert mesh_env.token not in text
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "not-saved"])
+def test_the_exposed_banner_prints_the_join_command_for_another_machine(mesh_env, save):
+    env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
+    # --host-ip makes the printed address this test's choice, not this machine's LAN address.
+    text = _serve_banner(env, "--host", "0.0.0.0", "--host-ip", "127.0.0.2", "--no-self-worker",
+                         *([] if save else ["--no-save"]))
+    port = re.search(r"Coordinator listening on 0\.0\.0\.0:(\d+)", text)
+    assert port is not None, text
+    token_file = str(mesh_env.home / "token")
+    if token_file.startswith(str(Path.home()) + os.sep):
+        token_file = "~" + token_file[len(str(Path.home())):]
+    token_arg = f"--token-file {token_file}" if save else "--token-file FILE"
+    lines = text.splitlines()
+    # Discovery finds the coordinator: the command carries neither an address nor the token.
+    assert f"   Join from ANOTHER machine: gpumesh join {token_arg}" in lines, text
+    assert f"   (or with the address: gpumesh join tcp://127.0.0.2:{port[1]} {token_arg}; the " \
+           "token file copied there, readable only by you)" in lines, text
     assert mesh_env.token not in text
 
 
