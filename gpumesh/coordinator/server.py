@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from .._version import __version__
 from ..config import Settings
 from ..errors import ConfigError
 from ..protocol import Command, ErrorCode, ProtocolError, batches, encode
@@ -169,8 +170,10 @@ class Coordinator:
         if exc.code is ErrorCode.VERSION:
             if routing not in self._version_errors and len(self._version_errors) < 10_000:
                 self._version_errors.add(routing)
+                # With this gpumesh's version, so the peer can say which one to install.
                 send_frames(self._router, [routing, *encode(
-                    Command.ERROR, {"code": exc.code.value, "message": exc.detail})])
+                    Command.ERROR, {"code": exc.code.value, "message": exc.detail,
+                                    "gpumesh": __version__})])
                 send_frames(self._router, [routing, *encode(Command.DISCONNECT, {"reason": "version"})])
         elif exc.code is ErrorCode.UNSUPPORTED:
             send_frames(self._router, [routing, *encode(

@@ -136,6 +136,26 @@ def test_the_coordinator_names_its_gpumesh_version_when_it_refuses_a_protocol(me
     assert f"runs gpumesh {__version__} and speaks protocol v{MAJOR}" in answer.header["message"]
 
 
+def test_a_message_of_another_major_is_refused_with_the_coordinators_version(mesh_env):
+    mesh_env.start_coordinator()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        configure_client(sock, derive_keys(mesh_env.token))
+        sock.connect(mesh_env.coordinator.url)
+        # What a peer of protocol 2 would send: its own signature, which this one cannot read.
+        hello = encode(Command.HELLO, {"role": "worker", "id": "w-2", "proto": [2, 2]})
+        sock.send_multipart([hello[0][:-1] + bytes([MAJOR + 1]), *hello[1:]])
+        assert sock.poll(15_000), "no answer to a message of another major"
+        answer = decode(sock.recv_multipart(), Limits())
+    finally:
+        sock.close()
+        ctx.term()
+    assert answer.command is Command.ERROR and answer.header["code"] == ErrorCode.VERSION.value
+    assert answer.header["gpumesh"] == __version__
+
+
 REFUSAL = {"code": ErrorCode.VERSION.value,
            "message": "this coordinator runs gpumesh 2.0.0 and speaks protocol v2, the peer [1, 1]"}
 
