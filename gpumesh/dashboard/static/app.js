@@ -10,6 +10,7 @@ let snapshot = null;
 let openJob = null;      // the job whose tasks are listed
 let openTask = null;     // the task whose error is shown
 let lastTraffic = {};    // worker id -> [time, up+down bytes], for the edge rates
+const IDLE_TRAFFIC = 4096;  // B/s: more than heartbeats and load samples make on their own
 let received = 0;        // Date.now() when the last snapshot came
 const SILENCE_MS = 6000; // snapshots come about every second while the mesh answers
 
@@ -114,7 +115,8 @@ function drawMesh(workers, now) {
     lastTraffic[w.id] = [now, moved];
     const width = 1 + Math.min(Math.log10(1 + Math.max(rate, 0)) , 6);
     picture.append(svg("line", {x1: cx, y1: cy, x2: x, y2: y, "stroke-width": width.toFixed(1)}));
-    if (w.alive && rate >= 1) {  // idle edges carry no label: fewer words over the picture
+    // Only work is labelled: an idle worker's heartbeats alone move a few hundred B/s.
+    if (w.alive && (w.running > 0 || rate >= IDLE_TRAFFIC)) {
       picture.append(svg("text", {x: cx + (x - cx) * 0.35, y: cy + (y - cy) * 0.35 - 4, class: "edge-label"},
         `${bytes(rate)}/s`));
     }
@@ -122,8 +124,10 @@ function drawMesh(workers, now) {
     const node = svg("g", {class: "node", "data-worker": w.id});
     node.append(svg("circle", {cx: x, cy: y, r: 26, class: `state-${state}`}));
     node.append(svg("text", {x: x, y: y + 4}, `${Math.min(w.running, w.slots)}/${w.slots}`));
-    node.append(svg("text", {x: x, y: y + 42}, workerName(w)));
-    node.append(svg("text", {x: x, y: y + 56, class: "sub"},
+    // Labels of the nodes at the far left and right grow inwards, not off the picture.
+    const [lx, side] = x < 200 ? [x - 30, "start"] : x > 700 ? [x + 30, "end"] : [x, ""];
+    node.append(svg("text", {x: lx, y: y + 42, class: side}, workerName(w)));
+    node.append(svg("text", {x: lx, y: y + 56, class: `sub ${side}`},
       `${w.device_name || w.device} · score ${Number(w.score).toFixed(1)} · ${stateText(w)}`));
     picture.append(node);
   });
@@ -158,7 +162,9 @@ function drawWorkers(workers) {
       el("span", {class: "muted"}, `${w.device_name || w.device} · ${w.id.slice(0, 8)} · score ${Number(w.score).toFixed(1)} · ${Math.min(w.running, w.slots)}/${w.slots} slots busy` +
         (w.running > w.slots ? ` (+${w.running - w.slots} queued)` : "") + ` · ${w.completed} done`));
     const stats = w.stats;
-    if (stats) {
+    if (stats && !w.alive) {
+      card.append(el("div", {class: "muted"}, "not connected: no live load figures"));
+    } else if (stats) {
       if (stats.cpu !== null && stats.cpu !== undefined) card.append(meter("CPU", stats.cpu / 100, `${stats.cpu.toFixed(0)} %`));
       const [used, total] = stats.ram || [0, 0];
       if (total) card.append(meter("RAM", used / total, `${bytes(used)} / ${bytes(total)}`));
