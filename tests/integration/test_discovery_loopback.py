@@ -133,7 +133,10 @@ def test_join_discover_and_a_client_find_the_mesh_by_token_alone(advertised_serv
         done = subprocess.run([sys.executable, "-c", code], env=client_env, capture_output=True,
                               text=True, timeout=60)
         assert done.stdout.split() == [f"tcp://127.0.0.1:{port}", "1"], done.stderr
-        for out in (done.stdout + done.stderr, json.dumps(listed)):
+        # So does a monitoring command with nothing saved and no --url.
+        workers = _gpumesh("workers", "--json", env={**env, "GPUMESH_HOME": str(tmp_path / "cli")})
+        assert [w["alive"] for w in json.loads(workers.stdout)] == [True], workers.stderr
+        for out in (done.stdout + done.stderr, json.dumps(listed), workers.stdout + workers.stderr):
             assert env["GPUMESH_TOKEN"] not in out
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
