@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for
+from test_examples import readme_command
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
@@ -60,8 +61,10 @@ def submit_detached(mesh, script: str, payloads: str) -> str:
 def test_the_spec_grid_search_prints_progress_and_the_summary(mesh_env):
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=2)
-    result = cli(mesh_env, "submit", "examples/grid_search.py", "--payloads",
-                 "examples/payloads.json", "--wait")
+    # Exactly the README's line (its CLI section shows this run).
+    argv = readme_command("$ gpumesh submit examples/grid_search.py")[1:]
+    assert argv[:2] == ["gpumesh", "submit"]
+    result = cli(mesh_env, *argv[1:])
     assert result.returncode == 0, result.stderr
     out = result.stdout
     job = out.split("[OK] Submitted job ")[1].split()[0]
