@@ -223,7 +223,10 @@ def test_a_worker_of_another_protocol_major_is_told_at_join_what_to_install(mesh
         direct = _gpumesh(lab, "c", env, "join", f"tcp://{lab.address('a')}:{port}",
                           "--no-benchmark", "--no-save")
         assert direct.returncode == 1, direct.stdout + direct.stderr
-        assert f"speaks gpumesh protocol {FAKE_MAJOR} and this gpumesh" in direct.stderr
+        # Its refusal names its version, so the advice is the same as by discovery.
+        assert f"runs gpumesh {FAKE_VERSION} (protocol {FAKE_MAJOR}) and this gpumesh " \
+               f"({__version__}) speaks {MAJOR}: install gpumesh {FAKE_VERSION} here" \
+               in direct.stderr, direct.stderr
         assert mesh_env.token not in direct.stdout + direct.stderr
     finally:
         lab.close()
