@@ -115,7 +115,8 @@ def test_a_client_of_another_protocol_gets_protocol_mismatch(future_coordinator,
         mesh.connect(timeout=10)
 
 
-def test_the_coordinator_names_its_gpumesh_version_when_it_refuses_a_protocol(mesh_env):
+def _coordinators_answer(mesh_env, frames: list) -> Any:
+    """What a live coordinator answers a token holder's raw DEALER that sends ``frames``."""
     mesh_env.start_coordinator()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -123,35 +124,29 @@ def test_the_coordinator_names_its_gpumesh_version_when_it_refuses_a_protocol(me
     try:
         configure_client(sock, derive_keys(mesh_env.token))
         sock.connect(mesh_env.coordinator.url)
-        # A peer of protocol 2 only, framed so that this coordinator reads its HELLO.
-        sock.send_multipart(encode(Command.HELLO, {"role": "worker", "id": "w-of-protocol-2",
-                                                   "proto": [2, 2]}))
-        assert sock.poll(15_000), "no answer to the HELLO"
-        answer = decode(sock.recv_multipart(), Limits())
+        sock.send_multipart(frames)
+        assert sock.poll(15_000), "no answer from the coordinator"
+        return decode(sock.recv_multipart(), Limits())
     finally:
         sock.close()
         ctx.term()
+
+
+HELLO_OF_PROTOCOL_2 = {"role": "worker", "id": "w-of-protocol-2", "proto": [2, 2]}
+
+
+def test_the_coordinator_names_its_gpumesh_version_when_it_refuses_a_protocol(mesh_env):
+    # A peer of protocol 2 only, framed so that this coordinator reads its HELLO.
+    answer = _coordinators_answer(mesh_env, encode(Command.HELLO, HELLO_OF_PROTOCOL_2))
     assert answer.command is Command.ERROR and answer.header["code"] == ErrorCode.VERSION.value
     assert answer.header["gpumesh"] == __version__
     assert f"runs gpumesh {__version__} and speaks protocol v{MAJOR}" in answer.header["message"]
 
 
 def test_a_message_of_another_major_is_refused_with_the_coordinators_version(mesh_env):
-    mesh_env.start_coordinator()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    try:
-        configure_client(sock, derive_keys(mesh_env.token))
-        sock.connect(mesh_env.coordinator.url)
-        # What a peer of protocol 2 would send: its own signature, which this one cannot read.
-        hello = encode(Command.HELLO, {"role": "worker", "id": "w-2", "proto": [2, 2]})
-        sock.send_multipart([hello[0][:-1] + bytes([MAJOR + 1]), *hello[1:]])
-        assert sock.poll(15_000), "no answer to a message of another major"
-        answer = decode(sock.recv_multipart(), Limits())
-    finally:
-        sock.close()
-        ctx.term()
+    # What a peer of protocol 2 would send: its own signature, which this one cannot read.
+    hello = encode(Command.HELLO, HELLO_OF_PROTOCOL_2)
+    answer = _coordinators_answer(mesh_env, [hello[0][:-1] + bytes([MAJOR + 1]), *hello[1:]])
     assert answer.command is Command.ERROR and answer.header["code"] == ErrorCode.VERSION.value
     assert answer.header["gpumesh"] == __version__
 
