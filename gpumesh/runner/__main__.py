@@ -99,15 +99,24 @@ class _Inbox:
         self.sock = sock
         self.waiting: deque[list[Any]] = deque()
         self.dropped: set[Any] = set()
+        self.closed = False
 
     def next(self) -> list[Any]:
-        return self.waiting.popleft() if self.waiting else recv_message(self.sock, MAX_TASK_BYTES)
+        if self.waiting:
+            return self.waiting.popleft()
+        if self.closed:
+            raise PipeClosed("the agent closed the runner pipe")
+        return recv_message(self.sock, MAX_TASK_BYTES)
 
     def was_dropped(self, nonce: Any) -> bool:
         """Whether the task handed ahead with ``nonce`` was taken back: reads, without waiting,
         what the agent wrote after it (a drop it sent meanwhile sits behind the task)."""
-        while select.select([self.sock], [], [], 0)[0]:
-            frames = recv_message(self.sock, MAX_TASK_BYTES)
+        while not self.closed and select.select([self.sock], [], [], 0)[0]:
+            try:
+                frames = recv_message(self.sock, MAX_TASK_BYTES)
+            except PipeClosed:
+                self.closed = True  # the agent is gone: start nothing more
+                return True
             header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
             if isinstance(header, dict) and "drop" in header:
                 self.dropped.add(header["drop"])

@@ -675,6 +675,7 @@ class WorkerAgent:
                 # Its result may already be in the socket, unread this turn: then the task
                 # that died or ran late is the one handed ahead, not the one we thought.
                 self._read_written(runner, now)
+                dead = runner.proc is not None and runner.proc.poll() is not None  # restarted?
             if dead:
                 self._runner_died(runner, now)
             elif runner.task is not None and _late(runner.task, now):
@@ -687,8 +688,10 @@ class WorkerAgent:
                     "traceback": ""}}, [], now)
 
     def _read_written(self, runner: Runner, now: float) -> None:
-        """Handle the messages a runner wrote before it died or ran late, without waiting."""
-        while runner.control is not None and runner.has_message():
+        """Handle the messages a runner wrote before it died or ran late, without waiting
+        (until a message makes the agent restart it: the new runner is not the one read)."""
+        proc = runner.proc
+        while runner.proc is proc and runner.control is not None and runner.has_message():
             try:
                 header, frames = runner.receive()
             except PipeClosed:
