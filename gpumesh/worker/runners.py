@@ -10,8 +10,9 @@ as soon as it has written the current result, without waiting for the agent to w
 that result and answer (about 0.6 ms a task here). Pipes and the socket are not ordered with
 each other, so such a task begins by writing a marker of its own on stdout and stderr: what the
 pipes carry before it belongs to the task before, what follows to the new one. A task handed
-ahead cannot be taken back from the socket: dropping it (cancel, pause) restarts the runner once
-the task before has finished.
+ahead cannot be taken back from the socket: dropping it (cancel, pause, or a move to a free slot
+when the task before turns out long) writes a ``drop`` the runner reads before it would start
+it, and restarts the runner once the task before has finished, in case the drop came too late.
 """
 
 from __future__ import annotations
