@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..client import GPUMesh
+from ..client.api import new_job_id
 from ..client.tasks import TaskOptions
 from ..errors import MeshError
 from .output import color_enabled, fail, ok
@@ -124,8 +125,14 @@ def follow(mesh: GPUMesh, job_id: str) -> dict[str, Any]:
 def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wait: bool,
            as_json: bool, options: TaskOptions) -> int:
     payloads = _read_payloads(payloads_file)
-    job_id = mesh.submit_script(script=script, payloads=payloads, name=name or script,
-                                options=options)
+    job_id = new_job_id()  # known before submitting: Ctrl+C may come while it is accepted
+    try:
+        mesh.submit_script(script=script, payloads=payloads, name=name or script,
+                           options=options, job_id=job_id)
+    except KeyboardInterrupt:
+        sent = mesh.job_futures(job_id)
+        accepted = bool(sent) and all(f.task_id for f in sent)
+        return _stopped_waiting(job_id, accepted)
     futures = mesh.job_futures(job_id)  # accepted: submit_script waits for that
     if not wait:
         if as_json:
@@ -142,11 +149,7 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
     try:
         status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
     except KeyboardInterrupt:
-        # Ctrl+C stops the waiting, not the job: a detached job is the point of submit.
-        click.echo("", err=True)
-        click.echo(f"Stopped waiting; job {job_id} keeps running on the mesh. Follow it with: "
-                   f"gpumesh status {job_id}  (stop it with: gpumesh cancel {job_id})", err=True)
-        return 130
+        return _stopped_waiting(job_id, accepted=True)
     results = _results_of(futures)
     if as_json:
         for task in status.get("tasks", []):
@@ -157,6 +160,19 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
         click.echo("")
         click.echo(job_summary(status, results, limit=WAIT_LISTING))
     return 0 if status["counts"].get("done", 0) == status["total"] else 1
+
+
+def _stopped_waiting(job_id: str, accepted: bool) -> int:
+    """Ctrl+C stops the waiting, not the job: a detached job is the point of submit."""
+    click.echo("", err=True)
+    if accepted:
+        click.echo(f"Stopped waiting; job {job_id} keeps running on the mesh. Follow it with: "
+                   f"gpumesh status {job_id}  (stop it with: gpumesh cancel {job_id})", err=True)
+    else:
+        click.echo(f"Stopped before the coordinator confirmed job {job_id}: it may run or not. "
+                   f"See with: gpumesh status {job_id}  (stop it with: gpumesh cancel "
+                   f"{job_id})", err=True)
+    return 130
 
 
 def _results_of(futures: list[Any]) -> dict[str, Any]:

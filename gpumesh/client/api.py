@@ -160,7 +160,7 @@ class GPUMesh:
         portable = self._portable_form(fn)
         items = [pickled.task(call[0], call[1], call[2] if len(call) > 2 else options, portable)
                  for call in calls]
-        job = job or _job_id()
+        job = job or new_job_id()
         futures = engine.submit(items, job, name or getattr(fn, "__qualname__", "function"))
         for future in futures:
             future.job = job
@@ -324,12 +324,14 @@ class GPUMesh:
     # ----------------------------------------------------------------- scripts and jobs
 
     def submit_script(self, *, script: str | Path, payloads: Sequence[Any], name: str | None = None,
-                      options: TaskOptions | None = None, accept_timeout: float = ACCEPT_TIMEOUT
-                      ) -> str:
+                      options: TaskOptions | None = None, accept_timeout: float = ACCEPT_TIMEOUT,
+                      job_id: str | None = None) -> str:
         """Submit a script job: one task per payload (JSON on the script's stdin).
 
         Returns the job id once the coordinator has made the job durable, so ``status(job)``
-        and ``wait_job(job)`` work at once, from here or from any other client.
+        and ``wait_job(job)`` work at once, from here or from any other client. ``job_id``
+        (from ``new_job_id()``) names the job before the call returns, for a caller that may
+        be interrupted while it waits; by default a new one is made.
         """
         if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Sequence):
             raise ConfigError(f"payloads must be a list of payloads, one per task, not a "
@@ -351,7 +353,7 @@ class GPUMesh:
         for index, payload in enumerate(payloads):
             payload, task_options = scheduler_options(payload, options, where=f"payload {index}")
             items.append(script_task(path.name, source, payload, task_options))
-        job = _job_id()
+        job = job_id or new_job_id()
         futures = self._require().submit(items, job, name or str(script))
         for future in futures:
             future.job = job
@@ -518,7 +520,8 @@ class GPUMesh:
         return start_worker(url, token=token, **options)
 
 
-def _job_id() -> str:
+def new_job_id() -> str:
+    """A fresh job id: 12 hex digits."""
     return secrets.token_hex(6)
 
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from .api import GPUMesh, _job_id
+from .api import GPUMesh, new_job_id
 from .engine import TaskFuture
 from .tasks import TaskOptions
 
@@ -71,7 +71,7 @@ class MeshExecutor(concurrent.futures.Executor):
         self._owns_mesh = mesh is None
         self._window = max_workers
         self._options = options or TaskOptions()
-        self._job = _job_id()
+        self._job = new_job_id()
         self._name = name
         self._waiting: deque[_Call] = deque()  # beyond the window: cancellable
         self._taken: list[_Call] = []  # running, on their way to the mesh

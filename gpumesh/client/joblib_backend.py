@@ -25,7 +25,7 @@ from joblib._parallel_backends import (  # joblib's documented extension point l
     SequentialBackend,
 )
 
-from .api import GPUMesh, _job_id
+from .api import GPUMesh, new_job_id
 from .tasks import TaskOptions
 
 NAME = "gpumesh"
@@ -108,7 +108,7 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
             raise FallbackToBackend(LokyBackend(nesting_level=self.nesting_level,
                                                 inner_max_num_threads=self.inner_max_num_threads))
         self.parallel = parallel
-        self._job = _job_id()
+        self._job = new_job_id()
         return self.effective_n_jobs(n_jobs)
 
     def submit(self, func: Any, callback: Any = None) -> concurrent.futures.Future[Any]:

@@ -180,3 +180,45 @@ def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
     assert client.status(tasks=False)["counts"].get("running") == 1
     job = client.status()["jobs"][0]["job"]
     assert client.cancel_job(job) == 1
+
+
+# Ctrl+C landing the instant the coordinator accepted the job, before `submit --wait` waits.
+CTRL_C_AT_ACCEPTANCE = """
+import sys
+from gpumesh.cli.main import main
+from gpumesh.client.api import GPUMesh
+
+accepted = GPUMesh._wait_accepted
+
+def then_ctrl_c(self, *args, **kwargs):
+    accepted(self, *args, **kwargs)
+    raise KeyboardInterrupt
+
+GPUMesh._wait_accepted = then_ctrl_c
+sys.argv = ["gpumesh", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_as_submit_wait_learns_the_job_was_accepted_leaves_it_running(mesh_env,
+                                                                             tmp_path):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    script = tmp_path / "slow.py"
+    script.write_text("import time; time.sleep(60); print(1)\n")
+    payloads = tmp_path / "p.json"
+    payloads.write_text(json.dumps([{}]))
+    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token}
+    done = subprocess.run([sys.executable, "-c", CTRL_C_AT_ACCEPTANCE, "submit", str(script),
+                           "--payloads", str(payloads), "--wait"], env=env, text=True,
+                          capture_output=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+    job = client.status()["jobs"][0]["job"]
+    assert f"Stopped waiting; job {job} keeps running on the mesh" in done.stderr, done.stderr
+    assert "Aborted!" not in done.stderr
+    wait_for(lambda: client.status(tasks=False)["counts"].get("running") == 1,
+             what="the job running on after its submitter stopped waiting")
+    assert client.cancel_job(job) == 1
