@@ -217,16 +217,22 @@ def test_a_cancelled_task_handed_ahead_reports_once_and_its_runner_starts_afresh
     assert "task-2" not in _output(agent)
 
 
-def test_a_task_handed_ahead_to_a_runner_that_dies_goes_back_to_the_queue(live_agent):
+def test_a_task_handed_ahead_to_a_runner_that_dies_goes_back_to_the_queue(live_agent, tmp_path):
     agent, runner = live_agent, live_agent.runners[0]
+    go = tmp_path / "go"
 
     def die(i):
         import os as system
+        import time as clock
+        deadline = clock.monotonic() + 20
+        while not system.path.exists(str(go)) and clock.monotonic() < deadline:
+            clock.sleep(0.01)  # dies only once task 2 has been handed ahead
         system._exit(3)
 
     _give(agent, 1, fn=die)
     _give(agent, 2)
     assert runner.next.task.task_id == "task-2"
+    go.touch()
     _pump(agent, lambda: len(_results(agent)) == 2, "both results")
     assert _results(agent) == {"task-1": "crashed", "task-2": "ok"}
 
@@ -331,21 +337,25 @@ def test_no_task_is_handed_ahead_to_a_runner_whose_task_runs_long(live_agent):
 
 def test_a_cancelled_task_handed_ahead_is_skipped_by_its_runner_not_started(live_agent, tmp_path):
     agent, runner = live_agent, live_agent.runners[0]
-    marker = tmp_path / "ran"
+    marker, go = tmp_path / "ran", tmp_path / "go"
 
-    def nap(i):
+    def wait_for_go(i):
+        import os as system
         import time as clock
-        clock.sleep(0.3)
+        deadline = clock.monotonic() + 20
+        while not system.path.exists(str(go)) and clock.monotonic() < deadline:
+            clock.sleep(0.01)  # ends only once task 2 has been cancelled
         return i
 
     def touch(i):
         open(str(marker), "w").close()
         return i
 
-    _give(agent, 1, fn=nap)
+    _give(agent, 1, fn=wait_for_go)
     _give(agent, 2, fn=touch)
     assert runner.next.task.task_id == "task-2"
     assert agent._cancel(2, time.time(), report=True)
+    go.touch()
     # The agent stays out of it from here (no restart after task 1): after task 1, the runner
     # reads task 2, then the drop, then this last task, and answers what it ran, in order.
     send_message(runner.control, [msgpack.packb({"kind": "fn", "name": "last"}),
