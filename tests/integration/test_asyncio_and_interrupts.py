@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 from conftest import wait_for
 
@@ -159,7 +160,9 @@ def test_ctrl_c_during_a_single_call_cancels_its_task_on_the_mesh(mesh_env):
     assert client.status()["jobs"][0]["counts"] == {"cancelled": 1}
 
 
-def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
+def _slow_job(mesh_env, tmp_path) -> tuple[Any, list[str], dict[str, str]]:
+    """A mesh with one worker, the arguments of a one-task job that runs a minute
+    (``submit SCRIPT --payloads FILE --wait``), and the environment to submit it from."""
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=1)
     client = mesh_env.client()
@@ -170,8 +173,12 @@ def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
     payloads.write_text(json.dumps([{}]))
     env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
            "GPUMESH_TOKEN": mesh_env.token}
-    proc = subprocess.Popen([sys.executable, "-m", "gpumesh", "submit", str(script), "--payloads",
-                             str(payloads), "--wait"], env=env, text=True,
+    return client, ["submit", str(script), "--payloads", str(payloads), "--wait"], env
+
+
+def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
+    client, args, env = _slow_job(mesh_env, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "gpumesh", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=_interruptible)
     out, err = _interrupt_once_running(proc, client, 1, "the job running")
@@ -202,18 +209,8 @@ main()
 
 def test_ctrl_c_as_submit_wait_learns_the_job_was_accepted_leaves_it_running(mesh_env,
                                                                              tmp_path):
-    mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=1)
-    client = mesh_env.client()
-    mesh_env.wait_workers(1, client)
-    script = tmp_path / "slow.py"
-    script.write_text("import time; time.sleep(60); print(1)\n")
-    payloads = tmp_path / "p.json"
-    payloads.write_text(json.dumps([{}]))
-    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
-           "GPUMESH_TOKEN": mesh_env.token}
-    done = subprocess.run([sys.executable, "-c", CTRL_C_AT_ACCEPTANCE, "submit", str(script),
-                           "--payloads", str(payloads), "--wait"], env=env, text=True,
+    client, args, env = _slow_job(mesh_env, tmp_path)
+    done = subprocess.run([sys.executable, "-c", CTRL_C_AT_ACCEPTANCE, *args], env=env, text=True,
                           capture_output=True, timeout=60)
     assert done.returncode == 130, done.stderr
     job = client.status()["jobs"][0]["job"]

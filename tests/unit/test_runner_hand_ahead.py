@@ -161,6 +161,18 @@ def _pump(agent, until, what: str, timeout: float = 20.0) -> None:
         agent._start_queued(now)
 
 
+def waiting_for(path):
+    """A task that returns its argument once ``path`` exists (the test's word), 20 s at most."""
+    def wait(i):
+        import os as system
+        import time as clock
+        deadline = clock.monotonic() + 20
+        while not system.path.exists(str(path)) and clock.monotonic() < deadline:
+            clock.sleep(0.01)
+        return i
+    return wait
+
+
 def _give(agent, lease: int, fn=_speak, timeout: float | None = None) -> None:
     # This test module cannot be imported in the runner: its functions travel by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -220,13 +232,11 @@ def test_a_cancelled_task_handed_ahead_reports_once_and_its_runner_starts_afresh
 def test_a_task_handed_ahead_to_a_runner_that_dies_goes_back_to_the_queue(live_agent, tmp_path):
     agent, runner = live_agent, live_agent.runners[0]
     go = tmp_path / "go"
+    wait = waiting_for(go)  # dies only once task 2 has been handed ahead
 
     def die(i):
         import os as system
-        import time as clock
-        deadline = clock.monotonic() + 20
-        while not system.path.exists(str(go)) and clock.monotonic() < deadline:
-            clock.sleep(0.01)  # dies only once task 2 has been handed ahead
+        wait(i)
         system._exit(3)
 
     _give(agent, 1, fn=die)
@@ -338,14 +348,7 @@ def test_no_task_is_handed_ahead_to_a_runner_whose_task_runs_long(live_agent):
 def test_a_cancelled_task_handed_ahead_is_skipped_by_its_runner_not_started(live_agent, tmp_path):
     agent, runner = live_agent, live_agent.runners[0]
     marker, go = tmp_path / "ran", tmp_path / "go"
-
-    def wait_for_go(i):
-        import os as system
-        import time as clock
-        deadline = clock.monotonic() + 20
-        while not system.path.exists(str(go)) and clock.monotonic() < deadline:
-            clock.sleep(0.01)  # ends only once task 2 has been cancelled
-        return i
+    wait_for_go = waiting_for(go)  # ends only once task 2 has been cancelled
 
     def touch(i):
         open(str(marker), "w").close()
