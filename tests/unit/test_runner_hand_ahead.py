@@ -161,6 +161,15 @@ def _pump(agent, until, what: str, timeout: float = 20.0) -> None:
         agent._start_queued(now)
 
 
+def napping(seconds):
+    """A task that sleeps ``seconds`` (its work) and returns its argument."""
+    def nap(i):
+        import time as clock
+        clock.sleep(seconds)
+        return i
+    return nap
+
+
 def waiting_for(path):
     """A task that returns its argument once ``path`` exists (the test's word), 20 s at most."""
     def wait(i):
@@ -250,10 +259,7 @@ def test_a_task_handed_ahead_to_a_runner_that_dies_goes_back_to_the_queue(live_a
 def test_the_timeout_of_a_task_handed_ahead_counts_from_when_it_starts(live_agent):
     agent, runner = live_agent, live_agent.runners[0]
 
-    def nap(i):
-        import time as clock
-        clock.sleep(0.5)
-        return i
+    nap = napping(0.5)
 
     _give(agent, 1, fn=nap)
     _give(agent, 2, fn=nap, timeout=0.8)  # waits ~0.5 s behind task 1: that does not count
@@ -308,10 +314,7 @@ def test_a_task_handed_ahead_behind_a_long_one_moves_to_a_free_slot_and_never_ru
         agent._mean_run = 0.02  # tasks so far were short: hand-ahead is on
         first, second = agent.runners
 
-        def long_nap(i):
-            import time as clock
-            clock.sleep(1.5)
-            return i
+        long_nap = napping(1.5)
 
         _give(agent, 1, fn=long_nap)
         _give(agent, 2)  # into the second slot
@@ -333,10 +336,7 @@ def test_a_task_handed_ahead_behind_a_long_one_moves_to_a_free_slot_and_never_ru
 def test_no_task_is_handed_ahead_to_a_runner_whose_task_runs_long(live_agent):
     agent, runner = live_agent, live_agent.runners[0]
 
-    def nap(i):
-        import time as clock
-        clock.sleep(0.6)
-        return i
+    nap = napping(0.6)
 
     _give(agent, 1, fn=nap)
     _pump(agent, lambda: time.time() - runner.task.started > 0.3, "task 1 to run a while")
