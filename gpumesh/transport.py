@@ -172,6 +172,11 @@ class DealerLink:
     def send(self, frames: Sequence[Any]) -> bool:
         return self.sock is not None and send_frames(self.sock, frames)
 
+    @property
+    def posted(self) -> int:
+        """Messages posted and not yet flushed."""
+        return len(self._outbox)
+
     def post(self, frames: list[Any]) -> None:
         """Queue a message for ``flush()``: what one turn posts goes out as one BATCH."""
         self._outbox.append(frames)

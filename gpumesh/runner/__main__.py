@@ -73,7 +73,10 @@ def main(argv: list[str]) -> int:
             refs = parse_refs(header.get("shm"), len(task_frames))
             if refs and folder is not None:
                 task_frames = folder.resolve(task_frames, refs)
+            began = time.perf_counter()
             result_header, result_frames = run_task(header, task_frames, base_env)
+            # Its own run time: the agent may read this result well after it was written.
+            result_header["ran"] = round(time.perf_counter() - began, 6)
             del task_frames
             if folder is not None and result_header.get("status") == ResultStatus.OK.value \
                     and "encoding" not in result_header:

@@ -65,9 +65,23 @@ NEVER_JOINED_HINT = 60.0  # seconds without ever reaching the coordinator before
 # behind another waits at most PREFETCH_HORIZON while a worker elsewhere may be idle.
 PREFETCH_HORIZON = 0.2
 PREFETCH_WORK = 0.01
-AUTO_PREFETCH_PER_SLOT = 16
+AUTO_PREFETCH_PER_SLOT = 32
+PREFETCH_BYTES = 256 << 20  # and no deeper than about this much task input per slot
 MAX_PREFETCH = 256  # what a HELLO may announce (protocol.headers)
 RUN_TIME_WEIGHT = 0.2  # of the newest task in the moving average
+# While tasks this short keep coming, what a turn posts waits up to COALESCE_WINDOW for the
+# results after it (at most COALESCE_MAX messages): every message costs each process on the
+# way a wake-up, and a wake-up costs more than a no-op task. A worker with nothing queued behind
+# its running tasks (a single call, long tasks) sends at once.
+COALESCE_RUN = 0.002
+COALESCE_WINDOW = 0.005
+COALESCE_MAX = 64
+# While tasks that short keep coming, a busy runner is handed as many as AHEAD_DEEP tasks
+# ahead, and its socket is left unread for RUNNER_NAP after each read: its results pile up in
+# the socket (safe there if it dies) and are read together, instead of a wake-up for each.
+AHEAD_DEEP = 16
+RUNNER_NAP = 0.001
+RUNNER_READS = 256  # messages read from one runner in one turn, at most
 
 
 
@@ -95,7 +109,10 @@ class WorkerAgent:
         self.prefetch = (min(AUTO_PREFETCH_PER_SLOT * slots, MAX_PREFETCH) if prefetch is None
                          else max(prefetch, 0))  # the most it may hold: announced in HELLO
         self._mean_run: float | None = None  # moving average of task run time, seconds
+        self._mean_bytes = 0.0  # moving average of a task's input, bytes
         self._granted_depth = 0  # the prefetch depth included in what was granted so far
+        self._posted_at: float | None = None  # when what the link holds unsent was first posted
+        self._napping: set[int] = set()  # runner sockets left out of the poller for now
         self.info = info
         self.say = say or (lambda line: None)
         self.on_joined = on_joined
@@ -224,10 +241,31 @@ class WorkerAgent:
             for fd, _, _ in fds:
                 poller.register(fd, zmq.POLLIN)
             self._poll = (poller, {fd: (runner, what) for fd, what, runner in fds})
+            self._napping = set()
         return self._poll
+
+    def _nap_runners(self, poller: zmq.Poller, now: float) -> None:
+        """Leave unpolled, for RUNNER_NAP after its last read, the socket of each runner busy
+        with short tasks that has more handed ahead; poll it again after."""
+        napping = {runner.control.fileno() for runner in self.runners
+                   if runner.control is not None and self._napping_runner(runner, now)}
+        for fd in napping - self._napping:
+            poller.unregister(fd)
+        for fd in self._napping - napping:
+            poller.register(fd, zmq.POLLIN)
+        self._napping = napping
+
+    def _napping_runner(self, runner: Runner, now: float) -> bool:
+        return (bool(runner.ahead) and runner.task is not None and self._short_tasks()
+                and now < runner.read_at + RUNNER_NAP)
+
+    def _short_tasks(self) -> bool:
+        """Recent tasks ran so short that a wake-up per task costs more than they do."""
+        return self._mean_run is not None and self._mean_run < COALESCE_RUN
 
     def _turn(self) -> None:
         poller, fd_owner = self._poller()
+        self._nap_runners(poller, time.time())
         sock = self.link.sock
         ready = dict(poller.poll(self._poll_timeout()))
         now = time.time()
@@ -255,13 +293,31 @@ class WorkerAgent:
         self.session.tick(now)
         if self.mode is WorkerMode.DRAINING:
             self.owner.finish_drain(now)
-        self.link.flush()  # what this turn said goes out together, as one BATCH
+        if not self._coalescing(now):
+            self.link.flush()  # what this turn said goes out together, as one BATCH
+            self._posted_at = None
+
+    def _coalescing(self, now: float) -> bool:
+        """Whether to hold what was posted for the results about to follow it."""
+        posted = self.link.posted
+        if not posted:
+            return False
+        if self._posted_at is None:
+            self._posted_at = now
+        # Held results hold back the grant too: send once half of what is queued ran.
+        waiting = len(self.queue) + sum(len(r.ahead) for r in self.runners)
+        return (waiting > self.prefetch_depth() // 2 and self._short_tasks()
+                and posted < COALESCE_MAX and now - self._posted_at < COALESCE_WINDOW)
 
     def _poll_timeout(self) -> int:
         if self.link.backlog:
             return 0
         now = time.time()
         waits = [self.session.heartbeat / 2, self.session.next_timer(now)]
+        if self._posted_at is not None:
+            waits.append(self._posted_at + COALESCE_WINDOW - now)
+        waits += [runner.read_at + RUNNER_NAP - now for runner in self.runners
+                  if runner.control is not None and runner.control.fileno() in self._napping]
         idle = any(r.idle for r in self.runners)
         for runner in self.runners:
             if runner.task is not None and runner.task.deadline is not None:
@@ -401,7 +457,8 @@ class WorkerAgent:
         if self._mean_run is None or self._mean_run >= PREFETCH_HORIZON:
             return 0
         per_slot = min(math.ceil(PREFETCH_WORK / max(self._mean_run, 1e-6)),
-                       AUTO_PREFETCH_PER_SLOT)
+                       AUTO_PREFETCH_PER_SLOT,
+                       max(int(PREFETCH_BYTES // max(self._mean_bytes, 1.0)), 1))
         return min(per_slot * self.slots, self.prefetch)
 
     def _note_run_time(self, seconds: float) -> None:
@@ -476,6 +533,8 @@ class WorkerAgent:
 
     def _on_task(self, msg: Message, now: float) -> None:
         h = msg.header
+        size = serialize.payload_nbytes(msg.payload)
+        self._mean_bytes += RUN_TIME_WEIGHT * (size - self._mean_bytes)
         payload = self._with_function(h, msg.payload)
         if payload is None:
             return
@@ -483,7 +542,7 @@ class WorkerAgent:
             # Sent before the coordinator heard we stopped taking work: hand it straight back.
             self.send_credit(release=[int(h["lease"])])
             return
-        task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h)
+        task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h, received=now)
         runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
         if h.get("src"):
             # The pickle only loads on the submitter's Python; elsewhere run the source form.
@@ -557,20 +616,26 @@ class WorkerAgent:
         if not self.queue or self.draining or self._mean_run is None \
                 or self._mean_run >= PREFETCH_HORIZON:
             return  # a long task handed ahead could wait while another slot is free
-        for runner in self.runners:
-            if not self.queue:
-                return
-            if not runner.takes_ahead or _running_for(runner, now) >= PREFETCH_HORIZON:
-                continue  # a task this long is no sign that the next will start soon
-            ahead = next((q for q in self.queue if self._slot_fits(runner.slot, q.task.header)),
-                         None)
-            if ahead is None:
-                continue
-            self.queue.remove(ahead)
-            try:
-                runner.hand_ahead(ahead)
-            except OSError:
-                self.queue.appendleft(ahead)  # the runner died: _check_runners sees to it
+        depth = AHEAD_DEEP if self._short_tasks() else 1
+        handed = True
+        while self.queue and handed:  # one per runner a round: the busy runners share them
+            handed = False
+            for runner in self.runners:
+                runner.ahead_depth = depth
+                if not self.queue:
+                    return
+                if not runner.takes_ahead or _running_for(runner, now) >= PREFETCH_HORIZON:
+                    continue  # a task this long is no sign that the next will start soon
+                ahead = next((q for q in self.queue
+                              if self._slot_fits(runner.slot, q.task.header)), None)
+                if ahead is None:
+                    continue
+                self.queue.remove(ahead)
+                try:
+                    runner.hand_ahead(ahead)
+                    handed = True
+                except OSError:
+                    self.queue.appendleft(ahead)  # the runner died: _check_runners sees to it
 
     def _move_stuck_ahead(self, idle: list[Runner], now: float) -> None:
         """A task handed ahead to a runner whose task turned out long goes back to the queue
@@ -580,8 +645,8 @@ class WorkerAgent:
             if ahead is None or _running_for(runner, now) < PREFETCH_HORIZON:
                 continue
             if any(self._slot_fits(r.slot, ahead.task.header) for r in idle):
-                runner.drop_next()  # the runner skips it, and restarts after its task
-                self.queue.appendleft(ahead)
+                # The runner skips them, and restarts after its task.
+                self.queue.extendleft(reversed(runner.drop_ahead()))
 
     def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
         """Whether the GPU this slot is pinned to meets the task's ``need`` (the scheduler's
@@ -604,10 +669,15 @@ class WorkerAgent:
                     self._report(queued.task, cancelled, [], now)
                 return True
         for runner in self.runners:
-            if runner.next is not None and runner.next.task.lease_id == lease_id:
-                dropped = runner.drop_next()
-                if report and dropped is not None:
-                    self._report(dropped.task, cancelled, [], now)
+            if any(queued.task.lease_id == lease_id for queued, _ in runner.ahead):
+                # Those handed ahead go together (the runner restarts after its task); the
+                # others go back to the front of the queue, in order.
+                dropped = runner.drop_ahead()
+                self.queue.extendleft(reversed([q for q in dropped
+                                                if q.task.lease_id != lease_id]))
+                if report:
+                    gone = next(q for q in dropped if q.task.lease_id == lease_id)
+                    self._report(gone.task, cancelled, [], now)
                 return True
             if runner.task is not None and runner.task.lease_id == lease_id:
                 task = runner.task
@@ -621,21 +691,26 @@ class WorkerAgent:
     def _restart(self, runner: Runner) -> None:
         """Kill and start a runner again; a task handed ahead to it goes back to the front
         of the queue (it never started)."""
-        following = runner.take_back()
-        if following is not None:
-            self.queue.appendleft(following)
+        self.queue.extendleft(reversed(runner.take_back()))
         runner.kill()
         runner.start()
 
     # ----------------------------------------------------------------- runners
 
     def _on_runner_message(self, runner: Runner, now: float) -> None:
-        try:
-            header, frames = runner.receive()
-        except PipeClosed:
-            self._runner_died(runner, now)
-            return
-        self._on_runner_header(runner, header, frames, now)
+        """Handle what the runner wrote: every message waiting, up to RUNNER_READS (a runner
+        left unread for a while has written several results)."""
+        proc = runner.proc
+        runner.read_at = now
+        for _ in range(RUNNER_READS):
+            try:
+                header, frames = runner.receive()
+            except PipeClosed:
+                self._runner_died(runner, now)
+                return
+            self._on_runner_header(runner, header, frames, now)
+            if runner.proc is not proc or runner.control is None or not runner.has_message():
+                return  # restarted (what the old one wrote is gone with it), or all read
 
     def _on_runner_header(self, runner: Runner, header: dict[str, Any], frames: list[Any],
                           now: float) -> None:
@@ -705,9 +780,7 @@ class WorkerAgent:
                 while runner.read_stream(stream) is not None:
                     pass
         task, runner.task = runner.task, None
-        following = runner.take_back()
-        if following is not None:
-            self.queue.appendleft(following)  # handed ahead, never started
+        self.queue.extendleft(reversed(runner.take_back()))  # handed ahead, never started
         code = runner.reap()
         diagnosis = runner.diagnosis(code)
         if task is not None:
@@ -719,6 +792,10 @@ class WorkerAgent:
 
     def _report(self, task: RunningTask, header: dict[str, Any], frames: list[Any], now: float) -> None:
         elapsed = max(now - task.started, 0.0)
+        ran = header.pop("ran", None)
+        if isinstance(ran, float) and 0.0 <= ran <= now - task.received + 1.0:
+            # The runner's own clock: a task handed ahead started before the agent saw it.
+            elapsed = ran
         if not self.draining:
             self.granted += 1
             if header.get("status") == ResultStatus.OK.value:
@@ -755,7 +832,7 @@ class WorkerAgent:
     def _held_tasks(self) -> list[RunningTask]:
         """Running, handed ahead or queued: what this worker holds a lease for."""
         tasks = [r.task for r in self.runners if r.task is not None]
-        tasks += [r.next.task for r in self.runners if r.next is not None]
+        tasks += [queued.task for r in self.runners for queued, _ in r.ahead]
         return tasks + [q.task for q in self.queue]
 
     def _held_leases(self) -> list[int]:

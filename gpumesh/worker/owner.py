@@ -100,17 +100,13 @@ class OwnerControls:
         released = [queued.task.lease_id for queued in self.agent.queue]
         self.agent.queue.clear()
         for runner in self.agent.runners:
-            dropped = runner.drop_next()
-            if dropped is not None:
-                released.append(dropped.task.lease_id)
+            released += [queued.task.lease_id for queued in runner.drop_ahead()]
         return released
 
     def _hand_back_running(self) -> list[int]:
         released = []
         for runner in self.agent.runners:
-            following = runner.take_back()
-            if following is not None:
-                released.append(following.task.lease_id)
+            released += [queued.task.lease_id for queued in runner.take_back()]
             if runner.task is not None:
                 released.append(runner.task.lease_id)
                 runner.task = None

@@ -5,14 +5,15 @@ Its stdout and stderr are pipes the agent reads, to stream what tasks print and 
 lines for a diagnosis when the runner dies. A runner starts with the environment tasks may see
 (gpumesh/runner/environment.py), not the agent's: the worker's credentials stay out of it.
 
-While tasks are short, a busy runner is handed its next task ahead (``hand_ahead``): it starts it
-as soon as it has written the current result, without waiting for the agent to wake up, read
-that result and answer (about 0.6 ms a task here). Pipes and the socket are not ordered with
-each other, so such a task begins by writing a marker of its own on stdout and stderr: what the
-pipes carry before it belongs to the task before, what follows to the new one. A task handed
-ahead cannot be taken back from the socket: dropping it (cancel, pause, or a move to a free slot
-when the task before turns out long) writes a ``drop`` the runner reads before it would start
-it, and restarts the runner once the task before has finished, in case the drop came too late.
+While tasks are short, a busy runner is handed its next tasks ahead (``hand_ahead``, as many as
+the agent's ``ahead_depth``): it starts each as soon as it has written the result before, without
+waiting for the agent to wake up, read that result and answer (about 0.6 ms a task here). Pipes
+and the socket are not ordered with each other, so such a task begins by writing a marker of its
+own on stdout and stderr: what the pipes carry before it belongs to the task before, what
+follows to the new one. A task handed ahead cannot be taken back from the socket: dropping the
+tasks handed ahead (cancel, pause, or a move to a free slot when the task before turns out long)
+writes a ``drop`` for each, which the runner reads before it would start it, and restarts the
+runner once the task before has finished, in case a drop came too late.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class RunningTask:
     started: float
     deadline: float | None
     header: dict[str, Any] = field(default_factory=dict)
+    received: float = 0.0  # when the agent got it
 
 
 @dataclass
@@ -76,8 +78,10 @@ class Runner:
         self.control: socket.socket | None = None
         self.ready = False
         self.task: RunningTask | None = None
-        self.next: QueuedTask | None = None  # handed ahead: starts when ``task`` ends
-        self._next_nonce = ""
+        # Handed ahead, in order, with the nonce each was sent with: they start as ``task`` ends.
+        self.ahead: deque[tuple[QueuedTask, str]] = deque()
+        self.ahead_depth = 1  # how many the agent hands ahead at most (it sets this)
+        self.read_at = 0.0  # when the agent last read this runner's socket
         self.restart_after_task = False  # a task handed ahead was dropped: it must not run on
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._partial = {"out": b"", "err": b""}
@@ -103,7 +107,7 @@ class Runner:
         self.control = parent
         self.ready = False
         self.task = None
-        self.next = None
+        self.ahead.clear()
         self.restart_after_task = False
         self.tail.clear()
         self._partial = {"out": b"", "err": b""}
@@ -114,9 +118,14 @@ class Runner:
         return self.ready and self.task is None
 
     @property
+    def next(self) -> QueuedTask | None:
+        """The task handed ahead that starts next, if any."""
+        return self.ahead[0][0] if self.ahead else None
+
+    @property
     def takes_ahead(self) -> bool:
-        """Busy, with nothing handed ahead yet: the next task could go now."""
-        return (self.ready and self.task is not None and self.next is None
+        """Busy, with room ahead: the next task could go now."""
+        return (self.ready and self.task is not None and len(self.ahead) < self.ahead_depth
                 and not self.restart_after_task)
 
     def fds(self) -> list[tuple[int, str]]:
@@ -140,11 +149,10 @@ class Runner:
                 self._owner[stream] = task
 
     def hand_ahead(self, queued: QueuedTask) -> None:
-        """Give this busy runner its next task now; it starts when the current one ends."""
+        """Give this busy runner a task now; it starts when those before it end."""
         nonce = secrets.token_hex(8)
         self._write(queued.task, {**queued.header, "pre": nonce}, queued.frames)
-        self.next = queued
-        self._next_nonce = nonce
+        self.ahead.append((queued, nonce))
         marker = MARKER + nonce.encode() + b"\x00"
         for stream in ("out", "err"):
             self._markers[stream].append((marker, queued.task))
@@ -157,10 +165,10 @@ class Runner:
         send_message(self.control, [msgpack.packb(header, use_bin_type=True), *frames])
 
     def finished(self) -> QueuedTask | None:
-        """The running task wrote its result: the one handed ahead (now running), if any.
-        None as well when that one was dropped: then ``restart_after_task`` is set, and the
+        """The running task wrote its result: the first one handed ahead (now running), if
+        any. None as well when those were dropped: then ``restart_after_task`` is set, and the
         agent restarts the runner."""
-        following, self.next = self.next, None
+        following = self.ahead.popleft()[0] if self.ahead else None
         self.task = following.task if following is not None else None
         if following is None:
             for stream in ("out", "err"):
@@ -168,30 +176,36 @@ class Runner:
                     self._owner[stream] = None  # printed after its task: nobody's
         return following
 
-    def take_back(self) -> QueuedTask | None:
-        """Before a restart: the task handed ahead, which never started (None when none, or
-        when it was dropped)."""
-        following, self.next = self.next, None
+    def take_back(self) -> list[QueuedTask]:
+        """Before a restart: the tasks handed ahead, which never started (none when they were
+        dropped), in order."""
+        following = [queued for queued, _ in self.ahead]
+        self.ahead.clear()
         return following
 
-    def drop_next(self) -> QueuedTask | None:
-        """Give up the task handed ahead (cancelled, handed back by the owner, or moved to a
-        free slot). It cannot be taken off the socket: the runner is told to skip it (``drop``,
-        which it reads before starting it) and is restarted once the current task ends, in
-        case it had started it already; nothing the dropped one prints is forwarded."""
-        if self.next is None:
-            return None
-        dropped, self.next = self.next, None
+    def drop_ahead(self) -> list[QueuedTask]:
+        """Give up the tasks handed ahead (one cancelled, handed back by the owner, or moved
+        to a free slot), in order. They cannot be taken off the socket: the runner is told to
+        skip each (``drop``, which it reads before starting it) and is restarted once the
+        current task ends, in case it had started one already; nothing a dropped one prints
+        is forwarded."""
+        if not self.ahead:
+            return []
+        dropped = list(self.ahead)
+        self.ahead.clear()
         self.restart_after_task = True
         if self.control is not None:
             try:
-                send_message(self.control, [msgpack.packb({"drop": self._next_nonce})])
+                for _, nonce in dropped:
+                    send_message(self.control, [msgpack.packb({"drop": nonce})])
             except OSError:
                 pass  # the runner is gone: its death is handled as any other
+        gone = {id(queued.task) for queued, _ in dropped}
         for stream in ("out", "err"):
-            self._markers[stream] = deque((marker, None if owner is dropped.task else owner)
-                                          for marker, owner in self._markers[stream])
-        return dropped
+            self._markers[stream] = deque(
+                (marker, None if owner is not None and id(owner) in gone else owner)
+                for marker, owner in self._markers[stream])
+        return [queued for queued, _ in dropped]
 
     def has_message(self) -> bool:
         """Whether the runner has written something on its socket not yet read."""

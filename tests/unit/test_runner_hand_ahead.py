@@ -110,7 +110,7 @@ def test_what_a_dropped_task_prints_goes_to_nobody(piped_runner):
     runner._write = lambda *args: None  # type: ignore[method-assign]
     runner.send(_task("A"), {}, [])
     marker = _handed(runner, "B")
-    assert runner.drop_next().task.task_id == "B"
+    assert [q.task.task_id for q in runner.drop_ahead()] == ["B"]
     assert runner.restart_after_task and not runner.takes_ahead
     os.write(ends["out"], b"a\n" + marker + b"b ran a little\n")
     assert _read(runner) == [("A", b"a\n"), (None, b"b ran a little\n")]
@@ -367,3 +367,122 @@ def test_a_cancelled_task_handed_ahead_is_skipped_by_its_runner_not_started(live
     assert answers == ["ok", "ok"]  # task 1 and the last task: nothing for task 2
     assert not marker.exists(), "the runner started a task the agent had taken back"
     assert not runner.has_message()
+
+
+# ----------------------------------------------------------------- several handed ahead
+
+
+@pytest.fixture
+def tiny_tasks_agent(live_agent):
+    """The live agent once its tasks are known to be tiny: it hands several ahead."""
+    live_agent._mean_run = 0.0001
+    return live_agent
+
+
+def quick(i):
+    print(f"quick {i}", flush=True)
+    return i
+
+
+def test_tiny_tasks_are_handed_ahead_several_at_once_and_each_prints_as_itself(tiny_tasks_agent):
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    for lease in range(1, 7):
+        _give(agent, lease, fn=quick)
+    assert runner.task.task_id == "task-1"
+    assert [q.task.task_id for q, _ in runner.ahead] == [f"task-{i}" for i in range(2, 7)]
+    assert not agent.queue and sorted(agent._held_leases()) == list(range(1, 7))
+    _pump(agent, lambda: len(_results(agent)) == 6, "six results")
+    assert _results(agent) == {f"task-{i}": "ok" for i in range(1, 7)}
+    _pump(agent, lambda: len(_output(agent)) == 6, "their output")
+    assert _output(agent) == {f"task-{i}": f"quick {i}\n".encode() for i in range(1, 7)}
+    assert runner.task is None and not runner.ahead
+
+
+def test_results_a_runner_wrote_while_unread_are_all_handled_in_one_read(tiny_tasks_agent,
+                                                                        tmp_path):
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    go = tmp_path / "go"
+    for lease in (1, 2, 3):
+        _give(agent, lease, fn=quick)
+    _give(agent, 4, fn=waiting_for(go))
+    # Task 4 marks stdout as it starts, after the runner wrote the three results before it.
+    deadline = time.monotonic() + 20
+    while getattr(runner._owner["out"], "task_id", None) != "task-4":
+        assert time.monotonic() < deadline, "task 4 never started"
+        select.select([runner.proc.stdout], [], [], 0.1)
+        runner.read_stream("out")
+    agent._on_runner_message(runner, time.time())
+    assert _results(agent) == {f"task-{i}": "ok" for i in (1, 2, 3)}
+    assert runner.task.task_id == "task-4" and not runner.ahead
+    go.touch()
+    _pump(agent, lambda: len(_results(agent)) == 4, "task 4's result")
+
+
+def test_cancelling_one_of_several_handed_ahead_requeues_the_rest_and_it_never_runs(
+        tiny_tasks_agent, tmp_path):
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    ran, go = tmp_path / "ran", tmp_path / "go"
+
+    def touch(i):
+        open(str(ran), "w").close()
+        return i
+
+    _give(agent, 1, fn=waiting_for(go))
+    _give(agent, 2, fn=quick)
+    _give(agent, 3, fn=touch)
+    _give(agent, 4, fn=quick)
+    assert agent._cancel(3, time.time(), report=True)
+    assert [q.task.task_id for q in agent.queue] == ["task-2", "task-4"]  # in order
+    assert not runner.ahead and runner.restart_after_task
+    go.touch()
+    _pump(agent, lambda: len(_results(agent)) == 4, "the other three results")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok", "task-3": "cancelled",
+                               "task-4": "ok"}
+    assert not ran.exists(), "a cancelled task handed ahead ran"
+    assert _output(agent)["task-2"] == b"quick 2\n" and _output(agent)["task-4"] == b"quick 4\n"
+
+
+def test_a_runner_that_dies_with_several_handed_ahead_loses_none_and_blames_one(
+        tiny_tasks_agent):
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+
+    def die(i):
+        import os as system
+        system._exit(3)
+
+    _give(agent, 1, fn=quick)
+    _give(agent, 2, fn=die)
+    _give(agent, 3, fn=quick)
+    _give(agent, 4, fn=quick)
+    assert len(runner.ahead) == 3
+    runner.proc.wait(timeout=20)  # task 1 wrote its result, task 2 killed the runner
+    agent._check_runners(time.time())
+    assert _results(agent) == {"task-1": "ok", "task-2": "crashed"}
+    assert [q.task.task_id for q in agent.queue] + [q.task.task_id for q, _ in runner.ahead] \
+        + ([runner.task.task_id] if runner.task else []) == ["task-3", "task-4"]
+    _pump(agent, lambda: len(_results(agent)) == 4, "the two that never started")
+    assert _results(agent) == {"task-1": "ok", "task-2": "crashed", "task-3": "ok",
+                               "task-4": "ok"}
+
+
+def test_a_runner_busy_with_tiny_tasks_is_left_unpolled_for_a_moment_after_each_read(
+        tiny_tasks_agent, tmp_path):
+    from gpumesh.worker.agent import RUNNER_NAP
+
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    go = tmp_path / "go"
+    poller, _ = agent._poller()
+    polled = lambda: runner.control.fileno() in [fd for fd, _ in poller.sockets]  # noqa: E731
+    now = time.time()
+    _give(agent, 1, fn=waiting_for(go))
+    runner.read_at = now
+    agent._nap_runners(poller, now)
+    assert polled(), "nothing handed ahead (a single call): its result is read at once"
+    _give(agent, 2, fn=quick)
+    agent._nap_runners(poller, now)
+    assert not polled()
+    assert agent._poll_timeout() <= RUNNER_NAP * 1000 + 1  # the loop wakes when the nap ends
+    agent._nap_runners(poller, now + RUNNER_NAP)
+    assert polled()
+    go.touch()
+    _pump(agent, lambda: len(_results(agent)) == 2, "both results")

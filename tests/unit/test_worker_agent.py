@@ -11,9 +11,9 @@ import zmq
 
 from gpumesh.config import Limits, Settings, parse_url
 from gpumesh.protocol import Command, decode, encode
-from gpumesh.worker.agent import WorkerAgent
+from gpumesh.worker.agent import COALESCE_WINDOW, WorkerAgent
 from gpumesh.worker.control import ControlServer
-from gpumesh.worker.runners import RunningTask
+from gpumesh.worker.runners import QueuedTask, RunningTask
 
 
 def recording_agent(tmp_path, slots=1):
@@ -238,3 +238,16 @@ def test_an_impostor_found_on_the_lan_sends_the_worker_back_not_out(agent):
     assert agent.sent[-1].command is Command.HELLO
     with pytest.raises(AuthenticationError):  # at the address that admitted us: a real refusal
         agent._link_events()
+
+
+def test_results_of_tiny_tasks_wait_a_moment_for_those_after_them_and_a_lone_one_does_not(agent):
+    agent.link._outbox.append(encode(Command.RESULT, {"task": "T1"}))  # posted this turn
+    agent._mean_run = 0.0001
+    assert not agent._coalescing(10.0), "nothing queued behind it: a single call's result waits"
+    agent.queue.extend(QueuedTask(RunningTask(f"Q{i}", i, 0.0, None, {}), {}, []) for i in range(4))
+    assert agent._coalescing(10.0)
+    assert agent._coalescing(10.0 + COALESCE_WINDOW / 2)
+    assert not agent._coalescing(10.0 + COALESCE_WINDOW), "held no longer than the window"
+    agent._posted_at = None
+    agent._mean_run = 0.05
+    assert not agent._coalescing(11.0), "tasks this long: every result goes at once"
