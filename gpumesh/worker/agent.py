@@ -65,8 +65,8 @@ NEVER_JOINED_HINT = 60.0  # seconds without ever reaching the coordinator before
 # behind another waits at most PREFETCH_HORIZON while a worker elsewhere may be idle.
 PREFETCH_HORIZON = 0.2
 PREFETCH_WORK = 0.01
-AUTO_PREFETCH_PER_SLOT = 32
-PREFETCH_BYTES = 256 << 20  # and no deeper than about this much task input per slot
+AUTO_PREFETCH_PER_SLOT = 64
+PREFETCH_BYTES = 64 << 20  # and no deeper than about this much task input per slot
 MAX_PREFETCH = 256  # what a HELLO may announce (protocol.headers)
 RUN_TIME_WEIGHT = 0.2  # of the newest task in the moving average
 # While tasks this short keep coming, what a turn posts waits up to COALESCE_WINDOW for the
@@ -79,7 +79,7 @@ COALESCE_MAX = 64
 # While tasks that short keep coming, a busy runner is handed as many as AHEAD_DEEP tasks
 # ahead, and its socket is left unread for RUNNER_NAP after each read: its results pile up in
 # the socket (safe there if it dies) and are read together, instead of a wake-up for each.
-AHEAD_DEEP = 16
+AHEAD_DEEP = 64
 RUNNER_NAP = 0.001
 RUNNER_READS = 256  # messages read from one runner in one turn, at most
 

@@ -169,11 +169,11 @@ def agent(tmp_path):
 
 def test_auto_prefetch_queues_only_while_tasks_are_short(agent):
     agent.session.hello()
-    assert agent.prefetch == 64 and agent.granted == 2  # announces room, grants none yet
+    assert agent.prefetch == 128 and agent.granted == 2  # announces room, grants none yet
     for _ in range(5):
         agent._note_run_time(0.0001)
         agent.granted += 1  # what _report adds per finished task
-    assert agent.prefetch_depth() == 64 and agent._granted_depth == 64  # 32 per slot at most
+    assert agent.prefetch_depth() == 128 and agent._granted_depth == 128  # 64 per slot at most
     granted_short = agent.granted
     for _ in range(50):
         agent._note_run_time(0.05)
@@ -181,7 +181,7 @@ def test_auto_prefetch_queues_only_while_tasks_are_short(agent):
     for _ in range(200):
         agent._note_run_time(PREFETCH_HORIZON * 4)
     assert agent.prefetch_depth() == 0 and agent._granted_depth == 0
-    assert agent.granted == granted_short - 64  # taken back one finished task at a time
+    assert agent.granted == granted_short - 128  # taken back one finished task at a time
 
 
 def test_auto_prefetch_of_tiny_tasks_with_big_inputs_stays_shallow(agent, monkeypatch):
@@ -193,7 +193,7 @@ def test_auto_prefetch_of_tiny_tasks_with_big_inputs_stays_shallow(agent, monkey
                               Limits()), 0.0)
         agent._note_run_time(0.0001)
         agent.queue.clear()
-    # About PREFETCH_BYTES of input per slot (4 of these), not 32 tiny tasks per slot.
+    # About PREFETCH_BYTES of input per slot (4 of these), not 64 tiny tasks per slot.
     assert agent.prefetch_depth() == 2 * 4
 
 
