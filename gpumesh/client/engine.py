@@ -149,6 +149,7 @@ class Engine:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_fd = self._wake_r.fileno()
         self._seq = itertools.count(1)
         self._qids = itertools.count(1)
         self._outstanding: dict[int, _Submission] = {}
@@ -339,22 +340,27 @@ class Engine:
         wait = min(self._session.next_timer(now), self._session.heartbeat / 4)
         if self._acks and self._connected.is_set():
             wait = min(wait, max(self._acks_since + ACK_DELAY - now, 0.0))
-        poller.poll(0 if self._link.backlog else max(1, int(wait * 1000)))
+        ready = dict(poller.poll(0 if self._link.backlog else max(1, int(wait * 1000))))
         now = time.time()
-        for event in self._link.monitor_events():
-            if event is LinkEvent.DROPPED:
-                log.debug("connection to %s dropped", self.endpoint)
-        try:
-            while self._wake_r.recv(4096):
+        # Only what poll named is read: each read that finds nothing costs an exception.
+        if self._link.monitor in ready:
+            for event in self._link.monitor_events():
+                if event is LinkEvent.DROPPED:
+                    log.debug("connection to %s dropped", self.endpoint)
+        if self._wake_fd in ready:  # poll names a plain socket by its descriptor
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
                 pass
-        except (BlockingIOError, OSError):
-            pass
-        self._take_commands(now)
-        for _ in range(10_000):
-            msg = self._link.recv()
-            if msg is None:
-                break
-            self._session.on_message(msg, now)
+        if not self._commands.empty():
+            self._take_commands(now)
+        if self._link.backlog or self._link.sock in ready:
+            for _ in range(10_000):
+                msg = self._link.recv()
+                if msg is None:
+                    break
+                self._session.on_message(msg, now)
         if self._acks and (now - self._acks_since >= ACK_DELAY or len(self._acks) >= ACK_BATCH):
             self._flush_acks()
         self._session.tick(now)

@@ -1,0 +1,78 @@
+"""ACCEPTED and RESULT_ACK wait, a short while, for the next message to their peer and travel in
+its BATCH (gpumesh/coordinator/server.py): fewer messages per call, nothing held for long, the
+order to each peer kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumesh.config import Limits, Settings
+from gpumesh.coordinator.server import DEFER_WINDOW, Coordinator
+from gpumesh.protocol import Command, decode, encode, unbundle
+from gpumesh.tokens import new_token
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    made = Coordinator(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}), new_token(),
+                       host="127.0.0.1", port=0, db_path=tmp_path / "journal.db")
+    sent: list[tuple[bytes, list[Command]]] = []
+
+    def record(routing, messages, now):
+        commands = []
+        for frames in messages:
+            msg = decode(frames, Limits())
+            inner = unbundle(msg, Limits()) if msg.command is Command.BATCH else [msg]
+            commands += [m.command for m in inner]
+        sent.append((routing, commands))
+
+    made._send = record  # type: ignore[method-assign]
+    made.broker.ledger.reads_batches = lambda routing: routing != b"old"  # type: ignore[method-assign]
+    made.sent = sent
+    yield made
+    made.close()
+
+
+def _post(coordinator, routing: bytes, command: Command) -> None:
+    coordinator.broker.outbox.append((routing, encode(command, {})))
+
+
+def test_an_ack_waits_for_the_next_task_to_its_worker_and_goes_before_it(coordinator):
+    _post(coordinator, b"w", Command.RESULT_ACK)
+    coordinator._flush(100.0)
+    assert coordinator.sent == []
+    _post(coordinator, b"w", Command.TASK)
+    coordinator._flush(100.0 + DEFER_WINDOW / 2)
+    assert coordinator.sent == [(b"w", [Command.RESULT_ACK, Command.TASK])]
+
+
+def test_a_held_message_goes_alone_once_the_window_has_passed(coordinator):
+    _post(coordinator, b"c", Command.ACCEPTED)
+    coordinator._flush(100.0)
+    _post(coordinator, b"c", Command.ACCEPTED)
+    coordinator._flush(100.0 + DEFER_WINDOW / 2)  # held from the first one's time on
+    assert coordinator.sent == []
+    assert coordinator._poll_timeout(1000) <= DEFER_WINDOW * 1000 + 1  # the loop wakes for it
+    coordinator._flush(100.0 + DEFER_WINDOW)
+    assert coordinator.sent == [(b"c", [Command.ACCEPTED, Command.ACCEPTED])]
+    assert coordinator._deferred == {}
+
+
+def test_nothing_is_held_for_a_peer_that_does_not_read_batch_nor_past_stopping(coordinator):
+    _post(coordinator, b"old", Command.RESULT_ACK)
+    coordinator._flush(100.0)
+    assert coordinator.sent == [(b"old", [Command.RESULT_ACK])]
+    _post(coordinator, b"w", Command.RESULT_ACK)
+    coordinator._flush(101.0)
+    coordinator._flush(101.0, everything=True)  # what run() does as it ends
+    assert coordinator.sent[-1] == (b"w", [Command.RESULT_ACK])
+
+
+def test_a_result_goes_at_once_with_what_was_held_for_its_client(coordinator):
+    _post(coordinator, b"c", Command.ACCEPTED)
+    _post(coordinator, b"w", Command.TASK)
+    coordinator._flush(100.0)
+    assert coordinator.sent == [(b"w", [Command.TASK])]
+    _post(coordinator, b"c", Command.RESULT)
+    coordinator._flush(100.001)
+    assert coordinator.sent[-1] == (b"c", [Command.ACCEPTED, Command.RESULT])
