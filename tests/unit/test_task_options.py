@@ -193,3 +193,54 @@ def test_a_decorated_callable_without_a_name_runs_when_verbose(monkeypatch, tmp_
     fn = DefaultMesh()(functools.partial(pow, 2))
     assert fn(10) == 1024
     assert "running locally" in capsys.readouterr().err
+
+
+class _RecordingEngine:
+    """What ``submit_calls`` hands the engine: the size of each batch, and its futures."""
+
+    def __init__(self):
+        self.batches = []
+        self.futures = []
+
+    def submit(self, items, job, name):
+        from gpumesh.client.engine import TaskFuture
+
+        self.batches.append(len(items))
+        made = [TaskFuture() for _ in items]
+        self.futures += made
+        return made
+
+
+def _submit(engine, calls):
+    from types import SimpleNamespace
+
+    from gpumesh.client.api import GPUMesh
+
+    mesh = SimpleNamespace(_require=lambda: engine, _portable_form=lambda fn: None)
+    return GPUMesh.submit_calls(mesh, abs, calls)  # type: ignore[arg-type]
+
+
+def test_a_big_batch_sends_its_first_calls_before_pickling_the_rest():
+    from gpumesh.client.engine import FIRST_CHUNK
+
+    engine = _RecordingEngine()
+    futures = _submit(engine, [((i,), {}) for i in range(100)])
+    assert engine.batches == [FIRST_CHUNK, 100 - FIRST_CHUNK] and futures == engine.futures
+    assert len({f.job for f in futures}) == 1 and futures[0].job  # one job
+    engine = _RecordingEngine()
+    _submit(engine, [((i,), {}) for i in range(10)])
+    assert engine.batches == [10]
+
+
+def test_a_batch_whose_later_call_cannot_pickle_cancels_what_it_sent_and_raises():
+    import threading
+
+    from gpumesh.client.engine import FIRST_CHUNK
+
+    calls = [((i,), {}) for i in range(100)]
+    calls[70] = ((threading.Lock(),), {})
+    engine = _RecordingEngine()
+    with pytest.raises(TypeError, match="arguments of abs"):
+        _submit(engine, calls)
+    assert engine.batches == [FIRST_CHUNK]
+    assert all(f.cancelled() for f in engine.futures)
