@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 ALLOWED = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ",
@@ -65,8 +66,27 @@ def set_environ(env: Mapping[str, str]) -> None:
 def task_environ(base: Mapping[str, str], task_env: Mapping[str, str]) -> Iterator[None]:
     """``os.environ`` is ``base`` plus ``task_env`` inside, and ``base`` again after: what one
     task set, or was sent, is not left for the next task in this runner."""
-    set_environ({**base, **task_env})
+    if task_env or not _still(base):
+        set_environ({**base, **task_env})
     try:
         yield
     finally:
-        set_environ(base)
+        if task_env or not _still(base):
+            set_environ(base)
+            _remember(base)
+
+
+# os.environ's own dict (CPython's ``_data``) as it was when it last equalled a base: a task
+# that changed nothing costs a dict comparison instead of two walks through the environment.
+_clean: tuple[int, dict[Any, Any]] | None = None
+
+
+def _remember(base: Mapping[str, str]) -> None:
+    global _clean
+    data = getattr(os.environ, "_data", None)
+    _clean = (id(base), dict(data)) if isinstance(data, dict) else None
+
+
+def _still(base: Mapping[str, str]) -> bool:
+    data = getattr(os.environ, "_data", None)
+    return _clean is not None and _clean[0] == id(base) and data == _clean[1]

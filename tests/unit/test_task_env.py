@@ -19,7 +19,12 @@ from gpumesh.protocol.taskenv import (
     check_script_name,
     check_task_env,
 )
-from gpumesh.runner.environment import base_environment, runner_process_environment
+from gpumesh.runner.environment import (
+    base_environment,
+    runner_process_environment,
+    set_environ,
+    task_environ,
+)
 from gpumesh.runner.execute import run_task
 
 
@@ -166,3 +171,23 @@ def test_function_tasks_inherit_the_workers_colour_choice_and_scripts_never_see_
     source = b"import os\nprint(repr(os.environ.get('GPUMESH_COLOR')))\n"
     result, payload = run_task({"kind": "script", "name": "colour.py"}, [source, b"{}"], base)
     assert result["status"] == "ok" and payload[0].strip() == b"None"
+
+
+def test_the_environment_a_task_changed_is_put_back_even_when_the_one_before_changed_nothing():
+    saved = dict(os.environ)
+    try:
+        base = {"PATH": "/usr/bin", "HOME": "/home/friend"}
+        set_environ(base)
+        with task_environ(base, {}):
+            pass  # nothing changed: the next check is a comparison, not a walk
+        with task_environ(base, {}):
+            os.environ["LEFT_BEHIND"] = "1"
+            os.environ["PATH"] = "/tmp/evil"
+        assert dict(os.environ) == base
+        with task_environ(base, {"SEED": "7"}):
+            assert os.environ["SEED"] == "7"
+        assert dict(os.environ) == base
+        with task_environ(base, {}):
+            assert dict(os.environ) == base
+    finally:
+        set_environ(saved)
