@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, cast
 
 import msgpack
@@ -98,6 +97,7 @@ class ClientSide:
         frames = frames[len(sub.functions):]
         entries: list[tuple[int, int, TaskSpec | str | tuple[ErrorCode, str]]] = []
         needed = 0
+        parsed: dict[tuple[Any, ...], TaskSpec | tuple[ErrorCode, str]] = {}
         for raw in sub.specs:
             seq, nf = _seq_and_frames(raw)
             needed += nf
@@ -105,10 +105,7 @@ class ClientSide:
             if existing is not None:
                 entries.append((seq, nf, existing))
                 continue
-            try:
-                entries.append((seq, nf, TaskSpec.from_mapping(raw)))
-            except ProtocolError as exc:
-                entries.append((seq, nf, (exc.code, exc.detail)))
+            entries.append((seq, nf, _parse_spec(raw, seq, parsed)))
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")
@@ -145,7 +142,7 @@ class ClientSide:
                     continue
                 # From here on the task is what it would be had its function come with it.
                 payload = [function, *payload]
-                entry = replace(entry, frames=entry.frames + 1, by_reference=False)
+                entry = entry.changed(frames=entry.frames + 1, by_reference=False)
             if _carries_function(entry, payload):
                 function = ledger.functions.intern(payload[0], entry.function)
                 if function is None:
@@ -385,6 +382,51 @@ def _packed(value: Any) -> bytes:
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:,.0f} MiB"
+
+
+def _parse_spec(raw: dict[str, Any], seq: int,
+                parsed: dict[tuple[Any, ...], TaskSpec | tuple[ErrorCode, str]]
+                ) -> TaskSpec | tuple[ErrorCode, str]:
+    """One task's spec, checked; or why it is refused. The specs of a .map differ in ``seq``
+    alone (checked already, by _seq_and_frames): a spec equal to an earlier one of the same
+    SUBMIT in every other key, value and value type gets that one's outcome, with its seq."""
+    key = _template_key(raw)
+    outcome = parsed.get(key) if key is not None else None
+    if outcome is None:
+        try:
+            outcome = TaskSpec.from_mapping(raw)
+        except ProtocolError as exc:
+            outcome = (exc.code, exc.detail)
+        if key is not None and len(parsed) < MAX_TEMPLATES:
+            parsed[key] = outcome
+    return outcome if isinstance(outcome, tuple) else outcome.changed(seq=seq)
+
+
+MAX_TEMPLATES = 64  # distinct specs remembered per SUBMIT
+TEMPLATE_VALUES = 64  # a spec with more values than this (a big env) is parsed on its own
+
+
+def _template_key(raw: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Every key and value of a spec but ``seq``, with each value's type, as one hashable
+    value; None for a spec too big or too odd (keys that do not sort, unhashable values)."""
+    budget = [TEMPLATE_VALUES]
+
+    def frozen(value: Any) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise OverflowError
+        if isinstance(value, dict):
+            return dict, tuple(sorted((k, frozen(v)) for k, v in value.items()))
+        if isinstance(value, list):
+            return list, tuple(frozen(v) for v in value)
+        return type(value), value
+
+    try:
+        key = tuple(sorted((k, frozen(v)) for k, v in raw.items() if k != "seq"))
+        hash(key)
+    except (TypeError, OverflowError):
+        return None
+    return key
 
 
 def _seq_and_frames(raw: Any) -> tuple[int, int]:

@@ -421,6 +421,13 @@ class TaskSpec:
             by_reference=by_reference,
         )
 
+    def changed(self, **fields: Any) -> TaskSpec:
+        """A copy with ``fields`` replaced: what ``dataclasses.replace`` does, without its
+        per-call checks (a .map's tasks are copies of one parsed spec: this runs per task)."""
+        clone = object.__new__(TaskSpec)
+        clone.__dict__.update(self.__dict__, **fields)
+        return clone
+
     def to_spec(self) -> dict[str, Any]:
         """The checked spec, in the wire's key names: journaled, and sent on in TASK."""
         # Interned: the queue holds these strings once, not once per task.

@@ -468,3 +468,18 @@ def test_output_of_a_task_that_already_finished_is_not_forwarded(broker):
     broker.outbox.clear()
     broker.handle(W, msg(Command.OUTPUT, {"task": task_id, "stream": "out"}, [b"late"]), 0.2)
     assert sent(broker, Command.OUTPUT, C) == []
+
+
+def test_specs_that_differ_only_in_seq_share_one_parse_but_a_differently_typed_one_does_not(broker):
+    good = {"kind": "fn", "nf": 1, "fnref": False, "max_attempts": 2, "priority": 3}
+    odd = {**good, "max_attempts": 2.0}  # the same number as a float: refused on its own
+    tasks = [{**good, "seq": 1}, {**good, "seq": 2}, {**odd, "seq": 3}, {**good, "seq": 4},
+             {**good, "seq": 5, "req": {"gpu": True}}]
+    broker.handle(C, msg(Command.SUBMIT, {"tasks": tasks}, [b"a", b"b", b"c", b"d", b"e"]), 0.0)
+    answer = sent(broker, Command.ACCEPTED)[-1]
+    assert [seq for seq, _ in answer["accepted"]] == [1, 2, 4, 5]
+    assert [seq for seq, *_ in answer["rejected"]] == [3]
+    by_seq = {seq: broker.ledger.tasks[task_id] for seq, task_id in answer["accepted"]}
+    assert {seq: task.seq for seq, task in by_seq.items()} == {1: 1, 2: 2, 4: 4, 5: 5}
+    assert by_seq[2].spec["max_attempts"] == 2 and by_seq[2].spec.get("priority") == 3
+    assert by_seq[5].requirements.gpu is True and by_seq[1].requirements.gpu is not True
