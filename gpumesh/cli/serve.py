@@ -25,6 +25,7 @@ from ..config import (
     save_connection,
 )
 from ..coordinator import Coordinator, Event
+from ..coordinator.server import tune_garbage_collector
 from ..discovery import Advertiser, advertised_addresses, binds_everywhere
 from ..errors import ConfigError, MeshError
 from ..firewall import firewall_step
@@ -354,6 +355,7 @@ def serve(
         click.echo(f"   Restored {coordinator.restored} unfinished task(s) from {db_path}")
     click.echo("   Ctrl+C to stop")
 
+    tune_garbage_collector()
     loop = threading.Thread(target=coordinator.run, name="gpumesh-coordinator", daemon=True)
     loop.start()
     stop = threading.Event()

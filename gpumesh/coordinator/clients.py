@@ -97,7 +97,7 @@ class ClientSide:
         frames = frames[len(sub.functions):]
         entries: list[tuple[int, int, TaskSpec | str | tuple[ErrorCode, str]]] = []
         needed = 0
-        parsed: dict[tuple[Any, ...], TaskSpec | tuple[ErrorCode, str]] = {}
+        parsed: dict[bytes, TaskSpec | tuple[ErrorCode, str]] = {}
         for raw in sub.specs:
             seq, nf = _seq_and_frames(raw)
             needed += nf
@@ -385,7 +385,7 @@ def _mib(size: int) -> str:
 
 
 def _parse_spec(raw: dict[str, Any], seq: int,
-                parsed: dict[tuple[Any, ...], TaskSpec | tuple[ErrorCode, str]]
+                parsed: dict[bytes, TaskSpec | tuple[ErrorCode, str]]
                 ) -> TaskSpec | tuple[ErrorCode, str]:
     """One task's spec, checked; or why it is refused. The specs of a .map differ in ``seq``
     alone (checked already, by _seq_and_frames): a spec equal to an earlier one of the same
@@ -403,30 +403,16 @@ def _parse_spec(raw: dict[str, Any], seq: int,
 
 
 MAX_TEMPLATES = 64  # distinct specs remembered per SUBMIT
-TEMPLATE_VALUES = 64  # a spec with more values than this (a big env) is parsed on its own
 
 
-def _template_key(raw: dict[str, Any]) -> tuple[Any, ...] | None:
-    """Every key and value of a spec but ``seq``, with each value's type, as one hashable
-    value; None for a spec too big or too odd (keys that do not sort, unhashable values)."""
-    budget = [TEMPLATE_VALUES]
-
-    def frozen(value: Any) -> Any:
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise OverflowError
-        if isinstance(value, dict):
-            return dict, tuple(sorted((k, frozen(v)) for k, v in value.items()))
-        if isinstance(value, list):
-            return list, tuple(frozen(v) for v in value)
-        return type(value), value
-
+def _template_key(raw: dict[str, Any]) -> bytes | None:
+    """Every key and value of a spec but ``seq``, as msgpack writes them: equal bytes mean
+    equal values of equal types (2 and 2.0, 1 and true differ). Another key order only misses
+    the cache; None for what msgpack cannot write (it came from msgpack: never, in practice)."""
     try:
-        key = tuple(sorted((k, frozen(v)) for k, v in raw.items() if k != "seq"))
-        hash(key)
-    except (TypeError, OverflowError):
+        return msgpack.packb({k: v for k, v in raw.items() if k != "seq"}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
         return None
-    return key
 
 
 def _seq_and_frames(raw: Any) -> tuple[int, int]:

@@ -6,6 +6,7 @@ out work, commit the journal once, then send everything the turn produced.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import secrets
@@ -246,6 +247,17 @@ class Coordinator:
     def _remove_scratch(self) -> None:
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def tune_garbage_collector() -> None:
+    """For a process whose main work is a coordinator (``gpumesh serve``), never a user's:
+    what was made at start-up is never scanned again, and the cyclic collector runs every
+    50,000 allocations instead of every 700. A coordinator holds millions of small objects for a
+    big queue, allocates several per task and makes almost no cycles: the default made the
+    collector about 15% of accepting a .map (36 against 43 µs a task for 20,000, 43 against
+    55 for 100,000)."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def _journal_key(db_path: Path | str) -> str:
