@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 
 from .blobs import BLOB_THRESHOLD, BlobFolder
+from .checkpoint import Checkpointer
 from .errors import MeshError
 
 log = logging.getLogger("gpumesh.store")
@@ -118,6 +119,7 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot open the database {path}: {exc}") from None
         self._lock: Any = None
+        self._checkpointer: Checkpointer | None = None
         # task id -> [input blob, result blob] names, for the tasks that have one
         self._refs: dict[str, list[str | None]] = {}
         # blobs whose references the open transaction drops: deleted once it is committed
@@ -161,6 +163,11 @@ class Store:
                     "with another --db"
                 )
             self._load_refs()
+            if str(path) != ":memory:":
+                # After any migration (a VACUUM wants the file to itself).
+                self._checkpointer = Checkpointer.start(Path(path))
+                if self._checkpointer is not None:
+                    self._db.execute("PRAGMA wal_autocheckpoint=0")  # its thread does them
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot use the database {path}: {exc}") from None
 
@@ -519,6 +526,9 @@ class Store:
 
     def close(self) -> None:
         self.commit()
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
+            self._checkpointer = None
         self._db.close()
         if self._lock is not None:
             self._lock.close()

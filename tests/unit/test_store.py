@@ -323,10 +323,10 @@ def test_store_error_closes_its_connection(
     _set_schema_version(db_path, 99)
     with pytest.raises(StoreError):
         Store(db_path)
-    assert len(connections) == 3  # the first Store, the raw UPDATE, the refused Store
-    assert not _is_open(connections[0])
-    assert not _is_open(connections[1])
-    assert not _is_open(connections[2])
+    # The first Store and its checkpointer's, the raw UPDATE, the refused Store (which
+    # failed before it started a checkpointer).
+    assert len(connections) == 4
+    assert not any(_is_open(connection) for connection in connections)
 
 
 def test_not_a_database_is_store_error(
@@ -686,3 +686,34 @@ def test_a_memory_journal_keeps_big_payloads_in_its_blob_folder(tmp_path):
     store.commit()
     assert list((tmp_path / "blobs").iterdir()) == []
     store.close()
+
+
+def test_the_wal_is_checkpointed_by_a_thread_of_its_own_never_inside_a_commit(db_path: Path):
+    import time
+
+    store = Store(db_path)
+    try:
+        assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+        store.add_job("J", "n", "c", 0.0)
+        for i in range(50):
+            store.add_task(f"t{i}", "c", i, "J", {"kind": "fn"}, [b"x" * 100], 1.0)
+        store.commit()
+
+        def in_the_file() -> int:
+            # immutable=1 reads the database file alone: what a checkpoint copied out of the WAL.
+            peek = sqlite3.connect(f"file:{db_path}?immutable=1", uri=True)
+            try:
+                return peek.execute("SELECT count(*) FROM tasks").fetchone()[0]
+            except sqlite3.OperationalError:  # not even the table has reached the file yet
+                return 0
+            finally:
+                peek.close()
+
+        deadline = time.monotonic() + 10
+        while in_the_file() < 50:
+            assert time.monotonic() < deadline, "the committed rows never reached the file"
+            time.sleep(0.05)
+        assert store._checkpointer is not None and store._checkpointer.runs > 0
+    finally:
+        store.close()
+    assert store._checkpointer is None
