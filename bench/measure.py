@@ -4,6 +4,7 @@ task by process), single-call round trips, a 64 MiB round trip, and sleep effici
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import sys
 import time
@@ -28,6 +29,11 @@ def run_system(system_type: type[System], params: Params, log: Callable[[str], N
         return {**result, "status": "skipped", "reason": reason}
     system = system_type(params)
     errors: dict[str, str] = {}
+    # What one system leaves in this process's environment must not reach the next one's
+    # processes: Dask's LocalCluster sets MALLOC_TRIM_THRESHOLD_=65536 (and OMP_NUM_THREADS,
+    # PYTHONHASHSEED, ...) in os.environ, and a coordinator started after it with glibc
+    # trimming that eagerly spent 1.7x the CPU per task.
+    environ = dict(os.environ)
     try:
         log(f"{system.name}: starting")
         result["cold_start_s"] = cold_start(system)
@@ -56,6 +62,11 @@ def run_system(system_type: type[System], params: Params, log: Callable[[str], N
             system.stop()
         except Exception as exc:
             log(f"{system.name}: stopping failed: {type(exc).__name__}: {exc}")
+        if dict(os.environ) != environ:
+            changed = sorted(k for k in {*environ, *os.environ} if environ.get(k) != os.environ.get(k))
+            log(f"{system.name}: put back the environment it changed ({', '.join(changed)})")
+            os.environ.clear()
+            os.environ.update(environ)
     status = "ok" if not errors else ("failed" if "start" in errors else "partial")
     return {**result, "status": status, "errors": errors}
 

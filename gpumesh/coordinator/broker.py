@@ -84,6 +84,7 @@ class Broker:
         self.client_side = ClientSide(self.ledger, self.worker_side, self.retention)
         self._last_heartbeat = now
         self._last_pending_check = now
+        self._finished_seen = 0  # ledger.finished_total at the last idle check
         self._last_sweep = now
         self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
         self._restoring = True
@@ -438,7 +439,12 @@ class Broker:
             self._last_pending_check = now
             _guarded("fail unschedulable tasks", self._fail_unschedulable, now)
             _guarded("find stragglers", lambda _now: self.worker_side.refresh_stragglers(), now)
-            if not ledger.pending and not any(w.leases for w in ledger.workers.values()):
+            # Idle for the whole second since the last look, not only at this instant: between
+            # the single calls of a busy client the queue is empty most of the time, and the
+            # checkpoint, vacuum and full collection below cost that client's call milliseconds.
+            quiet = ledger.finished_total == self._finished_seen
+            self._finished_seen = ledger.finished_total
+            if quiet and not ledger.pending and not any(w.leases for w in ledger.workers.values()):
                 # Idle: give the journal's freed pages and WAL back (once 256 rows were freed).
                 _guarded("give back journal space",
                          lambda _now: ledger.store.idle_maintenance(), now)

@@ -118,3 +118,24 @@ def test_trim_heap_calls_glibc_where_it_exists(monkeypatch):
         pytest.skip("this C library has no malloc_trim (not glibc)")
     assert isinstance(memory.trim_heap(), bool)
     assert memory._malloc_trim is not None and memory._malloc_trim is not memory._UNSET
+
+
+def test_a_queue_empty_between_single_calls_is_not_idle_for_the_journal_or_the_heap(monkeypatch):
+    trims: list[bool] = []
+    monkeypatch.setattr(broker_module, "trim_heap", lambda: trims.append(True) or True)
+    b, _ = drained_broker(2000)
+    b.tick(3.0)
+    now = 10.0
+    for seq in range(5000, 5005):  # one call a second, each over before the next check
+        b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": seq, "nf": 1, "kind": "script"}]},
+                        [b"p"]), now)
+        b.dispatch(now)
+        task = sent(b, Command.TASK)[-1]
+        b.handle(W, msg(Command.RESULT, {"task": task["task"], "lease": task["lease"],
+                                         "status": "ok", "encoding": "text"}, [b"r"]), now)
+        b.outbox.clear()
+        now += 1.0
+        b.tick(now)  # nothing queued or leased at this instant, but a task finished meanwhile
+    assert trims == []
+    b.tick(now + 1.0)  # a whole second without a task: idle now
+    assert trims == [True]
