@@ -18,7 +18,7 @@ from pathlib import Path
 
 log = logging.getLogger("gpumesh.store")
 
-CHECKPOINT_EVERY = 0.25  # seconds between checkpoints
+CHECKPOINT_EVERY = 1.0  # seconds between checkpoints: each costs the disk an fsync or two
 
 
 class Checkpointer:
