@@ -628,7 +628,7 @@ class WorkerAgent:
                     continue  # a task this long is no sign that the next will start soon
                 ahead = next((q for q in self.queue
                               if self._slot_fits(runner.slot, q.task.header)), None)
-                if ahead is None:
+                if ahead is None or not runner.fits_ahead(ahead):
                     continue
                 self.queue.remove(ahead)
                 try:
@@ -746,9 +746,10 @@ class WorkerAgent:
     def _check_runners(self, now: float) -> None:
         for runner in self.runners:
             dead = runner.proc is not None and runner.proc.poll() is not None
-            if runner.next is not None and (dead or _late(runner.task, now)):
-                # Its result may already be in the socket, unread this turn: then the task
-                # that died or ran late is the one handed ahead, not the one we thought.
+            if runner.control is not None and (dead or _late(runner.task, now)):
+                # Its results may already be in the socket, unread (the agent reads a runner
+                # busy with tiny tasks once a millisecond): then the task that died or ran late
+                # is a later one than we thought, and the ones before it finished.
                 self._read_written(runner, now)
                 dead = runner.proc is not None and runner.proc.poll() is not None  # restarted?
             if dead:

@@ -32,10 +32,16 @@ from typing import Any
 
 import msgpack
 
+from ..protocol import serialize
 from ..runner.environment import runner_process_environment
-from ..runner.pipe import MARKER, PipeClosed, recv_message, send_message
+from ..runner.pipe import MARKER, SHARED_THRESHOLD, PipeClosed, recv_message, send_message
 
 TAIL_LINES = 20
+# Bytes on the socket handed ahead to one runner, at most (beyond the first task ahead): well
+# inside a socket pair's buffer (about 200 KiB), so a write never blocks the agent while the
+# runner's current task runs (it reads only between tasks). Frames of SHARED_THRESHOLD bytes or
+# more go through a memfd and count only as their descriptor.
+AHEAD_BYTES = 64 * 1024
 
 
 @dataclass
@@ -81,6 +87,7 @@ class Runner:
         # Handed ahead, in order, with the nonce each was sent with: they start as ``task`` ends.
         self.ahead: deque[tuple[QueuedTask, str]] = deque()
         self.ahead_depth = 1  # how many the agent hands ahead at most (it sets this)
+        self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
         self.read_at = 0.0  # when the agent last read this runner's socket
         self.restart_after_task = False  # a task handed ahead was dropped: it must not run on
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -108,6 +115,7 @@ class Runner:
         self.ready = False
         self.task = None
         self.ahead.clear()
+        self.ahead_bytes = 0
         self.restart_after_task = False
         self.tail.clear()
         self._partial = {"out": b"", "err": b""}
@@ -127,6 +135,10 @@ class Runner:
         """Busy, with room ahead: the next task could go now."""
         return (self.ready and self.task is not None and len(self.ahead) < self.ahead_depth
                 and not self.restart_after_task)
+
+    def fits_ahead(self, queued: QueuedTask) -> bool:
+        """Whether ``queued`` may be handed ahead without filling the socket (AHEAD_BYTES)."""
+        return not self.ahead or self.ahead_bytes + _socket_bytes(queued) <= AHEAD_BYTES
 
     def fds(self) -> list[tuple[int, str]]:
         """(file descriptor, what it is) pairs the agent polls."""
@@ -153,6 +165,7 @@ class Runner:
         nonce = secrets.token_hex(8)
         self._write(queued.task, {**queued.header, "pre": nonce}, queued.frames)
         self.ahead.append((queued, nonce))
+        self.ahead_bytes += _socket_bytes(queued)
         marker = MARKER + nonce.encode() + b"\x00"
         for stream in ("out", "err"):
             self._markers[stream].append((marker, queued.task))
@@ -169,6 +182,8 @@ class Runner:
         any. None as well when those were dropped: then ``restart_after_task`` is set, and the
         agent restarts the runner."""
         following = self.ahead.popleft()[0] if self.ahead else None
+        if following is not None:
+            self.ahead_bytes = max(self.ahead_bytes - _socket_bytes(following), 0)
         self.task = following.task if following is not None else None
         if following is None:
             for stream in ("out", "err"):
@@ -181,6 +196,7 @@ class Runner:
         dropped), in order."""
         following = [queued for queued, _ in self.ahead]
         self.ahead.clear()
+        self.ahead_bytes = 0
         return following
 
     def drop_ahead(self) -> list[QueuedTask]:
@@ -193,6 +209,7 @@ class Runner:
             return []
         dropped = list(self.ahead)
         self.ahead.clear()
+        self.ahead_bytes = 0
         self.restart_after_task = True
         if self.control is not None:
             try:
@@ -316,3 +333,9 @@ class Runner:
         if lines:
             what += "; last output:\n    " + "\n    ".join(lines)
         return what
+
+
+def _socket_bytes(queued: QueuedTask) -> int:
+    """About what handing ``queued`` to a runner writes on its socket (header included)."""
+    sizes = (serialize.payload_nbytes([frame]) for frame in queued.frames)
+    return 512 + sum(size for size in sizes if size < SHARED_THRESHOLD)

@@ -486,3 +486,56 @@ def test_a_runner_busy_with_tiny_tasks_is_left_unpolled_for_a_moment_after_each_
     assert polled()
     go.touch()
     _pump(agent, lambda: len(_results(agent)) == 2, "both results")
+
+
+def sized(i):
+    return len(i)
+
+
+def test_no_more_is_handed_ahead_than_the_runners_socket_holds_while_it_runs(tiny_tasks_agent,
+                                                                             tmp_path):
+    from gpumesh.worker.runners import AHEAD_BYTES
+
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    go = tmp_path / "go"
+    _give(agent, 1, fn=waiting_for(go))  # runs until the test says: nothing is read meanwhile
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    for lease in range(2, 7):  # inline arguments of 2/5 of the budget each
+        frames = [*serialize.dumps(sized), *serialize.dumps(((bytes(AHEAD_BYTES * 2 // 5),), {}))]
+        agent._on_task(_message({"task": f"task-{lease}", "lease": lease, "kind": "fn"}, frames),
+                       time.time())
+    assert [q.task.task_id for q, _ in runner.ahead] == ["task-2", "task-3"]
+    assert [q.task.task_id for q in agent.queue] == ["task-4", "task-5", "task-6"]
+    assert runner.ahead_bytes <= AHEAD_BYTES
+    go.touch()
+    _pump(agent, lambda: len(_results(agent)) == 6, "all six results")
+    assert set(_results(agent).values()) == {"ok"} and runner.ahead_bytes == 0
+
+
+def test_a_result_left_unread_when_the_runner_dies_after_its_tasks_ahead_were_dropped_counts(
+        tiny_tasks_agent, tmp_path):
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    go = tmp_path / "go"
+    wait = waiting_for(go)
+
+    def die_later(i):
+        import os as system
+        wait(i)
+        system._exit(3)
+
+    _give(agent, 1, fn=quick)
+    _give(agent, 2, fn=die_later)
+    _give(agent, 3, fn=quick)
+    deadline = time.monotonic() + 20
+    while getattr(runner._owner["out"], "task_id", None) != "task-2":  # task 1's result written
+        assert time.monotonic() < deadline, "task 2 never started"
+        select.select([runner.proc.stdout], [], [], 0.1)
+        runner.read_stream("out")
+    assert agent._cancel(3, time.time(), report=True)  # drops task 2 too, too late: it runs
+    assert runner.next is None
+    go.touch()
+    runner.proc.wait(timeout=20)
+    agent._check_runners(time.time())
+    assert _results(agent)["task-1"] == "ok", "a task that finished was blamed for the death"
+    _pump(agent, lambda: len(_results(agent)) == 3, "task 2, run again")
+    assert _results(agent) == {"task-1": "ok", "task-2": "crashed", "task-3": "cancelled"}
