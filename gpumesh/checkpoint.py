@@ -29,6 +29,9 @@ class Checkpointer:
         self._db = db
         self._every = every
         self._stop = threading.Event()
+        # Held while a checkpoint runs: the journal's own TRUNCATE checkpoint (idle
+        # maintenance) takes it too, instead of failing busy against this one.
+        self.lock = threading.Lock()
         self.runs = 0  # checkpoints run so far
         self._thread = threading.Thread(target=self._run, name="gpumesh-checkpoint", daemon=True)
         self._thread.start()
@@ -49,9 +52,10 @@ class Checkpointer:
         try:
             while not self._stop.wait(self._every):
                 try:
-                    self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    with self.lock:
+                        self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                     self.runs += 1
-                except sqlite3.Error as exc:  # busy with idle maintenance's TRUNCATE
+                except sqlite3.Error as exc:  # a full disk: the next one tries again
                     log.debug("journal checkpoint skipped: %s", exc)
         finally:
             self._db.close()

@@ -13,6 +13,7 @@ file, which the next open sweeps away.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -129,6 +130,8 @@ class Store:
         try:
             self._open(path, synchronous)
         except BaseException:
+            if self._checkpointer is not None:
+                self._checkpointer.stop()
             self._db.close()
             if self._lock is not None:
                 self._lock.close()
@@ -448,12 +451,15 @@ class Store:
         # Functions no unfinished task names any more go too (the next task of one of them
         # journals it again: INSERT OR IGNORE).
         self._functions_kept.clear()
+        checkpoints = (self._checkpointer.lock if self._checkpointer is not None
+                       else contextlib.nullcontext())
         try:
-            # executescript: sqlite3's execute() steps a pragma once, which frees one page.
-            self._db.executescript(
-                "DELETE FROM functions WHERE digest NOT IN "
-                "(SELECT fn FROM tasks WHERE fn IS NOT NULL); "
-                "PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);")
+            with checkpoints:  # not beside a checkpoint of the checkpointer's: busy
+                # executescript: sqlite3's execute() steps a pragma once, which frees one page.
+                self._db.executescript(
+                    "DELETE FROM functions WHERE digest NOT IN "
+                    "(SELECT fn FROM tasks WHERE fn IS NOT NULL); "
+                    "PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);")
         except sqlite3.OperationalError as exc:  # busy, or a full disk: try again next time
             log.warning("journal maintenance failed: %s", exc)
 

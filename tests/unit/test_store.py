@@ -709,11 +709,40 @@ def test_the_wal_is_checkpointed_by_a_thread_of_its_own_never_inside_a_commit(db
             finally:
                 peek.close()
 
+        checkpointer = store._checkpointer
+        assert checkpointer is not None
         deadline = time.monotonic() + 10
-        while in_the_file() < 50:
+        while in_the_file() < 50 or checkpointer.runs == 0:  # runs counts after the copy
             assert time.monotonic() < deadline, "the committed rows never reached the file"
             time.sleep(0.05)
-        assert store._checkpointer is not None and store._checkpointer.runs > 0
     finally:
         store.close()
     assert store._checkpointer is None
+
+
+def test_idle_maintenance_truncates_the_wal_between_the_checkpointers_checkpoints(
+        db_path: Path, caplog: pytest.LogCaptureFixture):
+    import threading
+
+    store = Store(db_path)
+    try:
+        assert store._checkpointer is not None
+        held = []
+
+        class Recording:
+            lock = threading.Lock()
+
+            def __enter__(self):
+                self.lock.acquire()
+                held.append("in")
+
+            def __exit__(self, *exc):
+                held.append("out")
+                self.lock.release()
+
+        store._checkpointer.lock = Recording()  # type: ignore[assignment]
+        store._give_back()
+        assert held == ["in", "out"]
+        assert "maintenance failed" not in caplog.text
+    finally:
+        store.close()
