@@ -49,6 +49,7 @@ TURN_BUDGET = 0.1  # seconds of message handling per loop turn
 DEFERRABLE = frozenset({encode(Command.ACCEPTED)[1], encode(Command.RESULT_ACK)[1]})
 DEFER_WINDOW = 0.01
 MAX_DEFERRED = 256  # messages held for one peer, at most
+CLOSE_LINGER_MS = 200
 HANDSHAKE_WINDOW_MS = 2000
 
 
@@ -236,7 +237,9 @@ class Coordinator:
         if self._router.closed:
             return
         self._handshakes.stop()
-        self._router.close(linger=0)
+        # A moment for what the last turn sent (held ACCEPTEDs and RESULT_ACKs among it);
+        # peers that never read it get it again from their next session anyway.
+        self._router.close(linger=CLOSE_LINGER_MS)
         self._auth.stop()
         self._ctx.term()
         self.store.close()
