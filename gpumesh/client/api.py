@@ -153,7 +153,8 @@ class GPUMesh:
         self, fn: Callable[..., Any], calls: Iterable[tuple[Any, ...]],
         options: TaskOptions | None = None, job: str = "", name: str = "",
     ) -> list[TaskFuture]:
-        """One task per call: ``(args, kwargs)`` or ``(args, kwargs, options)``, as one job."""
+        """One task per call: ``(args, kwargs)`` or ``(args, kwargs, options)``, as one job.
+        If a call cannot be pickled, the error is raised and those already sent are cancelled."""
         engine = self._require()
         options = options or TaskOptions()
         pickled = PickledFunction(fn)
@@ -172,12 +173,12 @@ class GPUMesh:
         futures = engine.submit(pickle_calls(early), job, label) if early else []
         try:
             rest = pickle_calls(calls[len(early):])
+            if rest or not early:
+                futures += engine.submit(rest, job, label)
         except BaseException:
             for future in futures:
-                future.cancel()  # nothing of a batch that failed to pickle runs on
+                future.cancel()  # the mesh cancels them too: those that started are stopped
             raise
-        if rest or not early:
-            futures += engine.submit(rest, job, label)
         for future in futures:
             future.job = job
         return futures
