@@ -56,6 +56,9 @@ class ClientSide:
         self.ledger = ledger
         self.workers = workers
         self.retention = retention
+        # Parsed specs by their bytes without seq (_parse_spec): a .map's SUBMITs, and a
+        # client's single calls of one function, repeat one spec.
+        self._parsed: dict[bytes, TaskSpec | tuple[ErrorCode, str]] = {}
 
     def hello(self, routing: bytes, hello: Hello, now: float) -> None:
         clients = self.ledger.clients
@@ -97,7 +100,6 @@ class ClientSide:
         frames = frames[len(sub.functions):]
         entries: list[tuple[int, int, TaskSpec | str | tuple[ErrorCode, str]]] = []
         needed = 0
-        parsed: dict[bytes, TaskSpec | tuple[ErrorCode, str]] = {}
         for raw in sub.specs:
             seq, nf = _seq_and_frames(raw)
             needed += nf
@@ -105,7 +107,7 @@ class ClientSide:
             if existing is not None:
                 entries.append((seq, nf, existing))
                 continue
-            entries.append((seq, nf, _parse_spec(raw, seq, parsed)))
+            entries.append((seq, nf, _parse_spec(raw, seq, self._parsed)))
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")
@@ -388,8 +390,8 @@ def _parse_spec(raw: dict[str, Any], seq: int,
                 parsed: dict[bytes, TaskSpec | tuple[ErrorCode, str]]
                 ) -> TaskSpec | tuple[ErrorCode, str]:
     """One task's spec, checked; or why it is refused. The specs of a .map differ in ``seq``
-    alone (checked already, by _seq_and_frames): a spec equal to an earlier one of the same
-    SUBMIT in every other key, value and value type gets that one's outcome, with its seq."""
+    alone (checked already, by _seq_and_frames): a spec equal to one parsed before in every
+    other key, value and value type gets that one's outcome, with its seq."""
     key = _template_key(raw)
     outcome = parsed.get(key) if key is not None else None
     if outcome is None:
@@ -397,12 +399,15 @@ def _parse_spec(raw: dict[str, Any], seq: int,
             outcome = TaskSpec.from_mapping(raw)
         except ProtocolError as exc:
             outcome = (exc.code, exc.detail)
-        if key is not None and len(parsed) < MAX_TEMPLATES:
+        if key is not None and len(key) <= MAX_TEMPLATE_BYTES:
+            if len(parsed) >= MAX_TEMPLATES:
+                parsed.clear()  # a client sending ever new specs only costs itself parses
             parsed[key] = outcome
     return outcome if isinstance(outcome, tuple) else outcome.changed(seq=seq)
 
 
-MAX_TEMPLATES = 64  # distinct specs remembered per SUBMIT
+MAX_TEMPLATES = 256  # distinct specs remembered
+MAX_TEMPLATE_BYTES = 1024  # a spec bigger than this (a big env) is parsed every time
 
 
 def _template_key(raw: dict[str, Any]) -> bytes | None:

@@ -483,3 +483,20 @@ def test_specs_that_differ_only_in_seq_share_one_parse_but_a_differently_typed_o
     assert {seq: task.seq for seq, task in by_seq.items()} == {1: 1, 2: 2, 4: 4, 5: 5}
     assert by_seq[2].spec["max_attempts"] == 2 and by_seq[2].spec.get("priority") == 3
     assert by_seq[5].requirements.gpu is True and by_seq[1].requirements.gpu is not True
+
+
+def test_one_function_called_again_and_again_is_parsed_once_and_a_big_spec_every_time(
+        broker, monkeypatch):
+    from gpumesh.protocol.headers import TaskSpec
+
+    parses = []
+    real = TaskSpec.from_mapping.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(TaskSpec, "from_mapping",
+                        classmethod(lambda cls, raw: parses.append(1) or real(cls, raw)))
+    for seq in range(1, 6):  # five single calls, each its own SUBMIT
+        assert [s for s, _ in submit(broker, {"priority": 2}, seq=seq)] == [seq]
+    assert len(parses) == 1
+    big_env = {f"VAR_{i}": "x" * 40 for i in range(40)}  # over MAX_TEMPLATE_BYTES
+    for seq in range(6, 9):
+        assert [s for s, _ in submit(broker, {"env": big_env}, seq=seq)] == [seq]
+    assert len(parses) == 1 + 3
