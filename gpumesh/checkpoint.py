@@ -32,7 +32,6 @@ class Checkpointer:
         # Held while a checkpoint runs: the journal's own TRUNCATE checkpoint (idle
         # maintenance) takes it too, instead of failing busy against this one.
         self.lock = threading.Lock()
-        self.runs = 0  # checkpoints run so far
         self.ran = threading.Event()  # set after each one (a test waits on it)
         self._thread = threading.Thread(target=self._run, name="gpumesh-checkpoint", daemon=True)
         self._thread.start()
@@ -55,7 +54,6 @@ class Checkpointer:
                 try:
                     with self.lock:
                         self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    self.runs += 1
                     self.ran.set()
                 except sqlite3.Error as exc:  # a full disk: the next one tries again
                     log.debug("journal checkpoint skipped: %s", exc)
