@@ -1,7 +1,8 @@
 """The coordinator's event loop: one ROUTER socket, the ZAP handler, timers and group commit.
 
 Each turn: drain what arrived (up to a batch), let the broker apply it, run its timers, hand
-out work, commit the journal once, then send everything the turn produced.
+out work, send what promises nothing about the journal (TASK, RESULT, REPLY ...), commit the
+journal once, then send the acknowledgements (ACCEPTED, RESULT_ACK) the commit made true.
 """
 
 from __future__ import annotations
@@ -42,10 +43,15 @@ log = logging.getLogger("gpumesh.coordinator")
 
 BATCH = 2000
 TURN_BUDGET = 0.1  # seconds of message handling per loop turn
-# ACCEPTED and RESULT_ACK change nothing the peer must act on at once (a client matches a RESULT
-# to its call by seq; a worker only frees a result it keeps): to a peer that reads BATCH they
-# wait up to DEFER_WINDOW for the next message to it and travel in its BATCH. A single call
-# then costs the mesh five messages instead of seven, each a wake-up of two processes.
+# ACCEPTED and RESULT_ACK are the only messages that promise something is in the journal, so
+# they alone wait for the turn's commit; everything else goes before it, and a worker starts a
+# task (a client has its result) while the journal is written. A crash in between loses
+# nothing: an unacknowledged SUBMIT is sent again, an unacknowledged RESULT too, and a task run
+# twice is within at-least-once. They also change nothing the peer must act on at once (a
+# client matches a RESULT to its call by seq; a worker only frees a result it keeps): to a peer
+# that reads BATCH they wait up to DEFER_WINDOW for the next message to it and travel in its
+# BATCH. A single call then costs the mesh five messages instead of seven, each a wake-up of
+# two processes.
 DEFERRABLE = frozenset({encode(Command.ACCEPTED)[1], encode(Command.RESULT_ACK)[1]})
 DEFER_WINDOW = 0.01
 MAX_DEFERRED = 256  # messages held for one peer, at most
@@ -136,8 +142,7 @@ class Coordinator:
                     next_tick = now + tick_ms / 1000
                     self._contained("run its timers", self.broker.tick, now)
                 self._contained("hand out tasks", self.broker.dispatch, now)
-                self.store.commit()
-                self._flush(now)
+                self._end_turn(now)
             self._flush(time.time(), everything=True)  # what was held goes before it closes
         finally:
             self.close()
@@ -199,13 +204,44 @@ class Coordinator:
         else:
             log.debug("dropped a malformed message: %s", exc.detail)
 
+    def _end_turn(self, now: float) -> None:
+        """Send what the turn produced around its one commit: the rest first, then the
+        acknowledgements that the commit made true."""
+        self._send_ahead(now)
+        self.store.commit()
+        self._flush(now)
+
+    def _send_ahead(self, now: float) -> None:
+        """Before the commit: what the turn produced, less ACCEPTED and RESULT_ACK, one send
+        per peer, led by what was held for that peer (committed in an earlier turn)."""
+        outbox = self.broker.outbox
+        if not outbox:
+            return
+        deferred = self._deferred
+        if len(outbox) == 1:  # the common case of a quiet mesh: no grouping
+            routing, frames = outbox[0]
+            if frames[1] in DEFERRABLE:
+                return
+            self.broker.outbox = []
+            held = deferred.pop(routing, None)
+            self._send(routing, [frames] if held is None else [*held[1], frames], now)
+            return
+        by_peer: dict[bytes, list[list[Any]]] = {}
+        acknowledgements = []
+        for routing, frames in outbox:
+            if frames[1] in DEFERRABLE:
+                acknowledgements.append((routing, frames))
+            else:
+                by_peer.setdefault(routing, []).append(frames)
+        self.broker.outbox = acknowledgements
+        for routing, messages in by_peer.items():
+            held = deferred.pop(routing, None)
+            self._send(routing, messages if held is None else held[1] + messages, now)
+
     def _flush(self, now: float, everything: bool = False) -> None:
+        """After the commit: the acknowledgements, held for a while where they may wait."""
         outbox, self.broker.outbox = self.broker.outbox, []
         deferred = self._deferred
-        if not deferred and len(outbox) == 1 and outbox[0][1][1] not in DEFERRABLE:
-            routing, frames = outbox[0]  # the common case of a quiet mesh: no grouping
-            self._send(routing, [frames], now)
-            return
         # One send per peer per turn where it reads BATCH; the order to each peer is kept.
         by_peer: dict[bytes, list[list[Any]]] = {}
         for routing, frames in outbox:

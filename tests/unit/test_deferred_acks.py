@@ -1,6 +1,6 @@
-"""ACCEPTED and RESULT_ACK wait, a short while, for the next message to their peer and travel in
-its BATCH (gpumesh/coordinator/server.py): fewer messages per call, nothing held for long, the
-order to each peer kept."""
+"""ACCEPTED and RESULT_ACK wait for the turn's commit, then a short while for the next message to
+their peer, and travel in its BATCH (gpumesh/coordinator/server.py): fewer messages per call,
+nothing held for long, the order to each peer kept. Everything else goes before the commit."""
 
 from __future__ import annotations
 
@@ -76,3 +76,31 @@ def test_a_result_goes_at_once_with_what_was_held_for_its_client(coordinator):
     _post(coordinator, b"c", Command.RESULT)
     coordinator._flush(100.001)
     assert coordinator.sent[-1] == (b"c", [Command.ACCEPTED, Command.RESULT])
+
+
+def test_a_task_and_a_result_go_before_the_commit_and_the_acknowledgements_after(coordinator):
+    # A worker starts (a client has its result) while the journal is written; only what
+    # promises something is in the journal waits for it.
+    events = coordinator.sent
+    commit = coordinator.store.commit
+
+    def committing():
+        events.append((b"", ["commit"]))
+        commit()
+
+    coordinator.store.commit = committing
+    _post(coordinator, b"c", Command.ACCEPTED)
+    _post(coordinator, b"w", Command.TASK)
+    _post(coordinator, b"old", Command.ACCEPTED)
+    _post(coordinator, b"c2", Command.RESULT)
+    coordinator._end_turn(100.0)
+    assert events == [(b"w", [Command.TASK]), (b"c2", [Command.RESULT]), (b"", ["commit"]),
+                      (b"old", [Command.ACCEPTED])]
+    assert coordinator.broker.outbox == []
+    _post(coordinator, b"w", Command.RESULT_ACK)
+    _post(coordinator, b"c", Command.RESULT)
+    coordinator._end_turn(100.001)
+    # What was held for the client (committed a turn ago) leads its result; the worker's
+    # RESULT_ACK waits for this turn's commit and then for the window.
+    assert events[-2:] == [(b"c", [Command.ACCEPTED, Command.RESULT]), (b"", ["commit"])]
+    assert list(coordinator._deferred) == [b"w"]
