@@ -157,7 +157,7 @@ class GPUMesh:
         If a call cannot be pickled, the error is raised and those already sent are cancelled."""
         engine = self._require()
         options = options or TaskOptions()
-        pickled = PickledFunction(fn)
+        pickled = PickledFunction.of(fn)
         portable = self._portable_form(fn)
         calls = list(calls)
         job = job or new_job_id()

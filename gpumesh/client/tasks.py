@@ -6,9 +6,13 @@ import inspect
 import json
 import os
 import sys
+import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+from cloudpickle import cloudpickle as cloudpickle_internals
 
 from ..errors import ConfigError
 from ..protocol import serialize
@@ -128,6 +132,21 @@ def env_entries(env: object) -> EnvEntries:
 class PickledFunction:
     """A function pickled once and shared by every task of a batch."""
 
+    @classmethod
+    def of(cls, fn: Callable[..., Any]) -> PickledFunction:
+        """The pickled form of ``fn``, made once per function that pickles by reference (an
+        importable module's function: its pickle is only a module and a name, which cannot
+        change), so a loop of single calls does not pickle and digest it every call. Other
+        functions (``__main__``'s, lambdas, closures) are pickled by value every time: what
+        they close over may have changed since the last call."""
+        if not _by_reference(fn):
+            return cls(fn)
+        try:
+            return _BY_REFERENCE[fn]
+        except KeyError:
+            pickled = _BY_REFERENCE[fn] = cls(fn)
+            return pickled
+
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.name = getattr(fn, "__qualname__", repr(fn))
         try:
@@ -156,6 +175,23 @@ class PickledFunction:
             spec["py"] = PYTHON  # the worker compares it with its own to pick the form
             frames += extra
         return spec, frames
+
+
+# Functions pickled by reference, weakly held: a module reloaded or a function deleted drops out.
+_BY_REFERENCE: weakref.WeakKeyDictionary[Callable[..., Any], PickledFunction] = (
+    weakref.WeakKeyDictionary())
+
+
+def _by_reference(fn: Callable[..., Any]) -> bool:
+    """Whether cloudpickle sends ``fn`` as a module and a name (it asks the same question for
+    every object it pickles; a cloudpickle without the function caches nothing)."""
+    if not isinstance(fn, types.FunctionType):
+        return False  # bound methods and callable objects carry state of their own
+    should = getattr(cloudpickle_internals, "_should_pickle_by_reference", None)
+    try:
+        return bool(should(fn)) if should is not None else False
+    except Exception:  # a private helper: any surprise means "pickle it again"
+        return False
 
 
 def call_arguments(item: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

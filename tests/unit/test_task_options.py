@@ -244,3 +244,27 @@ def test_a_batch_whose_later_call_cannot_pickle_cancels_what_it_sent_and_raises(
         _submit(engine, calls)
     assert engine.batches == [FIRST_CHUNK]
     assert all(f.cancelled() for f in engine.futures)
+
+
+def test_a_module_function_is_pickled_once_and_a_closure_every_call():
+    import pickle
+    import string
+
+    from gpumesh.client.tasks import PickledFunction
+
+    # An importable module's function pickles as its module and name: made once, shared.
+    assert PickledFunction.of(string.capwords) is PickledFunction.of(string.capwords)
+    # One that pickles by value may close over state that changed since the last call.
+    seen = {"greeting": "hello"}
+
+    def greet() -> str:
+        return seen["greeting"]
+
+    first = PickledFunction.of(greet)
+    seen["greeting"] = "bonjour"
+    second = PickledFunction.of(greet)
+    assert second is not first and second.digest != first.digest
+    assert pickle.loads(second.frame[0])() == "bonjour"
+    # Bound methods carry their object: never cached either.
+    words = ["a"]
+    assert PickledFunction.of(words.copy) is not PickledFunction.of(words.copy)
