@@ -395,6 +395,10 @@ class Engine:
                     self._send_ids(Command.CANCEL, tasks)
         if batches and self._connected.is_set():
             self._send_submissions(batches, now)
+            # Results held for acknowledgement go now, behind the SUBMIT: the coordinator hands
+            # the new task out before it reads them, and this thread skips a turn of its own
+            # (a loop of single calls acknowledged each result ACK_DELAY later, by itself).
+            self._flush_acks()
 
     def _unpark(self, now: float, count: int) -> None:
         """Send again up to ``count`` submissions the coordinator refused as busy: one for each
