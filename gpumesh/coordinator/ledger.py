@@ -47,11 +47,30 @@ from .state import (
 log = logging.getLogger("gpumesh.coordinator")
 
 EVENT_ERROR_CHARS = 300  # of a failed task's "Type: message" in its task_finished event
+# A successful result handed to its connected client is journaled only if the client has not
+# acknowledged it within this long: most are collected first, and then the journal never holds
+# the result at all (one write per task instead of two, no result bytes in SQLite). Until one
+# or the other is committed, the worker's RESULT_ACK waits, so the worker keeps the result and
+# sends it again if the coordinator dies meanwhile.
+RESULT_JOURNAL_DELAY = 0.05
 
 EVENT_HISTORY = 10_000
 MAX_PEER_COUNTERS = 10_000
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
+
+
+@dataclass
+class HeldResult:
+    """A finished task whose result is not journaled yet (RESULT_JOURNAL_DELAY), and the
+    RESULT_ACKs that wait for it to be journaled or collected."""
+
+    task: Task
+    state: TaskState
+    result: dict[str, Any]
+    payload: list[Any]
+    since: float
+    acks: list[tuple[bytes, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,8 @@ class Ledger:
         self.finished_total = 0  # tasks finished in this run: monitors derive throughput from it
         self._lease_counter = itertools.count(1)
         self._event_seq = itertools.count(1)
+        # Results delivered and not journaled yet, oldest first (task id -> HeldResult).
+        self.held_results: dict[str, HeldResult] = {}
 
     # ----------------------------------------------------------------- plumbing
 
@@ -258,8 +279,12 @@ class Ledger:
         self.released += 1
         self.finished_total += 1
         retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
-        self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
-                               keep_input=retryable)
+        client = owner if owner is not None and owner.routing is not None else None
+        if retryable or client is None or task.collected:
+            self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
+                                   keep_input=retryable)
+        else:  # on its way to a connected client, which will most likely collect it first
+            self.held_results[task.task_id] = HeldResult(task, state, result, payload, now, [])
         job = self.jobs.get(task.job_id)
         if job is not None:
             job.summaries[task.task_id] = summarize(task)
@@ -281,6 +306,48 @@ class Ledger:
                   worker=result.get("worker", ""), latency=round(now - task.submitted_at, 6),
                   elapsed=result.get("elapsed", 0.0), **extra)
         self.deliver(task, now)
+
+    def acknowledge_result(self, routing: bytes | None, task: Task, header: dict[str, Any]
+                           ) -> None:
+        """RESULT_ACK to the worker that sent ``task``'s result: now, or once the result is
+        journaled or collected if it is held (the ack tells the worker to forget it)."""
+        held = self.held_results.get(task.task_id)
+        if held is not None and routing is not None:
+            held.acks.append((routing, header))
+        else:
+            self.send(routing, Command.RESULT_ACK, header)
+
+    def journal_held_results(self, now: float, everything: bool = False) -> None:
+        """Journal the held results that waited RESULT_JOURNAL_DELAY (all of them with
+        ``everything``, as the coordinator stops) and release their workers' RESULT_ACKs,
+        which go after the commit that holds them."""
+        held = self.held_results
+        while held:
+            entry = next(iter(held.values()))
+            if not everything and now - entry.since < RESULT_JOURNAL_DELAY:
+                break  # oldest first: the rest are younger
+            task = entry.task
+            del held[task.task_id]
+            self.store.finish_task(task.task_id, entry.state.value, task.attempts, entry.result,
+                                   entry.payload)
+            self._release_acks(entry)
+
+    def result_collected(self, task: Task) -> None:
+        """The client acknowledged ``task``'s result: if it was never journaled it never will
+        be (the caller journals the task as collected), and its worker may forget it."""
+        entry = self.held_results.pop(task.task_id, None)
+        if entry is not None:
+            self._release_acks(entry)
+
+    def next_held_result_due(self) -> float | None:
+        """When the oldest held result is to be journaled; None when none is held."""
+        for entry in self.held_results.values():
+            return entry.since + RESULT_JOURNAL_DELAY
+        return None
+
+    def _release_acks(self, entry: HeldResult) -> None:
+        for routing, header in entry.acks:
+            self.send(routing, Command.RESULT_ACK, header)
 
     def fail(self, task: Task, status: ResultStatus, diagnosis: str, now: float,
              worker: str = "") -> None:

@@ -120,6 +120,7 @@ class Coordinator:
                 "Pick another port with --port"
             ) from None
         self._handshakes.bound(self.port)
+        self.ledger = self.broker.ledger
         self._version_errors: set[bytes] = set()
         # peer -> (when the first was held, messages held for it), in order
         self._deferred: dict[bytes, tuple[float, list[list[Any]]]] = {}
@@ -142,16 +143,25 @@ class Coordinator:
                     next_tick = now + tick_ms / 1000
                     self._contained("run its timers", self.broker.tick, now)
                 self._contained("hand out tasks", self.broker.dispatch, now)
+                self._contained("journal held results", self.ledger.journal_held_results, now)
                 self._end_turn(now)
-            self._flush(time.time(), everything=True)  # what was held goes before it closes
+            # What was held goes before it closes: results into the journal, then messages.
+            self.ledger.journal_held_results(time.time(), everything=True)
+            self.store.commit()
+            self._flush(time.time(), everything=True)
         finally:
             self.close()
 
     def _poll_timeout(self, tick_ms: int) -> int:
-        if not self._deferred:
+        """Until the next tick, the end of a held message's window, or a held result's journal
+        write, whichever comes first."""
+        due = self.ledger.next_held_result_due()
+        if self._deferred:
+            first = min(since for since, _ in self._deferred.values()) + DEFER_WINDOW
+            due = first if due is None else min(due, first)
+        if due is None:
             return tick_ms
-        first = min(since for since, _ in self._deferred.values())
-        return max(1, min(tick_ms, int((first + DEFER_WINDOW - time.time()) * 1000) + 1))
+        return max(1, min(tick_ms, int((due - time.time()) * 1000) + 1))
 
     def _drain(self, now: float) -> None:
         router, broker, limits = self._router, self.broker, self.settings.limits

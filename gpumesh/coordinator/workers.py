@@ -215,7 +215,7 @@ class WorkerSide:
             ledger.fail(task, ResultStatus.ERROR, problem, now, worker.worker_id)
         else:
             self._finish(task, worker, res, payload, now)
-        ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
+        ledger.acknowledge_result(worker.routing, task, {**ack, "disposition": "accepted"})
 
     def _finish(self, task: Task, worker: WorkerSession, res: Result, payload: list[Any],
                 now: float) -> None:

@@ -7,6 +7,7 @@ import pytest
 from gpumesh.config import Limits, Timing
 from gpumesh.coordinator.broker import Broker
 from gpumesh.coordinator.jobs import Job, find_job
+from gpumesh.coordinator.ledger import RESULT_JOURNAL_DELAY
 from gpumesh.coordinator.retention import MAX_RETAINED_RESULT_BYTES
 from gpumesh.coordinator.state import TaskState
 from gpumesh.protocol import Command, Message, decode, encode
@@ -328,7 +329,8 @@ def test_finish_times_and_outcomes_survive_a_restart():
     ok_task, bad_task = submit(first, 2, name="mixed")
     first.dispatch(0.0)
     result(first, ok_task, now=4.0)
-    result(first, bad_task, status="error", now=6.0)  # neither collected: the client is away
+    result(first, bad_task, status="error", now=6.0)  # neither collected by the client
+    first.ledger.journal_held_results(6.0 + RESULT_JOURNAL_DELAY)  # the loop's next turn
     store.commit()
     second = Broker(store, Timing(), Limits(), epoch=2, now=900.0)
     second.restore(900.0)

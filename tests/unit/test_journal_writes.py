@@ -1,10 +1,12 @@
-"""What a task costs the journal: three statements (submit, result, collection), none per lease,
-and every run of one statement in a turn goes to SQLite as one executemany."""
+"""What a task costs the journal: two statements (submit, collection) when its client collects the
+result within RESULT_JOURNAL_DELAY, three (the result too) when it does not; none per lease. Every
+run of one statement in a turn goes to SQLite as one executemany."""
 
 from __future__ import annotations
 
 from gpumesh.config import Limits, Timing
 from gpumesh.coordinator.broker import Broker
+from gpumesh.coordinator.ledger import RESULT_JOURNAL_DELAY
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.store import Store
 
@@ -15,7 +17,12 @@ def msg(command: Command, header: dict, payload: list | None = None) -> Message:
     return decode(encode(command, header, payload or []), Limits())
 
 
-def test_a_task_costs_three_statements_and_a_lease_none():
+def worker_acks(b: Broker) -> list[dict]:
+    acks = [decode(f, Limits()) for r, f in b.outbox if r == W]
+    return [m.header for m in acks if m.command is Command.RESULT_ACK]
+
+
+def test_a_collected_task_costs_two_statements_and_a_lease_none():
     store = Store(":memory:")
     b = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
     b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 4, "credit": 4,
@@ -34,12 +41,47 @@ def test_a_task_costs_three_statements_and_a_lease_none():
     assert statements == []  # leasing writes nothing: attempts are journaled with the result
     tasks = [m.header for m in (decode(f, Limits()) for _, f in b.outbox)
              if m.command is Command.TASK]
+    b.outbox.clear()
     for header in tasks:
         b.handle(W, msg(Command.RESULT, {"task": header["task"], "lease": header["lease"],
                                          "status": "ok", "encoding": "text"}, [b"r"]), 1.0)
-    b.handle(C, msg(Command.RESULT_ACK, {"tasks": [h["task"] for h in tasks]}), 2.0)
+    store.commit()
+    # Not journaled yet, so the worker keeps each result: its RESULT_ACK waits.
+    assert statements == [] and worker_acks(b) == []
+    late = tasks.pop()  # its client does not collect it in time
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": [h["task"] for h in tasks]}), 1.01)
+    b.ledger.journal_held_results(1.01)
     store.commit()
     writes = [s.split(" SET ")[1].split(" =")[0] for s in statements if s.startswith("UPDATE")]
-    assert sorted(writes) == ["state"] * 8  # 4 results, 4 collections: one UPDATE each
+    assert writes == ["state"] * 3  # 3 collections, one UPDATE each; no result was written
+    assert "result_payload = x" not in " ".join(statements)
+    assert sorted(a["task"] for a in worker_acks(b)) == sorted(h["task"] for h in tasks)
+    statements.clear()
+    b.outbox.clear()
+    b.ledger.journal_held_results(1.0 + RESULT_JOURNAL_DELAY)
+    store.commit()
+    assert len(statements) == 3 and "result_payload = x" in statements[1]  # BEGIN, it, COMMIT
+    assert [a["task"] for a in worker_acks(b)] == [late["task"]]
     rows = {r.task_id: r for r in store.load()}
     assert all(rows[h["task"]].state == "collected" for h in tasks)
+    assert rows[late["task"]].state == "done" and rows[late["task"]].result_payload == [b"r"]
+
+
+def test_a_result_for_an_absent_client_is_journaled_at_once():
+    store = Store(":memory:")
+    b = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "credit": 1,
+                                    "proto": [1, 1], "info": {"python": "3.11"}}), 0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}]}, [b"p"]),
+             0.0)
+    b.dispatch(0.0)
+    (task,) = [m.header for m in (decode(f, Limits()) for _, f in b.outbox)
+               if m.command is Command.TASK]
+    b.handle(C, msg(Command.DISCONNECT, {}), 0.5)
+    b.outbox.clear()
+    b.handle(W, msg(Command.RESULT, {"task": task["task"], "lease": task["lease"],
+                                     "status": "ok", "encoding": "text"}, [b"r"]), 1.0)
+    store.commit()
+    assert b.ledger.held_results == {} and worker_acks(b)[0]["disposition"] == "accepted"
+    assert [r.state for r in store.load()] == ["done"]
