@@ -185,9 +185,11 @@ class Coordinator:
             # After handle: a worker's first HELLO is counted once its session exists.
             broker.count_traffic(routing, payload_nbytes(frames) - len(routing), up=True)
             if msg.command is Command.SUBMIT and broker.work_waits_for_idle_workers():
-                # A .map's first chunk starts on idle workers before the rest of the batch
-                # is journaled (the client makes it small); the rest waits one turn.
-                return
+                # A single call, or a .map's first chunk (the client makes it small), starts on
+                # idle workers before the rest of what arrived is read: the acknowledgements
+                # behind a client's SUBMIT, the rest of a batch. They share this turn's commit.
+                self._contained("hand out tasks", broker.dispatch, now)
+                self._send_ahead(now)
 
     def _contained(self, duty: str, action: Callable[[float], object], now: float) -> None:
         """A bug in one turn's timers or dispatch is logged; the next turn runs as usual."""
