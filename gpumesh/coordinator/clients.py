@@ -278,7 +278,7 @@ class ClientSide:
             # Paged by sequence number, not by position: events arrive (and the oldest go)
             # between pages.
             since = max(q.since, q.page)
-            data = [[e.seq, e.time, e.kind, e.data] for e in ledger.events if e.seq > since]
+            data = [[e.seq, e.time, e.kind, e.data] for e in ledger.events.since(since)]
             self._answer(client, q.qid, data, 0, resume=lambda chunk: int(chunk[-1][0]))
             return
         else:

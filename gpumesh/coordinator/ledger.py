@@ -14,7 +14,6 @@ import heapq
 import itertools
 import logging
 import secrets
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from ..protocol import (
 from ..protocol.refs import ref_names, refs_of
 from ..sharedmem import SharedFolder, materialize
 from ..store import Store
+from .events import Event, EventLog
 from .jobs import Job, error_line, summarize
 from .state import (
     REDELIVER_AFTER,
@@ -54,7 +54,6 @@ EVENT_ERROR_CHARS = 300  # of a failed task's "Type: message" in its task_finish
 # sends it again if the coordinator dies meanwhile.
 RESULT_JOURNAL_DELAY = 0.05
 
-EVENT_HISTORY = 10_000
 MAX_PEER_COUNTERS = 10_000
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
@@ -72,15 +71,6 @@ class HeldResult:
     since: float
     acks: list[tuple[bytes, dict[str, Any]]]
 
-
-@dataclass(frozen=True)
-class Event:
-    """One state change, for monitors (``gpumesh serve`` output, QUERY events, dashboards)."""
-
-    seq: int
-    time: float
-    kind: str
-    data: dict[str, Any]
 
 
 class Ledger:
@@ -106,7 +96,7 @@ class Ledger:
         # queue only when some kind has no worker that could ever run it.
         self.kinds: set[tuple[Requirements, bool]] = set()
         self.outbox: list[tuple[bytes, list[Any]]] = []
-        self.events: deque[Event] = deque(maxlen=EVENT_HISTORY)
+        self.events = EventLog()
         self.listeners: list[Callable[[Event], None]] = []
         self.malformed: dict[bytes, int] = {}
         # One copy in memory of each pickled function, however many queued tasks call it.

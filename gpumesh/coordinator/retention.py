@@ -139,6 +139,6 @@ class Retention:
             "clients": sum(1 for c in ledger.clients.values() if c.routing is not None),
             "workers": dict(workers),
             "jobs": len(ledger.jobs),
-            "events": ledger.events[-1].seq if ledger.events else 0,
+            "events": ledger.events.last_seq,
             "malformed": sum(ledger.malformed.values()),
         }
