@@ -2,7 +2,8 @@
 it, runs the timers, and hands out work.
 
 The broker owns no socket and reads no clock: the server loop hands it decoded messages with
-``now`` and sends whatever the ledger left in ``outbox`` once the journal has committed.
+``now`` and sends whatever the ledger left in ``outbox``: the acknowledgements once the journal
+has committed, the rest before.
 
 Every header is parsed into its protocol type (gpumesh.protocol.headers) before anything acts on
 it, and an exception while handling one message, one timer or one task is contained: logged with

@@ -2,9 +2,9 @@
 
 It owns the tasks, the queue, the sessions and the jobs, and the moves a task makes (queue,
 lease, finish, requeue, cancel, reopen), each journaled through the store and announced on the
-event stream. It owns no socket and reads no clock: messages it wants sent wait in ``outbox``
-until the server loop has committed the journal, so nothing is acknowledged before it is
-durable. ``workers.py``, ``clients.py`` and ``retention.py`` act on it; ``broker.py`` routes
+event stream. It owns no socket and reads no clock: messages it wants sent wait in ``outbox``,
+and the server loop sends the acknowledgements among them (ACCEPTED, RESULT_ACK) only after it
+has committed the journal, so nothing is acknowledged before it is durable. ``workers.py``, ``clients.py`` and ``retention.py`` act on it; ``broker.py`` routes
 messages to them.
 """
 
@@ -49,9 +49,9 @@ log = logging.getLogger("gpumesh.coordinator")
 EVENT_ERROR_CHARS = 300  # of a failed task's "Type: message" in its task_finished event
 # A successful result handed to its connected client is journaled only if the client has not
 # acknowledged it within this long: most are collected first, and then the journal never holds
-# the result at all (one write per task instead of two, no result bytes in SQLite). Until one
-# or the other is committed, the worker's RESULT_ACK waits, so the worker keeps the result and
-# sends it again if the coordinator dies meanwhile.
+# the result at all (only the collection is written, not the result and then the collection;
+# no result bytes in SQLite). Until one or the other is committed, the worker's RESULT_ACK
+# waits, so the worker keeps the result and sends it again if the coordinator dies meanwhile.
 RESULT_JOURNAL_DELAY = 0.05
 
 MAX_PEER_COUNTERS = 10_000
