@@ -269,9 +269,11 @@ class WorkerAgent:
         sock = self.link.sock
         ready = dict(poller.poll(self._poll_timeout()))
         now = time.time()
-        for event in self._link_events():
-            if event is LinkEvent.CONNECTED:
-                log.debug("handshake with %s succeeded", self.endpoint)
+        # Only when poll named it: reading an empty monitor costs a poll of its own every turn.
+        if self.link.monitor is not None and self.link.monitor in ready:
+            for event in self._link_events():
+                if event is LinkEvent.CONNECTED:
+                    log.debug("handshake with %s succeeded", self.endpoint)
         if sock is not None and sock in ready:
             for _ in range(1000):
                 msg = self.link.recv()
