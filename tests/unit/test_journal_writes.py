@@ -22,12 +22,19 @@ def worker_acks(b: Broker) -> list[dict]:
     return [m.header for m in acks if m.command is Command.RESULT_ACK]
 
 
-def test_a_collected_task_costs_two_statements_and_a_lease_none():
+def mesh(slots: int) -> tuple[Store, Broker]:
+    """A broker with a journal in memory, one worker of ``slots`` slots and one client."""
     store = Store(":memory:")
     b = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
-    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 4, "credit": 4,
-                                    "proto": [1, 1], "info": {"python": "3.11"}}), 0.0)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": slots,
+                                    "credit": slots, "proto": [1, 1],
+                                    "info": {"python": "3.11"}}), 0.0)
     b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    return store, b
+
+
+def test_a_collected_task_costs_two_statements_and_a_lease_none():
+    store, b = mesh(slots=4)
     statements: list[str] = []
     store._db.set_trace_callback(statements.append)
     specs = [{"seq": s, "nf": 1, "kind": "script"} for s in range(4)]
@@ -68,11 +75,7 @@ def test_a_collected_task_costs_two_statements_and_a_lease_none():
 
 
 def test_a_result_for_an_absent_client_is_journaled_at_once():
-    store = Store(":memory:")
-    b = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
-    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "credit": 1,
-                                    "proto": [1, 1], "info": {"python": "3.11"}}), 0.0)
-    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    store, b = mesh(slots=1)
     b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}]}, [b"p"]),
              0.0)
     b.dispatch(0.0)
