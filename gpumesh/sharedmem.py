@@ -147,6 +147,9 @@ class SharedFolder:
         out: list[Any] = []
         refs: list[Ref] = []
         for index, frame in enumerate(frames):
+            if isinstance(frame, bytes) and len(frame) < MIN_SHARED_BYTES:
+                out.append(frame)  # a small pickle, the common case: no view to make
+                continue
             view = _view(frame)
             if view.nbytes >= MIN_SHARED_BYTES:
                 name = self._write(view)
