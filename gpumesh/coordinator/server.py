@@ -84,6 +84,7 @@ class Coordinator:
         shm = SharedFolder.create(_journal_key(db_path)) if settings.share_memory else None
         self.broker = Broker(self.store, settings.timing, settings.limits, epoch=self.epoch,
                              now=now, safe_mode=safe_mode, shm=shm)
+        self.ledger = self.broker.ledger
         self.restored = self.broker.restore(now)
         stretching.join()
         try:
@@ -120,7 +121,6 @@ class Coordinator:
                 "Pick another port with --port"
             ) from None
         self._handshakes.bound(self.port)
-        self.ledger = self.broker.ledger
         self._version_errors: set[bytes] = set()
         # peer -> (when the first was held, messages held for it), in order
         self._deferred: dict[bytes, tuple[float, list[list[Any]]]] = {}
@@ -263,7 +263,7 @@ class Coordinator:
             messages = held + messages
             if not everything and all(frames[1] in DEFERRABLE for frames in messages) \
                     and now - since < DEFER_WINDOW and len(messages) < MAX_DEFERRED \
-                    and self.broker.ledger.reads_batches(routing):
+                    and self.ledger.reads_batches(routing):
                 deferred[routing] = (since, messages)
                 continue
             self._send(routing, messages, now)
@@ -291,8 +291,8 @@ class Coordinator:
         self._auth.stop()
         self._ctx.term()
         self.store.close()
-        if self.broker.ledger.shm is not None:
-            self.broker.ledger.shm.close()
+        if self.ledger.shm is not None:
+            self.ledger.shm.close()
         self._remove_scratch()
 
     def _remove_scratch(self) -> None:
