@@ -105,6 +105,7 @@ class Ledger:
         # This machine's shared-memory folder, where same-machine peers leave big frames
         # (gpumesh.sharedmem); None where there is none. Set by the server.
         self.shm: SharedFolder | None = None
+        self.unneeded_files: list[str] = []  # removed after the next commit
         self._order = itertools.count()
         self.released = 0  # tasks finished or forgotten since memory was last given back
         self.finished_total = 0  # tasks finished in this run: monitors derive throughput from it
@@ -248,9 +249,18 @@ class Ledger:
         return wire
 
     def drop_shared(self, header: dict[str, Any] | None) -> None:
-        """Remove the shared-memory files a spec or result refers to: nobody needs them now."""
+        """Remove the shared-memory files a spec or result refers to once this turn's journal
+        writes are committed (``remove_unneeded_files``): nobody needs them after that."""
         if header and "shm" in header and self.shm is not None:
-            self.shm.remove(ref_names(refs_of(header["shm"])))
+            self.unneeded_files.extend(ref_names(refs_of(header["shm"])))
+
+    def remove_unneeded_files(self) -> None:
+        """After a commit: remove the files dropped before it, off the loop's thread. Never
+        before the commit, since a coordinator that crashes in between restarts from a journal
+        that may still name them (a task finished but not journaled runs again)."""
+        if self.unneeded_files and self.shm is not None:
+            self.shm.remove_soon(self.unneeded_files)
+        self.unneeded_files = []
 
     def finish(self, task: Task, state: TaskState, result: dict[str, Any], payload: list[Any],
                now: float) -> None:
@@ -280,7 +290,10 @@ class Ledger:
             job.summaries[task.task_id] = summarize(task)
         if not retryable:
             task.payload = []
-            self.drop_shared(task.spec)
+            if task.task_id not in self.held_results:
+                # A held result's input stays until the result is journaled or collected:
+                # until then the journal says the task is to run.
+                self.drop_shared(task.spec)
         if job is not None and job.all_finished:  # only its tasks
             job.finished_at = now
         # Latency (submit to finish) and run time let a monitor chart them without a query;
@@ -320,6 +333,7 @@ class Ledger:
             del held[task.task_id]
             self.store.finish_task(task.task_id, entry.state.value, task.attempts, entry.result,
                                    entry.payload)
+            self.drop_shared(task.spec)
             self._release_acks(entry)
 
     def result_collected(self, task: Task) -> None:

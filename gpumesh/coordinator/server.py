@@ -149,6 +149,7 @@ class Coordinator:
             self.ledger.journal_held_results(time.time(), everything=True)
             self.store.commit()
             self._flush(time.time(), everything=True)
+            self.ledger.remove_unneeded_files()
         finally:
             self.close()
 
@@ -222,6 +223,7 @@ class Coordinator:
         self._send_ahead(now)
         self.store.commit()
         self._flush(now)
+        self.ledger.remove_unneeded_files()
 
     def _send_ahead(self, now: float) -> None:
         """Before the commit: what the turn produced, less ACCEPTED and RESULT_ACK, one send

@@ -104,3 +104,25 @@ def test_a_task_and_a_result_go_before_the_commit_and_the_acknowledgements_after
     # RESULT_ACK waits for this turn's commit and then for the window.
     assert events[-2:] == [(b"c", [Command.ACCEPTED, Command.RESULT]), (b"", ["commit"])]
     assert list(coordinator._deferred) == [b"w"]
+
+
+def test_files_dropped_in_a_turn_are_removed_after_its_commit(coordinator):
+    # A crash between the two restarts from a journal that may still name them.
+    events: list[str] = []
+    commit = coordinator.store.commit
+
+    def committing():
+        events.append("commit")
+        commit()
+
+    class Folder:
+        def remove_soon(self, names):
+            events.append(f"remove {' '.join(names)}")
+
+    coordinator.store.commit = committing
+    coordinator.ledger.shm = Folder()
+    coordinator.ledger.drop_shared({"shm": [[1, "a" * 32, 5]]})
+    assert events == []
+    coordinator._end_turn(100.0)
+    assert events == ["commit", f"remove {'a' * 32}"]
+    coordinator.ledger.shm = None

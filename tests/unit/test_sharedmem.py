@@ -175,20 +175,56 @@ def test_a_worker_that_shares_gets_names_and_one_that_does_not_gets_bytes(broker
     assert again.header["shm"][0][1] == name and again.payload == [b"fn", b""]
 
 
-def test_shared_files_are_removed_once_nobody_needs_them(broker, folder):
-    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
-    handle(broker, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
-    task_id, name = submit_shared(broker, folder)
-    broker.dispatch(1.0)
-    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
+def committed(b: Broker, folder: SharedFolder) -> set[str]:
+    """What the server does at the end of a turn, as far as files go: commit, then remove what
+    the turn dropped (on the folder's own thread, waited for here). The files left."""
+    b.store.commit()
+    b.ledger.remove_unneeded_files()
+    folder.settle()
+    return names(folder)
+
+
+def finish_shared(b: Broker, folder: SharedFolder) -> tuple[str, str, str]:
+    """A task with a shared input, run to a shared result: (task, input file, result file)."""
+    handle(b, C, Command.HEARTBEAT, {"shm": folder.proof})
+    handle(b, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    task_id, name = submit_shared(b, folder)
+    b.dispatch(1.0)
+    lease = sent(b, W, Command.TASK)[-1].header["lease"]
     frames, refs = folder.share([b"pickle", BIG])
-    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
-                                       "shm": [list(r) for r in refs]}, frames)
-    assert name not in names(folder)  # done: the input is not needed again
+    handle(b, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                  "shm": [list(r) for r in refs]}, frames)
+    return task_id, name, refs[0][1]
+
+
+def test_shared_files_are_removed_once_nobody_needs_them(broker, folder):
+    task_id, name, result_name = finish_shared(broker, folder)
     result = sent(broker, C, Command.RESULT)[-1]
-    assert result.header["shm"][0][1] == refs[0][1]
+    assert result.header["shm"][0][1] == result_name
+    # The result is held out of the journal for its client to collect, so the journal still
+    # says the task is to run: its input stays.
+    assert committed(broker, folder) == {name, result_name}
     handle(broker, C, Command.RESULT_ACK, {"tasks": [task_id]})
-    assert names(folder) == set()
+    assert names(folder) == {name, result_name}  # not before the collection is committed
+    assert committed(broker, folder) == set()
+
+
+def test_a_journaled_result_lets_its_input_go_and_keeps_its_own(broker, folder):
+    from gpumesh.coordinator.ledger import RESULT_JOURNAL_DELAY
+
+    task_id, name, result_name = finish_shared(broker, folder)
+    broker.ledger.journal_held_results(1.0 + RESULT_JOURNAL_DELAY)  # its client was slow
+    assert committed(broker, folder) == {result_name}  # the client has yet to collect it
+
+
+def test_removals_wait_for_the_folder_to_close(tmp_path, monkeypatch):
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    folder = SharedFolder.create("closing")
+    assert folder is not None
+    _, refs = folder.share([BIG, BIG])
+    folder.remove_soon(name for _, name, _ in refs)
+    folder.close()  # waits for the removals, so the empty folder goes too
+    assert not folder.path.exists()
 
 
 def test_a_result_for_a_client_that_does_not_share_is_read_back_in(broker, folder):
