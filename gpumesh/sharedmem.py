@@ -35,6 +35,7 @@ from typing import Any
 
 from .fileio import write_all
 from .protocol.refs import NAME_PATTERN, Ref
+from .shmspares import Spares
 
 log = logging.getLogger("gpumesh.sharedmem")
 
@@ -64,6 +65,7 @@ class SharedFolder:
         self.proof = proof
         self._lock = lock  # the coordinator's: held while it runs (see _sweep_abandoned)
         self._remover: _Remover | None = None
+        self._spares: Spares | None = None  # made at the first frame this process writes
 
     # ----------------------------------------------------------------- making and joining
 
@@ -103,6 +105,7 @@ class SharedFolder:
         """The coordinator stops: the folder goes when no frame is left in it (journaled
         references keep it, and its files, for the next start)."""
         self.settle()
+        self.release()
         try:
             _remove_if_empty(self.path)
         finally:
@@ -167,11 +170,19 @@ class SharedFolder:
     def _write(self, view: memoryview) -> str | None:
         name = secrets.token_hex(16)
         target = self.path / name
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            log.debug("cannot share a frame: %s", exc)
-            return None
+        if self._spares is None:
+            self._spares = Spares(self.path)
+        spares = self._spares
+        fd = spares.take(view.nbytes)
+        if fd is not None and not spares.name(fd, target):  # named before a byte is written
+            os.close(fd)
+            fd = None
+        if fd is None:
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                log.debug("cannot share a frame: %s", exc)
+                return None
         try:
             write_all(fd, [view])
         except OSError as exc:  # ENOSPC: /dev/shm is small in containers
@@ -181,7 +192,14 @@ class SharedFolder:
                 os.unlink(target)
             return None
         os.close(fd)
+        spares.want(view.nbytes)  # the next frame of this size goes into pages made meanwhile
         return name
+
+    def release(self) -> None:
+        """This process is done with the folder: give back the spare file it holds."""
+        if self._spares is not None:
+            self._spares.close()
+            self._spares = None
 
     def resolve(self, frames: Sequence[Any], refs: Iterable[Ref]) -> list[Any]:
         """``frames`` with each referenced placeholder replaced by its file, mapped copy-on-

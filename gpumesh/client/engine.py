@@ -292,6 +292,8 @@ class Engine:
             self._fail_all(self.fatal)
         finally:
             self._connected.clear()
+            if self._shm is not None:
+                self._shm.release()
             self._link.close()
             self._wake_r.close()
             self._wake_w.close()
@@ -525,6 +527,8 @@ class Engine:
         self.welcome = header
         self._welcomed_at = now
         self._note_pythons(header)
+        if self._shm is not None:
+            self._shm.release()
         self._shm = (SharedFolder.join(header.get("shm")) if self.settings.share_memory
                      else None)
         if self._shm is not None:

@@ -143,13 +143,23 @@ def _mark_start(nonce: Any) -> None:
                 pass  # the agent closed its end: it has stopped listening anyway
 
 
+_FOLDERS: dict[str, SharedFolder] = {}
+
+
 def _shared_folder(header: dict[str, Any]) -> SharedFolder | None:
     """The coordinator's shared-memory folder, as the agent (which proved it can read it)
-    names it for a function task; None otherwise."""
+    names it for a function task; None otherwise. One object per folder for the runner's life,
+    so the spare file it makes after a big result is there for the next one."""
     where = header.get("shm_dir")
     if header.get("kind", "fn") != "fn" or not isinstance(where, str) or not where:
         return None
-    return SharedFolder(Path(where), "")
+    folder = _FOLDERS.get(where)
+    if folder is None:
+        for old in _FOLDERS.values():  # the coordinator moved: its old folder's spare goes
+            old.release()
+        _FOLDERS.clear()
+        folder = _FOLDERS[where] = SharedFolder(Path(where), "")
+    return folder
 
 
 if __name__ == "__main__":

@@ -214,6 +214,8 @@ class WorkerAgent:
                 runner.kill()
             if self.control is not None:
                 self.control.close()
+            if self.shm is not None:
+                self.shm.release()
             self.link.close()
             self._ctx.term()
 
@@ -503,6 +505,8 @@ class WorkerAgent:
     def on_welcome(self, h: dict[str, Any], now: float) -> None:
         self._resyncing = False
         self._trusted = self.endpoint  # this address admitted us: a coordinator of the mesh
+        if self.shm is not None:
+            self.shm.release()
         self.shm = SharedFolder.join(h.get("shm")) if self.settings.share_memory else None
         if self.shm is not None:
             # Before anything that names a shared file: the coordinator reads in order.
