@@ -65,9 +65,11 @@ def main(argv: list[str]) -> int:
                 inbox.dropped.add(header["drop"])
                 continue
             nonce = header.get("pre")
-            _mark_start(nonce)
             if nonce is not None and inbox.was_dropped(nonce):
                 continue  # the agent took it back while the task before ran: never start it
+            # Only now, so that a marker always means the task started: a drop read after
+            # the marker was written left the agent sure a task ran that never did.
+            _mark_start(nonce)
             folder = _shared_folder(header)
             task_frames: list[Any] = frames[1:]
             refs = parse_refs(header.get("shm"), len(task_frames))
