@@ -425,6 +425,8 @@ class Store:
         if self._in_transaction:
             self._db.execute("COMMIT")
             self._in_transaction = False
+            if self._checkpointer is not None:
+                self._checkpointer.note_commit()
         if self._doomed and self._blobs is not None:
             # Only now: before this commit a crash would bring back rows that still name them.
             doomed, self._doomed = self._doomed, []
