@@ -726,7 +726,7 @@ class WorkerAgent:
         # What the task printed goes out before its result, so the caller sees it first.
         for stream in ("out", "err"):
             for _ in range(64):  # at most 4 MiB per stream here; the rest follows as usual
-                if not self._on_runner_output(runner, stream):
+                if not self._on_runner_output(runner, stream) or runner.drained[stream]:
                     break
         task = runner.task
         following = runner.finished()

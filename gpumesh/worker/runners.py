@@ -95,6 +95,7 @@ class Runner:
         self._reset_streams()
 
     def _reset_streams(self) -> None:
+        self.drained = {"out": False, "err": False}  # the last read left the pipe empty
         self._owner: dict[str, Owner] = {"out": None, "err": None}
         # Per stream, the markers still to come, in order, with the task each one starts.
         self._markers: dict[str, deque[tuple[bytes, Owner]]] = {"out": deque(), "err": deque()}
@@ -162,7 +163,7 @@ class Runner:
 
     def hand_ahead(self, queued: QueuedTask) -> None:
         """Give this busy runner a task now; it starts when those before it end."""
-        nonce = secrets.token_hex(8)
+        nonce = _nonce()
         self._write(queued.task, {**queued.header, "pre": nonce}, queued.frames)
         self.ahead.append((queued, nonce))
         self.ahead_bytes += _socket_bytes(queued)
@@ -247,11 +248,15 @@ class Runner:
         if pipe.closed:
             return None  # read to its end already
         try:
-            data = os.read(pipe.fileno(), 65536)
+            data = os.read(pipe.fileno(), _READ_SIZE)
         except BlockingIOError:
+            self.drained[stream] = True
             return None
         except OSError:
             data = b""
+        # A short read emptied the pipe: whoever reads to the end need not read again (an
+        # empty read costs a system call per stream per task, for nothing).
+        self.drained[stream] = len(data) < _READ_SIZE
         if not data:
             pipe.close()
             held, self._held[stream] = self._held[stream], b""
@@ -333,6 +338,19 @@ class Runner:
         if lines:
             what += "; last output:\n    " + "\n    ".join(lines)
         return what
+
+
+_READ_SIZE = 65536
+_NONCES: list[str] = []
+
+
+def _nonce() -> str:
+    """An unguessable nonce for a task handed ahead (its marker must not be forgeable by the
+    task before it), drawn 64 at a time: one system call, not one a task."""
+    if not _NONCES:
+        pool = secrets.token_hex(8 * 64)
+        _NONCES.extend(pool[i:i + 16] for i in range(0, len(pool), 16))
+    return _NONCES.pop()
 
 
 def _socket_bytes(queued: QueuedTask) -> int:

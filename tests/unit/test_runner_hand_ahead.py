@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -43,6 +44,28 @@ def piped_runner():
     for stream in ("out", "err"):
         os.close(ends[stream])
         files[stream].close()
+
+
+def test_a_short_read_says_the_pipe_is_empty(piped_runner):
+    # The agent reads a runner's pipes before each result until they are empty: a read that
+    # came back short already emptied it, so no second (empty) read is needed.
+    runner, ends = piped_runner
+    os.write(ends["out"], b"a line\n")
+    assert runner.read_stream("out") == [(None, b"a line\n")]
+    assert runner.drained["out"]
+    big = b"x" * 70000  # more than one read takes
+    threading.Thread(target=os.write, args=(ends["out"], big)).start()
+    deadline = time.monotonic() + 10
+    got = b""
+    while len(got) < len(big):
+        assert time.monotonic() < deadline
+        pieces = runner.read_stream("out")
+        read = b"".join(chunk for _, chunk in pieces or ())
+        got += read
+        if pieces is not None:  # a full read may have left more; a short one did not
+            assert runner.drained["out"] == (len(read) < 65536), len(read)
+    assert got == big
+    assert runner.read_stream("out") is None and runner.drained["out"]
 
 
 def _task(name: str) -> RunningTask:
