@@ -66,6 +66,7 @@ class SharedFolder:
         self._lock = lock  # the coordinator's: held while it runs (see _sweep_abandoned)
         self._remover: _Remover | None = None
         self._spares: Spares | None = None  # made at the first frame this process writes
+        self._released = False
 
     # ----------------------------------------------------------------- making and joining
 
@@ -170,12 +171,12 @@ class SharedFolder:
     def _write(self, view: memoryview) -> str | None:
         name = secrets.token_hex(16)
         target = self.path / name
-        if self._spares is None:
+        if self._spares is None and not self._released:
             self._spares = Spares(self.path)
         spares = self._spares
-        fd = spares.take(view.nbytes)
-        if fd is not None and not spares.name(fd, target):  # named before a byte is written
-            os.close(fd)
+        fd = spares.take(view.nbytes) if spares is not None else None
+        if fd is not None and spares is not None and not spares.name(fd, target):
+            os.close(fd)  # named before a byte is written, or not used at all
             fd = None
         if fd is None:
             try:
@@ -192,11 +193,14 @@ class SharedFolder:
                 os.unlink(target)
             return None
         os.close(fd)
-        spares.want(view.nbytes)  # the next frame of this size goes into pages made meanwhile
+        if spares is not None:
+            spares.want(view.nbytes)  # the next frame of this size goes into pages made meanwhile
         return name
 
     def release(self) -> None:
-        """This process is done with the folder: give back the spare file it holds."""
+        """This process is done with the folder: give back the spare file it holds, and make
+        no more (a frame written after this goes into a new file)."""
+        self._released = True
         if self._spares is not None:
             self._spares.close()
             self._spares = None

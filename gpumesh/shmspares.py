@@ -21,53 +21,41 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
-# A spare is made for frames up to this size, and only while the folder's file system has four
-# times the frame free (Docker gives /dev/shm 64 MiB: a spare must not crowd out real frames).
-SPARE_MAX_BYTES = 512 * 1024 * 1024
+# Spares are made for frames up to this size, no more than this many bytes of them at once
+# (one per size, MAX_SPARES sizes at most: a task may send several big arrays), and only while
+# the folder's file system has four times the frame free (Docker gives /dev/shm 64 MiB: a
+# spare must not crowd out real frames).
+SPARE_MAX_BYTES = 256 * 1024 * 1024
+MAX_SPARES = 4
 SPARE_FREE_FACTOR = 4
 # A spare nobody took in this long is given back: an idle process holds no memory for it.
 SPARE_IDLE_SECONDS = 30.0
+# A size whose spare could not be made (too little free space) is tried again after this long.
+SPARE_RETRY_SECONDS = 30.0
 
 _TMPFILE = getattr(os, "O_TMPFILE", 0)
 
 
 class Spares:
-    """At most one spare file at a time for one folder, made on a thread of its own."""
+    """Spare files for one folder, one per recent frame size, made on a thread of its own. The thread
+    holds only the state, never this object: when nothing refers to it any more (a folder
+    dropped without ``close``), ``__del__`` closes the state and the thread ends."""
 
     def __init__(self, folder: Path) -> None:
-        self._folder = folder
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._ready: tuple[int, int, float] | None = None  # (size, fd, made at)
-        self._wanted = 0
-        self._failed = 0  # the size whose spare could not be made: not tried again
-        self._thread: threading.Thread | None = None
-        self._closed = not _TMPFILE
+        self._state = _State(folder)
 
     def take(self, size: int) -> int | None:
         """An open, unnamed file of exactly ``size`` allocated bytes, now the caller's to name
         (``name``) and close; None when there is none of that size."""
-        with self._lock:
-            if self._ready is None or self._ready[0] != size:
-                return None
-            fd = self._ready[1]
-            self._ready = None
-            return fd
+        return self._state.take(size)
 
     def want(self, size: int) -> None:
-        """Make a spare of ``size`` for the next frame, unless one is ready or cannot be."""
-        with self._lock:
-            if self._closed or size > SPARE_MAX_BYTES or size == self._failed \
-                    or (self._ready is not None and self._ready[0] == size):
-                return
-            self._wanted = size
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gpumesh-shm-spares",
-                                                daemon=True)
-                self._thread.start()
-            self._wake.notify()
+        """Make a spare of ``size`` for the next frame, unless one is ready, being made, or
+        cannot be made."""
+        self._state.want(size)
 
     def name(self, fd: int, path: Path) -> bool:
         """Give the spare ``fd`` its name ``path``; False (spares off from now on) where this
@@ -88,52 +76,129 @@ class Spares:
 
     def close(self) -> None:
         """No more spares: the one ready is given back and the thread ends."""
-        with self._lock:
-            self._closed = True
-            ready, self._ready = self._ready, None
-            self._wake.notify()
-        if ready is not None:
-            os.close(ready[1])
+        self._state.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self.close()
+            self._state.close(wait=1.0)
+
+
+class _State:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.ready: dict[int, tuple[int, float]] = {}  # size -> (fd, made at)
+        self.wanted: list[int] = []  # sizes to make, in order
+        self.making = 0  # the size being made now
+        self.failed: tuple[int, float] = (0, 0.0)  # a size that could not be made, until when
+        self.thread: threading.Thread | None = None
+        self.closed = not _TMPFILE
+        _LIVE.add(self)
+
+    def take(self, size: int) -> int | None:
+        with self.lock:
+            entry = self.ready.pop(size, None)
+            return None if entry is None else entry[0]
+
+    def want(self, size: int) -> None:
+        with self.lock:
+            if self.closed or size > SPARE_MAX_BYTES or size == self.making \
+                    or size in self.ready or size in self.wanted \
+                    or (size == self.failed[0] and time.monotonic() < self.failed[1]):
+                return
+            self.wanted.append(size)
+            del self.wanted[:-MAX_SPARES]
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="gpumesh-shm-spares",
+                                               daemon=True)
+                self.thread.start()
+            self.wake.notify()
+
+    def close(self, wait: float = -1) -> None:
+        if not self.lock.acquire(timeout=wait):
+            return  # only from __del__, with the lock held elsewhere: the thread still ends
+        try:
+            self.closed = True
+            ready, self.ready = self.ready, {}
+            self.wake.notify()
+        finally:
+            self.lock.release()
+        for fd, _ in ready.values():
+            os.close(fd)
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while not self._closed and not self._wanted:
-                    if self._ready is not None and \
-                            time.monotonic() - self._ready[2] > SPARE_IDLE_SECONDS:
-                        os.close(self._ready[1])
-                        self._ready = None
-                    self._wake.wait(SPARE_IDLE_SECONDS if self._ready is not None else None)
-                if self._closed:
-                    self._thread = None
+            with self.lock:
+                while not self.closed and not self.wanted:
+                    self._close_idle(time.monotonic())
+                    self.wake.wait(SPARE_IDLE_SECONDS if self.ready else None)
+                if self.closed:
+                    self.thread = None
                     return
-                size, self._wanted = self._wanted, 0
-            fd = self._make(size)
-            with self._lock:
+                size = self.making = self.wanted.pop(0)
+            fd = _make(self.folder, size)
+            with self.lock:
+                self.making = 0
                 if fd is None:
-                    self._failed = size
+                    self.failed = (size, time.monotonic() + SPARE_RETRY_SECONDS)
                     continue
-                old, self._ready = self._ready, (size, fd, time.monotonic())
-                if self._closed:
-                    old, self._ready = self._ready, None
-            if old is not None:
-                os.close(old[1])
+                if self.closed:
+                    os.close(fd)
+                    continue
+                self.ready[size] = (fd, time.monotonic())
+                self._evict()
 
-    def _make(self, size: int) -> int | None:
-        try:
-            info = os.statvfs(self._folder)
-            if info.f_bavail * info.f_frsize < SPARE_FREE_FACTOR * size:
-                return None
-            fd = os.open(self._folder, _TMPFILE | os.O_RDWR, 0o600)
-        except OSError:
+    def _close_idle(self, now: float) -> None:
+        for size, (fd, made) in list(self.ready.items()):
+            if now - made > SPARE_IDLE_SECONDS:
+                os.close(fd)
+                del self.ready[size]
+
+    def _evict(self) -> None:
+        """The oldest spares go while there are more than MAX_SPARES, or more bytes than
+        SPARE_MAX_BYTES, ready."""
+        while len(self.ready) > MAX_SPARES or sum(self.ready) > SPARE_MAX_BYTES:
+            oldest = min(self.ready, key=lambda size: self.ready[size][1])
+            os.close(self.ready.pop(oldest)[0])
+
+    def after_fork_in_child(self) -> None:
+        """A forked child has none of the parent's threads, and its copy of the lock may be
+        held: no spares there, and the inherited spares' pages go back with its descriptors."""
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.thread = None
+        self.closed = True
+        self.wanted = []
+        ready, self.ready = self.ready, {}
+        for fd, _ in ready.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _make(folder: Path, size: int) -> int | None:
+    try:
+        info = os.statvfs(folder)
+        if info.f_bavail * info.f_frsize < SPARE_FREE_FACTOR * size:
             return None
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError:
-            os.close(fd)
-            return None
-        return fd
+        fd = os.open(folder, _TMPFILE | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+_LIVE: weakref.WeakSet[_State] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for state in list(_LIVE):
+        state.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -292,7 +292,7 @@ def spare_ready(folder: SharedFolder, size: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         spares = folder._spares
-        if spares is not None and spares._ready is not None and spares._ready[0] == size:
+        if spares is not None and size in spares._state.ready:
             return True
         time.sleep(0.01)
     return False
@@ -306,7 +306,7 @@ def inode_of(folder: SharedFolder, ref) -> int:
 def test_the_next_frame_of_a_size_goes_into_the_spare_made_for_it(folder):
     _, first = folder.share([BIG])
     assert spare_ready(folder, len(BIG))
-    spare_fd = folder._spares._ready[1]
+    spare_fd = folder._spares._state.ready[len(BIG)][0]
     spare_inode = os.fstat(spare_fd).st_ino
     _, second = folder.share([memoryview(BIG)])
     assert inode_of(folder, second[0]) == spare_inode  # the spare, now named
@@ -318,24 +318,96 @@ def test_the_next_frame_of_a_size_goes_into_the_spare_made_for_it(folder):
 
 
 @needs_tmpfile
-def test_a_spare_is_never_used_for_another_size(folder):
+def test_a_spare_is_never_used_for_another_size_and_each_size_has_its_own(folder):
     folder.share([BIG])
     assert spare_ready(folder, len(BIG))
+    big_spare = os.fstat(folder._spares._state.ready[len(BIG)][0]).st_ino
     other = BIG + b"x"
     _, refs = folder.share([other])
     assert bytes(folder.open(refs[0][1], len(other))) == other
-    assert spare_ready(folder, len(other))  # the spare follows the latest size
+    assert os.stat(folder.path / refs[0][1]).st_ino != big_spare
+    assert spare_ready(folder, len(other))  # a task's two arrays: a spare for each size
+    assert spare_ready(folder, len(BIG))
+    _, refs = folder.share([BIG, other])
+    assert {os.stat(folder.path / name).st_size for _, name, _ in refs} == {len(BIG), len(other)}
+    assert os.stat(folder.path / refs[0][1]).st_ino == big_spare
+
+
+@needs_tmpfile
+def test_spares_are_bounded_in_count_and_bytes(folder, monkeypatch):
+    monkeypatch.setattr(shmspares, "MAX_SPARES", 2)
+    sizes = [len(BIG) + n for n in range(3)]
+    for size in sizes:
+        folder.share([bytes(size)])
+        assert spare_ready(folder, size)
+    assert set(folder._spares._state.ready) == set(sizes[1:])  # the oldest went
+    monkeypatch.setattr(shmspares, "SPARE_MAX_BYTES", sizes[2] + 1)
+    folder.share([bytes(sizes[0])])
+    assert spare_ready(folder, sizes[0])
+    assert set(folder._spares._state.ready) == {sizes[0]}  # one fits in the bytes allowed
 
 
 @needs_tmpfile
 def test_release_gives_the_spare_back(folder):
     folder.share([BIG])
     assert spare_ready(folder, len(BIG))
-    spare_fd = folder._spares._ready[1]
+    spare_fd = folder._spares._state.ready[len(BIG)][0]
     folder.release()
     with pytest.raises(OSError):
         os.fstat(spare_fd)  # closed: its pages go back to the system
     assert folder._spares is None
+    folder.share([BIG])  # a frame after the release: a new file, and no spare made for it
+    assert folder._spares is None
+
+
+@needs_tmpfile
+def test_a_folder_dropped_without_release_ends_its_spare_thread(tmp_path, monkeypatch):
+    import gc
+    import threading
+
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    joined = SharedFolder(tmp_path, "")  # as a runner makes one
+    joined.share([BIG])
+    state = joined._spares._state
+    assert spare_ready(joined, len(BIG))
+    spare_fd = state.ready[len(BIG)][0]
+    del joined
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while state.thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state.thread is None and state.closed
+    assert not any(t.name == "gpumesh-shm-spares" and t.is_alive() and t is state.thread
+                   for t in threading.enumerate())
+    with pytest.raises(OSError):
+        os.fstat(spare_fd)
+
+
+@needs_tmpfile
+def test_a_forked_child_gives_the_inherited_spare_back(folder):
+    folder.share([BIG])
+    assert spare_ready(folder, len(BIG))
+    spare_fd = folder._spares._state.ready[len(BIG)][0]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its spare is closed and it makes none
+        try:
+            state = folder._spares._state
+            closed = state.closed and not state.ready
+            try:
+                os.fstat(spare_fd)
+                gone = False
+            except OSError:
+                gone = True
+            os.write(write_end, b"ok" if closed and gone else b"no")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    answer = os.read(read_end, 2)
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    assert answer == b"ok"
+    assert os.fstat(spare_fd)  # the parent's is still its own
 
 
 @needs_tmpfile
@@ -344,9 +416,9 @@ def test_an_idle_spare_is_given_back(folder, monkeypatch):
     folder.share([BIG])
     assert spare_ready(folder, len(BIG))
     deadline = time.monotonic() + 10
-    while folder._spares._ready is not None and time.monotonic() < deadline:
+    while folder._spares._state.ready and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert folder._spares._ready is None
+    assert not folder._spares._state.ready
 
 
 @needs_tmpfile
@@ -362,7 +434,14 @@ def test_no_spare_where_the_file_system_is_nearly_full(folder, monkeypatch):
     monkeypatch.setattr(shmspares.os, "statvfs", Full)
     folder.share([BIG])
     assert not spare_ready(folder, len(BIG), timeout=0.5)
-    assert folder._spares._failed == len(BIG)  # and it is not tried again for that size
+    state = folder._spares._state
+    assert state.failed[0] == len(BIG)  # and not tried again for that size for a while
+    folder.share([BIG])
+    assert not spare_ready(folder, len(BIG), timeout=0.3)
+    state.failed = (len(BIG), time.monotonic())  # the while is over
+    monkeypatch.undo()
+    folder.share([BIG])
+    assert spare_ready(folder, len(BIG))
 
 
 @needs_tmpfile
