@@ -69,20 +69,23 @@ class Checkpointer:
         self._last_commit = time.monotonic()
         self._commits += 1
 
-    def due(self, now: float, done: int, last_checkpoint: float) -> bool:
-        """Whether to checkpoint now, ``done`` commits having been checkpointed, the last
-        checkpoint at ``last_checkpoint``."""
+    def due(self, now: float, done: int, since: float) -> bool:
+        """Whether to checkpoint now, ``done`` commits having been checkpointed, commits
+        waiting for one since about ``since``."""
         waiting = self._commits - done
         if waiting <= 0:
             return False
         return (now - self._last_commit >= QUIET or waiting >= FORCE_AFTER
-                or now - last_checkpoint >= MAX_DELAY)
+                or now - since >= MAX_DELAY)
 
     def _run(self) -> None:
         done, last = 0, time.monotonic()
         try:
             while not self._stop.wait(self._every):
                 now = time.monotonic()
+                if self._commits == done:
+                    last = now  # MAX_DELAY counts from the first commit not checkpointed
+                    continue
                 if not self.due(now, done, last):
                     continue
                 commits = self._commits  # those before this point are in the WAL now

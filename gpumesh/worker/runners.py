@@ -347,10 +347,12 @@ _NONCES: list[str] = []
 def _nonce() -> str:
     """An unguessable nonce for a task handed ahead (its marker must not be forgeable by the
     task before it), drawn 64 at a time: one system call, not one a task."""
-    if not _NONCES:
+    try:
+        return _NONCES.pop()
+    except IndexError:
         pool = secrets.token_hex(8 * 64)
-        _NONCES.extend(pool[i:i + 16] for i in range(0, len(pool), 16))
-    return _NONCES.pop()
+        _NONCES.extend(pool[i:i + 16] for i in range(16, len(pool), 16))
+        return pool[:16]
 
 
 def _socket_bytes(queued: QueuedTask) -> int:

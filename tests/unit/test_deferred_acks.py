@@ -120,9 +120,11 @@ def test_files_dropped_in_a_turn_are_removed_after_its_commit(coordinator):
             events.append(f"remove {' '.join(names)}")
 
     coordinator.store.commit = committing
-    coordinator.ledger.shm = Folder()
-    coordinator.ledger.drop_shared({"shm": [[1, "a" * 32, 5]]})
-    assert events == []
-    coordinator._end_turn(100.0)
-    assert events == ["commit", f"remove {'a' * 32}"]
-    coordinator.ledger.shm = None
+    real, coordinator.ledger.shm = coordinator.ledger.shm, Folder()
+    try:
+        coordinator.ledger.drop_shared({"shm": [[1, "a" * 32, 5]]})
+        assert events == []
+        coordinator._end_turn(100.0)
+        assert events == ["commit", f"remove {'a' * 32}"]
+    finally:
+        coordinator.ledger.shm = real  # closed with the coordinator, its folder removed
