@@ -40,9 +40,9 @@ _TMPFILE = getattr(os, "O_TMPFILE", 0)
 
 
 class Spares:
-    """Spare files for one folder, one per recent frame size, made on a thread of its own. The thread
-    holds only the state, never this object: when nothing refers to it any more (a folder
-    dropped without ``close``), ``__del__`` closes the state and the thread ends."""
+    """Spare files for one folder, one per recent frame size, made on a thread of its own.
+    The thread holds only the state, never this object: when nothing refers to it any more (a
+    folder dropped without ``close``), ``__del__`` closes the state and the thread ends."""
 
     def __init__(self, folder: Path) -> None:
         self._state = _State(folder)
@@ -75,7 +75,7 @@ class Spares:
         return True
 
     def close(self) -> None:
-        """No more spares: the one ready is given back and the thread ends."""
+        """No more spares: those ready are given back and the thread ends."""
         self._state.close()
 
     def __del__(self) -> None:
@@ -117,7 +117,7 @@ class _State:
 
     def close(self, wait: float = -1) -> None:
         if not self.lock.acquire(timeout=wait):
-            return  # only from __del__, with the lock held elsewhere: the thread still ends
+            return  # from __del__ only, the lock held elsewhere all along: they go at exit
         try:
             self.closed = True
             ready, self.ready = self.ready, {}
