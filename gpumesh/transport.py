@@ -150,13 +150,15 @@ class DealerLink:
         self._handshake_failures = 0
         self.refusals = 0
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket. ``linger_ms`` > 0 gives what is still queued (a goodbye) that
+        long to go out: the context's ``term`` waits for it, no longer."""
         if self.sock is not None:
             try:
                 self.sock.disable_monitor()
             except zmq.ZMQError:
                 pass
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)
             self.sock = None
         if self.monitor is not None:
             self.monitor.close(linger=0)

@@ -81,6 +81,8 @@ COALESCE_MAX = 64
 # the socket (safe there if it dies) and are read together, instead of a wake-up for each.
 AHEAD_DEEP = 64
 RUNNER_NAP = 0.001
+# How long a worker that is leaving gives its DISCONNECT to reach the coordinator (ms).
+GOODBYE_LINGER_MS = 1000
 RUNNER_READS = 256  # messages read from one runner in one turn, at most
 
 
@@ -160,6 +162,7 @@ class WorkerAgent:
         self.sampler = Sampler(gpu_indices)
         self._local_control = local_control
         self.control: ControlServer | None = None
+        self._goodbye_linger = 0  # set once a DISCONNECT is on its way (_leave)
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
         self._pending_release: list[int] = []
         self._started_at = 0.0
@@ -216,7 +219,7 @@ class WorkerAgent:
                 self.control.close()
             if self.shm is not None:
                 self.shm.release()
-            self.link.close()
+            self.link.close(self._goodbye_linger)
             self._ctx.term()
 
     def _leave(self) -> None:
@@ -225,7 +228,9 @@ class WorkerAgent:
             reason = (Departure.DRAINED if self.mode is WorkerMode.DRAINING else Departure.LEFT).value
             self.link.flush()
             self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
-            time.sleep(0.05)  # let the I/O thread flush the goodbye before the socket closes
+            # The socket closes lingering for it: a fixed 50 ms nap here was too short on a
+            # loaded machine, and the coordinator never heard that the worker left.
+            self._goodbye_linger = GOODBYE_LINGER_MS
 
     def _poller(self) -> tuple[zmq.Poller, dict[int, tuple[Runner, str]]]:
         """The loop's poller and which runner each descriptor belongs to, built again only

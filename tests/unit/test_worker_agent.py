@@ -251,3 +251,15 @@ def test_results_of_tiny_tasks_wait_a_moment_for_those_after_them_and_a_lone_one
     agent._posted_at = None
     agent._mean_run = 0.05
     assert not agent._coalescing(11.0), "tasks this long: every result goes at once"
+
+
+def test_a_leaving_worker_says_so_and_lingers_for_it_to_go_out(agent):
+    from gpumesh.worker.agent import GOODBYE_LINGER_MS
+
+    agent.session.welcomed = True
+    assert agent._goodbye_linger == 0  # a worker that never said goodbye closes at once
+    agent._leave()
+    assert sent(agent, Command.DISCONNECT) == [{"reason": "left"}]
+    # run() closes its socket with this linger: a goodbye queued behind a slow I/O thread is
+    # not dropped (a fixed 50 ms nap lost it on a loaded machine; test_json_logs saw it).
+    assert agent._goodbye_linger == GOODBYE_LINGER_MS
