@@ -148,12 +148,14 @@ class _State:
                     continue
                 self.ready[size] = (fd, time.monotonic())
                 self._evict()
+                self.wake.notify_all()  # for whoever waits on ``ready`` (the tests)
 
     def _close_idle(self, now: float) -> None:
         for size, (fd, made) in list(self.ready.items()):
             if now - made > SPARE_IDLE_SECONDS:
                 os.close(fd)
                 del self.ready[size]
+                self.wake.notify_all()
 
     def _evict(self) -> None:
         """The oldest spares go while there are more than MAX_SPARES, or more bytes than

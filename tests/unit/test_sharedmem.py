@@ -289,13 +289,12 @@ def test_folders_of_coordinators_that_are_gone_are_swept_unless_they_hold_frames
 needs_tmpfile = pytest.mark.skipif(not getattr(os, "O_TMPFILE", 0), reason="Linux O_TMPFILE")
 
 def spare_ready(folder: SharedFolder, size: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        spares = folder._spares
-        if spares is not None and size in spares._state.ready:
-            return True
-        time.sleep(0.01)
-    return False
+    """Whether a spare of ``size`` is made within ``timeout`` (its thread notifies each one)."""
+    if folder._spares is None:
+        return False
+    state = folder._spares._state
+    with state.wake:
+        return state.wake.wait_for(lambda: size in state.ready, timeout)
 
 
 def inode_of(folder: SharedFolder, ref) -> int:
@@ -371,11 +370,12 @@ def test_a_folder_dropped_without_release_ends_its_spare_thread(tmp_path, monkey
     state = joined._spares._state
     assert spare_ready(joined, len(BIG))
     spare_fd = state.ready[len(BIG)][0]
+    thread = state.thread
+    assert thread is not None
     del joined
     gc.collect()
-    deadline = time.monotonic() + 10
-    while state.thread is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    thread.join(10)
+    assert not thread.is_alive()
     assert state.thread is None and state.closed
     assert not any(t.name == "gpumesh-shm-spares" and t.is_alive() and t is state.thread
                    for t in threading.enumerate())
@@ -415,9 +415,9 @@ def test_an_idle_spare_is_given_back(folder, monkeypatch):
     monkeypatch.setattr(shmspares, "SPARE_IDLE_SECONDS", 0.05)
     folder.share([BIG])
     assert spare_ready(folder, len(BIG))
-    deadline = time.monotonic() + 10
-    while folder._spares._state.ready and time.monotonic() < deadline:
-        time.sleep(0.01)
+    state = folder._spares._state
+    with state.wake:
+        assert state.wake.wait_for(lambda: not state.ready, 10)
     assert not folder._spares._state.ready
 
 
