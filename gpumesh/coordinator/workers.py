@@ -244,6 +244,10 @@ class WorkerSide:
         self.ledger.release_leases(worker, now, f"worker {worker.label} {word}", infra=False)
         departed = "left" if reason in (Departure.LEFT, Departure.DRAINED) else ""
         self.ledger.lose(worker, now, word, departed)
+        # The answer: a worker waits for it before it exits, so whoever waits for that exit
+        # (serve for its self-worker) knows the departure was handled, not merely sent.
+        answer = reason if departed else Departure.OTHER
+        self.ledger.send(worker.routing, Command.DISCONNECT, {"reason": answer.value})
 
     def expire(self, now: float) -> None:
         """Workers silent past the liveness limit are lost; leases past their time go back."""

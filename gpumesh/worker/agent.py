@@ -81,7 +81,8 @@ COALESCE_MAX = 64
 # the socket (safe there if it dies) and are read together, instead of a wake-up for each.
 AHEAD_DEEP = 64
 RUNNER_NAP = 0.001
-# How long a worker that is leaving gives its DISCONNECT to reach the coordinator (ms).
+# How long a worker that is leaving waits for the coordinator to acknowledge its DISCONNECT
+# (ms); the socket lingers as long for a goodbye still queued.
 GOODBYE_LINGER_MS = 1000
 RUNNER_READS = 256  # messages read from one runner in one turn, at most
 
@@ -228,9 +229,30 @@ class WorkerAgent:
             reason = (Departure.DRAINED if self.mode is WorkerMode.DRAINING else Departure.LEFT).value
             self.link.flush()
             self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
-            # The socket closes lingering for it: a fixed 50 ms nap here was too short on a
-            # loaded machine, and the coordinator never heard that the worker left.
+            # The socket closes lingering for it, and the worker exits only once the
+            # coordinator answered (or a second passed): a goodbye sent is not a goodbye
+            # handled, and serve stops its coordinator as soon as its self-worker has exited.
             self._goodbye_linger = GOODBYE_LINGER_MS
+            self._await_goodbye(time.monotonic() + GOODBYE_LINGER_MS / 1000)
+
+    def _await_goodbye(self, deadline: float) -> None:
+        """Read until the coordinator's DISCONNECT, which it sends after handling ours; what
+        else arrives (a task sent before it read our goodbye) it has requeued already."""
+        sock = self.link.sock
+        while sock is not None and time.monotonic() < deadline:
+            try:
+                msg = self.link.recv()
+            except MeshError as exc:  # a coordinator of another version: no answer to wait for
+                log.debug("no goodbye from the coordinator: %s", exc)
+                return
+            if msg is not None:
+                if msg.command is Command.DISCONNECT:
+                    return
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                log.debug("the coordinator did not acknowledge this worker's goodbye in time")
+                return
 
     def _poller(self) -> tuple[zmq.Poller, dict[int, tuple[Runner, str]]]:
         """The loop's poller and which runner each descriptor belongs to, built again only

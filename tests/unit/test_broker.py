@@ -171,3 +171,17 @@ def test_clients_are_told_the_workers_pythons_when_they_change(broker):
             if decode(f, Limits()).command is Command.HEARTBEAT]
     assert told and all(h["pythons"] == ["3.11", "3.12"] for h in told)
     assert {r for r, f in broker.outbox} == {C, b"c2"}  # clients only
+
+
+@pytest.mark.parametrize("reason, answer", [("left", "left"), ("drained", "drained"),
+                                            ("kill", "other"), ("whatever", "other")])
+def test_a_workers_goodbye_is_answered_after_its_leases_went_back(broker, reason, answer):
+    task_id = submit(broker, {})
+    broker.dispatch(0.0)
+    broker.outbox.clear()
+    broker.handle(W, msg(Command.DISCONNECT, {"reason": reason}), 1.0)
+    # Its worker exits on the answer (and serve stops on that exit): by then the task is
+    # queued again and the departure was logged.
+    assert broker.tasks[task_id].state is TaskState.PENDING
+    assert [(to, decode(frames, Limits()).header) for to, frames in broker.outbox
+            if decode(frames, Limits()).command is Command.DISCONNECT] == [(W, {"reason": answer})]

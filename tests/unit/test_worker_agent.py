@@ -263,3 +263,41 @@ def test_a_leaving_worker_says_so_and_lingers_for_it_to_go_out(agent):
     # run() closes its socket with this linger: a goodbye queued behind a slow I/O thread is
     # not dropped (a fixed 50 ms nap lost it on a loaded machine; test_json_logs saw it).
     assert agent._goodbye_linger == GOODBYE_LINGER_MS
+
+
+class _Replies:
+    """A coordinator's side of the link for ``_await_goodbye``: what arrives, and the polls."""
+
+    def __init__(self, agent, monkeypatch, replies):
+        self.replies, self.polls = list(replies), []
+        monkeypatch.setattr(agent.link, "sock", self)
+        monkeypatch.setattr(agent.link, "recv",
+                            lambda: self.replies.pop(0) if self.replies else None)
+
+    def poll(self, timeout_ms):
+        self.polls.append(timeout_ms)
+        return 0
+
+
+def test_a_leaving_worker_exits_once_the_coordinator_answered_its_goodbye(agent, monkeypatch):
+    import time
+
+    late_task = decode(encode(Command.TASK, {"task": "T", "lease": 1}), Limits())
+    answer = decode(encode(Command.DISCONNECT, {"reason": "left"}), Limits())
+    link = _Replies(agent, monkeypatch, [late_task, answer, late_task])
+    agent._await_goodbye(time.monotonic() + 60)
+    # The task sent before the coordinator read the goodbye is passed over (it was requeued);
+    # the answer ends the wait at once, with no poll, and what follows it is not read.
+    assert link.polls == [] and link.replies == [late_task]
+
+
+def test_a_goodbye_nobody_answers_is_waited_for_until_its_deadline_and_no_longer(agent,
+                                                                                monkeypatch):
+    import time
+
+    link = _Replies(agent, monkeypatch, [])
+    agent._await_goodbye(time.monotonic() + 0.5)
+    assert len(link.polls) == 1 and 400 < link.polls[0] <= 501  # one poll for what was left
+    link.polls.clear()
+    agent._await_goodbye(time.monotonic() - 1)  # already past: not even a poll
+    assert link.polls == []
