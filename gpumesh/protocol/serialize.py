@@ -57,12 +57,12 @@ def split_frames(frames: Sequence[Any], limit: int) -> tuple[list[Any], list[int
     layout (wire frames per original frame) to rebuild them; None when nothing was split.
 
     Big frames become memoryview slices of the original: nothing is copied to send them."""
-    if all(_nbytes(frame) <= limit for frame in frames):
+    if all(frame_nbytes(frame) <= limit for frame in frames):
         return list(frames), None
     wire: list[Any] = []
     layout: list[int] = []
     for frame in frames:
-        size = _nbytes(frame)
+        size = frame_nbytes(frame)
         if size <= limit:
             wire.append(frame)
             layout.append(1)
@@ -106,7 +106,8 @@ def writable(frames: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _nbytes(frame: Any) -> int:
+def frame_nbytes(frame: Any) -> int:
+    """The size of a frame: bytes, a buffer, or a zmq.Frame."""
     if isinstance(frame, memoryview):
         return frame.nbytes
     buffer = getattr(frame, "buffer", None)  # a zmq.Frame
@@ -114,4 +115,7 @@ def _nbytes(frame: Any) -> int:
 
 
 def payload_nbytes(frames: Sequence[Any]) -> int:
-    return sum(_nbytes(frame) for frame in frames)
+    total = 0
+    for frame in frames:  # a loop, not sum() over a generator: called several times a task
+        total += frame_nbytes(frame)
+    return total
