@@ -34,6 +34,7 @@ from ..protocol import (
     TaskSpec,
 )
 from ..protocol import fields as f
+from ..protocol.ids import HexIds
 from ..protocol.refs import shared_bytes
 from ..protocol.serialize import function_digest, payload_nbytes
 from .jobs import Job, find_job
@@ -43,6 +44,7 @@ from .state import MIN_TASK_BYTES, ClientSession, Task, TaskState, make_room
 from .workers import REMOTE_ACTIONS, WorkerSide
 
 log = logging.getLogger("gpumesh.coordinator")
+_task_id = HexIds(12)  # 48 random bits a task, drawn 256 at a time
 
 REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
 # What a task counts against the byte quotas at least: its record costs the coordinator memory
@@ -173,9 +175,9 @@ class ClientSide:
     def _accept(self, client: ClientSession, job: Job, entry: TaskSpec, payload: list[Any],
                 now: float) -> Task:
         ledger = self.ledger
-        task_id = secrets.token_hex(6)
+        task_id = _task_id()
         while task_id in ledger.tasks:  # 48 random bits: a clash is rare, never silent
-            task_id = secrets.token_hex(6)
+            task_id = _task_id()
         spec = entry.to_spec()
         # Its pickled function (checked against its digest in submit()) is journaled once,
         # however many tasks of a .map carry it.

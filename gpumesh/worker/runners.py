@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import secrets
 import select
 import signal
 import socket
@@ -34,6 +33,7 @@ from typing import Any
 import msgpack
 
 from ..protocol import serialize
+from ..protocol.ids import HexIds
 from ..runner.environment import runner_process_environment
 from ..runner.pipe import MARKER, SHARED_THRESHOLD, PipeClosed, recv_message, send_message
 
@@ -354,16 +354,7 @@ class Runner:
 
 
 _READ_SIZE = 65536
-_NONCES: list[str] = []
-
-
-def _nonce() -> str:
-    """An unguessable nonce for a task handed ahead (its marker must not be forgeable by the
-    task before it), drawn 64 at a time: one system call, not one a task."""
-    try:
-        return _NONCES.pop()
-    except IndexError:
-        pool = secrets.token_hex(8 * 64)
-        _NONCES.extend(pool[i:i + 16] for i in range(16, len(pool), 16))
-        return pool[:16]
+# An unguessable nonce for each task handed ahead: its marker must not be forgeable by the
+# task before it.
+_nonce = HexIds(16, per_draw=64)
 
