@@ -466,18 +466,22 @@ def test_cancelling_one_of_several_handed_ahead_requeues_the_rest_and_it_never_r
 
 
 def test_a_runner_that_dies_with_several_handed_ahead_loses_none_and_blames_one(
-        tiny_tasks_agent):
+        tiny_tasks_agent, tmp_path):
     agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    go = tmp_path / "go"
 
     def die(i):
         import os as system
         system._exit(3)
 
-    _give(agent, 1, fn=quick)
+    # Task 1 waits for the word: a runner that finished it and died of task 2 before task 4
+    # was handed over refused it, and only two were ahead (a loaded machine saw it).
+    _give(agent, 1, fn=waiting_for(go))
     _give(agent, 2, fn=die)
     _give(agent, 3, fn=quick)
     _give(agent, 4, fn=quick)
     assert len(runner.ahead) == 3
+    go.touch()
     runner.proc.wait(timeout=20)  # task 1 wrote its result, task 2 killed the runner
     agent._check_runners(time.time())
     assert _results(agent) == {"task-1": "ok", "task-2": "crashed"}
