@@ -75,13 +75,28 @@ OutputHandler = Callable[[str, str, bytes, str], None]  # (worker short id, stre
 class TaskFuture(concurrent.futures.Future[Any]):
     """A future for one task; ``task_id`` and ``worker`` are filled in as they become known."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_cancel: Callable[[TaskFuture], None] | None = None) -> None:
         super().__init__()
         self.task_id = ""
         self.worker = ""
         self.attempts = 0
         self.seq = 0
         self.job = ""
+        # Set once cancel() succeeded. The engine thread reads this plain attribute, not
+        # cancelled(), which takes the future's lock: it asked several times a task.
+        self.cancel_requested = False
+        self._on_cancel = on_cancel
+
+    def cancel(self) -> bool:
+        """Cancel the task: at once here, and on the mesh as soon as the coordinator is told."""
+        if self.cancel_requested:
+            return True  # told once is enough (a second CANCEL would change nothing)
+        if not super().cancel():
+            return False
+        self.cancel_requested = True
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+        return True
 
     def __await__(self) -> Any:
         """``await future`` in a coroutine; cancelling the awaiting task cancels this task."""
@@ -202,7 +217,7 @@ class Engine:
         batch = _Batch(job, name)
         futures = []
         for spec, frames in items:
-            future = TaskFuture()
+            future = TaskFuture(self._on_cancel)
             batch.items.append((spec, frames, future))
             futures.append(future)
         self._command(batch)
@@ -383,7 +398,6 @@ class Engine:
                     future.seq = seq
                     sub = _Submission(seq, spec, frames, future, command.job, command.name)
                     self._outstanding[seq] = sub
-                    future.add_done_callback(self._on_future_done)
                     batches.append(sub)
             elif isinstance(command, _Query):
                 qid = next(self._qids)
@@ -413,15 +427,15 @@ class Engine:
             sub.busy = False
         self._send_submissions([s for s in batch if s.seq in self._outstanding], now)
 
-    def _on_future_done(self, future: concurrent.futures.Future[Any]) -> None:
-        if future.cancelled():
-            self._command(("cancel", [future]))
+    def _on_cancel(self, future: TaskFuture) -> None:
+        """A future was cancelled, in any thread: the engine tells the coordinator."""
+        self._command(("cancel", [future]))
 
     def _send_submissions(self, subs: list[_Submission], now: float) -> None:
         """SUBMIT in batches of bounded size; one message carries many small tasks."""
         by_job: dict[tuple[str, str], list[_Submission]] = {}
         for sub in subs:
-            if sub.future.cancelled() and not sub.sent_at:
+            if sub.future.cancel_requested and not sub.sent_at:
                 self._outstanding.pop(sub.seq, None)  # cancelled before it was ever sent
             else:
                 # A cancelled one that was sent may be durable already: sending it again gets
@@ -546,7 +560,7 @@ class Engine:
         if accepted:
             self._send_ids(Command.FETCH, accepted, qid=0)
         cancelled = [sub.task_id for sub in self._outstanding.values()
-                     if sub.task_id and sub.future.cancelled()]
+                     if sub.task_id and sub.future.cancel_requested]
         if cancelled:
             self._send_ids(Command.CANCEL, cancelled)
         self._send_submissions([s for s in self._outstanding.values() if not s.task_id], now)
@@ -564,7 +578,7 @@ class Engine:
                 sub.job = sub.job or job
                 sub.future.task_id = task_id
                 self._by_task[task_id] = sub
-                if sub.future.cancelled():
+                if sub.future.cancel_requested:
                     cancelled.append(task_id)  # cancelled while the SUBMIT was in flight
         if cancelled:
             self._send_ids(Command.CANCEL, cancelled)

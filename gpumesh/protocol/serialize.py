@@ -57,7 +57,10 @@ def split_frames(frames: Sequence[Any], limit: int) -> tuple[list[Any], list[int
     layout (wire frames per original frame) to rebuild them; None when nothing was split.
 
     Big frames become memoryview slices of the original: nothing is copied to send them."""
-    if all(frame_nbytes(frame) <= limit for frame in frames):
+    for frame in frames:  # a loop: this runs for every task a client sends
+        if frame_nbytes(frame) > limit:
+            break
+    else:
         return list(frames), None
     wire: list[Any] = []
     layout: list[int] = []
