@@ -589,7 +589,10 @@ class _Countdown:
         return self._left == 0
 
     def _done(self, future: concurrent.futures.Future[Any]) -> None:
-        bad = future.cancelled() or future.exception() is not None
+        try:  # one look under the future's lock, not two: this runs once a task
+            bad = future.exception(0) is not None
+        except concurrent.futures.CancelledError:
+            bad = True
         with self._lock:
             self._left -= 1
             self.failed = self.failed or bad

@@ -616,14 +616,15 @@ class Engine:
         future.task_id = task_id
         future.worker = str(msg.header.get("worker", ""))
         future.attempts = int(msg.header.get("attempts", 0) or 0)
-        if future.done():
-            return
+        if future.cancel_requested:
+            return  # only the engine thread settles a task's future, and only once
         try:
-            future.set_result(decode_result(msg.header, msg.payload,
-                                            script=sub.spec.get("kind") == "script",
-                                            shm=self._shm))
+            value = decode_result(msg.header, msg.payload,
+                                  script=sub.spec.get("kind") == "script", shm=self._shm)
         except BaseException as exc:  # the remote exception, rebuilt
-            future.set_exception(exc)
+            _settle(future.set_exception, exc)
+        else:
+            _settle(future.set_result, value)
 
     def _on_heartbeat(self, msg: Message, now: float) -> None:
         self._note_pythons(msg.header)
@@ -767,6 +768,14 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     if status == ResultStatus.CANCELLED.value:
         raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
     raise TaskError(f"task {task_id} ended with status {status!r}: {diagnosis}", task_id=task_id)
+
+
+def _settle(settle: Callable[[Any], None], outcome: Any) -> None:
+    """Set a future's result or exception, unless its caller cancelled it a moment ago."""
+    try:
+        settle(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled between the check and now: the caller already has its answer
 
 
 def _joined(parts: list[Any], last: Any) -> Any:

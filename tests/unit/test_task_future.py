@@ -41,3 +41,13 @@ def test_cancelling_the_awaiting_coroutine_cancels_the_task_on_the_mesh():
 
 async def _wait(future):
     return await future
+
+
+def test_a_result_that_arrives_as_its_caller_cancels_is_dropped_quietly():
+    from gpumesh.client.engine import _settle
+
+    future = TaskFuture()
+    assert future.cancel()
+    _settle(future.set_result, 42)  # the engine thread lost the race: no InvalidStateError
+    _settle(future.set_exception, RuntimeError("late"))
+    assert future.cancelled()
