@@ -2,7 +2,8 @@
 
 Writes ``results.md`` (also printed), ``results.json`` and PNG plots into ``--out``
 (default ``bench/results/``). ``--quick`` takes about a minute; ``--scale`` and ``--two-hosts``
-add the coordinator-alone and two-namespace sections.
+add the coordinator-alone and two-namespace sections. gpumesh and the floor also run in
+alternating rounds (bench/headtohead.py) unless ``--no-head-to-head``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-journal-cost", action="store_true",
                         help="skip the journal-on/journal-off gpumesh throughput comparison "
                              "(it runs whenever gpumesh does)")
+    parser.add_argument("--no-head-to-head", action="store_true",
+                        help="skip gpumesh and the floor in alternating rounds (they run "
+                             "whenever both systems do)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser.parse_args(argv)
 
@@ -70,7 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     for system_type in chosen_systems(args.only):
         results["systems"].append(run_system(system_type, params, log))
-    if not args.no_journal_cost and any(s.key == "gpumesh" for s in chosen_systems(args.only)):
+    keys = {s.key for s in chosen_systems(args.only)}
+    if not args.no_head_to_head and {"floor", "gpumesh"} <= keys:
+        from .headtohead import QUICK_ROUNDS, ROUNDS, run_head_to_head
+
+        results["head_to_head"] = run_head_to_head(
+            params, rounds=QUICK_ROUNDS if args.quick else ROUNDS, log=log)
+    if not args.no_journal_cost and "gpumesh" in keys:
         from .journal import run_journal_cost
 
         results["journal_cost"] = run_journal_cost(params, log=log)

@@ -141,7 +141,48 @@ def targets_table(results: Results) -> list[str]:
             rows.append([target.text, "not measured", "–"])
         else:
             rows.append([target.text, outcome[0], "met" if outcome[1] else "**not met**"])
+    rows += _head_to_head_targets(results.get("head_to_head", {}))
     return _table(["target", "measured (gpumesh)", ""], rows, "lll")
+
+
+def _head_to_head_targets(section: dict[str, Any]) -> list[list[str]]:
+    """The floor targets again, judged by the median of the alternating rounds' ratios."""
+    if "tasks_ratio" not in section:
+        return []
+    met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    rounds = len(section.get("rounds", []))
+    tasks, p50 = section["tasks_ratio"], section["p50_ratio"]
+    p99 = section["gpumesh_p99_ms"]
+    return [
+        [".map throughput ≥ 1.0× the floor, alternating rounds",
+         f"{tasks:.2f}× (median of {rounds} rounds' ratios)", met(tasks >= 1.0)],
+        ["single-call p50 ≤ 2× the floor's, alternating rounds",
+         f"{p50:.2f}× (median of {rounds} rounds' ratios)", met(p50 <= 2.0)],
+        ["single-call p99 ≤ 3 ms, alternating rounds", f"{number(p99, 3)} ms (median)",
+         met(p99 <= 3.0)],
+    ]
+
+
+def head_to_head_lines(section: dict[str, Any]) -> list[str]:
+    title = ["## gpumesh and the floor, alternating rounds", "",
+             "Both running at once; each round measures one then the other (the order flips "
+             "every round), so the machine's drift falls on both. Ratios are gpumesh's figure "
+             "over the floor's in the same round.", ""]
+    rows = []
+    for index, r in enumerate(section.get("rounds", []), 1):
+        floor, mesh = r["floor"], r["gpumesh"]
+        rows.append([str(index), number(floor["tasks_per_s"], 0), number(mesh["tasks_per_s"], 0),
+                     f"{mesh['tasks_per_s'] / floor['tasks_per_s']:.2f}×",
+                     number(floor["p50_ms"], 3), number(mesh["p50_ms"], 3),
+                     f"{mesh['p50_ms'] / floor['p50_ms']:.2f}×", number(mesh["p99_ms"], 3)])
+    if "tasks_ratio" in section:
+        rows.append(["**median**", "", "", f"**{section['tasks_ratio']:.2f}×**", "", "",
+                     f"**{section['p50_ratio']:.2f}×**",
+                     f"**{number(section['gpumesh_p99_ms'], 3)}**"])
+    table = _table(["round", "floor tasks/s", "gpumesh tasks/s", "ratio ↑", "floor p50 ms",
+                    "gpumesh p50 ms", "ratio ↓", "gpumesh p99 ms"], rows, "lrrrrrrr")
+    failed = [f"Failed: {section['failed']}", ""] if "failed" in section else []
+    return [*title, *table, "", *failed]
 
 
 def cpu_table(results: Results) -> list[str]:
@@ -213,6 +254,8 @@ def markdown(results: Results) -> str:
              "columns, below 1 is better for ↓ columns.", "",
              "## Targets", "", *targets_table(results), "",
              "## CPU per tiny task, by process", "", *cpu_table(results), ""]
+    if "head_to_head" in results:
+        lines += head_to_head_lines(results["head_to_head"])
     if "journal_cost" in results:
         lines += journal_cost_lines(results["journal_cost"])
     if "scale" in results:

@@ -50,3 +50,28 @@ def test_journal_cost_section_gives_both_rates_and_the_ratio() -> None:
     assert "0.925×" in text and "costs 7.5% of throughput" in text
     failed = markdown({"systems": [], "journal_cost": {"failed": "TimeoutError: x"}})
     assert "Failed: TimeoutError: x" in failed
+
+
+def test_alternating_rounds_give_per_round_ratios_and_judge_the_floor_targets_by_their_median():
+    from bench.headtohead import summarize
+
+    def figures(floor_rate, mesh_rate, floor_p50, mesh_p50, mesh_p99=2.0):
+        return {"floor": {"tasks_per_s": floor_rate, "p50_ms": floor_p50, "p99_ms": 1.0},
+                "gpumesh": {"tasks_per_s": mesh_rate, "p50_ms": mesh_p50, "p99_ms": mesh_p99}}
+
+    # The machine slowed by half in round 2: both systems did, and the ratios hold still.
+    rounds = [figures(6000, 6600, 0.5, 1.5), figures(3000, 3300, 1.0, 3.0, 4.0),
+              figures(5000, 4500, 0.5, 0.9)]
+    section = {"rounds": rounds, **summarize(rounds)}
+    assert section["tasks_ratio"] == 1.1 and section["p50_ratio"] == 3.0
+    assert section["gpumesh_p99_ms"] == 2.0
+    text = markdown({**_results(), "head_to_head": section})
+    assert "| 2 | 3,000 | 3,300 | 1.10× | 1.000 | 3.000 | 3.00× | 4.000 |" in text
+    assert "| **median** |  |  | **1.10×** |  |  | **3.00×** | **2.000** |" in text
+    assert ("| .map throughput ≥ 1.0× the floor, alternating rounds | 1.10× (median of 3 "
+            "rounds' ratios) | met |") in text
+    assert "| single-call p50 ≤ 2× the floor's, alternating rounds | 3.00× (median of 3" in text
+    assert "| single-call p99 ≤ 3 ms, alternating rounds | 2.000 ms (median) | met |" in text
+    failed = markdown({"systems": [], "head_to_head": {"failed": "RuntimeError: x",
+                                                         "rounds": []}})
+    assert "Failed: RuntimeError: x" in failed
