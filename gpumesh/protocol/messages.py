@@ -22,7 +22,7 @@ from ..config import Limits
 
 MAGIC = b"GPM"
 MAJOR = 1
-MINOR = 5
+MINOR = 6
 SIGNATURE = MAGIC + bytes([MAJOR])
 
 
