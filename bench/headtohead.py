@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from .measure import round_trips, throughput
+from .measure import describe, round_trips, throughput
 from .params import Params
 from .systems.base import System
 from .systems.floor import FloorSystem
@@ -44,9 +44,10 @@ def run_head_to_head(params: Params, *, rounds: int, log: Callable[[str], None]
                 figures[name] = {key: float(found[key]) for key in FIGURES}
             measured.append(figures)
             log(f"head to head: round {round_ + 1} of {rounds} done")
-    except Exception as exc:
-        log(f"head to head: FAILED: {type(exc).__name__}: {exc}")
-        return {"failed": f"{type(exc).__name__}: {exc}", "rounds": measured}
+    except Exception as exc:  # reported in the section; the rest of the run goes on
+        failure = describe(exc)
+        log(f"head to head: FAILED: {failure}")
+        return {"failed": failure, "rounds": measured}
     finally:
         for system in systems.values():
             try:
