@@ -58,10 +58,11 @@ def run_head_to_head(params: Params, *, rounds: int, log: Callable[[str], None]
 
 
 def summarize(measured: list[dict[str, dict[str, float]]]) -> dict[str, float]:
-    """The medians of the per-round ratios (gpumesh over the floor) and of gpumesh's p99."""
+    """The medians of the per-round ratios (gpumesh over the floor) and of gpumesh's per-round
+    p99; nothing for a figure no round could give."""
     def ratios(key: str) -> list[float]:
         return [r["gpumesh"][key] / r["floor"][key] for r in measured if r["floor"][key]]
 
-    return {"tasks_ratio": statistics.median(ratios("tasks_per_s")),
-            "p50_ratio": statistics.median(ratios("p50_ms")),
-            "gpumesh_p99_ms": statistics.median(r["gpumesh"]["p99_ms"] for r in measured)}
+    found = {"tasks_ratio": ratios("tasks_per_s"), "p50_ratio": ratios("p50_ms"),
+             "gpumesh_p99_ms": [r["gpumesh"]["p99_ms"] for r in measured]}
+    return {key: statistics.median(values) for key, values in found.items() if values}

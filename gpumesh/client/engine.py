@@ -90,7 +90,9 @@ class TaskFuture(concurrent.futures.Future[Any]):
     def cancel(self) -> bool:
         """Cancel the task: at once here, and on the mesh as soon as the coordinator is told."""
         if self.cancel_requested:
-            return True  # told once is enough (a second CANCEL would change nothing)
+            # Told once is enough. (Two threads cancelling at the same moment may both tell
+            # it: a second CANCEL changes nothing at the coordinator.)
+            return True
         if not super().cancel():
             return False
         self.cancel_requested = True
@@ -320,12 +322,12 @@ class Engine:
             if not sub.task_id:
                 self._unshare(sub)  # never accepted: nobody else will remove its files
             if not sub.future.done():
-                sub.future.set_exception(exc)
+                _settle(sub.future.set_exception, exc)
         self._outstanding.clear()
         self._by_task.clear()
         for q in list(self._queries.values()):
             if not q.future.done():
-                q.future.set_exception(exc)
+                _settle(q.future.set_exception, exc)
         self._queries.clear()
         while True:
             try:
@@ -336,7 +338,7 @@ class Engine:
                 [command.future] if isinstance(command, _Query) else [])
             for future in targets:
                 if not future.done():
-                    future.set_exception(exc)
+                    _settle(future.set_exception, exc)
 
     def _poller(self) -> zmq.Poller:
         """The loop's poller, built again only when the link replaced its sockets (a poller
@@ -597,7 +599,8 @@ class Engine:
             self._outstanding.pop(seq, None)
             self._unshare(sub)
             if not sub.future.done():
-                sub.future.set_exception(SubmitRejected(f"the coordinator refused the task: {text}"))
+                _settle(sub.future.set_exception,
+                        SubmitRejected(f"the coordinator refused the task: {text}"))
 
     def _on_result(self, msg: Message, now: float) -> None:
         task_id = str(msg.header.get("task", ""))

@@ -320,6 +320,7 @@ class Broker:
             welcome["pythons"] = ledger.worker_pythons()
         if hello.role is Role.WORKER:
             welcome["abort"] = self.worker_side.hello(routing, hello, now)
+            welcome["goodbye"] = True  # a worker's DISCONNECT is answered (since 1.6)
         else:
             self.client_side.hello(routing, hello, now)
         ledger.peers[routing] = (hello.role, hello.peer_id)

@@ -145,7 +145,10 @@ class Coordinator:
                 self._contained("hand out tasks", self.broker.dispatch, now)
                 self._contained("journal held results", self.ledger.journal_held_results, now)
                 self._end_turn(now)
-            # What was held goes before it closes: results into the journal, then messages.
+            # What already arrived is read once more (a worker's goodbye sent as serve stopped,
+            # a last result); then what was held goes before it closes: results into the
+            # journal, then messages.
+            self._drain(time.time())
             self.ledger.journal_held_results(time.time(), everything=True)
             self.store.commit()
             self._flush(time.time(), everything=True)

@@ -81,8 +81,8 @@ COALESCE_MAX = 64
 # the socket (safe there if it dies) and are read together, instead of a wake-up for each.
 AHEAD_DEEP = 64
 RUNNER_NAP = 0.001
-# How long a worker that is leaving waits for the coordinator to acknowledge its DISCONNECT
-# (ms); the socket lingers as long for a goodbye still queued.
+# How long a worker that is leaving waits for the coordinator to answer its DISCONNECT, or,
+# from a coordinator that does not answer (before protocol 1.6), lingers for it to go out (ms).
 GOODBYE_LINGER_MS = 1000
 RUNNER_READS = 256  # messages read from one runner in one turn, at most
 
@@ -164,6 +164,7 @@ class WorkerAgent:
         self._local_control = local_control
         self.control: ControlServer | None = None
         self._goodbye_linger = 0  # set once a DISCONNECT is on its way (_leave)
+        self._goodbye_answered = False  # this session's coordinator answers a DISCONNECT
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
         self._pending_release: list[int] = []
         self._started_at = 0.0
@@ -229,11 +230,14 @@ class WorkerAgent:
             reason = (Departure.DRAINED if self.mode is WorkerMode.DRAINING else Departure.LEFT).value
             self.link.flush()
             self.link.send(encode(Command.DISCONNECT, {"reason": reason}))
-            # The socket closes lingering for it, and the worker exits only once the
-            # coordinator answered (or a second passed): a goodbye sent is not a goodbye
-            # handled, and serve stops its coordinator as soon as its self-worker has exited.
-            self._goodbye_linger = GOODBYE_LINGER_MS
-            self._await_goodbye(time.monotonic() + GOODBYE_LINGER_MS / 1000)
+            if self._goodbye_answered:
+                # The worker exits once the coordinator answered (or a second passed): a
+                # goodbye sent is not a goodbye handled, and serve stops its coordinator as
+                # soon as its self-worker has exited. After that, nothing is worth a linger.
+                self._await_goodbye(time.monotonic() + GOODBYE_LINGER_MS / 1000)
+            else:
+                # A coordinator before 1.6: the socket lingers for the goodbye to go out.
+                self._goodbye_linger = GOODBYE_LINGER_MS
 
     def _await_goodbye(self, deadline: float) -> None:
         """Read until the coordinator's DISCONNECT, which it sends after handling ours; what
@@ -531,6 +535,7 @@ class WorkerAgent:
 
     def on_welcome(self, h: dict[str, Any], now: float) -> None:
         self._resyncing = False
+        self._goodbye_answered = h.get("goodbye") is True
         self._trusted = self.endpoint  # this address admitted us: a coordinator of the mesh
         if self.shm is not None:
             self.shm.release()

@@ -185,3 +185,12 @@ def test_a_workers_goodbye_is_answered_after_its_leases_went_back(broker, reason
     assert broker.tasks[task_id].state is TaskState.PENDING
     assert [(to, decode(frames, Limits()).header) for to, frames in broker.outbox
             if decode(frames, Limits()).command is Command.DISCONNECT] == [(W, {"reason": answer})]
+
+
+def test_a_worker_is_told_its_goodbye_will_be_answered_and_a_client_is_not():
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "proto": [1, 1]}), 0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    welcomes = {to: decode(frames, Limits()).header for to, frames in b.outbox
+                if decode(frames, Limits()).command is Command.WELCOME}
+    assert welcomes[W]["goodbye"] is True and "goodbye" not in welcomes[C]

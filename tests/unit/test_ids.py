@@ -23,9 +23,11 @@ def test_a_forked_child_never_hands_out_what_its_parent_still_holds():
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its first id must not be one of the parent's next
-        os.close(read)
-        os.write(write, ids().encode())
-        os._exit(0)
+        try:
+            os.close(read)
+            os.write(write, ids().encode())
+        finally:
+            os._exit(0)  # never back into pytest as a second process
     os.close(write)
     child = os.read(read, 64).decode()
     os.close(read)
