@@ -23,6 +23,14 @@ p = json.load(sys.stdin)
 time.sleep(p.get("sleep", 0))
 print(json.dumps({"x": p["x"]}))
 """
+GATED = """
+import json, os, sys, time
+p = json.load(sys.stdin)
+deadline = time.monotonic() + 60
+while not os.path.exists(p["gate"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"x": p["x"]}))
+"""
 FLAKY = """
 import json, os, sys
 p = json.load(sys.stdin)
@@ -150,13 +158,17 @@ def test_retry_reruns_only_the_failed_tasks(mesh_env, tmp_path):
 def test_kill_removes_a_worker_and_its_task_runs_elsewhere(mesh_env, tmp_path):
     mesh_env.start_coordinator()
     doomed = mesh_env.add_worker(slots=1)
-    script, payloads = write_job(tmp_path, SLEEPY, [{"x": 1, "sleep": 2}])
+    # The task runs until the test says so: with a 2 s sleep, a loaded CI machine took long
+    # enough to see it running and start `gpumesh kill` that the task had already finished.
+    gate = tmp_path / "gate"
+    script, payloads = write_job(tmp_path, GATED, [{"x": 1, "gate": str(gate)}])
     job = submit_detached(mesh_env, script, payloads)
     wait_for(lambda: job_status(mesh_env, job)["counts"].get("running") == 1, what="the task to run")
     result = cli(mesh_env, "kill", doomed.worker_id[:6])
     assert result.returncode == 0, result.stderr
     assert f"Removed worker {doomed.worker_id}" in result.stdout and "1 running task(s)" in result.stdout
     assert doomed.proc.wait(timeout=10) == 0  # it left on purpose: no crash, no restart
+    gate.touch()
     survivor = mesh_env.add_worker(slots=1)
     final = wait_for(lambda: (lambda s: s if s["status"] == "finished" else None)(
         job_status(mesh_env, job)), what="the job to finish elsewhere")
@@ -174,14 +186,27 @@ def test_owner_pauses_resumes_and_drains_without_losing_work(mesh_env, tmp_path)
     paused = cli(mesh_env, "pause")
     assert paused.returncode == 0 and f"worker {worker.worker_id} paused" in paused.stdout
     assert json.loads(cli(mesh_env, "workers", "--json").stdout)[0]["state"] == "paused"
-    script, payloads = write_job(tmp_path, SLEEPY, [{"x": 1}, {"x": 2, "sleep": 3}, {"x": 3}])
+    # Task 2 runs until the test says so (a fixed sleep raced the `drain` on a loaded machine:
+    # task 2 could end, and task 3 start, before the drain arrived); 1 and 3 run at once.
+    gate = tmp_path / "gate"
+    script, payloads = write_job(tmp_path, GATED, [{"x": 1, "gate": str(tmp_path)},
+                                                   {"x": 2, "gate": str(gate)},
+                                                   {"x": 3, "gate": str(tmp_path)}])
     job = submit_detached(mesh_env, script, payloads)
     time.sleep(1.0)  # a negative check: nothing may start on a paused worker
     assert job_status(mesh_env, job)["counts"] == {"pending": 3}
     assert cli(mesh_env, "resume").returncode == 0
     wait_for(lambda: job_status(mesh_env, job)["counts"].get("done") == 1, what="1 done")
     wait_for(lambda: job_status(mesh_env, job)["counts"].get("running") == 1, what="the long one")
-    drained = cli(mesh_env, "drain", "--wait")
+    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": mesh_env.coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token}
+    with subprocess.Popen([sys.executable, "-m", "gpumesh", "drain", "--wait"], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as drain:
+        wait_for(lambda: json.loads(cli(mesh_env, "workers", "--json").stdout)[0]["state"]
+                 == "draining", what="the worker draining")
+        gate.touch()  # the running task may finish now; the worker then leaves
+        out, err = drain.communicate(timeout=60)
+    drained = subprocess.CompletedProcess(drain.args, drain.returncode, out, err)
     assert drained.returncode == 0, drained.stderr
     assert "running task(s) will finish" in drained.stdout and "has left the mesh" in drained.stdout
     assert worker.proc.wait(timeout=10) == 0
