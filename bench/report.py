@@ -51,6 +51,12 @@ def ratio(mine: float | None, theirs: float | None) -> float | None:
     return mine / theirs
 
 
+def times(mine: float | None, theirs: float | None) -> str:
+    """``mine / theirs`` as a table cell: "1.23×", or "–" when it cannot be divided."""
+    r = ratio(mine, theirs)
+    return "–" if r is None else f"{r:.2f}×"
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -81,10 +87,7 @@ def comparison_table(results: Results) -> list[str]:
         for other in systems:
             if other["key"] == GPUMESH or other["status"] in ("skipped", "failed"):
                 continue
-            cells = []
-            for m in METRICS:
-                r = ratio(mine.get(m.key), other.get(m.key))
-                cells.append("–" if r is None else f"{r:.2f}×")
+            cells = [times(mine.get(m.key), other.get(m.key)) for m in METRICS]
             rows.append([f"**gpumesh / {other['name']}**", *cells])
     return _table(header, rows, "l" + "r" * len(METRICS))
 
@@ -145,9 +148,12 @@ def targets_table(results: Results) -> list[str]:
     return _table(["target", "measured (gpumesh)", ""], rows, "lll")
 
 
+HEAD_TO_HEAD_MEDIANS = ("tasks_ratio", "p50_ratio", "gpumesh_p99_ms")  # bench/headtohead.py
+
+
 def _head_to_head_targets(section: dict[str, Any]) -> list[list[str]]:
     """The floor targets again, judged by the median of the alternating rounds' ratios."""
-    if not all(key in section for key in ("tasks_ratio", "p50_ratio", "gpumesh_p99_ms")):
+    if not all(key in section for key in HEAD_TO_HEAD_MEDIANS):
         return []
     met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
     rounds = len(section.get("rounds", []))
@@ -169,17 +175,13 @@ def head_to_head_lines(section: dict[str, Any]) -> list[str]:
              "every round), so the machine's drift falls on both. Ratios are gpumesh's figure "
              "over the floor's in the same round.", ""]
     rows = []
-    def times(mine: float, theirs: float) -> str:
-        r = ratio(mine, theirs)
-        return "–" if r is None else f"{r:.2f}×"
-
     for index, r in enumerate(section.get("rounds", []), 1):
         floor, mesh = r["floor"], r["gpumesh"]
         rows.append([str(index), number(floor["tasks_per_s"], 0), number(mesh["tasks_per_s"], 0),
                      times(mesh["tasks_per_s"], floor["tasks_per_s"]),
                      number(floor["p50_ms"], 3), number(mesh["p50_ms"], 3),
                      times(mesh["p50_ms"], floor["p50_ms"]), number(mesh["p99_ms"], 3)])
-    if all(key in section for key in ("tasks_ratio", "p50_ratio", "gpumesh_p99_ms")):
+    if all(key in section for key in HEAD_TO_HEAD_MEDIANS):
         rows.append(["**median**", "", "", f"**{section['tasks_ratio']:.2f}×**", "", "",
                      f"**{section['p50_ratio']:.2f}×**",
                      f"**{number(section['gpumesh_p99_ms'], 3)}**"])

@@ -67,7 +67,7 @@ class QueuedTask:
     def socket_bytes(self) -> int:
         """About what handing it to a runner writes on the runner's socket, header included
         (a frame of SHARED_THRESHOLD or more goes as a shared file). Counted once: it was
-        counted three times a task (room ahead, handed ahead, started), 6 % of an agent."""
+        counted three times a task (room ahead, handed ahead, started), a tenth of an agent."""
         total = 512
         for frame in self.frames:
             size = serialize.frame_nbytes(frame)
