@@ -181,6 +181,14 @@ def test_ctrl_c_during_submit_wait_leaves_the_job_running(mesh_env, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "gpumesh", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=_interruptible)
+    # The task may run before this client has read the coordinator's acceptance (a loaded
+    # machine starves it): Ctrl+C must come once it says so, or it rightly answers "may run".
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith("Job: "):  # the last line before it waits
+            break
+    else:
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"submit --wait ended before it waited: {err}")
     out, err = _interrupt_once_running(proc, client, 1, "the job running")
     assert proc.returncode == 130, err
     assert "keeps running on the mesh" in err and "gpumesh status " in err, err
