@@ -130,7 +130,7 @@ def test_cancel_stops_a_running_job_and_the_worker_stays(mesh_env, tmp_path):
     result = cli(mesh_env, "cancel", job)
     assert result.returncode == 0 and "Cancelled 4 unfinished task(s)" in result.stdout
     final = wait_for(lambda: (lambda s: s if s["status"] == "finished" else None)(
-        job_status(mesh_env, job)), timeout=10, what="the cancellation")
+        job_status(mesh_env, job)), timeout=30, what="the cancellation")
     assert final["counts"] == {"cancelled": 4}
     script2, payloads2 = write_job(tmp_path, SLEEPY, [{"x": 7}])
     after = cli(mesh_env, "submit", script2, "--payloads", payloads2, "--wait")
@@ -185,7 +185,9 @@ def test_owner_pauses_resumes_and_drains_without_losing_work(mesh_env, tmp_path)
     worker = mesh_env.add_worker(slots=1, extra_args=["--prefetch", "0"])
     paused = cli(mesh_env, "pause")
     assert paused.returncode == 0 and f"worker {worker.worker_id} paused" in paused.stdout
-    assert json.loads(cli(mesh_env, "workers", "--json").stdout)[0]["state"] == "paused"
+    # The worker answers its owner at once and tells the coordinator right after.
+    wait_for(lambda: json.loads(cli(mesh_env, "workers", "--json").stdout)[0]["state"]
+             == "paused", what="the coordinator to see the worker paused")
     # Task 2 runs until the test says so (a fixed sleep raced the `drain` on a loaded machine:
     # task 2 could end, and task 3 start, before the drain arrived); 1 and 3 run at once.
     gate = tmp_path / "gate"

@@ -19,8 +19,11 @@ from gpumesh.client.decorators import MeshFunction, MeshSource
 from gpumesh.client.tasks import TaskOptions
 
 
-def triple(x):
-    time.sleep(0.3 * x)
+def triple(x, gate=""):
+    """3x; given a ``gate`` file, once the test has made it (a minute at most)."""
+    deadline = time.monotonic() + 60
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return 3 * x
 
 
@@ -34,19 +37,24 @@ def idle(client):
     return not counts.get("running") and not counts.get("pending")
 
 
-def test_await_futures_aio_and_amap_in_finishing_order(mesh_env):
+def test_await_futures_aio_and_amap_in_finishing_order(mesh_env, tmp_path):
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=3)
     client = mesh_env.client()
     mesh_env.wait_workers(1, client)
     fn = MeshFunction(triple, MeshSource(client), TaskOptions())
+    gate = tmp_path / "gate"
 
     async def main():
         assert await client.submit(triple, 1) == 3
         assert await fn.aio(2) == 6
-        seen = [pair async for pair in fn.amap([3, 0, 1])]
+        seen = []
+        async for pair in fn.amap([(3, str(gate)), (0, ""), (1, "")]):  # tuples: the args
+            seen.append(pair)
+            if len(seen) == 2:
+                gate.touch()  # the first task ends only now: it must come last
         assert sorted(seen) == [(0, 9), (1, 0), (2, 3)]
-        assert seen[-1] == (0, 9)  # the slowest came last
+        assert seen[-1] == (0, 9)
         long = asyncio.ensure_future(MeshFunction(nap, MeshSource(client), TaskOptions()).aio(60))
         await asyncio.to_thread(wait_for, lambda: client.status(tasks=False)["counts"].get(
             "running"), what="the awaited task running")

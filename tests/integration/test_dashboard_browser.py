@@ -166,11 +166,14 @@ def test_a_workers_gpus_show_their_name_use_and_vram(live, gpu_worker, artifacts
     shot(page, artifacts, "dashboard-gpus", full_page=True)
 
 
-def test_a_running_jobs_progress_advances(live, artifacts):
+def test_a_running_jobs_progress_advances(live, artifacts, tmp_path):
     mesh, page, _ = live
     client = mesh.clients[0]
-    futures = client.submit_calls(pause, [((0.25,), {}) for _ in range(16)], job="progressjob",
-                                  name="progress")
+    # Half the tasks run until the test opens the gate: a loaded machine cannot finish the job
+    # before the page has shown it part-way, with work moving on the edges.
+    gate = str(tmp_path / "gate")
+    calls = [((0.25,), {}) for _ in range(8)] + [((60,), {"gate": gate}) for _ in range(8)]
+    futures = client.submit_calls(pause, calls, job="progressjob", name="progress")
     row = page.locator('#jobs tr[data-job="progressjob"]')
     row.wait_for()
     bar = row.locator(".progress")
@@ -188,6 +191,7 @@ def test_a_running_jobs_progress_advances(live, artifacts):
         .map((t) => t.getBBox()).filter((b) => b.x < 0 || b.x + b.width > 900).length""")
     assert outside == 0
     shot(page, artifacts, "dashboard-progress", full_page=True)
+    Path(gate).touch()
     wait_for(lambda: int(bar.get_attribute("data-finished") or 0) > part, 20, "progress to advance")
     client.gather(futures, timeout=30)
     wait_for(lambda: bar.get_attribute("data-finished") == "16", 10, "the bar to fill")

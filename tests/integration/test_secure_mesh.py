@@ -37,7 +37,9 @@ def test_wrong_token_client_fails_fast_and_the_mesh_keeps_serving(mesh_env):
     intruder = mesh_env.client(token="not-the-token-" + "x" * 30)
     with pytest.raises(AuthenticationError, match="token does not match this coordinator"):
         intruder.workers()
-    assert time.time() - started < 5
+    # Seconds, not the retries forever of a link that never learns why it fails (generous:
+    # a loaded CI machine takes seconds to derive keys and run two handshakes).
+    assert time.time() - started < 15
     assert mesh_env.client().submit(double, 21).result(timeout=30) == 42
 
 
@@ -51,7 +53,7 @@ def test_wrong_token_worker_fails_fast_with_a_clear_error(mesh_env):
     )
     assert proc.returncode == 1
     assert "authentication failed: the token does not match this coordinator" in proc.stderr
-    assert time.time() - started < 5 + 2  # 5 s budget for the handshake, plus interpreter start
+    assert time.time() - started < 20  # it gives up by itself: the run's timeout is 30 s
     assert env["GPUMESH_TOKEN"] not in proc.stdout + proc.stderr
     # A refused join must not replace the saved connection with its wrong token.
     assert not (mesh_env.home / "config.json").exists()

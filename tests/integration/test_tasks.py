@@ -213,14 +213,29 @@ def nap(seconds):
     return seconds
 
 
-def test_a_future_cancelled_before_its_submit_was_accepted_never_runs(mesh_env):
+def hold(gate):
+    """Runs until the test makes the ``gate`` file (a minute at most)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return gate
+
+
+def test_a_future_cancelled_before_its_submit_was_accepted_never_runs(mesh_env, tmp_path):
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=1)
     client = mesh_env.client()
     mesh_env.wait_workers(1, client)
-    first, second = client.submit_calls(nap, [((1.0,), {}), ((0.01,), {})])
+    gate = str(tmp_path / "gate")
+    # The first holds the only slot until the cancel has been handled, however slow this is.
+    first, second = client.submit_calls(hold, [((gate,), {}), ((gate,), {})])
     assert second.cancel()  # before ACCEPTED has had time to arrive
-    assert first.result(timeout=30) == 1.0
+    wait_for(lambda: (lambda c: c.get("running") == 1 and not c.get("pending"))(
+        client.status(first.job, tasks=False)["counts"]), what="only the first task left")
+    open(gate, "w").close()
+    assert first.result(timeout=30) == gate
     status = wait_for(lambda: (lambda s: s if s["status"] == "finished" else None)(
         client.status(first.job)), what="the job to finish")
     # Cancelled in flight (the usual case) or before it was even sent: either way it never ran.
@@ -235,7 +250,7 @@ def test_waiting_with_no_worker_says_so_once(mesh_env, capsys):
     client = GPUMesh(mesh_env.coordinator.url, mesh_env.token, settings=mesh_env.settings)
     mesh_env.clients.append(client)
     with pytest.raises(MeshTimeout):
-        client.map(echo, [1, 2], timeout=5)
+        client.map(echo, [1, 2], timeout=10)  # notice at 3 s, then a status query: room for both
     err = capsys.readouterr().err
     assert err.count("2 task(s) waiting: no worker is connected") == 1
     assert "gpumesh join" in err and mesh_env.token not in err
