@@ -117,7 +117,7 @@ class Session:
         self.welcomed = False
         fields = self.hooks.on_hello()
         header = {"role": self.role.value, "id": self.peer_id, "proto": [MAJOR, MAJOR],
-                  "batch": True, **fields}
+                  "batch": True, "shmlock": True, **fields}
         self.link.flush()
         self.link.batching = False  # until this coordinator's WELCOME says it reads BATCH
         self.link.post(encode(Command.HELLO, header))

@@ -12,11 +12,14 @@ the same people who can read the token in ``~/.gpumesh``.
 
 Frames are written once by their producer and mapped copy-on-write by their consumer, so a
 64 MiB array crosses from the client to the runner without passing through any socket, and
-stays writable for the code that receives it.
+stays writable for the code that receives it. A consumer holds a shared lock on a file while
+it maps it, and the producer writes its next frame of that size into the same file once the
+coordinator has retired it and nobody holds it any more (gpumesh/shmpool.py).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -35,7 +38,13 @@ from typing import Any
 
 from .fileio import write_all
 from .protocol.refs import NAME_PATTERN, Ref
+from .shmpool import RETIRE_SECONDS, RETIRED, Pool, holds
 from .shmspares import Spares
+
+try:
+    import fcntl
+except ImportError:  # Windows: no folder is ever made (create), so no lock is ever taken
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("gpumesh.sharedmem")
 
@@ -66,6 +75,7 @@ class SharedFolder:
         self._lock = lock  # the coordinator's: held while it runs (see _sweep_abandoned)
         self._remover: _Remover | None = None
         self._spares: Spares | None = None  # made at the first frame this process writes
+        self._pool: Pool | None = None  # the files this process wrote, to write again
         self._released = False
 
     # ----------------------------------------------------------------- making and joining
@@ -88,6 +98,7 @@ class SharedFolder:
             if stat.S_IMODE(info.st_mode) & 0o077:
                 os.chmod(path, 0o700)
             lock = _hold(path)
+            _remove_retired(path)  # a crashed coordinator's: its producers claim nothing now
             proof = secrets.token_hex(16)
             probe = path / PROBE
             tmp = path / f".{PROBE}.{proof}"
@@ -173,6 +184,10 @@ class SharedFolder:
         target = self.path / name
         if self._spares is None and not self._released:
             self._spares = Spares(self.path)
+            self._pool = Pool(self.path)
+        pool = self._pool
+        if pool is not None and pool.refill(view, name):
+            return name  # into pages that exist and are mapped: a plain memory copy
         spares = self._spares
         fd = spares.take(view.nbytes) if spares is not None else None
         if fd is not None and spares is not None and not spares.name(fd, target):
@@ -180,7 +195,7 @@ class SharedFolder:
             fd = None
         if fd is None:
             try:
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             except OSError as exc:
                 log.debug("cannot share a frame: %s", exc)
                 return None
@@ -192,7 +207,10 @@ class SharedFolder:
             with contextlib.suppress(OSError):
                 os.unlink(target)
             return None
-        os.close(fd)
+        if pool is not None:
+            pool.keep(fd, name, view.nbytes)  # to write again once nobody needs it
+        else:
+            os.close(fd)
         if spares is not None:
             spares.want(view.nbytes)  # the next frame of this size goes into pages made meanwhile
         return name
@@ -204,6 +222,9 @@ class SharedFolder:
         if self._spares is not None:
             self._spares.close()
             self._spares = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def resolve(self, frames: Sequence[Any], refs: Iterable[Ref]) -> list[Any]:
         """``frames`` with each referenced placeholder replaced by its file, mapped copy-on-
@@ -218,8 +239,9 @@ class SharedFolder:
     def open(self, name: str, size: int) -> Any:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a shared frame's name")
+        path = self.path / name
         try:
-            fd = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise ValueError(f"shared frame {name} is gone ({exc.strerror}): was the machine "
                              "restarted, or the folder cleaned?") from None
@@ -229,9 +251,25 @@ class SharedFolder:
                 raise ValueError(f"shared frame {name} is not the {size} bytes it should be")
             if size == 0:
                 return b""
+            if fcntl is not None:
+                # Held for as long as the mapping lives (the mapping keeps a duplicate of this
+                # descriptor): its producer writes into the file again only once it is let go.
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if not _still_named(path, info):
+                    raise ValueError(f"shared frame {name} is gone: it was retired and reused")
             return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)
+
+    def retire(self, name: str) -> bool:
+        """Retire the file ``name`` if someone holds it, else remove it; whether it retired."""
+        path = self.path / name
+        if holds(path):
+            with contextlib.suppress(OSError):
+                os.rename(path, self.path / (RETIRED + name))
+                return True
+        _unlink(path)
+        return False
 
     def remove(self, names: Iterable[str]) -> None:
         for name in names:
@@ -239,19 +277,23 @@ class SharedFolder:
                 with contextlib.suppress(OSError):
                     os.unlink(self.path / name)
 
-    def remove_soon(self, names: Iterable[str]) -> None:
-        """``remove`` on a thread of its own. Freeing a file's pages is the kernel's slowest
-        step here (about 8 ms for 64 MiB on the test machine), and the coordinator's loop,
-        which decides when a file goes, should not wait for it."""
+    def retire_soon(self, names: Iterable[str], retire: bool = True) -> None:
+        """The coordinator is done with these frames' files. Each is removed, unless someone
+        holds it (its producer keeps it to write again, or a consumer maps it still): then it
+        is renamed RETIRED + name for its producer to claim, and removed RETIRE_SECONDS later
+        if nobody did (gpumesh/shmpool.py); ``retire=False`` removes every one. On a thread of
+        its own: freeing a file's pages is the kernel's slowest step here (about 8 ms for 64 MiB
+        on the test machine), and the coordinator's loop, which decides when a file goes,
+        should not wait for it."""
         names = list(names)
         if not names:
             return
         if self._remover is None:
             self._remover = _Remover(self)
-        self._remover.put(names)
+        self._remover.put((names, retire))
 
     def settle(self) -> None:
-        """Wait until every removal asked of ``remove_soon`` is done."""
+        """Wait until every removal asked of ``retire_soon`` is done, retired files included."""
         if self._remover is not None:
             self._remover.stop()
             self._remover = None
@@ -276,16 +318,16 @@ class SharedFolder:
 
 
 class _Remover:
-    """The thread behind ``remove_soon``: started at the first removal, ended by ``stop``,
-    which waits for the removals asked before it."""
+    """The thread behind ``retire_soon``: started at the first retirement, ended by ``stop``,
+    which waits for those asked before it and removes every file still retired."""
 
     def __init__(self, folder: SharedFolder) -> None:
-        self._names: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._names: queue.SimpleQueue[tuple[list[str], bool] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, args=(folder,),
                                         name="gpumesh-shm-remover", daemon=True)
         self._thread.start()
 
-    def put(self, names: list[str]) -> None:
+    def put(self, names: tuple[list[str], bool]) -> None:
         self._names.put(names)
 
     def stop(self) -> None:
@@ -293,8 +335,25 @@ class _Remover:
         self._thread.join()
 
     def _run(self, folder: SharedFolder) -> None:
-        while (names := self._names.get()) is not None:
-            folder.remove(names)
+        retired: collections.deque[tuple[float, str]] = collections.deque()  # (until, name)
+        while True:
+            wait = max(0.0, retired[0][0] - time.monotonic()) if retired else None
+            try:
+                asked = self._names.get(timeout=wait)
+            except queue.Empty:
+                asked = ([], False)
+            if asked is None:
+                break
+            names, retire = asked
+            if not retire:
+                folder.remove(names)
+            for name in names if retire else ():
+                if isinstance(name, str) and _NAME.fullmatch(name) and folder.retire(name):
+                    retired.append((time.monotonic() + RETIRE_SECONDS, RETIRED + name))
+            while retired and retired[0][0] <= time.monotonic():
+                _unlink(folder.path / retired.popleft()[1])
+        for _, name in retired:
+            _unlink(folder.path / name)
 
 
 _LOCK = ".lock"
@@ -316,12 +375,37 @@ def _hold(path: Path) -> int | None:
     return fd
 
 
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _still_named(path: Path, opened: os.stat_result) -> bool:
+    """Whether ``path`` still names the file opened: a retired file reused meanwhile has
+    another name, and bytes that are not this frame's."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _remove_retired(path: Path) -> None:
+    """Retired files of a coordinator that is gone: nobody claims them from it any more."""
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.startswith(RETIRED):
+                _unlink(Path(entry.path))
+
+
 def _remove_if_empty(path: Path) -> bool:
-    """Remove a folder that holds no frame (only its probe and lock); False if it holds one."""
+    """Remove a folder that holds no frame (only its probe, lock and retired files); False if
+    it holds one."""
     with contextlib.suppress(OSError):
         with os.scandir(path) as entries:
             if any(_NAME.fullmatch(entry.name) for entry in entries):
                 return False
+        _remove_retired(path)
         for name in (PROBE, _LOCK):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path / name)

@@ -327,6 +327,7 @@ class Broker:
         session = (ledger.workers if hello.role is Role.WORKER else ledger.clients).get(hello.peer_id)
         if session is not None:
             session.batch = hello.batch
+            session.shmlock = hello.shmlock
             session.shm = False  # until this session's HEARTBEAT proves it reads the folder
         ledger.send(routing, Command.WELCOME, welcome)
 

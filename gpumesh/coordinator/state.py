@@ -181,6 +181,7 @@ class WorkerSession:
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
     shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
+    shmlock: bool = False  # it locks the shared files it maps (its HELLO said so)
     # It keeps functions sent with ``fnkeep`` for this session (its HELLO said ``fnref``): the
     # digests it holds, so later TASKs of one function name it instead of carrying it.
     fnref: bool = False
@@ -273,6 +274,7 @@ class ClientSession:
     queued_bytes: int = 0
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
     shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
+    shmlock: bool = False  # it locks the shared files it maps (its HELLO said so)
 
     @property
     def owner(self) -> str:

@@ -145,7 +145,7 @@ class WorkerSide:
 
     def heartbeat(self, worker: WorkerSession, beat: Heartbeat, now: float) -> None:
         if beat.shm:
-            worker.shm = self.ledger.shares_memory(beat.shm)
+            worker.shm = self.ledger.shares_memory(beat.shm, worker.shmlock)
         if beat.stats is not None:
             worker.stats, worker.stats_at = beat.stats.to_dict(), now
         expires = now + self.ledger.timing.lease_ttl

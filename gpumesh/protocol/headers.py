@@ -184,6 +184,7 @@ class Hello:
     incarnation: str = ""
     mode: WorkerMode = WorkerMode.ACTIVE
     batch: bool = False  # the peer reads BATCH messages (since 1.3)
+    shmlock: bool = False  # the peer locks the shared-memory files it maps (since 1.7)
     fnref: bool = False  # the worker keeps functions and takes TASKs that name one (since 1.4)
     control: bool = False  # the worker takes CONTROL drain/pause/resume from the mesh (since 1.5)
 
@@ -197,8 +198,10 @@ class Hello:
         peer_id = f.text(h, "id", min_len=1, max_len=ID_CHARS)
         raw_info = f.mapping(h, "info", max_items=64, default={})
         batch = bool(f.flag(h, "batch", default=False))
+        shmlock = bool(f.flag(h, "shmlock", default=False))
         if role is Role.CLIENT:
-            return cls(role, peer_id, ClientInfo.from_mapping(raw_info), batch=batch)
+            return cls(role, peer_id, ClientInfo.from_mapping(raw_info), batch=batch,
+                       shmlock=shmlock)
         info = WorkerInfo.from_mapping(raw_info)
         slots = f.integer(h, "slots", low=1, high=MAX_SLOTS)
         most = max(info.cores, len(info.gpus), 1) * SLOTS_PER_CORE
@@ -217,6 +220,7 @@ class Hello:
             incarnation=f.text(h, "incarnation", max_len=ID_CHARS, default=""),
             mode=_mode(h, WorkerMode.ACTIVE),
             batch=batch,
+            shmlock=shmlock,
             fnref=bool(f.flag(h, "fnref", default=False)),
             control=bool(f.flag(h, "control", default=False)),
         )

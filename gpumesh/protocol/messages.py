@@ -22,7 +22,7 @@ from ..config import Limits
 
 MAGIC = b"GPM"
 MAJOR = 1
-MINOR = 6
+MINOR = 7
 SIGNATURE = MAGIC + bytes([MAJOR])
 
 

@@ -101,3 +101,57 @@ def test_coordinator_kill_9_before_it_accepts_loses_nothing(mesh_env):
     mesh_env.add_worker(slots=2)
     results = client.gather(futures, timeout=90)
     assert [r[0] for r in results] == [expected(a)[0] for a in arrays(2)]
+
+
+KEPT_BY_THE_TASK: list[np.ndarray] = []
+
+
+def echo(array):
+    return array
+
+
+def keep(array):
+    """Keeps its argument past the task, as a cache in a runner would."""
+    KEPT_BY_THE_TASK.append(array)
+    return int(array[0])
+
+
+def kept_values(_):
+    """The first byte of each argument this runner kept, or -1 for one that changed since."""
+    return [int(a[0]) if (a == a[0]).all() else -1 for a in KEPT_BY_THE_TASK]
+
+
+def test_a_frame_file_is_written_again_only_once_nobody_maps_it(mesh_env, monkeypatch):
+    from gpumesh import shmpool
+
+    refilled = []
+    refill = shmpool.Pool.refill
+
+    def counted(self, view, name):
+        done = refill(self, view, name)
+        refilled.append(done)
+        return done
+
+    monkeypatch.setattr(shmpool.Pool, "refill", counted)  # this process: the client's files
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    # Results dropped at once: the files are written again in place (the pool's point).
+    for i in range(8):
+        item = np.full(SIZE, i, np.uint8)
+        assert np.array_equal(client.submit(echo, item).result(timeout=60), item)
+    assert any(refilled), "no argument file was ever written again"
+    # Results the caller keeps, and arguments the task keeps: never written under them.
+    kept = [(np.full(SIZE, 100 + i, np.uint8), client.submit(echo, np.full(SIZE, 100 + i,
+                                                                          np.uint8)))
+            for i in range(6)]
+    for item, future in kept:
+        assert np.array_equal(future.result(timeout=60), item)
+    for i in range(6):
+        assert client.submit(keep, np.full(SIZE, 50 + i, np.uint8)).result(timeout=60) == 50 + i
+    for i in range(4):  # more traffic of the same size, which would reuse a file if it could
+        item = np.full(SIZE, 200 + i, np.uint8)
+        assert np.array_equal(client.submit(echo, item).result(timeout=60), item)
+    assert all(np.array_equal(future.result(), item) for item, future in kept)
+    assert client.submit(kept_values, 0).result(timeout=60) == list(range(50, 56))

@@ -116,7 +116,7 @@ def test_files_dropped_in_a_turn_are_removed_after_its_commit(coordinator):
         commit()
 
     class Folder:
-        def remove_soon(self, names):
+        def retire_soon(self, names, retire=True):
             events.append(f"remove {' '.join(names)}")
 
     coordinator.store.commit = committing

@@ -9,6 +9,7 @@ import stat
 import time
 
 import pytest
+from conftest import wait_for
 
 from gpumesh import shmspares
 from gpumesh.config import Limits, Timing
@@ -16,6 +17,7 @@ from gpumesh.coordinator.broker import Broker
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.protocol.refs import parse_refs
 from gpumesh.sharedmem import MIN_SHARED_BYTES, ORPHAN_AGE, PROBE, SharedFolder
+from gpumesh.shmpool import RETIRED
 from gpumesh.store import Store
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX shared memory")
@@ -114,17 +116,17 @@ def test_close_keeps_a_folder_that_still_holds_frames(folder):
 
 # ----------------------------------------------------------------- the coordinator
 
-W, W2, C = b"worker-routing", b"worker-2", b"client-routing"
+W, W2, C, C2 = b"worker-routing", b"worker-2", b"client-routing", b"client-2"
 
 
 @pytest.fixture
 def broker(folder) -> Broker:
     b = Broker(Store(":memory:"), Timing(), LIMITS, epoch=1, now=0.0, shm=folder)
     b.handle(W, decode(encode(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1,
-                                              "proto": [1, 1], "info": {"python": "3.11"}}),
-                       LIMITS), 0.0)
-    b.handle(C, decode(encode(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}),
-                       LIMITS), 0.0)
+                                              "proto": [1, 1], "info": {"python": "3.11"},
+                                              "shmlock": True}), LIMITS), 0.0)
+    b.handle(C, decode(encode(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1],
+                                              "shmlock": True}), LIMITS), 0.0)
     return b
 
 
@@ -211,6 +213,31 @@ def test_shared_files_are_removed_once_nobody_needs_them(broker, folder):
     assert committed(broker, folder) == set()
 
 
+def retired(folder: SharedFolder) -> set[str]:
+    return {n[len(RETIRED):] for n in os.listdir(folder.path) if n.startswith(RETIRED)}
+
+
+def test_files_their_producer_keeps_are_retired_while_every_peer_locks_what_it_maps(broker,
+                                                                                    folder):
+    task_id, name, result_name = finish_shared(broker, folder)  # this process wrote both
+    handle(broker, C, Command.RESULT_ACK, {"tasks": [task_id]})
+    broker.store.commit()
+    broker.ledger.remove_unneeded_files()
+    wait_for(lambda: retired(folder) == {name, result_name}, what="both files retired")
+    assert names(folder) == {RETIRED + name, RETIRED + result_name}
+
+
+def test_a_peer_that_does_not_lock_what_it_maps_stops_the_retiring(broker, folder):
+    handle(broker, C2, Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1]})
+    handle(broker, C2, Command.HEARTBEAT, {"shm": folder.proof})  # a gpumesh before 1.7
+    task_id, name, result_name = finish_shared(broker, folder)
+    handle(broker, C, Command.RESULT_ACK, {"tasks": [task_id]})
+    broker.store.commit()
+    broker.ledger.remove_unneeded_files()
+    wait_for(lambda: names(folder) == set(), what="both files removed")
+    assert broker.ledger.retire_files is False
+
+
 def test_a_journaled_result_lets_its_input_go_and_keeps_its_own(broker, folder):
     from gpumesh.coordinator.ledger import RESULT_JOURNAL_DELAY
 
@@ -224,7 +251,7 @@ def test_removals_wait_for_the_folder_to_close(tmp_path, monkeypatch):
     folder = SharedFolder.create("closing")
     assert folder is not None
     _, refs = folder.share([BIG, BIG])
-    folder.remove_soon(name for _, name, _ in refs)
+    folder.retire_soon(name for _, name, _ in refs)
     folder.close()  # waits for the removals, so the empty folder goes too
     assert not folder.path.exists()
 

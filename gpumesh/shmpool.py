@@ -1,0 +1,245 @@
+"""A producer's big shared-memory files, kept mapped and written again once nobody needs them.
+
+Putting 64 MiB into a new tmpfs file costs the test machine about 35 ms: 16-20 for the kernel
+to find and clear the pages, 17 for ``write`` to walk them one by one; and whoever removes the
+file pays 8 more to free them. Copying the same bytes into a mapping of a file whose pages exist
+and are already mapped costs 7, as much as any memory copy there. So a producer of big frames
+(a client's arguments, a runner's results) keeps each file it wrote, mapped on first reuse, and
+writes a later frame of the same size into it once two things hold:
+
+- the coordinator is done with it. Where it used to remove a frame's file after its last
+  journal write, it now *retires* it: renames it ``RETIRED + name``, a name no reference can
+  give (sharedmem.SharedFolder.retire_soon). The producer claims it back by renaming it to the
+  new frame's name: the rename is atomic, so one file never gets two new names;
+- nobody maps it. Every consumer holds a shared ``flock`` on a file while it maps it (the lock
+  lives on with the mapping's own descriptor: sharedmem.SharedFolder.open), and the producer
+  holds one too while it keeps the file. The producer writes only while it holds the exclusive
+  lock, which it gets only when it is the file's one holder.
+
+The coordinator tells a kept file from a forgotten one by the same lock: a file nobody holds is
+removed at once, so a consumer that never reuses its files (another version, a pool that is
+full) leaves no retired file behind. Retired files nobody claims go after RETIRE_SECONDS, and
+a kept file nobody wrote for KEEP_IDLE_SECONDS is given back: an idle process holds no memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no shared folder at all (sharedmem.SharedFolder.create)
+    fcntl = None  # type: ignore[assignment]
+
+# The prefix of a file the coordinator no longer needs, and how long it waits for its producer
+# to claim it back before it removes it.
+RETIRED = "retired-"
+RETIRE_SECONDS = 30.0
+# A producer keeps at most this many files, and this many bytes of them, the least recently
+# written going first; and gives back one it has not written for this long.
+KEEP_MAX_FILES = 4
+KEEP_MAX_BYTES = 256 * 1024 * 1024
+KEEP_IDLE_SECONDS = 30.0
+# A file is kept only while its file system has this many times its size free: Docker gives
+# /dev/shm 64 MiB, and kept files must not crowd out the frames of other processes.
+KEEP_FREE_FACTOR = 4
+
+
+class _Kept:
+    __slots__ = ("fd", "name", "size", "used", "view")
+
+    def __init__(self, fd: int, name: str, size: int, used: float) -> None:
+        self.fd = fd
+        self.name = name
+        self.size = size
+        self.used = used
+        self.view: mmap.mmap | None = None  # mapped at the first reuse, not before
+
+    def close(self) -> None:
+        if self.view is not None:
+            with contextlib.suppress(BufferError):
+                self.view.close()
+            self.view = None
+        with contextlib.suppress(OSError):
+            os.close(self.fd)  # and with it this process's lock
+
+
+class Pool:
+    """The files one process wrote in one folder and may write again; thread-safe (a client
+    writes from its engine thread, its own thread gives back idle files)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._kept: list[_Kept] = []
+        self._closed = fcntl is None
+        self._thread: threading.Thread | None = None
+        _LIVE.add(self)
+
+    def refill(self, view: memoryview, name: str) -> bool:
+        """Write ``view`` into a kept file of its size that nobody needs any more, named
+        ``name`` from now on; False when there is none (the caller writes a new file)."""
+        size = view.nbytes
+        with self._lock:
+            if self._closed:
+                return False
+            for kept in sorted((k for k in self._kept if k.size == size), key=lambda k: k.used):
+                if self._refill(kept, view, name):
+                    kept.used = time.monotonic()
+                    return True
+        return False
+
+    def _refill(self, kept: _Kept, view: memoryview, name: str) -> bool:
+        try:
+            fcntl.flock(kept.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # someone maps it still; a failed upgrade dropped our shared lock
+            self._hold(kept)
+            return False
+        try:
+            os.rename(self.folder / (RETIRED + kept.name), self.folder / name)
+        except OSError:  # the coordinator still needs it, or removed it
+            self._hold(kept)
+            self._forget_if_gone(kept)
+            return False
+        try:
+            if kept.view is None:
+                kept.view = mmap.mmap(kept.fd, kept.size, flags=mmap.MAP_SHARED | _POPULATE,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            kept.view[:] = view
+            os.utime(kept.fd)  # a fresh frame to the orphan sweep, which goes by its age
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                os.unlink(self.folder / name)
+            self._kept.remove(kept)
+            kept.close()
+            return False
+        kept.name = name
+        self._hold(kept)
+        return True
+
+    def keep(self, fd: int, name: str, size: int) -> None:
+        """Keep the file ``fd`` (open for reading and writing) just written as ``name``: the
+        pool owns the descriptor from now on, and closes it when it lets the file go."""
+        with self._lock:
+            self._kept = [k for k in self._kept if not self._gone(k)]
+            if self._closed or not _room_for(fd, size):
+                os.close(fd)
+                return
+            kept = _Kept(fd, name, size, time.monotonic())
+            self._hold(kept)
+            self._kept.append(kept)
+            while len(self._kept) > KEEP_MAX_FILES or \
+                    sum(k.size for k in self._kept) > KEEP_MAX_BYTES:
+                oldest = min(self._kept, key=lambda k: k.used)
+                self._kept.remove(oldest)
+                oldest.close()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._give_back_idle, daemon=True,
+                                                name="gpumesh-shm-pool")
+                self._thread.start()
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Keep nothing from now on; the files kept are let go (their names stay the
+        coordinator's to remove)."""
+        with self._lock:
+            self._closed = True
+            kept, self._kept = self._kept, []
+            self._wake.notify()
+        for each in kept:
+            each.close()
+
+    @staticmethod
+    def _hold(kept: _Kept) -> None:
+        """Take (or go back to) this process's shared lock: the coordinator retires a file
+        someone holds instead of removing it, and no other producer writes into it."""
+        with contextlib.suppress(OSError):
+            fcntl.flock(kept.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+    def _forget_if_gone(self, kept: _Kept) -> None:
+        if self._gone(kept):
+            self._kept.remove(kept)
+
+    @staticmethod
+    def _gone(kept: _Kept) -> bool:
+        """Whether the file has no name left (the coordinator removed it, or its sender did):
+        it can never be claimed, so it is let go (closed) now, not after KEEP_IDLE_SECONDS."""
+        try:
+            gone = os.fstat(kept.fd).st_nlink == 0
+        except OSError:
+            gone = True
+        if gone:
+            kept.close()
+        return gone
+
+    def _give_back_idle(self) -> None:
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                for kept in [k for k in self._kept if now - k.used > KEEP_IDLE_SECONDS]:
+                    self._kept.remove(kept)
+                    kept.close()
+                if not self._kept:
+                    self._thread = None
+                    return
+                oldest = min(k.used for k in self._kept)
+                self._wake.wait(max(0.1, oldest + KEEP_IDLE_SECONDS - now))
+            self._thread = None
+
+    def after_fork_in_child(self) -> None:
+        """A forked child shares the parent's open files and locks: it must neither write
+        into them nor unlock them. It forgets them (closing its copies unlocks nothing while
+        the parent holds its own) and keeps nothing."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread = None
+        self._closed = True
+        kept, self._kept = self._kept, []
+        for each in kept:
+            each.close()
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_LIVE: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+def _room_for(fd: int, size: int) -> bool:
+    try:
+        info = os.fstatvfs(fd)
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize >= KEEP_FREE_FACTOR * size
+
+
+def holds(path: Path) -> bool | None:
+    """Whether some process holds ``path`` (maps it, or keeps it to write again); None when it
+    cannot be opened. The coordinator's question before it retires or removes a file."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # the exclusive lock, if taken, goes with it
+    return False
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_LIVE):
+        pool.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

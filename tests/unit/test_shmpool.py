@@ -1,0 +1,151 @@
+"""A producer's kept files (gpumesh/shmpool.py): written again in place only once the
+coordinator has retired them and nobody maps them; removed, not retired, when nobody holds
+them; bounded, given back when idle, and never written or unlocked by a forked child."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import wait_for
+
+from gpumesh import sharedmem, shmpool
+from gpumesh.sharedmem import MIN_SHARED_BYTES, PROBE, SharedFolder, _still_named
+from gpumesh.shmpool import RETIRED, holds
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX locks and fork")
+
+BIG = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
+OTHER = bytes(reversed(BIG))
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    made = SharedFolder.create("k")
+    assert made is not None
+    yield made
+    made.close()
+
+
+def share(folder: SharedFolder, data: bytes) -> str:
+    _, (ref,) = folder.share([data])
+    return ref[1]
+
+
+def inode(folder: SharedFolder, name: str) -> int:
+    return os.stat(folder.path / name).st_ino
+
+
+def listing(folder: SharedFolder) -> set[str]:
+    return {n for n in os.listdir(folder.path) if n not in (PROBE, ".lock")}
+
+
+def test_a_retired_file_nobody_maps_is_written_again_in_place(folder):
+    first = share(folder, BIG)
+    was = inode(folder, first)
+    assert folder.retire(first)  # its producer (this process) keeps it: retired, not removed
+    assert listing(folder) == {RETIRED + first}
+    second = share(folder, OTHER)
+    assert second != first and inode(folder, second) == was
+    assert listing(folder) == {second}
+    assert bytes(folder.open(second, len(OTHER))) == OTHER
+
+
+def test_a_file_not_yet_retired_is_never_written_again(folder):
+    first = share(folder, BIG)  # the coordinator still needs it (a journaled input, say)
+    second = share(folder, OTHER)
+    assert inode(folder, second) != inode(folder, first)
+    assert bytes(folder.open(first, len(BIG))) == BIG
+
+
+def test_a_file_someone_maps_is_never_written_again_until_they_let_go(folder):
+    first = share(folder, BIG)
+    was = inode(folder, first)
+    mapped = folder.open(first, len(BIG))  # a consumer: a runner's argument, a caller's result
+    assert folder.retire(first)
+    second = share(folder, OTHER)
+    assert inode(folder, second) != was
+    assert bytes(mapped) == BIG  # untouched under the consumer
+    del mapped  # let go: the retired file may be written again now
+    third = share(folder, BIG[::-1])
+    assert inode(folder, third) == was
+    assert bytes(folder.open(third, len(BIG))) == BIG[::-1]
+
+
+def test_a_file_nobody_holds_is_removed_not_retired(folder):
+    writer = SharedFolder(folder.path, "")
+    writer.release()  # a producer that keeps nothing (an older gpumesh, a full pool)
+    name = share(writer, BIG)
+    assert holds(folder.path / name) is False
+    assert not folder.retire(name)
+    assert listing(folder) == set()
+    assert holds(folder.path / name) is None  # gone
+
+
+def test_retired_files_nobody_claims_go_after_a_while_and_at_close(folder, monkeypatch):
+    monkeypatch.setattr(sharedmem, "RETIRE_SECONDS", 0.2)
+    folder.retire_soon([share(folder, BIG)])
+    wait_for(lambda: listing(folder) == set(), what="the unclaimed retired file removed")
+    kept = share(folder, OTHER)
+    monkeypatch.setattr(sharedmem, "RETIRE_SECONDS", 600.0)
+    folder.retire_soon([kept])
+    wait_for(lambda: listing(folder) == {RETIRED + kept}, what="the file retired")
+    folder.settle()  # the coordinator stops: nobody will claim from it any more
+    assert listing(folder) == set()
+
+
+def test_a_consumer_that_opened_a_name_since_reused_is_told_it_is_gone(folder, tmp_path):
+    name = share(folder, BIG)
+    path = folder.path / name
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        opened = os.fstat(fd)
+        assert _still_named(path, opened)
+        os.rename(path, folder.path / (RETIRED + name))  # retired, then claimed under another
+        assert not _still_named(path, opened)
+        path.write_bytes(b"another file of the same name")
+        assert not _still_named(path, opened)
+    finally:
+        os.close(fd)
+
+
+def test_a_forked_child_keeps_nothing_and_leaves_the_parents_lock(folder):
+    name = share(folder, BIG)
+    pid = os.fork()
+    if pid == 0:  # the child: it must not write into, nor unlock, what its parent keeps
+        pool = folder._pool
+        os._exit(0 if pool is not None and pool._closed and not pool._kept else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert holds(folder.path / name) is True  # the parent still keeps it
+    assert folder.retire(name)
+    assert inode(folder, share(folder, OTHER)) != 0  # and still writes it again
+
+
+def test_kept_files_are_bounded_in_count_and_bytes(folder, monkeypatch):
+    monkeypatch.setattr(shmpool, "KEEP_MAX_FILES", 2)
+    names = [share(folder, BIG + bytes(n)) for n in range(3)]
+    assert [holds(folder.path / n) for n in names] == [False, True, True]  # the oldest went
+    monkeypatch.setattr(shmpool, "KEEP_MAX_BYTES", 2 * len(BIG) + 5)  # the two newest fit
+    share(folder, BIG + bytes(3))
+    assert [holds(folder.path / n) for n in names] == [False, False, True]
+
+
+def test_a_file_is_kept_only_with_room_to_spare(folder, monkeypatch):
+    monkeypatch.setattr(shmpool, "KEEP_FREE_FACTOR", 1 << 40)  # /dev/shm of a container, say
+    name = share(folder, BIG)
+    assert holds(folder.path / name) is False
+    assert folder._pool is not None and folder._pool._kept == []
+
+
+def test_kept_files_are_given_back_when_idle_or_released(folder, monkeypatch):
+    monkeypatch.setattr(shmpool, "KEEP_IDLE_SECONDS", 0.2)
+    idle = share(folder, BIG)
+    wait_for(lambda: holds(folder.path / idle) is False, what="the idle file given back")
+    monkeypatch.setattr(shmpool, "KEEP_IDLE_SECONDS", 600.0)
+    kept = share(folder, BIG)
+    assert holds(folder.path / kept) is True
+    folder.release()
+    assert holds(folder.path / kept) is False
+    assert not folder.retire(kept) and listing(folder) == {idle}
