@@ -10,11 +10,11 @@ cannot read the probe and keeps sending bytes; the coordinator turns names back 
 it. File permissions are the authentication here: only this user (and root) can open the folder,
 the same people who can read the token in ``~/.gpumesh``.
 
-Frames are written once by their producer and mapped copy-on-write by their consumer, so a
-64 MiB array crosses from the client to the runner without passing through any socket, and
-stays writable for the code that receives it. A consumer holds a shared lock on a file while
-it maps it, and the producer writes its next frame of that size into the same file once the
-coordinator has retired it and nobody holds it any more (gpumesh/shmpool.py).
+A frame is written by its producer and mapped copy-on-write by its consumer, so a 64 MiB array
+crosses from the client to the runner without passing through any socket, and stays writable
+for the code that receives it. A consumer holds a shared lock on a file while it maps it, and
+the producer writes a later frame of that size into the same file only once the coordinator
+has retired it and nobody holds it any more (gpumesh/shmpool.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 from .fileio import write_all
 from .protocol.refs import NAME_PATTERN, Ref
-from .shmpool import RETIRE_SECONDS, RETIRED, Pool, holds
+from .shmpool import RETIRED, Pool, holds
 from .shmspares import Spares
 
 try:
@@ -55,7 +55,11 @@ _NAME = NAME_PATTERN
 # A file nobody refers to after a restart is removed only once it is this old: a client may
 # have written it a moment ago and be about to send the SUBMIT that names it.
 ORPHAN_AGE = 600.0
-
+# A retired file its producer has not claimed back in this long is removed.
+RETIRE_SECONDS = 30.0
+# How long a reader waits for a file's producer to finish writing it: only a reader that opened
+# a name since retired can meet the writer's exclusive lock, and it is then told the frame is gone.
+LOCK_WAIT_SECONDS = 0.5
 
 
 def _base() -> Path:
@@ -97,7 +101,7 @@ class SharedFolder:
                 return None
             if stat.S_IMODE(info.st_mode) & 0o077:
                 os.chmod(path, 0o700)
-            lock = _hold(path)
+            lock = _lock_folder(path)
             _remove_retired(path)  # a crashed coordinator's: its producers claim nothing now
             proof = secrets.token_hex(16)
             probe = path / PROBE
@@ -251,12 +255,11 @@ class SharedFolder:
                 raise ValueError(f"shared frame {name} is not the {size} bytes it should be")
             if size == 0:
                 return b""
-            if fcntl is not None:
-                # Held for as long as the mapping lives (the mapping keeps a duplicate of this
-                # descriptor): its producer writes into the file again only once it is let go.
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                if not _still_named(path, info):
-                    raise ValueError(f"shared frame {name} is gone: it was retired and reused")
+            if fcntl is not None and not (_lock_shared(fd) and _still_named(path, info)):
+                raise ValueError(f"shared frame {name} is gone: it was removed, or retired and "
+                                 "written again, while this process opened it")
+            # The lock lives as long as the mapping, which keeps a duplicate of this descriptor
+            # (CPython's mmap does): the producer writes into the file only once it is let go.
             return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)
@@ -277,20 +280,19 @@ class SharedFolder:
                 with contextlib.suppress(OSError):
                     os.unlink(self.path / name)
 
-    def retire_soon(self, names: Iterable[str], retire: bool = True) -> None:
+    def retire_soon(self, names: Iterable[str]) -> None:
         """The coordinator is done with these frames' files. Each is removed, unless someone
         holds it (its producer keeps it to write again, or a consumer maps it still): then it
         is renamed RETIRED + name for its producer to claim, and removed RETIRE_SECONDS later
-        if nobody did (gpumesh/shmpool.py); ``retire=False`` removes every one. On a thread of
-        its own: freeing a file's pages is the kernel's slowest step here (about 8 ms for 64 MiB
-        on the test machine), and the coordinator's loop, which decides when a file goes,
-        should not wait for it."""
+        if nobody did (gpumesh/shmpool.py). On a thread of its own: freeing a file's pages is
+        the kernel's slowest step here (about 8 ms for 64 MiB on the test machine), and the
+        coordinator's loop, which decides when a file goes, should not wait for it."""
         names = list(names)
         if not names:
             return
         if self._remover is None:
             self._remover = _Remover(self)
-        self._remover.put((names, retire))
+        self._remover.put(names)
 
     def settle(self) -> None:
         """Wait until every removal asked of ``retire_soon`` is done, retired files included."""
@@ -322,12 +324,12 @@ class _Remover:
     which waits for those asked before it and removes every file still retired."""
 
     def __init__(self, folder: SharedFolder) -> None:
-        self._names: queue.SimpleQueue[tuple[list[str], bool] | None] = queue.SimpleQueue()
+        self._names: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, args=(folder,),
                                         name="gpumesh-shm-remover", daemon=True)
         self._thread.start()
 
-    def put(self, names: tuple[list[str], bool]) -> None:
+    def put(self, names: list[str]) -> None:
         self._names.put(names)
 
     def stop(self) -> None:
@@ -339,15 +341,12 @@ class _Remover:
         while True:
             wait = max(0.0, retired[0][0] - time.monotonic()) if retired else None
             try:
-                asked = self._names.get(timeout=wait)
+                names = self._names.get(timeout=wait)
             except queue.Empty:
-                asked = ([], False)
-            if asked is None:
+                names = []
+            if names is None:
                 break
-            names, retire = asked
-            if not retire:
-                folder.remove(names)
-            for name in names if retire else ():
+            for name in names:
                 if isinstance(name, str) and _NAME.fullmatch(name) and folder.retire(name):
                     retired.append((time.monotonic() + RETIRE_SECONDS, RETIRED + name))
             while retired and retired[0][0] <= time.monotonic():
@@ -359,12 +358,10 @@ class _Remover:
 _LOCK = ".lock"
 
 
-def _hold(path: Path) -> int | None:
+def _lock_folder(path: Path) -> int | None:
     """Lock the folder for as long as this coordinator runs: a folder whose lock nobody holds
     belongs to a coordinator that is gone (kill -9 skips close)."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         return None
     fd = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
@@ -378,6 +375,22 @@ def _hold(path: Path) -> int | None:
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def _lock_shared(fd: int) -> bool:
+    """A shared lock on ``fd``; False if a writer held it longer than LOCK_WAIT_SECONDS (a
+    stopped process, say: a loop must not wait on it) or locks fail here."""
+    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        except OSError:
+            return False
 
 
 def _still_named(path: Path, opened: os.stat_result) -> bool:
@@ -417,9 +430,7 @@ def _sweep_abandoned(mine: Path) -> None:
     """Remove this user's folders of coordinators that are gone and left no frame behind: a
     coordinator killed with SIGKILL (tests do it all the time) never removes its own. A folder
     that still holds frames is kept: its journal may start again and need them."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         return
     prefix = f"gpumesh-{os.getuid()}-"
     try:

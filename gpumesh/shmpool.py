@@ -17,9 +17,11 @@ writes a later frame of the same size into it once two things hold:
   lock, which it gets only when it is the file's one holder.
 
 The coordinator tells a kept file from a forgotten one by the same lock: a file nobody holds is
-removed at once, so a consumer that never reuses its files (another version, a pool that is
-full) leaves no retired file behind. Retired files nobody claims go after RETIRE_SECONDS, and
-a kept file nobody wrote for KEEP_IDLE_SECONDS is given back: an idle process holds no memory.
+removed at once, so a producer that never reuses its files (another version, a pool that is
+full) leaves no retired file behind. A retired file nobody claims goes after a while
+(sharedmem.RETIRE_SECONDS), and a producer lets go of a kept file within CHECK_SECONDS of its
+last name going: a kept file costs memory only while its name is retired, since the
+coordinator would hold a live name anyway.
 """
 
 from __future__ import annotations
@@ -37,21 +39,24 @@ try:
 except ImportError:  # Windows: no shared folder at all (sharedmem.SharedFolder.create)
     fcntl = None  # type: ignore[assignment]
 
-# The prefix of a file the coordinator no longer needs, and how long it waits for its producer
-# to claim it back before it removes it.
+# The prefix of a file the coordinator no longer needs, for its producer to claim back.
 RETIRED = "retired-"
-RETIRE_SECONDS = 30.0
 # A producer keeps at most this many files, and this many bytes of them, the least recently
-# written going first; and gives back one it has not written for this long.
+# written going first; it looks this often for kept files that lost their last name, and lets
+# go of any it has not written for KEEP_IDLE_SECONDS whatever its name.
 KEEP_MAX_FILES = 4
 KEEP_MAX_BYTES = 256 * 1024 * 1024
-KEEP_IDLE_SECONDS = 30.0
+CHECK_SECONDS = 2.0
+KEEP_IDLE_SECONDS = 600.0
 # A file is kept only while its file system has this many times its size free: Docker gives
 # /dev/shm 64 MiB, and kept files must not crowd out the frames of other processes.
 KEEP_FREE_FACTOR = 4
 
 
 class _Kept:
+    """One kept file: its descriptor (holding this process's lock), its current name, and its
+    shared writable mapping once it has been reused."""
+
     __slots__ = ("fd", "name", "size", "used", "view")
 
     def __init__(self, fd: int, name: str, size: int, used: float) -> None:
@@ -97,15 +102,19 @@ class Pool:
         return False
 
     def _refill(self, kept: _Kept, view: memoryview, name: str) -> bool:
+        retired = self.folder / (RETIRED + kept.name)
+        if not retired.exists():  # the coordinator still needs it: no exclusive lock on it
+            self._forget_if_gone(kept)
+            return False
         try:
             fcntl.flock(kept.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # someone maps it still; a failed upgrade dropped our shared lock
-            self._hold(kept)
+            self._lock_shared(kept)
             return False
         try:
-            os.rename(self.folder / (RETIRED + kept.name), self.folder / name)
-        except OSError:  # the coordinator still needs it, or removed it
-            self._hold(kept)
+            os.rename(retired, self.folder / name)  # the claim: atomic, one name wins
+        except OSError:  # removed since
+            self._lock_shared(kept)
             self._forget_if_gone(kept)
             return False
         try:
@@ -121,7 +130,7 @@ class Pool:
             kept.close()
             return False
         kept.name = name
-        self._hold(kept)
+        self._lock_shared(kept)
         return True
 
     def keep(self, fd: int, name: str, size: int) -> None:
@@ -129,11 +138,11 @@ class Pool:
         pool owns the descriptor from now on, and closes it when it lets the file go."""
         with self._lock:
             self._kept = [k for k in self._kept if not self._gone(k)]
-            if self._closed or not _room_for(fd, size):
+            if self._closed or size > KEEP_MAX_BYTES or not _room_for(fd, size):
                 os.close(fd)
                 return
             kept = _Kept(fd, name, size, time.monotonic())
-            self._hold(kept)
+            self._lock_shared(kept)
             self._kept.append(kept)
             while len(self._kept) > KEEP_MAX_FILES or \
                     sum(k.size for k in self._kept) > KEEP_MAX_BYTES:
@@ -157,7 +166,7 @@ class Pool:
             each.close()
 
     @staticmethod
-    def _hold(kept: _Kept) -> None:
+    def _lock_shared(kept: _Kept) -> None:
         """Take (or go back to) this process's shared lock: the coordinator retires a file
         someone holds instead of removing it, and no other producer writes into it."""
         with contextlib.suppress(OSError):
@@ -170,7 +179,7 @@ class Pool:
     @staticmethod
     def _gone(kept: _Kept) -> bool:
         """Whether the file has no name left (the coordinator removed it, or its sender did):
-        it can never be claimed, so it is let go (closed) now, not after KEEP_IDLE_SECONDS."""
+        it can never be claimed, so it is let go (closed) now."""
         try:
             gone = os.fstat(kept.fd).st_nlink == 0
         except OSError:
@@ -180,17 +189,18 @@ class Pool:
         return gone
 
     def _give_back_idle(self) -> None:
+        """Let go of kept files whose last name went (their pages are this process's alone
+        now) or that nobody wrote for KEEP_IDLE_SECONDS; the thread ends with none kept."""
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
                 for kept in [k for k in self._kept if now - k.used > KEEP_IDLE_SECONDS]:
                     self._kept.remove(kept)
                     kept.close()
+                self._kept = [k for k in self._kept if not self._gone(k)]
                 if not self._kept:
-                    self._thread = None
-                    return
-                oldest = min(k.used for k in self._kept)
-                self._wake.wait(max(0.1, oldest + KEEP_IDLE_SECONDS - now))
+                    break
+                self._wake.wait(CHECK_SECONDS)
             self._thread = None
 
     def after_fork_in_child(self) -> None:

@@ -82,7 +82,7 @@ class ClientSide:
 
     def heartbeat(self, client: ClientSession, beat: Heartbeat) -> None:
         if beat.shm:
-            client.shm = self.ledger.shares_memory(beat.shm, client.shmlock)
+            client.shm = self.ledger.shares_memory(beat.shm)
 
     def disconnect(self, client: ClientSession, now: float) -> None:
         if client.routing is not None:

@@ -106,7 +106,6 @@ class Ledger:
         # (gpumesh.sharedmem); None where there is none. Set by the server.
         self.shm: SharedFolder | None = None
         self.unneeded_files: list[str] = []  # removed after the next commit
-        self.retire_files = True  # rather than remove them, while every peer locks what it maps
         self._order = itertools.count()
         self.released = 0  # tasks finished or forgotten since memory was last given back
         self.finished_total = 0  # tasks finished in this run: monitors derive throughput from it
@@ -128,15 +127,9 @@ class Ledger:
         return sorted({w.info.python for w in self.workers.values()
                        if w.state is WorkerState.ALIVE and w.info.python})
 
-    def shares_memory(self, proof: str, locks: bool) -> bool:
-        """Whether a peer's HEARTBEAT ``shm`` proves it reads this machine's memory folder.
-        One that does not lock the files it maps (a gpumesh before protocol 1.7) stops the
-        retiring of files for this coordinator's life: a producer could write into a file it
-        still maps (gpumesh/shmpool.py)."""
-        shares = self.shm is not None and self.shm.verifies(proof)
-        if shares and not locks:
-            self.retire_files = False
-        return shares
+    def shares_memory(self, proof: str) -> bool:
+        """Whether a peer's HEARTBEAT ``shm`` proves it reads this machine's memory folder."""
+        return self.shm is not None and self.shm.verifies(proof)
 
     def reads_batches(self, routing: bytes) -> bool:
         peer = self.peers.get(routing)
@@ -198,7 +191,7 @@ class Ledger:
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
         header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
         # Raises (and the task fails, saying why) when its shared input is gone.
-        payload = self.outgoing(header, task.payload, worker.shm)
+        payload = self.outgoing(header, task.payload, worker.maps_shared)
         task.move(TaskState.LEASED)
         task.attempts += 1
         task.lease_id = self.new_lease_id()
@@ -266,7 +259,7 @@ class Ledger:
         before the commit, since a coordinator that crashes in between restarts from a journal
         that may still name them (a task finished but not journaled runs again)."""
         if self.unneeded_files and self.shm is not None:
-            self.shm.retire_soon(self.unneeded_files, retire=self.retire_files)
+            self.shm.retire_soon(self.unneeded_files)
         self.unneeded_files = []
 
     def finish(self, task: Task, state: TaskState, result: dict[str, Any], payload: list[Any],
@@ -376,7 +369,7 @@ class Ledger:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         try:
-            payload = self.outgoing(header, task.result_payload, client.shm)
+            payload = self.outgoing(header, task.result_payload, client.maps_shared)
         except ValueError as exc:
             log.warning("the result of task %s is lost: %s", task.task_id, exc)
             header = {"status": ResultStatus.ERROR.value, "task": task.task_id, "seq": task.seq,

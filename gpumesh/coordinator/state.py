@@ -194,6 +194,12 @@ class WorkerSession:
     traffic: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # up, down bytes; msgs
 
     @property
+    def maps_shared(self) -> bool:
+        """It may be handed frames by name: it reads the folder, and locks what it maps (a
+        gpumesh before protocol 1.7 does not, and gets the bytes: gpumesh/shmpool.py)."""
+        return self.shm and self.shmlock
+
+    @property
     def draining(self) -> bool:
         """Takes no new tasks: its owner paused or drains it."""
         return self.mode is not WorkerMode.ACTIVE
@@ -279,6 +285,11 @@ class ClientSession:
     @property
     def owner(self) -> str:
         return self.info.owner(self.client_id)
+
+    @property
+    def maps_shared(self) -> bool:
+        """As WorkerSession.maps_shared."""
+        return self.shm and self.shmlock
 
     # Queries (QUERY, CONTROL) it may still make now: a bucket refilled at QUERY_RATE a second.
     query_allowance: float = 0.0

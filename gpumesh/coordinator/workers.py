@@ -27,6 +27,7 @@ from ..protocol import (
     ResultStatus,
     WorkerInfo,
 )
+from ..protocol.refs import ref_names, refs_of
 from .ledger import Ledger
 from .state import Task, TaskState, WorkerSession, WorkerState, make_room
 
@@ -145,7 +146,7 @@ class WorkerSide:
 
     def heartbeat(self, worker: WorkerSession, beat: Heartbeat, now: float) -> None:
         if beat.shm:
-            worker.shm = self.ledger.shares_memory(beat.shm, worker.shmlock)
+            worker.shm = self.ledger.shares_memory(beat.shm)
         if beat.stats is not None:
             worker.stats, worker.stats_at = beat.stats.to_dict(), now
         expires = now + self.ledger.timing.lease_ttl
@@ -186,7 +187,7 @@ class WorkerSide:
             # Not a lease this coordinator run gave this worker: forged, or from before a
             # restart and never re-claimed. Either way it must not decide the task.
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "rejected"})
-            ledger.drop_shared({"shm": [list(r) for r in res.shared]})
+            self._drop_untaken(res, task)
             return
         held = worker.leases.pop(res.lease, None)
         if held is not None:
@@ -200,7 +201,7 @@ class WorkerSide:
             or (res.status is ResultStatus.CANCELLED and res.lease != task.lease_id))
         if task is None or task.state.terminal or stale:
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
-            ledger.drop_shared({"shm": [list(r) for r in res.shared]})
+            self._drop_untaken(res, task)
             return
         if res.status is ResultStatus.CRASHED:
             if held is not None and task.lease_id == res.lease:
@@ -216,6 +217,18 @@ class WorkerSide:
         else:
             self._finish(task, worker, res, payload, now)
         ledger.acknowledge_result(worker.routing, task, {**ack, "disposition": "accepted"})
+
+    def _drop_untaken(self, res: Result, task: Task | None) -> None:
+        """The files of a result not taken go, except those the task names: a worker that
+        reconnects sends its unacknowledged result again, with the same files as the one
+        taken, which its client may not have collected yet."""
+        named: set[str] = set()
+        if task is not None:
+            for header in (task.spec, task.result_header):
+                named.update(ref_names(refs_of((header or {}).get("shm"))))
+        untaken = [list(r) for r in res.shared if r[1] not in named]
+        if untaken:
+            self.ledger.drop_shared({"shm": untaken})
 
     def _finish(self, task: Task, worker: WorkerSession, res: Result, payload: list[Any],
                 now: float) -> None:

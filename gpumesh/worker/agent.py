@@ -854,8 +854,15 @@ class WorkerAgent:
         shm_dir = header.pop(_SHM_DIR, None)
         if "shm" in header and (self.shm is None or str(self.shm.path) != shm_dir):
             # Left in a folder this coordinator does not share (it moved): send the bytes.
-            frames = SharedFolder(Path(str(shm_dir)), "").resolve(
-                frames, parse_refs(header.pop("shm"), len(frames)))
+            try:
+                frames = SharedFolder(Path(str(shm_dir)), "").resolve(
+                    frames, parse_refs(header.pop("shm"), len(frames)))
+            except ValueError as exc:  # gone with that folder: the task must run again
+                header = {key: header[key] for key in ("task", "lease", "granted", "elapsed")
+                          if key in header}
+                header.update(status=ResultStatus.CRASHED.value,
+                              diagnosis=f"its result was lost before it was sent: {exc}")
+                frames = []
         pickled = header.get("encoding", ResultEncoding.PICKLE.value) == ResultEncoding.PICKLE.value
         if self.shm is not None and pickled and frames and "shm" not in header:
             frames, refs = self.shm.share(frames)

@@ -116,7 +116,7 @@ def test_close_keeps_a_folder_that_still_holds_frames(folder):
 
 # ----------------------------------------------------------------- the coordinator
 
-W, W2, C, C2 = b"worker-routing", b"worker-2", b"client-routing", b"client-2"
+W, W2, C = b"worker-routing", b"worker-2", b"client-routing"
 
 
 @pytest.fixture
@@ -170,13 +170,32 @@ def test_a_worker_that_shares_gets_names_and_one_that_does_not_gets_bytes(broker
     assert "shm" not in task.header and b"".join(bytes(f) for f in task.payload[1:]) == BIG
     # The runner died: the task goes again, to a worker that proved access: only the name.
     handle(broker, W2, Command.HELLO, {"role": "worker", "id": "w2", "slots": 1, "proto": [1, 1],
-                                       "info": {"python": "3.11"}})
+                                       "info": {"python": "3.11"}, "shmlock": True})
     handle(broker, W2, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
     handle(broker, W, Command.RESULT, {"task": task_id, "lease": task.header["lease"],
                                        "status": "crashed", "diagnosis": "x"})
     broker.dispatch(2.0)
     again = sent(broker, W2, Command.TASK)[-1]
     assert again.header["shm"][0][1] == name and again.payload == [b"fn", b""]
+
+
+def test_a_peer_that_reads_the_folder_but_does_not_lock_gets_bytes_and_may_send_names(broker,
+                                                                                       folder):
+    # A gpumesh before protocol 1.7: it could map a file its producer then writes again.
+    handle(broker, W2, Command.HELLO, {"role": "worker", "id": "w2", "slots": 1, "proto": [1, 1],
+                                       "info": {"python": "3.11"}})
+    handle(broker, W2, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    handle(broker, W, Command.DISCONNECT, {"reason": "left"})  # W2 is the only worker
+    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
+    task_id, name = submit_shared(broker, folder)
+    broker.dispatch(1.0)
+    task = sent(broker, W2, Command.TASK)[-1]
+    assert "shm" not in task.header and b"".join(bytes(f) for f in task.payload[1:]) == BIG
+    frames, refs = folder.share([b"pickle", BIG])  # its own big result: by name, as before
+    handle(broker, W2, Command.RESULT, {"task": task_id, "lease": task.header["lease"],
+                                        "status": "ok", "shm": [list(r) for r in refs]}, frames)
+    assert broker.tasks[task_id].state.value == "done"
+    assert sent(broker, C, Command.RESULT)[-1].header["shm"][0][1] == refs[0][1]
 
 
 def committed(b: Broker, folder: SharedFolder) -> set[str]:
@@ -227,15 +246,13 @@ def test_files_their_producer_keeps_are_retired_while_every_peer_locks_what_it_m
     assert names(folder) == {RETIRED + name, RETIRED + result_name}
 
 
-def test_a_peer_that_does_not_lock_what_it_maps_stops_the_retiring(broker, folder):
-    handle(broker, C2, Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1]})
-    handle(broker, C2, Command.HEARTBEAT, {"shm": folder.proof})  # a gpumesh before 1.7
+def test_a_result_sent_again_after_a_reconnect_leaves_the_taken_ones_files(broker, folder):
     task_id, name, result_name = finish_shared(broker, folder)
-    handle(broker, C, Command.RESULT_ACK, {"tasks": [task_id]})
-    broker.store.commit()
-    broker.ledger.remove_unneeded_files()
-    wait_for(lambda: names(folder) == set(), what="both files removed")
-    assert broker.ledger.retire_files is False
+    lease = broker.tasks[task_id].lease_id
+    # The worker lost its link before the acknowledgement, and sends its result again.
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                       "shm": [[1, result_name, len(BIG)]]}, [b"pickle", b""])
+    assert committed(broker, folder) == {name, result_name}  # the client has yet to collect it
 
 
 def test_a_journaled_result_lets_its_input_go_and_keeps_its_own(broker, folder):

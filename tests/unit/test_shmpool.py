@@ -14,6 +14,7 @@ from gpumesh.sharedmem import MIN_SHARED_BYTES, PROBE, SharedFolder, _still_name
 from gpumesh.shmpool import RETIRED, holds
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX locks and fork")
+fcntl = pytest.importorskip("fcntl")
 
 BIG = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
 OTHER = bytes(reversed(BIG))
@@ -119,8 +120,9 @@ def test_a_forked_child_keeps_nothing_and_leaves_the_parents_lock(folder):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert holds(folder.path / name) is True  # the parent still keeps it
+    was = inode(folder, name)
     assert folder.retire(name)
-    assert inode(folder, share(folder, OTHER)) != 0  # and still writes it again
+    assert inode(folder, share(folder, OTHER)) == was  # and still writes it again
 
 
 def test_kept_files_are_bounded_in_count_and_bytes(folder, monkeypatch):
@@ -139,8 +141,30 @@ def test_a_file_is_kept_only_with_room_to_spare(folder, monkeypatch):
     assert folder._pool is not None and folder._pool._kept == []
 
 
+def test_a_kept_file_whose_name_went_is_let_go_soon(folder, monkeypatch):
+    monkeypatch.setattr(shmpool, "CHECK_SECONDS", 0.05)
+    name = share(folder, BIG)
+    fd = os.open(folder.path / name, os.O_RDONLY)
+    try:
+        folder.remove([name])  # the coordinator removed it (an older one, say): nothing to claim
+        wait_for(lambda: folder._pool is not None and folder._pool._kept == [],
+                 what="the nameless file let go")
+        # Its pages are free once the last holder goes: this reader's lock stands alone now.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
+def test_a_frame_bigger_than_the_pool_is_not_kept_and_evicts_nothing(folder, monkeypatch):
+    monkeypatch.setattr(shmpool, "KEEP_MAX_BYTES", 2 * len(BIG))
+    small = share(folder, BIG)
+    huge = share(folder, BIG * 3)
+    assert holds(folder.path / huge) is False and holds(folder.path / small) is True
+
+
 def test_kept_files_are_given_back_when_idle_or_released(folder, monkeypatch):
     monkeypatch.setattr(shmpool, "KEEP_IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(shmpool, "CHECK_SECONDS", 0.05)
     idle = share(folder, BIG)
     wait_for(lambda: holds(folder.path / idle) is False, what="the idle file given back")
     monkeypatch.setattr(shmpool, "KEEP_IDLE_SECONDS", 600.0)

@@ -315,3 +315,18 @@ def test_a_goodbye_nobody_answers_is_waited_for_until_its_deadline_and_no_longer
     link.polls.clear()
     agent._await_goodbye(time.monotonic() - 1)  # already past: not even a poll
     assert link.polls == []
+
+
+def test_a_result_whose_shared_files_went_with_their_folder_makes_the_task_run_again(agent,
+                                                                                      tmp_path):
+    # Held unacknowledged across a reconnect to a coordinator with another folder; the old
+    # folder is gone (a cleaned /dev/shm): the result cannot be sent, so it must not stop the
+    # re-sending of the others, and the task runs again.
+    gone = {"task": "T1", "lease": 5, "status": "ok", "elapsed": 0.1,
+            "shm": [[0, "a" * 32, 10]], "_shm_dir": str(tmp_path / "gone")}
+    kept = {"task": "T2", "lease": 6, "status": "ok", "elapsed": 0.1}
+    agent.unacked = {5: (gone, [b""]), 6: (kept, [b"x"])}
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 1.0)
+    results = {r["task"]: r for r in sent(agent, Command.RESULT)}
+    assert results["T1"]["status"] == "crashed" and "lost" in results["T1"]["diagnosis"]
+    assert "shm" not in results["T1"] and results["T2"]["status"] == "ok"
