@@ -64,7 +64,7 @@ class _Kept:
         self.name = name
         self.size = size
         self.used = used
-        self.view: mmap.mmap | None = None  # mapped at the first reuse, not before
+        self.view: mmap.mmap | None = None  # mapped by the pool's thread, or at first reuse
 
     def close(self) -> None:
         if self.view is not None:
@@ -84,6 +84,7 @@ class Pool:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._kept: list[_Kept] = []
+        self._unmapped: list[_Kept] = []  # kept, for the thread to map before their reuse
         self._closed = fcntl is None
         self._thread: threading.Thread | None = None
         _LIVE.add(self)
@@ -118,9 +119,8 @@ class Pool:
             self._forget_if_gone(kept)
             return False
         try:
-            if kept.view is None:
-                kept.view = mmap.mmap(kept.fd, kept.size, flags=mmap.MAP_SHARED | _POPULATE,
-                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if kept.view is None:  # not mapped ahead yet (gpumesh-shm-pool does, in the wait)
+                kept.view = _map(kept.fd, kept.size)
             kept.view[:] = view
             os.utime(kept.fd)  # a fresh frame to the orphan sweep, which goes by its age
         except (OSError, ValueError):
@@ -144,6 +144,7 @@ class Pool:
             kept = _Kept(fd, name, size, time.monotonic())
             self._lock_shared(kept)
             self._kept.append(kept)
+            self._unmapped.append(kept)
             while len(self._kept) > KEEP_MAX_FILES or \
                     sum(k.size for k in self._kept) > KEEP_MAX_BYTES:
                 oldest = min(self._kept, key=lambda k: k.used)
@@ -160,7 +161,7 @@ class Pool:
         coordinator's to remove)."""
         with self._lock:
             self._closed = True
-            kept, self._kept = self._kept, []
+            kept, self._kept, self._unmapped = self._kept, [], []
             self._wake.notify()
         for each in kept:
             each.close()
@@ -189,10 +190,13 @@ class Pool:
         return gone
 
     def _give_back_idle(self) -> None:
-        """Let go of kept files whose last name went (their pages are this process's alone
-        now) or that nobody wrote for KEEP_IDLE_SECONDS; the thread ends with none kept."""
+        """Map each kept file ahead of its reuse, and let go of kept files whose last name
+        went (their pages are this process's alone now) or that nobody wrote for
+        KEEP_IDLE_SECONDS; the thread ends with none kept."""
         with self._lock:
             while not self._closed:
+                while self._unmapped:
+                    self._map_ahead(self._unmapped.pop())
                 now = time.monotonic()
                 for kept in [k for k in self._kept if now - k.used > KEEP_IDLE_SECONDS]:
                     self._kept.remove(kept)
@@ -200,8 +204,34 @@ class Pool:
                 self._kept = [k for k in self._kept if not self._gone(k)]
                 if not self._kept:
                     break
-                self._wake.wait(CHECK_SECONDS)
+                if not self._unmapped:
+                    self._wake.wait(CHECK_SECONDS)
             self._thread = None
+
+    def _map_ahead(self, kept: _Kept) -> None:
+        """Map (and fault in) a kept file while its producer waits for its task, so that its
+        reuse is a memory copy only: mapping 64 MiB writable costs about 12 ms here. Called
+        with the lock held; mapping goes without it (the producer may write meanwhile), on a
+        duplicate descriptor (the file may be let go meanwhile, its own descriptor closed)."""
+        if kept not in self._kept or kept.view is not None:
+            return
+        try:
+            fd = os.dup(kept.fd)
+        except OSError:
+            return
+        self._lock.release()
+        try:
+            view = _map(fd, kept.size)
+        except (OSError, ValueError):
+            view = None
+        finally:
+            os.close(fd)  # the mapping keeps its own duplicate, and the lock stays with kept.fd
+            self._lock.acquire()
+        if view is not None:
+            if kept in self._kept and kept.view is None and not self._closed:
+                kept.view = view
+            else:
+                view.close()
 
     def after_fork_in_child(self) -> None:
         """A forked child shares the parent's open files and locks: it must neither write
@@ -212,8 +242,15 @@ class Pool:
         self._thread = None
         self._closed = True
         kept, self._kept = self._kept, []
+        self._unmapped = []
         for each in kept:
             each.close()
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """A shared, writable mapping of the whole file, its pages faulted in at once."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
