@@ -122,7 +122,10 @@ class Pool:
             if kept.view is None:  # not mapped ahead yet (gpumesh-shm-pool does, in the wait)
                 kept.view = _map(kept.fd, kept.size)
             kept.view[:] = view
-            os.utime(kept.fd)  # a fresh frame to the orphan sweep, which goes by its age
+            if _UTIME_FD:
+                os.utime(kept.fd)  # a fresh frame to the orphan sweep, which goes by its age
+            else:
+                os.utime(self.folder / name)
         except (OSError, ValueError):
             with contextlib.suppress(OSError):
                 os.unlink(self.folder / name)
@@ -253,7 +256,8 @@ def _map(fd: int, size: int) -> mmap.mmap:
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in as copied
+_UTIME_FD = os.utime in os.supports_fd
 _LIVE: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
