@@ -8,6 +8,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,6 +125,19 @@ def mesh_env(tmp_path: Path) -> Iterator[Mesh]:
         yield env
     finally:
         env.close()
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A coordinator's shared-memory folder (gpumesh.sharedmem), made under this test's
+    temporary path."""
+    from gpumesh.sharedmem import SharedFolder
+
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    made = SharedFolder.create("k")
+    assert made is not None
+    yield made
+    made.close()
 
 
 def require(module: str):  # type: ignore[no-untyped-def]

@@ -26,15 +26,6 @@ BIG = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
 LIMITS = Limits()
 
 
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
-    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
-    made = SharedFolder.create("k")
-    assert made is not None
-    yield made
-    made.close()
-
-
 def names(folder: SharedFolder) -> set[str]:
     return {n for n in os.listdir(folder.path) if n not in (PROBE, ".lock")}
 

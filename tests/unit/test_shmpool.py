@@ -20,15 +20,6 @@ BIG = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
 OTHER = bytes(reversed(BIG))
 
 
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
-    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
-    made = SharedFolder.create("k")
-    assert made is not None
-    yield made
-    made.close()
-
-
 def share(folder: SharedFolder, data: bytes) -> str:
     _, (ref,) = folder.share([data])
     return ref[1]
