@@ -2,14 +2,22 @@
 
 Buffers of 64 KiB or more that pickle hands over as PickleBuffers (numpy arrays, torch CPU
 tensors) leave the pickle stream as out-of-band frames, so they are sent and received without a
-copy. Smaller ones stay in-band, where copying is cheaper than the bookkeeping. cloudpickle is used because user functions and
-classes usually live in ``__main__``, which stdlib pickle would send by a name the worker lacks.
+copy. Smaller ones stay in-band, where copying is cheaper than the bookkeeping. cloudpickle is
+used because user functions and classes usually live in ``__main__``, which stdlib pickle would
+send by a name the worker lacks.
+
+torch's own pickling of a tensor writes its storage in-band through ``torch.save``: 0.4 s to
+pickle 64 MiB on the test machine, and 0.3 s to read it back. A plain CPU tensor is pickled here
+as its bytes in one PickleBuffer instead (``_reduce_tensor``), rebuilt with ``torch.frombuffer``
+over the received buffer: no copy either way.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +25,16 @@ import cloudpickle
 
 OUT_OF_BAND_THRESHOLD = 64 * 1024
 PROTOCOL = 5
+
+
+class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # untyped
+    """cloudpickle, with torch CPU tensors as one buffer each."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = _reduce_tensor(obj)
+        if reduced is not None:
+            return reduced
+        return super().reducer_override(obj)
 
 
 def dumps(obj: Any) -> list[Any]:
@@ -30,8 +48,52 @@ def dumps(obj: Any) -> list[Any]:
         buffers.append(view)
         return False
 
-    main = cloudpickle.dumps(obj, protocol=PROTOCOL, buffer_callback=keep_large_out_of_band)
+    with io.BytesIO() as out:
+        _Pickler(out, protocol=PROTOCOL, buffer_callback=keep_large_out_of_band).dump(obj)
+        main = out.getvalue()
     return [main, *buffers]
+
+
+def _reduce_tensor(obj: Any) -> tuple[Any, ...] | None:
+    """A plain, dense CPU tensor (or Parameter) that owns its whole storage, as
+    ``(rebuild_tensor, (its bytes, dtype, shape, requires_grad, is a Parameter))``; None for
+    anything else, which pickles as torch pickles it (views share their storage that way, and
+    CUDA tensors come back on their device)."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # no tensor can exist before torch is imported
+        return None
+    kind = type(obj)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        return None
+    try:
+        if (obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized
+                or obj.is_conj() or obj.is_neg() or not obj.is_contiguous()
+                or obj.storage_offset() != 0 or getattr(obj, "has_names", bool)()
+                or obj.untyped_storage().nbytes() != obj.numel() * obj.element_size()):
+            return None
+        raw = obj.detach().reshape(-1).view(torch.uint8).numpy()  # the same memory, as bytes
+    except Exception:  # no numpy here, or a kind of tensor this does not know: torch's way
+        return None
+    dtype = str(obj.dtype).removeprefix("torch.")
+    return rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(obj.shape),
+                            bool(obj.requires_grad), kind is torch.nn.Parameter)
+
+
+def rebuild_tensor(buffer: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
+                   parameter: bool) -> Any:
+    """The tensor ``_reduce_tensor`` pickled, over ``buffer`` (copied only if read-only: a
+    tensor is writable, as it was for its sender)."""
+    import torch
+
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        flat = torch.empty(0, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(bytearray(view) if view.readonly else buffer, dtype=torch.uint8)
+    tensor = flat.view(getattr(torch, dtype)).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
 
 
 def loads(frames: Sequence[Any]) -> Any:
