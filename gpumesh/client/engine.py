@@ -406,6 +406,9 @@ class Engine:
                 command.header["qid"] = qid
                 self._queries[qid] = command
                 if self._connected.is_set():
+                    if batches:  # in the order asked: a status query sees the job just sent
+                        self._send_submissions(batches, now)
+                        batches = []
                     command.sent = self._link.send(encode(command.command, command.header))
             elif isinstance(command, tuple) and command[0] == "cancel":
                 tasks = [f.task_id for f in command[1] if f.task_id]

@@ -242,6 +242,15 @@ def test_a_future_cancelled_before_its_submit_was_accepted_never_runs(mesh_env, 
     assert status["counts"] in ({"done": 1, "cancelled": 1}, {"done": 1})
 
 
+def test_a_status_query_right_after_a_submission_sees_its_job(mesh_env):
+    mesh_env.start_coordinator()
+    client = mesh_env.client()
+    assert client.workers() == []  # connected
+    for _ in range(5):  # the query must not overtake the SUBMIT on its way out
+        (future,) = client.submit_calls(nap, [((0.0,), {})])
+        assert client.status(future.job, tasks=False)["counts"] == {"pending": 1}
+
+
 def test_waiting_with_no_worker_says_so_once(mesh_env, capsys):
     from gpumesh import GPUMesh
     from gpumesh.errors import MeshTimeout
