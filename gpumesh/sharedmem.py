@@ -38,7 +38,7 @@ from typing import Any
 
 from .fileio import write_all
 from .protocol.refs import NAME_PATTERN, Ref
-from .shmpool import RETIRED, Pool, holds
+from .shmpool import KEEP_MAX_BYTES, RETIRED, Pool, holds
 from .shmspares import Spares
 
 try:
@@ -55,8 +55,11 @@ _NAME = NAME_PATTERN
 # A file nobody refers to after a restart is removed only once it is this old: a client may
 # have written it a moment ago and be about to send the SUBMIT that names it.
 ORPHAN_AGE = 600.0
-# A retired file its producer has not claimed back in this long is removed.
-RETIRE_SECONDS = 30.0
+# A retired file its producer has not claimed back in this long is removed, and the oldest go
+# first beyond RETIRED_MAX_BYTES: a file is retired while anyone maps it, and a reader (a
+# caller keeping a result) may hold one its producer let go of.
+RETIRE_SECONDS = 10.0
+RETIRED_MAX_BYTES = 1024**3
 # How long a reader waits for a file's producer to finish writing it: only a reader that opened
 # a name since retired can meet the writer's exclusive lock, and it is then told the frame is gone.
 LOCK_WAIT_SECONDS = 0.5
@@ -264,15 +267,20 @@ class SharedFolder:
         finally:
             os.close(fd)
 
-    def retire(self, name: str) -> bool:
-        """Retire the file ``name`` if someone holds it, else remove it; whether it retired."""
+    def retire(self, name: str) -> int:
+        """Retire the file ``name`` if someone holds it and a producer could keep it (it is no
+        bigger than a producer keeps), else remove it; the bytes retired (0: removed)."""
         path = self.path / name
-        if holds(path):
+        try:
+            size = os.stat(path, follow_symlinks=False).st_size
+        except OSError:
+            return 0
+        if size <= KEEP_MAX_BYTES and holds(path):
             with contextlib.suppress(OSError):
                 os.rename(path, self.path / (RETIRED + name))
-                return True
+                return max(size, 1)
         _unlink(path)
-        return False
+        return 0
 
     def remove(self, names: Iterable[str]) -> None:
         for name in names:
@@ -337,7 +345,8 @@ class _Remover:
         self._thread.join()
 
     def _run(self, folder: SharedFolder) -> None:
-        retired: collections.deque[tuple[float, str]] = collections.deque()  # (until, name)
+        retired: collections.deque[tuple[float, str, int]] = collections.deque()  # until, name
+        held = 0  # bytes retired and not yet removed (or claimed: those count until then)
         while True:
             wait = max(0.0, retired[0][0] - time.monotonic()) if retired else None
             try:
@@ -347,11 +356,16 @@ class _Remover:
             if names is None:
                 break
             for name in names:
-                if isinstance(name, str) and _NAME.fullmatch(name) and folder.retire(name):
-                    retired.append((time.monotonic() + RETIRE_SECONDS, RETIRED + name))
-            while retired and retired[0][0] <= time.monotonic():
-                _unlink(folder.path / retired.popleft()[1])
-        for _, name in retired:
+                if isinstance(name, str) and _NAME.fullmatch(name):
+                    size = folder.retire(name)
+                    if size:
+                        retired.append((time.monotonic() + RETIRE_SECONDS, RETIRED + name, size))
+                        held += size
+            while retired and (retired[0][0] <= time.monotonic() or held > RETIRED_MAX_BYTES):
+                _, name, size = retired.popleft()
+                _unlink(folder.path / name)
+                held -= size
+        for _, name, _ in retired:
             _unlink(folder.path / name)
 
 

@@ -16,7 +16,9 @@ from .ledger import Ledger
 from .state import Task, WorkerState
 
 RETENTION_SWEEP = 10.0  # seconds between sweeps for results nobody will collect
-MAX_RETAINED_RESULT_BYTES = 2 * 1024**3  # uncollected results of absent clients, all together
+# What absent clients' finished tasks hold, all together: uncollected results, and the inputs
+# of those that did not succeed (kept for `gpumesh retry`).
+MAX_RETAINED_RESULT_BYTES = 2 * 1024**3
 MIN_JOB_AGE = 60.0  # seconds a finished job is kept even over MAX_JOBS (a .map sends batches)
 
 
@@ -59,11 +61,11 @@ class Retention:
                 self.forget(task, now)
             else:
                 absent.append(task)
-        retained = sum(t.result_bytes for t in absent)
+        retained = sum(t.kept_bytes for t in absent)
         for task in sorted(absent, key=lambda t: t.finished_at):
             if retained <= MAX_RETAINED_RESULT_BYTES:
                 break
-            retained -= task.result_bytes
+            retained -= task.kept_bytes
             self.forget(task, now)
         finished = sorted((j for j in self.ledger.jobs.values() if j.finished_at is not None),
                           key=lambda j: max(j.finished_at or 0.0, j.last_activity))

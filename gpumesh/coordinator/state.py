@@ -153,6 +153,15 @@ class Task:
         return shared + sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
                             for f in self.result_payload)
 
+    @property
+    def kept_bytes(self) -> int:
+        """What a finished task holds: its result, and its input while `gpumesh retry` may
+        run it again (one that did not succeed), often in the shared-memory folder: RAM."""
+        kept = self.result_bytes
+        if self.state is not TaskState.DONE:
+            kept += self.input_bytes
+        return kept
+
     def view(self) -> TaskView:
         return TaskView(self.task_id, self.requirements, self.cost, self.excluded,
                         portable=self.portable)

@@ -360,3 +360,21 @@ def test_another_owners_job_needs_force_and_the_refusal_names_the_owner(broker):
     assert refused["owner"] == "ana@lab" and "--force" in refused["error"]
     assert all(not t.state.terminal for t in broker.tasks.values())
     assert control(broker, "cancel", "job1", routing=C3, force=True)["cancelled"] == 2
+
+
+def test_inputs_kept_for_retry_count_against_the_byte_cap(broker, monkeypatch):
+    # A failed task keeps its input for `gpumesh retry` (in the shared-memory folder, RAM):
+    # an absent client's failed tasks cannot hold more than the cap through their inputs.
+    monkeypatch.setattr("gpumesh.coordinator.retention.MAX_RETAINED_RESULT_BYTES", 250)
+    specs = [{"seq": 1 + i, "nf": 1, "kind": "script"} for i in range(3)]
+    broker.handle(C, msg(Command.SUBMIT, {"job": "big", "name": "big", "tasks": specs},
+                         [b"i" * 100] * 3), 0.0)
+    tasks = [task_id for _, task_id in sent(broker, Command.ACCEPTED)[-1]["accepted"]]
+    for i, task_id in enumerate(tasks):
+        hello_worker(broker, W, "w1", now=float(i))
+        broker.dispatch(float(i))
+        result(broker, task_id, status="error", payload=b"", now=float(i))
+    assert all(broker.tasks[t].kept_bytes >= 100 for t in tasks)  # the input, not the result
+    broker.handle(C, msg(Command.DISCONNECT, {}), 5.0)
+    broker.sweep(6.0)
+    assert [t for t in tasks if t in broker.tasks] == tasks[1:]  # 3 x 100+ over 250: one went

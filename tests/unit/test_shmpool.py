@@ -164,3 +164,20 @@ def test_kept_files_are_given_back_when_idle_or_released(folder, monkeypatch):
     folder.release()
     assert holds(folder.path / kept) is False
     assert not folder.retire(kept) and listing(folder) == {idle}
+
+
+def test_a_file_no_producer_would_keep_is_removed_though_a_reader_maps_it(folder, monkeypatch):
+    monkeypatch.setattr(sharedmem, "KEEP_MAX_BYTES", len(BIG) - 1)  # bigger than a pool keeps
+    name = share(folder, BIG)
+    mapped = folder.open(name, len(BIG))  # a caller keeping a big result
+    assert not folder.retire(name) and listing(folder) == set()
+    assert bytes(mapped) == BIG  # the reader keeps its pages; nobody holds them in the folder
+
+
+def test_retired_bytes_are_bounded_the_oldest_going_first(folder, monkeypatch):
+    monkeypatch.setattr(sharedmem, "RETIRED_MAX_BYTES", len(BIG) + len(BIG) // 2)
+    older, newer = share(folder, BIG), share(folder, OTHER)
+    folder.retire_soon([older])
+    wait_for(lambda: listing(folder) == {RETIRED + older, newer}, what="the first retired")
+    folder.retire_soon([newer])  # two files' bytes are over the cap: the older one goes
+    wait_for(lambda: listing(folder) == {RETIRED + newer}, what="the oldest removed")
