@@ -71,8 +71,9 @@ def test_coordinator_restart_while_workers_hold_leases(mesh_env, tmp_path):
     """One worker re-claims its leases after the restart; the other is asleep through the
     restore grace, so its tasks are re-queued and run elsewhere, and its late work is dropped."""
     n, slots, long = 200, 2, 4.0
-    # A restore grace long enough for the awake worker to re-claim even after back-off.
-    mesh_env.env["GPUMESH_RESTORE_GRACE"] = "4"
+    # A restore grace long enough for the awake worker to re-claim even after back-off, on a
+    # loaded machine too (4 s was not, once in CI: the task was requeued and run twice there).
+    mesh_env.env["GPUMESH_RESTORE_GRACE"] = "10"
     coordinator = mesh_env.start_coordinator()
     awake = mesh_env.add_worker(slots=slots)
     sleeper = mesh_env.add_worker(slots=slots)
