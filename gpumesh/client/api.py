@@ -29,6 +29,9 @@ R = TypeVar("R")
 UNREACHABLE_MEMORY = 5.0  # seconds a failed connect is remembered before trying again
 ACCEPT_TIMEOUT = 30.0  # seconds submit(script=...) waits for the coordinator to make a job durable
 JOB_POLL = 0.25  # seconds between status queries while waiting for a job
+# Seconds a Ctrl+C waits for the cancels of what was sent to reach the coordinator (a query
+# answered behind them): milliseconds usually, seconds while big frames are still written.
+INTERRUPT_FLUSH = 10.0
 NO_WORKER_NOTICE = 3.0  # seconds a gather waits before checking whether any worker is there
 PYTHONS_CACHE = 5.0  # seconds the workers' Python versions are trusted before asking again
 log = logging.getLogger("gpumesh.client")
@@ -175,6 +178,9 @@ class GPUMesh:
             rest = pickle_calls(calls[len(early):])
             if rest or not early:
                 futures += engine.submit(rest, job, label)
+        except KeyboardInterrupt:  # Ctrl+C while the rest was pickled: stop what was sent
+            self.interrupted(futures)
+            raise
         except BaseException:
             for future in futures:
                 future.cancel()  # the mesh cancels them too: those that started are stopped
@@ -259,9 +265,18 @@ class GPUMesh:
         self._cancel(waiting)
         engine = self._engine
         if waiting and engine is not None and engine.connected:
+            deadline = time.monotonic() + INTERRUPT_FLUSH
             try:
-                # Answered after the CANCEL ahead of it was sent: the process may exit now.
-                engine.query("status", timeout=2.0, tasks=False)
+                # Answered once the engine is past what it was sending (big frames take
+                # seconds to write) and the coordinator past the CANCELs ahead of it.
+                engine.query("status", timeout=INTERRUPT_FLUSH, tasks=False)
+                # A submission sent but not yet accepted is cancelled once its ACCEPTED comes
+                # (which the coordinator sends after its commit, maybe after that answer).
+                if engine.awaiting_acceptance(waiting):
+                    while engine.awaiting_acceptance(waiting) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    engine.query("status", timeout=max(0.5, deadline - time.monotonic()),
+                                 tasks=False)
             except MeshError:
                 pass
         if waiting:

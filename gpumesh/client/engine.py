@@ -20,7 +20,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,6 +224,13 @@ class Engine:
             futures.append(future)
         self._command(batch)
         return futures
+
+    def awaiting_acceptance(self, futures: Sequence[Any]) -> int:
+        """How many of ``futures`` went to the coordinator and are not accepted yet: a cancel
+        of one goes out only once it is (from any thread: a snapshot of the engine's table)."""
+        seqs = {getattr(future, "seq", 0) for future in futures} - {0}
+        return sum(1 for sub in list(self._outstanding.values())
+                   if sub.seq in seqs and sub.sent_at and not sub.task_id)
 
     def query(self, what: str, timeout: float = 10.0, **args: Any) -> Any:
         """Ask the coordinator (``workers``, ``status``, ``events``) and wait for the answer."""
@@ -456,6 +463,11 @@ class Engine:
             # journals the rest (a 200-task .map's first task began after 40 ms, now ~8).
             most = FIRST_CHUNK
             for sub in group:
+                if sub.future.cancel_requested and not sub.sent_at:
+                    # Cancelled while the chunks before it went (big frames take a while to
+                    # write: Ctrl+C of a map of big arrays must not wait for all of them).
+                    self._outstanding.pop(sub.seq, None)
+                    continue
                 chunk.append(sub)
                 size += serialize.payload_nbytes(sub.frames)
                 header += sub.header_bytes
