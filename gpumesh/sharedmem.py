@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .fileio import write_all
+from .fileio import replace_private, write_all
 from .protocol.refs import NAME_PATTERN, Ref
 from .shmpool import KEEP_MAX_BYTES, RETIRED, Pool, holds
 from .shmspares import Spares
@@ -51,6 +51,7 @@ log = logging.getLogger("gpumesh.sharedmem")
 # Frames this big or bigger go through the folder: below it, the socket is as fast.
 MIN_SHARED_BYTES = 1024 * 1024
 PROBE = "probe"
+JOURNAL = "journal"  # the path of the journal that names the folder's frames
 _NAME = NAME_PATTERN
 # A file nobody refers to after a restart is removed only once it is this old: a client may
 # have written it a moment ago and be about to send the SUBMIT that names it.
@@ -88,9 +89,11 @@ class SharedFolder:
     # ----------------------------------------------------------------- making and joining
 
     @classmethod
-    def create(cls, key: str) -> SharedFolder | None:
+    def create(cls, key: str, journal: str | None = None) -> SharedFolder | None:
         """The coordinator's folder for journal ``key`` (kept across restarts, so journaled
-        references stay good); None, with a log line, where it cannot be made private."""
+        references stay good); None, with a log line, where it cannot be made private.
+        ``journal`` is the journal's path ("" for one in memory; None: not said): once the
+        coordinator is gone and that file too, nobody can need the folder's frames any more."""
         if not hasattr(os, "getuid"):
             return None  # Windows: no /dev/shm; the sockets carry everything
         path = _base() / f"gpumesh-{os.getuid()}-{key}"
@@ -113,6 +116,8 @@ class SharedFolder:
             with os.fdopen(fd, "w") as out:
                 out.write(proof)
             os.replace(tmp, probe)
+            if journal is not None:
+                replace_private(path / JOURNAL, journal.encode())
         except OSError as exc:
             log.warning("not sharing memory: cannot use %s (%s)", path, exc.strerror)
             if lock is not None:
@@ -425,6 +430,26 @@ def _remove_retired(path: Path) -> None:
                 _unlink(Path(entry.path))
 
 
+def _journal_gone(folder: Path) -> bool:
+    """Whether the journal that named this (abandoned) folder's frames is gone: one in memory,
+    or a file since removed (a temporary mesh's home). Unknown (an older gpumesh's folder,
+    unreadable): not gone."""
+    try:
+        fd = os.open(folder / JOURNAL, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as src:
+            journal = src.read(8192).decode()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return not journal or not os.path.exists(journal)
+
+
+def _remove_frames(folder: Path) -> None:
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if _NAME.fullmatch(entry.name):
+                _unlink(Path(entry.path))
+
+
 def _remove_if_empty(path: Path) -> bool:
     """Remove a folder that holds no frame (only its probe, lock and retired files); False if
     it holds one."""
@@ -433,7 +458,7 @@ def _remove_if_empty(path: Path) -> bool:
             if any(_NAME.fullmatch(entry.name) for entry in entries):
                 return False
         _remove_retired(path)
-        for name in (PROBE, _LOCK):
+        for name in (PROBE, JOURNAL, _LOCK):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path / name)
         path.rmdir()
@@ -466,6 +491,8 @@ def _sweep_abandoned(mine: Path) -> None:
             os.close(fd)
             continue  # its coordinator is running
         try:
+            if _journal_gone(folder):
+                _remove_frames(folder)  # nothing can ever name them again: RAM back
             _remove_if_empty(folder)
         finally:
             os.close(fd)

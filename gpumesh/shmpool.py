@@ -45,7 +45,7 @@ RETIRED = "retired-"
 # written going first; it looks this often for kept files that lost their last name, and lets
 # go of any it has not written for KEEP_IDLE_SECONDS whatever its name.
 KEEP_MAX_FILES = 4
-KEEP_MAX_BYTES = 256 * 1024 * 1024
+KEEP_MAX_BYTES = 1024 * 1024 * 1024
 CHECK_SECONDS = 2.0
 KEEP_IDLE_SECONDS = 600.0
 # A file is kept only while its file system has this many times its size free: Docker gives

@@ -81,7 +81,8 @@ class Coordinator:
         now = time.time()
         # Big frames between processes of this machine go through files, not sockets; the
         # folder is named after the journal, so journaled references survive a restart.
-        shm = SharedFolder.create(_journal_key(db_path)) if settings.share_memory else None
+        shm = (SharedFolder.create(_journal_key(db_path), _journal_path(db_path))
+               if settings.share_memory else None)
         self.broker = Broker(self.store, settings.timing, settings.limits, epoch=self.epoch,
                              now=now, safe_mode=safe_mode, shm=shm)
         self.ledger = self.broker.ledger
@@ -316,8 +317,13 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
+def _journal_path(db_path: Path | str) -> str:
+    """The journal's absolute path; "" for one in memory."""
+    return "" if str(db_path) == ":memory:" else str(Path(db_path).resolve())
+
+
 def _journal_key(db_path: Path | str) -> str:
-    where = str(db_path) if str(db_path) == ":memory:" else str(Path(db_path).resolve())
+    where = _journal_path(db_path) or ":memory:"
     if where == ":memory:":
         where += secrets.token_hex(8)  # nothing outlives this process: a folder of its own
     return hashlib.blake2b(where.encode(), digest_size=8).hexdigest()

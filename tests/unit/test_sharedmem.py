@@ -16,7 +16,7 @@ from gpumesh.config import Limits, Timing
 from gpumesh.coordinator.broker import Broker
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.protocol.refs import parse_refs
-from gpumesh.sharedmem import MIN_SHARED_BYTES, ORPHAN_AGE, PROBE, SharedFolder
+from gpumesh.sharedmem import JOURNAL, MIN_SHARED_BYTES, ORPHAN_AGE, PROBE, SharedFolder
 from gpumesh.shmpool import RETIRED
 from gpumesh.store import Store
 
@@ -27,7 +27,7 @@ LIMITS = Limits()
 
 
 def names(folder: SharedFolder) -> set[str]:
-    return {n for n in os.listdir(folder.path) if n not in (PROBE, ".lock")}
+    return {n for n in os.listdir(folder.path) if n not in (PROBE, JOURNAL, ".lock")}
 
 
 def test_the_folder_is_private_and_joined_only_with_the_proof(folder):
@@ -103,6 +103,28 @@ def test_close_keeps_a_folder_that_still_holds_frames(folder):
     folder.remove([refs[0][1]])
     folder.close()
     assert not folder.path.exists()
+
+
+@pytest.mark.parametrize("journal_left", [True, False])
+def test_a_gone_coordinators_frames_go_only_with_their_journal(tmp_path, monkeypatch,
+                                                               journal_left):
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    journal = tmp_path / "home" / "coordinator.db"
+    journal.parent.mkdir()
+    journal.write_bytes(b"")
+    gone = SharedFolder.create("gone", str(journal))
+    assert gone is not None
+    gone.share([BIG])
+    gone.close()  # stopped (or killed) with a frame its journal still names: kept
+    assert gone.path.is_dir()
+    if not journal_left:
+        journal.unlink()  # a temporary mesh's home, removed
+    other = SharedFolder.create("other", str(tmp_path / "other.db"))
+    assert other is not None
+    try:  # a starting coordinator sweeps the folders of those that are gone
+        assert gone.path.is_dir() == journal_left
+    finally:
+        other.close()
 
 
 # ----------------------------------------------------------------- the coordinator

@@ -10,7 +10,7 @@ import pytest
 from conftest import wait_for
 
 from gpumesh import sharedmem, shmpool
-from gpumesh.sharedmem import MIN_SHARED_BYTES, PROBE, SharedFolder, _still_named
+from gpumesh.sharedmem import JOURNAL, MIN_SHARED_BYTES, PROBE, SharedFolder, _still_named
 from gpumesh.shmpool import RETIRED, holds
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX locks and fork")
@@ -30,7 +30,7 @@ def inode(folder: SharedFolder, name: str) -> int:
 
 
 def listing(folder: SharedFolder) -> set[str]:
-    return {n for n in os.listdir(folder.path) if n not in (PROBE, ".lock")}
+    return {n for n in os.listdir(folder.path) if n not in (PROBE, JOURNAL, ".lock")}
 
 
 def test_a_retired_file_nobody_maps_is_written_again_in_place(folder):
