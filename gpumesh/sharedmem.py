@@ -295,11 +295,11 @@ class SharedFolder:
 
     def retire_soon(self, names: Iterable[str]) -> None:
         """The coordinator is done with these frames' files. Each is removed, unless someone
-        holds it (its producer keeps it to write again, or a consumer maps it still): then it
-        is renamed RETIRED + name for its producer to claim, and removed RETIRE_SECONDS later
-        if nobody did (gpumesh/shmpool.py). On a thread of its own: freeing a file's pages is
-        the kernel's slowest step here (about 8 ms for 64 MiB on the test machine), and the
-        coordinator's loop, which decides when a file goes, should not wait for it."""
+        holds it and a producer could keep it (``retire``): then it is renamed RETIRED + name
+        for its producer to claim, and removed RETIRE_SECONDS later (sooner past
+        RETIRED_MAX_BYTES) if nobody did (gpumesh/shmpool.py). Off the loop's thread: freeing
+        a file's pages is the kernel's slowest step here (about 8 ms for 64 MiB on the test
+        machine), and the coordinator's loop, which decides when a file goes, should not wait."""
         names = list(names)
         if not names:
             return

@@ -57,8 +57,8 @@ def dumps(obj: Any) -> list[Any]:
 def _reduce_tensor(obj: Any) -> tuple[Any, ...] | None:
     """A plain, dense CPU tensor (or Parameter) that owns its whole storage, as
     ``(rebuild_tensor, (its bytes, dtype, shape, requires_grad, is a Parameter))``; None for
-    anything else, which pickles as torch pickles it (views share their storage that way, and
-    CUDA tensors come back on their device)."""
+    anything else, which pickles as torch pickles it (a view keeps its offset in its storage,
+    a transpose its strides, a CUDA tensor its device)."""
     torch = sys.modules.get("torch")
     if torch is None:  # no tensor can exist before torch is imported
         return None
