@@ -3,19 +3,18 @@ unpickle them import neither pytest nor playwright."""
 
 from __future__ import annotations
 
-import os
 import time
+
+from gates import wait_gate
 
 
 def pause(seconds: float, gate: str = "") -> float:
     """Sleeps ``seconds``; given a ``gate`` file, runs until the test makes it (``seconds`` at
     most), so a test that must see the task running does not race its end."""
-    if not gate:
+    if gate:
+        wait_gate(gate, seconds)
+    else:
         time.sleep(seconds)
-        return seconds
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
     return seconds
 
 

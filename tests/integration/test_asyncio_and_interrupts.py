@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from conftest import wait_for
+from gates import wait_gate
 
 from gpumesh.client.decorators import MeshFunction, MeshSource
 from gpumesh.client.tasks import TaskOptions
@@ -21,9 +22,8 @@ from gpumesh.client.tasks import TaskOptions
 
 def triple(x, gate=""):
     """3x; given a ``gate`` file, once the test has made it (a minute at most)."""
-    deadline = time.monotonic() + 60
-    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    if gate:
+        wait_gate(gate)
     return 3 * x
 
 

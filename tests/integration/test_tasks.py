@@ -9,6 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 from conftest import require, wait_for
+from gates import wait_gate
 
 from gpumesh import RemoteError
 
@@ -215,11 +216,7 @@ def nap(seconds):
 
 def hold(gate):
     """Runs until the test makes the ``gate`` file (a minute at most)."""
-    import time
-
-    deadline = time.monotonic() + 60
-    while not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_gate(gate)
     return gate
 
 
