@@ -4,8 +4,8 @@ Putting 64 MiB into a new tmpfs file costs the test machine about 35 ms: 16-20 f
 to find and clear the pages, 17 for ``write`` to walk them one by one; and whoever removes the
 file pays 8 more to free them. Copying the same bytes into a mapping of a file whose pages exist
 and are already mapped costs 7, as much as any memory copy there. So a producer of big frames
-(a client's arguments, a runner's results) keeps each file it wrote, mapped on first reuse, and
-writes a later frame of the same size into it once two things hold:
+(a client's arguments, a runner's results) keeps each file it wrote, maps it while it waits for
+its task, and writes a later frame of the same size into it once two things hold:
 
 - the coordinator is done with it. Where it used to remove a frame's file after its last
   journal write, it now *retires* it: renames it ``RETIRED + name``, a name no reference can
@@ -55,7 +55,7 @@ KEEP_FREE_FACTOR = 4
 
 class _Kept:
     """One kept file: its descriptor (holding this process's lock), its current name, and its
-    shared writable mapping once it has been reused."""
+    shared writable mapping once made (ahead of its reuse, or at it)."""
 
     __slots__ = ("fd", "name", "size", "used", "view")
 
@@ -77,7 +77,8 @@ class _Kept:
 
 class Pool:
     """The files one process wrote in one folder and may write again; thread-safe (a client
-    writes from its engine thread, its own thread gives back idle files)."""
+    writes from its engine thread; the pool's own thread maps kept files ahead and lets go of
+    those nobody can claim)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -154,7 +155,7 @@ class Pool:
                 self._kept.remove(oldest)
                 oldest.close()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._give_back_idle, daemon=True,
+                self._thread = threading.Thread(target=self._tend, daemon=True,
                                                 name="gpumesh-shm-pool")
                 self._thread.start()
             self._wake.notify()
@@ -192,7 +193,7 @@ class Pool:
             kept.close()
         return gone
 
-    def _give_back_idle(self) -> None:
+    def _tend(self) -> None:
         """Map each kept file ahead of its reuse, and let go of kept files whose last name
         went (their pages are this process's alone now) or that nobody wrote for
         KEEP_IDLE_SECONDS; the thread ends with none kept."""

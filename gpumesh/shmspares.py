@@ -9,8 +9,9 @@ next write of that size goes into it.
 
 The file is made with ``O_TMPFILE``: it has no name until it is used, so nobody else can open
 it, and it vanishes with its process whatever way that ends. It gets its name (``linkat``
-through ``/proc/self/fd``) before a byte is written, and is never reused after that: a consumer
-that maps a frame keeps what it mapped, which reusing a named file could change under it.
+through ``/proc/self/fd``) before a byte is written, and is handed out once: writing a named
+file again, which could change it under a consumer's mapping, is gpumesh/shmpool.py's, under
+its locks.
 Where any of this is missing (another OS, no /proc, a file system without ``O_TMPFILE``) the
 producer writes new files as before.
 """

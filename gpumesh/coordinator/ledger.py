@@ -251,8 +251,13 @@ class Ledger:
     def drop_shared(self, header: dict[str, Any] | None) -> None:
         """Remove the shared-memory files a spec or result refers to once this turn's journal
         writes are committed (``remove_unneeded_files``): nobody needs them after that."""
-        if header and "shm" in header and self.shm is not None:
-            self.unneeded_files.extend(ref_names(refs_of(header["shm"])))
+        if header and "shm" in header:
+            self.drop_files(ref_names(refs_of(header["shm"])))
+
+    def drop_files(self, names: list[str]) -> None:
+        """``drop_shared`` for names already known."""
+        if self.shm is not None:
+            self.unneeded_files.extend(names)
 
     def remove_unneeded_files(self) -> None:
         """After a commit: remove the files dropped before it, off the loop's thread. Never

@@ -226,9 +226,7 @@ class WorkerSide:
         if task is not None:
             for header in (task.spec, task.result_header):
                 named.update(ref_names(refs_of((header or {}).get("shm"))))
-        untaken = [list(r) for r in res.shared if r[1] not in named]
-        if untaken:
-            self.ledger.drop_shared({"shm": untaken})
+        self.ledger.drop_files([name for name in ref_names(res.shared) if name not in named])
 
     def _finish(self, task: Task, worker: WorkerSession, res: Result, payload: list[Any],
                 now: float) -> None:
