@@ -1,7 +1,9 @@
 """Framing for the agent <-> runner control socket: a count, the lengths, then the frames.
 
 A local stream socket has no message boundaries, so each message is written as
-``[u32 frame count][u32 flags][u64 length]*count[socket frame bytes]*``. Frames of
+``[u32 frame count][u32 flags][u32 rest][u64 length]*count[socket frame bytes]*``, where
+``rest`` counts the bytes after the head that are read in one go: the lengths, and for a small
+message (flag ``_PACKED``) its frames too, so that it takes two reads, not three. Frames of
 ``SHARED_THRESHOLD`` bytes or more do not pass through the socket at all: they are written
 once into a sealed memfd whose descriptor travels with the message (SCM_RIGHTS), and the
 receiver maps it, so the bytes are neither copied into the kernel's socket buffers nor out
@@ -30,12 +32,14 @@ try:
 except ImportError:  # not POSIX: no descriptor passing either
     fcntl = None  # type: ignore[assignment]
 
-_HEAD = struct.Struct("<II")
+_HEAD = struct.Struct("<III")
 _LENGTH = struct.Struct("<Q")
 MAX_FRAMES = 4096
 SHARED_THRESHOLD = 64 * 1024
 # flags: one descriptor came with the first bytes of this message
 _SHARED = 1
+# flags: ``rest`` holds the frames as well as their lengths (a small message)
+_PACKED = 2
 # in a length: this frame lies in the shared file, not on the socket
 _IN_FILE = 1 << 63
 # Written on stdout and stderr, with a nonce and a NUL, by a task handed ahead as it starts
@@ -59,6 +63,10 @@ class PipeClosed(EOFError):
 def send_message(sock: socket.socket, frames: Sequence[Any]) -> None:
     """Write one message. Frames are bytes-like objects or zmq Frames; none is copied on the way
     to the socket, and big ones are copied once, into the shared file."""
+    small = encode_small(frames)
+    if small is not None:
+        sock.sendall(small)  # every tiny task's message: one system call, not one per frame
+        return
     views = [_view(f) for f in frames]
     big = [v.nbytes >= SHARED_THRESHOLD for v in views]
     fd = None
@@ -66,13 +74,13 @@ def send_message(sock: socket.socket, frames: Sequence[Any]) -> None:
         fd = _shared_file([v for v, b in zip(views, big, strict=True) if b])
     if fd is None:
         big = [False] * len(views)
-    head = _HEAD.pack(len(views), 0 if fd is None else _SHARED) + b"".join(
-        _LENGTH.pack(v.nbytes | (_IN_FILE if b else 0)) for v, b in zip(views, big, strict=True))
     inline = [v for v, in_file in zip(views, big, strict=True) if v.nbytes and not in_file]
-    if fd is None and len(head) + sum(v.nbytes for v in inline) <= _ONE_WRITE:
-        # A small message (every tiny task's): one system call, not one per frame.
-        sock.sendall(b"".join([head, *inline]))
-        return
+    lengths = b"".join(_LENGTH.pack(v.nbytes | (_IN_FILE if b else 0))
+                       for v, b in zip(views, big, strict=True))
+    packed = sum(v.nbytes for v in inline) <= _ONE_WRITE
+    flags = (0 if fd is None else _SHARED) | (_PACKED if packed else 0)
+    rest = len(lengths) + (sum(v.nbytes for v in inline) if packed else 0)
+    head = b"".join([_HEAD.pack(len(views), flags, rest), lengths, *(inline if packed else ())])
     try:
         if fd is None:
             sock.sendall(head)
@@ -83,9 +91,23 @@ def send_message(sock: socket.socket, frames: Sequence[Any]) -> None:
     finally:
         if fd is not None:
             os.close(fd)  # the message holds its own reference to the file
-    for view, in_file in zip(views, big, strict=True):
-        if view.nbytes and not in_file:
+    if not packed:
+        for view in inline:
             sock.sendall(view)
+
+
+def encode_small(frames: Sequence[Any]) -> bytes | None:
+    """A message with no big frame, whole (its frames joined after the head), ready to be
+    written with others in one call; None for one too big for that (``send_message`` then
+    writes it frame by frame, or through a shared file)."""
+    views = [_view(f) for f in frames]
+    total = sum(v.nbytes for v in views)
+    if total > _ONE_WRITE or len(views) > MAX_FRAMES \
+            or any(v.nbytes >= SHARED_THRESHOLD for v in views):
+        return None
+    rest = _LENGTH.size * len(views) + total
+    return b"".join([_HEAD.pack(len(views), _PACKED, rest),
+                     *(_LENGTH.pack(v.nbytes) for v in views), *views])
 
 
 # Below this, a message's frames are joined and written at once: the copy costs less than the
@@ -151,15 +173,20 @@ def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
     the limits (the stream is then out of step: drop the pipe)."""
     head, fds = _recv_head(sock)
     try:
-        count, flags = _HEAD.unpack(head)
+        count, flags, rest = _HEAD.unpack(head)
         if count > MAX_FRAMES:
             raise ValueError(f"{count} frames on the runner pipe")
-        if flags & ~_SHARED:
+        if flags & ~(_SHARED | _PACKED):
             raise ValueError(f"unknown flags {flags:#x} on the runner pipe")
         if len(fds) != (1 if flags & _SHARED else 0):
             raise ValueError(f"{len(fds)} file descriptors with a message on the runner pipe "
                              f"that {'has one' if flags & _SHARED else 'has none'}")
-        words = struct.unpack(f"<{count}Q", _recv_exact(sock, _LENGTH.size * count))
+        lengths_size = _LENGTH.size * count
+        if rest < lengths_size or rest > lengths_size + (_ONE_WRITE if flags & _PACKED else 0):
+            raise ValueError(f"a message on the runner pipe announces {rest} bytes for "
+                             f"{count} frames")
+        data = memoryview(_recv_exact(sock, rest))
+        words = struct.unpack_from(f"<{count}Q", data)
         lengths = [w & ~_IN_FILE for w in words]
         in_file = [bool(w & _IN_FILE) for w in words]
         if sum(lengths) > max_bytes:
@@ -167,6 +194,9 @@ def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
                 f"a {sum(lengths)}-byte message on the runner pipe exceeds {max_bytes}")
         if any(in_file) != bool(fds):
             raise ValueError("frames in a shared file without one, or a file without frames")
+        inline = sum(n for n, f in zip(lengths, in_file, strict=True) if not f)
+        if flags & _PACKED and inline != rest - lengths_size:
+            raise ValueError("a small message on the runner pipe whose frames do not add up")
         shared: list[memoryview] = []
         if fds:
             shared = _map_shared(fds[0], [n for n, f in zip(lengths, in_file, strict=True) if f])
@@ -174,12 +204,10 @@ def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
         for fd in fds:
             os.close(fd)  # a mapping keeps the file; nothing else needs the descriptor
     files = iter(shared)
-    inline = sum(n for n, f in zip(lengths, in_file, strict=True) if not f)
-    if inline <= _ONE_WRITE:
-        # A small message: its frames in one read, then cut (copies cost less than reads).
-        data = memoryview(_recv_exact(sock, inline))
+    if flags & _PACKED:
+        # Its socket frames came whole with the lengths: cut them (copies cost less than reads).
         out: list[Any] = []
-        at = 0
+        at = lengths_size
         for n, f in zip(lengths, in_file, strict=True):
             if f:
                 out.append(next(files))

@@ -300,6 +300,7 @@ class WorkerAgent:
         poller, fd_owner = self._poller()
         self._nap_runners(poller, time.time())
         sock = self.link.sock
+        self._flush_runners()  # never wait with a task held back from its runner
         ready = dict(poller.poll(self._poll_timeout()))
         now = time.time()
         # Only when poll named it: reading an empty monitor costs a poll of its own every turn.
@@ -313,6 +314,7 @@ class WorkerAgent:
                 if msg is None:
                     break
                 self.session.on_message(msg, now)
+            self._flush_runners()  # the tasks of every TASK read, one write per runner
         if self.control is not None and self.control.sock in ready:
             self.control.serve(lambda action: self.owner.on_control(action, now))
         for fd in ready:
@@ -324,6 +326,7 @@ class WorkerAgent:
                     self._on_runner_output(runner, what)
         self._check_runners(now)
         self._start_queued(now)
+        self._flush_runners()
         self._follow_move()
         self.session.tick(now)
         if self.mode is WorkerMode.DRAINING:
@@ -331,6 +334,15 @@ class WorkerAgent:
         if not self._coalescing(now):
             self.link.flush()  # what this turn said goes out together, as one BATCH
             self._posted_at = None
+
+    def _flush_runners(self) -> None:
+        """Write what was handed ahead to each runner (``Runner.flush``). A runner that cannot
+        take it is gone: its pipe's end of file, or ``_check_runners``, handles that."""
+        for runner in self.runners:
+            try:
+                runner.flush()
+            except OSError:
+                pass
 
     def _coalescing(self, now: float) -> bool:
         """Whether to hold what was posted for the results about to follow it."""
@@ -740,26 +752,42 @@ class WorkerAgent:
         left unread for a while has written several results)."""
         proc = runner.proc
         runner.read_at = now
+        written: list[tuple[dict[str, Any], list[Any]]] = []
+        closed = False
         for _ in range(RUNNER_READS):
             try:
-                header, frames = runner.receive()
+                written.append(runner.receive())
             except PipeClosed:
-                self._runner_died(runner, now)
+                closed = True
+                break
+            if not runner.has_message():
+                break
+        self._handle_written(runner, written, now)
+        if closed and runner.proc is proc:
+            self._runner_died(runner, now)
+
+    def _handle_written(self, runner: Runner, written: list[tuple[dict[str, Any], list[Any]]],
+                        now: float) -> None:
+        """Messages a runner wrote, read together. What their tasks printed goes out before
+        their results, so the caller sees it first: one read of each pipe for them all (the
+        markers tell whose each piece is), not one per result. Then each result, in order,
+        until one makes the agent restart the runner: what the old one wrote is gone with it."""
+        proc = runner.proc
+        if any(not header.get("ready") for header, _ in written):
+            for stream in ("out", "err"):
+                for _ in range(64):  # at most 4 MiB per stream here; the rest follows as usual
+                    if not self._on_runner_output(runner, stream) or runner.drained[stream]:
+                        break
+        for header, frames in written:
+            if runner.proc is not proc:
                 return
             self._on_runner_header(runner, header, frames, now)
-            if runner.proc is not proc or runner.control is None or not runner.has_message():
-                return  # restarted (what the old one wrote is gone with it), or all read
 
     def _on_runner_header(self, runner: Runner, header: dict[str, Any], frames: list[Any],
                           now: float) -> None:
         if header.get("ready"):
             runner.ready = True
             return
-        # What the task printed goes out before its result, so the caller sees it first.
-        for stream in ("out", "err"):
-            for _ in range(64):  # at most 4 MiB per stream here; the rest follows as usual
-                if not self._on_runner_output(runner, stream) or runner.drained[stream]:
-                    break
         task = runner.task
         following = runner.finished()
         if following is not None:
@@ -804,13 +832,13 @@ class WorkerAgent:
     def _read_written(self, runner: Runner, now: float) -> None:
         """Handle the messages a runner wrote before it died or ran late, without waiting
         (until a message makes the agent restart it: the new runner is not the one read)."""
-        proc = runner.proc
-        while runner.proc is proc and runner.control is not None and runner.has_message():
+        written: list[tuple[dict[str, Any], list[Any]]] = []
+        while runner.control is not None and runner.has_message():
             try:
-                header, frames = runner.receive()
+                written.append(runner.receive())
             except PipeClosed:
-                return  # the rest is the death, which the caller handles
-            self._on_runner_header(runner, header, frames, now)
+                break  # the rest is the death, which the caller handles
+        self._handle_written(runner, written, now)
 
     def _runner_died(self, runner: Runner, now: float) -> None:
         # Drain what it printed last: the diagnosis needs its final words.

@@ -35,7 +35,14 @@ import msgpack
 from ..protocol import serialize
 from ..protocol.ids import HexIds
 from ..runner.environment import runner_process_environment
-from ..runner.pipe import MARKER, SHARED_THRESHOLD, PipeClosed, recv_message, send_message
+from ..runner.pipe import (
+    MARKER,
+    SHARED_THRESHOLD,
+    PipeClosed,
+    encode_small,
+    recv_message,
+    send_message,
+)
 
 TAIL_LINES = 20
 # Bytes on the socket handed ahead to one runner, at most (beyond the first task ahead): well
@@ -102,6 +109,9 @@ class Runner:
         self.ahead_depth = 1  # how many the agent hands ahead at most (it sets this)
         self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
         self.read_at = 0.0  # when the agent last read this runner's socket
+        # Small messages handed ahead and not yet written: ``flush`` writes them in one call
+        # (a write that wakes the runner costs tens of µs here, and a TASK brings many tasks).
+        self._unsent: list[bytes] = []
         self.restart_after_task = False  # a task handed ahead was dropped: it must not run on
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._partial = {"out": b"", "err": b""}
@@ -126,6 +136,7 @@ class Runner:
             assert stream is not None
             os.set_blocking(stream.fileno(), False)
         self.control = parent
+        self._unsent = []
         self.ready = False
         self.task = None
         self.ahead.clear()
@@ -175,21 +186,40 @@ class Runner:
                 self._owner[stream] = task
 
     def hand_ahead(self, queued: QueuedTask) -> None:
-        """Give this busy runner a task now; it starts when those before it end."""
+        """Give this busy runner a task; it starts when those before it end. A small one is
+        written with the next ``flush`` (the agent flushes before it waits), with the others
+        handed ahead meanwhile: if that write fails, the runner is gone and ``take_back``
+        returns the task, as for one it never started."""
         nonce = _nonce()
-        self._write(queued.task, {**queued.header, "pre": nonce}, queued.frames)
+        self._write(queued.task, {**queued.header, "pre": nonce}, queued.frames, hold=True)
         self.ahead.append((queued, nonce))
         self.ahead_bytes += queued.socket_bytes
         marker = MARKER + nonce.encode() + b"\x00"
         for stream in ("out", "err"):
             self._markers[stream].append((marker, queued.task))
 
-    def _write(self, task: RunningTask, header: dict[str, Any], frames: list[Any]) -> None:
+    def _write(self, task: RunningTask, header: dict[str, Any], frames: list[Any], *,
+               hold: bool = False) -> None:
         assert self.control is not None
         if "env" in task.header:
             # The submitter's variables (the runner checks them before it runs anything).
             header = {**header, "env": task.header["env"]}
-        send_message(self.control, [msgpack.packb(header, use_bin_type=True), *frames])
+        message = [msgpack.packb(header, use_bin_type=True), *frames]
+        if hold:
+            small = encode_small(message)
+            if small is not None:
+                self._unsent.append(small)
+                return
+        self.flush()  # what was held goes first: the runner reads in order
+        send_message(self.control, message)
+
+    def flush(self) -> None:
+        """Write the messages ``hand_ahead`` held, in one call. OSError when the runner is
+        gone (its death is handled as any other; what was held is dropped with it)."""
+        if not self._unsent or self.control is None:
+            return
+        unsent, self._unsent = self._unsent, []
+        self.control.sendall(unsent[0] if len(unsent) == 1 else b"".join(unsent))
 
     def finished(self) -> QueuedTask | None:
         """The running task wrote its result: the first one handed ahead (now running), if
@@ -227,6 +257,7 @@ class Runner:
         self.restart_after_task = True
         if self.control is not None:
             try:
+                self.flush()  # a drop must follow the task it drops
                 for _, nonce in dropped:
                     send_message(self.control, [msgpack.packb({"drop": nonce})])
             except OSError:
@@ -329,6 +360,7 @@ class Runner:
         if self.control is not None:
             self.control.close()
             self.control = None
+        self._unsent = []
         return code
 
     def diagnosis(self, code: int | None) -> str:

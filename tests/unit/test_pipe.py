@@ -164,8 +164,9 @@ def test_round_trip_through_a_child_process() -> None:
 
 
 def _raw(sock: socket.socket, words: Sequence[int], flags: int, fds: Sequence[int] = (),
-         count: int | None = None) -> None:
-    head = struct.pack("<II", len(words) if count is None else count, flags) + b"".join(
+         count: int | None = None, rest: int | None = None) -> None:
+    head = struct.pack("<III", len(words) if count is None else count, flags,
+                       8 * len(words) if rest is None else rest) + b"".join(
         struct.pack("<Q", w) for w in words)
     if fds:
         socket.send_fds(sock, [head], list(fds))
@@ -204,6 +205,22 @@ def test_unknown_flags(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     _raw(a, [1], 0x80)
     _expect_value_error(b, "flags")
+
+
+@pytest.mark.parametrize("rest", [0, 7, 8 + 64 * 1024 + 1])
+def test_a_rest_that_does_not_fit_its_frames(pair: tuple[socket.socket, socket.socket],
+                                             rest: int) -> None:
+    a, b = pair
+    _raw(a, [5], 2, rest=rest)  # _PACKED: the rest is the lengths and the frames
+    _expect_value_error(b, "announces")
+
+
+def test_a_packed_message_whose_frames_do_not_add_up(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    _raw(a, [5], 2, rest=8 + 4)  # one frame of 5 bytes, 4 bytes sent
+    a.sendall(b"abcd")
+    _expect_value_error(b, "do not add up")
 
 
 def test_shared_flag_without_a_descriptor(pair: tuple[socket.socket, socket.socket]) -> None:

@@ -75,7 +75,7 @@ def _task(name: str) -> RunningTask:
 def _handed(runner: Runner, name: str) -> bytes:
     """Hand a task ahead without a socket; the marker its runner would write."""
     sent = []
-    runner._write = lambda task, header, frames: sent.append(header)  # type: ignore[method-assign]
+    runner._write = lambda task, header, frames, **_: sent.append(header)  # type: ignore[method-assign]
     runner.hand_ahead(QueuedTask(_task(name), {"kind": "fn"}, []))
     return MARKER + sent[0]["pre"].encode() + b"\x00"
 
@@ -172,6 +172,7 @@ def _pump(agent, until, what: str, timeout: float = 20.0) -> None:
     while not until():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         owners = {fd: (runner, kind) for runner in agent.runners for fd, kind in runner.fds()}
+        agent._flush_runners()
         ready, _, _ = select.select(list(owners), [], [], 0.1)
         now = time.time()
         for fd in ready:
@@ -213,6 +214,7 @@ def _give(agent, lease: int, fn=_speak, timeout: float | None = None) -> None:
     if timeout is not None:
         header["timeout"] = timeout
     agent._on_task(_message(header, frames), time.time())
+    agent._flush_runners()  # as the agent's turn does after the TASKs it read
 
 
 def _message(header, frames):
