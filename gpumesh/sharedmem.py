@@ -183,7 +183,7 @@ class SharedFolder:
                 continue
             view = _view(frame)
             if view.nbytes >= MIN_SHARED_BYTES:
-                name = self._write(view)
+                name = self.write([view])
                 if name is not None:
                     out.append(b"")
                     refs.append((index, name, view.nbytes))
@@ -191,17 +191,22 @@ class SharedFolder:
             out.append(frame)
         return out, refs
 
-    def _write(self, view: memoryview) -> str | None:
+    def write(self, frames: Sequence[Any]) -> str | None:
+        """Write one frame, given as the buffers it arrived in (a frame split for the wire is
+        written without joining it first), to a new file here; its name, or None when it
+        cannot be written (the folder is full: send the bytes instead)."""
+        pieces = [_view(frame) for frame in frames]
+        size = sum(piece.nbytes for piece in pieces)
         name = secrets.token_hex(16)
         target = self.path / name
         if self._spares is None and not self._released:
             self._spares = Spares(self.path)
             self._pool = Pool(self.path)
         pool = self._pool
-        if pool is not None and pool.refill(view, name):
+        if pool is not None and pool.refill(pieces, name):
             return name  # into pages that exist and are mapped: a plain memory copy
         spares = self._spares
-        fd = spares.take(view.nbytes) if spares is not None else None
+        fd = spares.take(size) if spares is not None else None
         if fd is not None and spares is not None and not spares.name(fd, target):
             os.close(fd)  # named before a byte is written, or not used at all
             fd = None
@@ -212,19 +217,19 @@ class SharedFolder:
                 log.debug("cannot share a frame: %s", exc)
                 return None
         try:
-            write_all(fd, [view])
+            write_all(fd, pieces)
         except OSError as exc:  # ENOSPC: /dev/shm is small in containers
-            log.debug("cannot share a %d-byte frame: %s", view.nbytes, exc)
+            log.debug("cannot share a %d-byte frame: %s", size, exc)
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(target)
             return None
         if pool is not None:
-            pool.keep(fd, name, view.nbytes)  # to write again once nobody needs it
+            pool.keep(fd, name, size)  # to write again once nobody needs it
         else:
             os.close(fd)
         if spares is not None:
-            spares.want(view.nbytes)  # the next frame of this size goes into pages made meanwhile
+            spares.want(size)  # the next frame of this size goes into pages made meanwhile
         return name
 
     def release(self) -> None:

@@ -32,6 +32,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 try:
@@ -90,20 +91,21 @@ class Pool:
         self._thread: threading.Thread | None = None
         _LIVE.add(self)
 
-    def refill(self, view: memoryview, name: str) -> bool:
-        """Write ``view`` into a kept file of its size that nobody needs any more, named
-        ``name`` from now on; False when there is none (the caller writes a new file)."""
-        size = view.nbytes
+    def refill(self, pieces: Sequence[memoryview], name: str) -> bool:
+        """Write ``pieces`` (one frame's bytes, in order) into a kept file of their size that
+        nobody needs any more, named ``name`` from now on; False when there is none (the caller
+        writes a new file)."""
+        size = sum(piece.nbytes for piece in pieces)
         with self._lock:
             if self._closed:
                 return False
             for kept in sorted((k for k in self._kept if k.size == size), key=lambda k: k.used):
-                if self._refill(kept, view, name):
+                if self._refill(kept, pieces, name):
                     kept.used = time.monotonic()
                     return True
         return False
 
-    def _refill(self, kept: _Kept, view: memoryview, name: str) -> bool:
+    def _refill(self, kept: _Kept, pieces: Sequence[memoryview], name: str) -> bool:
         retired = self.folder / (RETIRED + kept.name)
         if not retired.exists():  # the coordinator still needs it: no exclusive lock on it
             self._forget_if_gone(kept)
@@ -122,7 +124,10 @@ class Pool:
         try:
             if kept.view is None:  # not mapped ahead yet (gpumesh-shm-pool does, in the wait)
                 kept.view = _map(kept.fd, kept.size)
-            kept.view[:] = view
+            at = 0
+            for piece in pieces:
+                kept.view[at:at + piece.nbytes] = piece
+                at += piece.nbytes
             if _UTIME_FD:
                 os.utime(kept.fd)  # a fresh frame to the orphan sweep, which goes by its age
             else:

@@ -30,7 +30,7 @@ from ..protocol import (
     serialize,
 )
 from ..protocol.refs import ref_names, refs_of
-from ..sharedmem import SharedFolder, materialize
+from ..sharedmem import MIN_SHARED_BYTES, SharedFolder, materialize
 from ..store import Store
 from .events import Event, EventLog
 from .jobs import Job, error_line, summarize
@@ -189,6 +189,8 @@ class Ledger:
         self.kinds.add((task.requirements, task.portable))
 
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
+        if worker.maps_shared and self.shm is not None and "shm" not in task.spec:
+            self._share_input(task, self.shm)
         header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
         # Raises (and the task fails, saying why) when its shared input is gone.
         payload = self.outgoing(header, task.payload, worker.maps_shared)
@@ -210,6 +212,43 @@ class Ledger:
             # shared memory or in slices was not) may be kept and named by that digest.
             payload = self._by_reference(header, payload, worker)
         self.send(worker.routing, Command.TASK, header, payload)
+
+    def _share_input(self, task: Task, folder: SharedFolder) -> None:
+        """Before a function task goes to a worker that maps this machine's shared memory, its
+        big input frames that came over a socket (from a client on another machine, or one
+        that does not share memory) move into the folder: one memory copy here instead of
+        encrypting them again for that worker, and decrypting them there. The task then names
+        them as a client on this machine would have (``shm``), and they go when it ends. The
+        journal keeps the bytes it wrote at SUBMIT: a restarted coordinator takes them from
+        there, and removes an unnamed file left here once it is 10 minutes old."""
+        payload = task.payload
+        if task.is_script or serialize.payload_nbytes(payload) < MIN_SHARED_BYTES:
+            return
+        layout = task.spec.get("split")
+        counts = layout if isinstance(layout, list) else [1] * len(payload)
+        if sum(counts) != len(payload):
+            return  # checked at SUBMIT; never here
+        frames: list[Any] = []
+        refs: list[list[Any]] = []
+        start = 0
+        for index, count in enumerate(counts):
+            pieces = payload[start:start + count]
+            start += count
+            size = serialize.payload_nbytes(pieces)
+            name = folder.write(pieces) if size >= MIN_SHARED_BYTES else None
+            if name is not None:
+                frames.append(b"")
+                refs.append([index, name, size])
+            elif size >= MIN_SHARED_BYTES:  # the folder is full: the bytes go as they came
+                self.drop_files([ref[1] for ref in refs])
+                return
+            else:
+                frames.append(serialize.join_frames(pieces, [count])[0])
+        if refs:
+            spec = {k: v for k, v in task.spec.items() if k != "split"}
+            spec["shm"] = refs
+            task.spec = spec
+            task.payload = frames
 
     @staticmethod
     def _by_reference(header: dict[str, Any], payload: list[Any],

@@ -8,12 +8,14 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import wait_for
 
+from gpumesh import GPUMesh
 from gpumesh.protocol.refs import NAME_PATTERN
 from gpumesh.sharedmem import MIN_SHARED_BYTES
 
@@ -74,6 +76,34 @@ def test_big_arguments_and_results_round_trip_writable(mesh_env, shared):
     wait_for(lambda: frames_in(mesh_env) <= before, what="the shared files to be removed")
 
 
+def mapped_from_the_folder(array):
+    """Whether this runner maps a file of a coordinator's shared-memory folder (not a memfd of
+    its agent's pipe), and the argument's digest."""
+    with open("/proc/self/maps") as maps:
+        folder = any(f"/gpumesh-{os.getuid()}-" in line and "memfd:" not in line for line in maps)
+    return folder, hashlib.sha256(array.tobytes()).hexdigest()
+
+
+def test_big_input_from_a_client_that_does_not_share_memory_reaches_the_worker_by_name(
+        mesh_env):
+    """The coordinator moves such a task's big frames into its folder for a worker that maps
+    it, instead of encrypting them again on the way there (a client on another machine); the
+    file goes once the result is collected."""
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = GPUMesh(mesh_env.coordinator.url, mesh_env.token, quiet=True,
+                     settings=replace(mesh_env.settings, share_memory=False))
+    mesh_env.clients.append(client)
+    mesh_env.wait_workers(1, client)
+    before = frames_in(mesh_env)
+    item = arrays(1)[0]
+    mapped, digest = client.submit(mapped_from_the_folder, item).result(timeout=60)
+    assert client._engine is not None and client._engine._shm is None
+    assert digest == hashlib.sha256(item.tobytes()).hexdigest()
+    assert mapped, "the worker's runner got the input through its pipe, not the folder"
+    wait_for(lambda: frames_in(mesh_env) <= before, what="the shared file to be removed")
+
+
 def test_coordinator_kill_9_mid_job_keeps_shared_inputs(mesh_env):
     coordinator = mesh_env.start_coordinator()
     client = mesh_env.client()
@@ -127,8 +157,8 @@ def test_a_frame_file_is_written_again_only_once_nobody_maps_it(mesh_env, monkey
     refilled = []
     refill = shmpool.Pool.refill
 
-    def counted(self, view, name):
-        done = refill(self, view, name)
+    def counted(self, pieces, name):
+        done = refill(self, pieces, name)
         refilled.append(done)
         return done
 
