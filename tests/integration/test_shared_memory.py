@@ -104,6 +104,27 @@ def test_big_input_from_a_client_that_does_not_share_memory_reaches_the_worker_b
     wait_for(lambda: frames_in(mesh_env) <= before, what="the shared file to be removed")
 
 
+def test_coordinator_kill_9_after_it_moved_socket_input_into_the_folder_loses_nothing(
+        mesh_env):
+    """The folder's copy is not the journal's: a restarted coordinator runs the task again from
+    the bytes it journaled at SUBMIT."""
+    coordinator = mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = GPUMesh(coordinator.url, mesh_env.token, quiet=True,
+                     settings=replace(mesh_env.settings, share_memory=False))
+    mesh_env.clients.append(client)
+    mesh_env.wait_workers(1, client)
+    before = frames_in(mesh_env)
+    items = arrays(2)
+    futures = client.submit_calls(checksum_after, [((a, 2.0), {}) for a in items])
+    # The first is running: its input was written into the folder for the worker.
+    wait_for(lambda: frames_in(mesh_env) - before, what="the input moved into the folder")
+    coordinator.kill()
+    mesh_env.start_coordinator(port=coordinator.port)  # same journal, same folder
+    results = client.gather(futures, timeout=90)
+    assert [r[0] for r in results] == [expected(a)[0] for a in items]
+
+
 def test_coordinator_kill_9_mid_job_keeps_shared_inputs(mesh_env):
     coordinator = mesh_env.start_coordinator()
     client = mesh_env.client()
