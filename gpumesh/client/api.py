@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import Endpoint, Settings, parse_url
 from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
+from ..protocol.ids import HexIds
 from .engine import FIRST_CHUNK, Engine, TaskFuture
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
 from .portable import SourceForm, source_form
@@ -80,7 +80,7 @@ class GPUMesh:
                 self._engine_pid = os.getpid()
                 self._engine = Engine(self.settings, self.endpoint, self._token,
                                       on_output=None if self.quiet else _print_output,
-                                      on_connect=self._announce)
+                                      on_connect=self._announce, on_link=self._link_changed)
             return self._engine
 
     def _announce(self) -> None:
@@ -94,6 +94,18 @@ class GPUMesh:
                   f"{', '.join(sorted(pythons))}): pickled functions wait for one, plain "
                   "top-level functions travel as source. Join a worker with Python "
                   f"{PYTHON} to run everything.", file=sys.stderr)
+
+    def _link_changed(self, away: float | None) -> None:
+        """Said on the engine's thread: the coordinator went silent, or is back."""
+        if self.quiet:
+            return
+        if away is None:
+            print(f"[gpumesh] lost the coordinator at {self.endpoint}; reconnecting. Tasks it "
+                  "accepted are kept in its journal, and this client sends again what it had "
+                  "not handed over.", file=sys.stderr)
+        else:
+            print(f"[gpumesh] back: reconnected to the coordinator at {self.endpoint} after "
+                  f"{away:.0f}s away.", file=sys.stderr)
 
     def connect(self, timeout: float | None = None) -> bool:
         """Wait until a session with the coordinator is up. False if it could not be reached.
@@ -553,8 +565,12 @@ class GPUMesh:
 
 
 def new_job_id() -> str:
-    """A fresh job id: 12 hex digits."""
-    return secrets.token_hex(6)
+    """A fresh job id: 12 hex digits, drawn from the kernel in bulk (a getrandom call per
+    single call cost 40 µs on the test machine, a fifth of its time in the caller's thread)."""
+    return _job_ids()
+
+
+_job_ids = HexIds(12)
 
 
 _OPEN_LINES: set[tuple[str, str, str]] = set()  # (worker, stream, task) whose last chunk ended mid-line

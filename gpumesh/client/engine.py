@@ -150,6 +150,7 @@ class Engine:
     def __init__(
         self, settings: Settings, endpoint: Endpoint, token: str, *,
         on_output: OutputHandler | None = None, on_connect: Callable[[], None] | None = None,
+        on_link: Callable[[float | None], None] | None = None,
     ) -> None:
         self.settings = settings
         self.endpoint = endpoint
@@ -157,6 +158,9 @@ class Engine:
         self.client_id = secrets.token_hex(8)
         self.on_output = on_output
         self.on_connect = on_connect
+        # Told when an established session is lost (None) and when it is back (the seconds
+        # it was away): a caller waiting on results would otherwise see nothing happen.
+        self.on_link = on_link
         self._ctx = zmq.Context()
         self._link = DealerLink(self._ctx, endpoint, self._keys, settings.limits)
         self._shm: SharedFolder | None = None  # the coordinator's, when this machine shares it
@@ -542,6 +546,8 @@ class Engine:
     def on_lost(self, now: float, delay: float, was_welcomed: bool) -> None:
         if was_welcomed:
             log.info("lost the coordinator at %s; reconnecting", self.endpoint)
+            if self.on_link is not None:
+                self.on_link(None)
         self._connected.clear()
         if self.disconnected_since is None:
             self.disconnected_since = now
@@ -566,6 +572,9 @@ class Engine:
             # Before any SUBMIT that names a shared file: the coordinator reads in order.
             self._link.send(encode(Command.HEARTBEAT, {"shm": self._shm.proof}))
         self._connected.set()
+        if self.disconnected_since is not None and self.ever_connected \
+                and self.on_link is not None:
+            self.on_link(max(now - self.disconnected_since, 0.0))
         self.disconnected_since = None
         first = not self.ever_connected
         self.ever_connected = True

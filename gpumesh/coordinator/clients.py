@@ -13,7 +13,6 @@ holder who lies, who can run code on every worker anyway.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -45,6 +44,7 @@ from .workers import REMOTE_ACTIONS, WorkerSide
 
 log = logging.getLogger("gpumesh.coordinator")
 _task_id = HexIds(12)  # 48 random bits a task, drawn 256 at a time
+_job_id = HexIds(12)  # for a SUBMIT that names no job
 
 REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
 # What a task counts against the byte quotas at least: its record costs the coordinator memory
@@ -113,7 +113,7 @@ class ClientSide:
         if needed != len(frames):
             raise ProtocolError(ErrorCode.MALFORMED,
                                 f"specs announce {needed} payload frames, {len(frames)} arrived")
-        job_id = sub.job or secrets.token_hex(6)
+        job_id = sub.job or _job_id()
         job = ledger.jobs.get(job_id)
         if job is not None and job.owned and job.owner != client.owner:
             refusal = (ErrorCode.UNEXPECTED, f"job {job_id} belongs to {job.owner}: submit "

@@ -8,7 +8,7 @@ import time
 import pytest
 from conftest import wait_for
 
-from gpumesh import RunnerCrashed, TaskTimeout
+from gpumesh import GPUMesh, RunnerCrashed, TaskTimeout
 from gpumesh.client import TaskOptions
 
 
@@ -96,6 +96,21 @@ def test_coordinator_kill_9_and_restart_restores_the_queue(mesh_env):
     mesh_env.start_coordinator(port=coordinator.port)
     mesh_env.add_worker(slots=2)
     assert client.gather(futures, timeout=90) == [i * i for i in range(50)]
+
+
+def test_a_client_says_when_it_lost_the_coordinator_and_when_it_is_back(mesh_env, capfd):
+    coordinator = mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = GPUMesh(coordinator.url, mesh_env.token, settings=mesh_env.settings)  # not quiet
+    mesh_env.clients.append(client)
+    assert client.submit(sleep_for, 0).result(timeout=30) == 0
+    coordinator.kill()
+    wait_for(lambda: "lost the coordinator" in capfd.readouterr().err,
+             what="the client to say it lost the coordinator")
+    mesh_env.start_coordinator(port=coordinator.port)
+    wait_for(lambda: "back: reconnected to the coordinator" in capfd.readouterr().err,
+             what="the client to say it is back")
+    assert client.submit(sleep_for, 0).result(timeout=30) == 0
 
 
 def test_stopped_worker_rejoins_and_its_tasks_ran_elsewhere(mesh_env):
