@@ -222,8 +222,9 @@ class Ledger:
         journal keeps the bytes it wrote at SUBMIT: a restarted coordinator takes them from
         there, and removes an unnamed file left here once it is 10 minutes old."""
         payload = task.payload
-        if task.is_script or serialize.payload_nbytes(payload) < MIN_SHARED_BYTES:
-            return
+        if task.spec.get("kind") != TaskKind.FUNCTION.value \
+                or serialize.payload_nbytes(payload) < MIN_SHARED_BYTES:
+            return  # a script's frames are its own: only a function's runner maps frames
         layout = task.spec.get("split")
         counts = layout if isinstance(layout, list) else [1] * len(payload)
         if sum(counts) != len(payload):
@@ -235,7 +236,12 @@ class Ledger:
             pieces = payload[start:start + count]
             start += count
             size = serialize.payload_nbytes(pieces)
-            name = folder.write(pieces) if size >= MIN_SHARED_BYTES else None
+            name = None
+            if size >= MIN_SHARED_BYTES:
+                try:
+                    name = folder.write(pieces)
+                except OSError as exc:  # never the task's fault: its bytes go as they came
+                    log.warning("cannot write a task's input into shared memory: %s", exc)
             if name is not None:
                 frames.append(b"")
                 refs.append([index, name, size])
