@@ -192,6 +192,44 @@ def test_a_worker_that_shares_gets_names_and_one_that_does_not_gets_bytes(broker
     assert again.header["shm"][0][1] == name and again.payload == [b"fn", b""]
 
 
+def sharing_worker(b: Broker, folder: SharedFolder) -> None:
+    handle(b, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+
+
+def test_big_input_from_a_socket_goes_to_a_sharing_worker_by_name_and_goes_with_its_task(
+        broker, folder):
+    sharing_worker(broker, folder)  # the client did not prove access: its bytes came inline
+    pieces = [BIG[:len(BIG) // 2], BIG[len(BIG) // 2:]]  # a frame split for the wire
+    spec = {"seq": 1, "nf": 3, "kind": "fn", "split": [1, 2]}
+    handle(broker, C, Command.SUBMIT, {"tasks": [spec]}, [b"fn", *pieces])
+    task_id = sent(broker, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
+    broker.dispatch(1.0)
+    task = sent(broker, W, Command.TASK)[-1]
+    (index, name, size), = task.header["shm"]
+    assert (index, size) == (1, len(BIG)) and "split" not in task.header
+    assert task.payload == [b"fn", b""]
+    assert bytes(folder.open(name, size)) == BIG  # the slices, written in order
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": task.header["lease"],
+                                       "status": "ok"}, [b"result"])
+    handle(broker, C, Command.RESULT_ACK, {"tasks": [task_id]})
+    assert name not in committed(broker, folder)  # gone once its task is
+
+
+@pytest.mark.parametrize("kind", ["script", "small", "full"])
+def test_input_that_cannot_or_need_not_move_goes_as_bytes(broker, folder, monkeypatch, kind):
+    sharing_worker(broker, folder)
+    if kind == "full":  # the folder cannot take it: the task still runs, with its bytes
+        monkeypatch.setattr(SharedFolder, "write", lambda self, pieces: None)
+    big = b"x" * 100 if kind == "small" else BIG
+    spec = {"seq": 1, "nf": 2, "kind": "script" if kind == "script" else "fn"}
+    if kind == "script":
+        spec["name"] = "job.py"
+    handle(broker, C, Command.SUBMIT, {"tasks": [spec]}, [b"code", big])
+    broker.dispatch(1.0)
+    task = sent(broker, W, Command.TASK)[-1]
+    assert "shm" not in task.header and bytes(task.payload[-1]) == big
+
+
 def test_a_peer_that_reads_the_folder_but_does_not_lock_gets_bytes_and_may_send_names(broker,
                                                                                        folder):
     # A gpumesh before protocol 1.7: it could map a file its producer then writes again.
