@@ -81,3 +81,14 @@ def test_alternating_rounds_give_per_round_ratios_and_judge_the_floor_targets_by
     assert summarize(zero) == {"gpumesh_p99_ms": 2.0}
     assert "| 1 | 0 | 100 | – |" in markdown({"systems": [], "head_to_head": {
         "rounds": zero, **summarize(zero)}})
+
+
+def test_without_matplotlib_the_tables_are_still_written(tmp_path, monkeypatch) -> None:
+    import sys
+
+    from bench.__main__ import write_outputs
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the README's dev install has none
+    write_outputs({**_results(), "seconds": 1.0}, tmp_path, plots=True)
+    assert (tmp_path / "results.md").read_text().startswith("# gpumesh benchmark")
+    assert not list(tmp_path.glob("*.png"))
