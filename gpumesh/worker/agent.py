@@ -325,8 +325,7 @@ class WorkerAgent:
                 else:
                     self._on_runner_output(runner, what)
         self._check_runners(now)
-        self._start_queued(now)
-        self._flush_runners()
+        self._start_queued(now)  # what it hands ahead goes with the next turn's first flush
         self._follow_move()
         self.session.tick(now)
         if self.mode is WorkerMode.DRAINING:
