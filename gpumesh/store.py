@@ -285,6 +285,9 @@ class Store:
 
     def _store_frames(self, frames: Sequence[Any]) -> tuple[bytes | None, bytes | None, str | None]:
         """(inline column value, reference column value, blob name) for a payload."""
+        if all(type(f) is bytes for f in frames) and sum(map(len, frames)) < BLOB_THRESHOLD:
+            # The common case (a tiny task's pickled arguments or result): no views to make.
+            return msgpack.packb(list(frames), use_bin_type=True), None, None
         views = [_frame_view(f) for f in frames]
         lengths = [v.nbytes for v in views]
         if self._blobs is not None and sum(lengths) >= BLOB_THRESHOLD:

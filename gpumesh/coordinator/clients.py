@@ -155,14 +155,15 @@ class ClientSide:
                         "pickled function and its digest together")])
                     continue
                 payload = [function, *payload[1:]]
-            over = self._refusal(client, entry, payload, queued_total)
+            size = max(payload_nbytes(payload) + shared_bytes(entry.shared), MIN_TASK_BYTES)
+            over = self._refusal(client, entry, size, queued_total)
             if over is not None:
                 rejected.append([seq, over[0].value, over[1]])
                 continue
             if job is None:
                 job = ledger.jobs[job_id] = Job(job_id, sub.name or job_id, client.owner, now)
                 ledger.store.add_job(job_id, job.name, job.owner, now)
-            task = self._accept(client, job, entry, payload, now)
+            task = self._accept(client, job, entry, payload, size, now)
             accepted.append([seq, task.task_id])
             queued_total += task.charged  # what _accept counted against the client's quota
         for task in redeliver.values():
@@ -173,7 +174,7 @@ class ClientSide:
                     {"job": job_id, "accepted": accepted, "rejected": rejected})
 
     def _accept(self, client: ClientSession, job: Job, entry: TaskSpec, payload: list[Any],
-                now: float) -> Task:
+                size: int, now: float) -> Task:
         ledger = self.ledger
         task_id = _task_id()
         while task_id in ledger.tasks:  # 48 random bits: a clash is rare, never silent
@@ -192,11 +193,12 @@ class ClientSide:
         job.add(task)
         job.finished_at = None
         job.last_activity = now
-        client.queue(task)
+        client.queue(task, size)
         return task
 
-    def _refusal(self, client: ClientSession, spec: TaskSpec, payload: list[Any],
+    def _refusal(self, client: ClientSession, spec: TaskSpec, size: int,
                  queued_total: int) -> tuple[ErrorCode, str] | None:
+        """Why the task of ``size`` bytes (its input, at least MIN_TASK_BYTES) is refused."""
         limits = self.ledger.limits
         if spec.shared and not client.shm:
             return ErrorCode.MALFORMED, (
@@ -210,7 +212,6 @@ class ClientSide:
             return ErrorCode.BUSY, (f"this client already has {client.unfinished} unfinished "
                                     f"tasks (the limit is {limits.max_queued_tasks}): wait for "
                                     "some to finish, then submit again")
-        size = max(payload_nbytes(payload) + shared_bytes(spec.shared), MIN_TASK_BYTES)
         if client.queued_bytes + size > limits.max_queued_bytes:
             return ErrorCode.BUSY, (
                 f"this client's unfinished tasks already hold {_mib(client.queued_bytes)} of "

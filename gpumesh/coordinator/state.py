@@ -38,17 +38,17 @@ class TaskState(str, enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def terminal(self) -> bool:
-        return self in _TERMINAL
-
-    @property
-    def public(self) -> str:
-        """The state users see: a task restored after a restart is simply pending."""
-        return "pending" if self is TaskState.RESTORED else self.value
+    # Set on each member below: plain attributes, read several times per task (a property of
+    # an enum member costs a descriptor call and the enum's own ``value`` lookup each time).
+    terminal: bool
+    public: str  # the state users see: a task restored after a restart is simply pending
 
 
 _TERMINAL = {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED}
+for _state in TaskState:
+    _state.terminal = _state in _TERMINAL
+    _state.public = "pending" if _state is TaskState.RESTORED else _state.value
+del _state
 
 # Allowed transitions; anything else is a bug and is refused loudly in Task.move.
 TRANSITIONS: dict[TaskState, set[TaskState]] = {
@@ -304,8 +304,10 @@ class ClientSession:
     query_allowance: float = 0.0
     query_checked: float = 0.0
 
-    def queue(self, task: Task) -> None:
-        task.charged = max(task.input_bytes, MIN_TASK_BYTES)
+    def queue(self, task: Task, charged: int | None = None) -> None:
+        """Count ``task`` against the quota: ``charged`` bytes when the caller measured them
+        (``max(task.input_bytes, MIN_TASK_BYTES)``, which is measured otherwise)."""
+        task.charged = max(task.input_bytes, MIN_TASK_BYTES) if charged is None else charged
         self.unfinished += 1
         self.queued_bytes += task.charged
 

@@ -319,6 +319,9 @@ class Result:
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Result:
+        plain = _plain_ok(h)
+        if plain is not None:
+            return plain
         status: ResultStatus = f.choice(h, "status", ResultStatus)
         if not status.from_worker:
             raise f.malformed(f"a worker cannot report {status.value!r}")
@@ -346,6 +349,25 @@ class Result:
             split=f.int_list(h, "split", max_items=4096, low=1, high=4096, default=()),
             shared=_refs(h, 4096),
         )
+
+
+_PLAIN_OK_KEYS = frozenset({"task", "lease", "status", "elapsed", "granted"})
+
+
+def _plain_ok(h: Mapping[str, Any]) -> Result | None:
+    """The common RESULT (a task that returned, its value among the frames) checked in one
+    pass: what ``Result.from_header`` would make of it, or None to read it field by field.
+    Every check of the general path holds here too; anything else takes that path."""
+    if h.get("status") != "ok" or not h.keys() <= _PLAIN_OK_KEYS:
+        return None
+    task, lease, elapsed, granted = h.get("task"), h.get("lease"), h.get("elapsed"), h.get("granted")
+    if not (type(task) is str and len(task) <= ID_CHARS
+            and type(lease) is int and 0 <= lease <= f.INT64
+            and (granted is None or (type(granted) is int and 0 <= granted <= f.INT64))
+            and type(elapsed) is float and 0.0 <= elapsed <= MAX_SECONDS):  # NaN fails too
+        return None
+    return Result(task=task, lease=lease, status=ResultStatus.OK, elapsed=elapsed,
+                  granted=granted, error=None, diagnosis=None, encoding=ResultEncoding.PICKLE)
 
 
 # ----------------------------------------------------------------- from clients

@@ -173,6 +173,8 @@ def writable(frames: Sequence[Any]) -> list[Any]:
 
 def frame_nbytes(frame: Any) -> int:
     """The size of a frame: bytes, a buffer, or a zmq.Frame."""
+    if type(frame) is bytes:  # most frames: a small pickle or header
+        return len(frame)
     if isinstance(frame, memoryview):
         return frame.nbytes
     buffer = getattr(frame, "buffer", None)  # a zmq.Frame

@@ -324,3 +324,49 @@ def test_decode_of_nearly_valid_frames_raises_only_protocol_error(
         assert message.command in set(Command)
         assert isinstance(message.header, dict)
         assert message.payload == payload
+
+
+# A RESULT header near the common one: the keys of a plain success, odd values among them.
+_result_value = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-2**64, max_value=2**64),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=70), st.binary(max_size=4))
+_result_header = st.dictionaries(
+    st.sampled_from(["task", "lease", "status", "elapsed", "granted", "error", "encoding"]),
+    st.one_of(_result_value, st.sampled_from(["ok", "error", "t-1"])), max_size=6)
+
+
+def _result_or_error(header: dict):
+    from gpumesh.protocol.headers import Result
+
+    try:
+        return Result.from_header(header)
+    except ProtocolError as exc:
+        return exc.code, exc.detail
+
+
+@settings(max_examples=400, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(header=st.one_of(_result_header, st.fixed_dictionaries(
+    {"task": st.one_of(st.text(max_size=4), st.text(min_size=63, max_size=65)),  # 64 at most
+     "lease": st.one_of(st.integers(min_value=-2, max_value=2),
+                        st.integers(min_value=2**63 - 2, max_value=2**63)),
+     "status": st.just("ok"), "elapsed": st.floats(allow_nan=True, allow_infinity=True)},
+    optional={"granted": st.one_of(st.none(), st.integers(min_value=-2, max_value=2**63))})))
+def test_the_one_pass_check_of_a_plain_result_agrees_with_the_field_by_field_one(header) -> None:
+    # Result.from_header reads a plain success in one pass (a per-task cost of every .map):
+    # whatever it is given, it must decide exactly as the general path does.
+    from unittest import mock
+
+    from gpumesh.protocol import headers
+
+    fast = _result_or_error(header)
+    with mock.patch.object(headers, "_plain_ok", return_value=None):
+        general = _result_or_error(header)
+    assert fast == general
+
+
+def test_a_plain_success_takes_the_one_pass_check() -> None:
+    from gpumesh.protocol.headers import _plain_ok
+
+    header = {"task": "t-1", "lease": 7, "status": "ok", "elapsed": 0.25, "granted": 3}
+    assert _plain_ok(header) is not None
+    assert _plain_ok({**header, "elapsed": 0}) is None  # an int: the general path makes it 0.0
