@@ -72,11 +72,27 @@ BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue
 OutputHandler = Callable[[str, str, bytes, str], None]  # (worker short id, stream, data, task)
 
 
+# The lock every TaskFuture's state changes take. A concurrent.futures.Future makes a Condition
+# of its own: with its lock, waiter queue and bound methods, 8 of the 18 objects a queued task
+# held in the client, each one more for the garbage collector to scan again and again while a
+# .map runs (in a process holding numpy, Ray and Dask, its full collections cost 40-120 ms per
+# 5,000-task map). The shared one is only ever held for a few statements; nobody waits on it:
+# a thread that waits for a result waits on an event of its own (``_wait``).
+_STATE_LOCK = threading.Condition(threading.RLock())
+
+
 class TaskFuture(concurrent.futures.Future[Any]):
     """A future for one task; ``task_id`` and ``worker`` are filled in as they become known."""
 
     def __init__(self, on_cancel: Callable[[TaskFuture], None] | None = None) -> None:
-        super().__init__()
+        # What Future.__init__ sets, with the shared lock for a Condition of its own
+        # (tests/unit/test_task_future.py checks that these are all it sets).
+        self._condition = _STATE_LOCK
+        self._state = "PENDING"
+        self._result = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Callable[[concurrent.futures.Future[Any]], object]] = []
         self.task_id = ""
         self.worker = ""
         self.attempts = 0
@@ -95,10 +111,28 @@ class TaskFuture(concurrent.futures.Future[Any]):
             return True
         if not super().cancel():
             return False
+        # Those waiting in ``_wait`` (and concurrent.futures.wait) learn of it now: Future
+        # tells its waiters only here, which an executor calls before it runs a call.
+        self.set_running_or_notify_cancel()
         self.cancel_requested = True
         if self._on_cancel is not None:
             self._on_cancel(self)
         return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._wait(timeout)
+        return super().result(0)  # the outcome, or TimeoutError when it is not done
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return super().exception(0)
+
+    def _wait(self, timeout: float | None) -> None:
+        """Until done or ``timeout``: on an event of this wait's own (concurrent.futures.wait),
+        never on the lock all TaskFutures share, which would wake every waiting thread for
+        every task that finishes."""
+        if not self.done():
+            concurrent.futures.wait([self], timeout)
 
     def __await__(self) -> Any:
         """``await future`` in a coroutine; cancelling the awaiting task cancels this task."""
@@ -119,7 +153,7 @@ class _Submission:
     sent_at: float = 0.0
     busy: bool = False  # refused for now by the coordinator's per-client quota: sent again later
     # Its big frames as left in a shared-memory folder: (folder path, frames, references).
-    shared: tuple[str, list[Any], list[Ref]] | None = None
+    shared: tuple[str, list[Any], Sequence[Ref]] | None = None
 
     @property
     def header_bytes(self) -> int:
@@ -168,6 +202,7 @@ class Engine:
         # HEARTBEAT when they change); None from a coordinator that does not.
         self.worker_pythons: set[str] | None = None
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cancel_hook = self._on_cancel  # one bound method for all futures, not one each
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_fd = self._wake_r.fileno()
@@ -223,7 +258,7 @@ class Engine:
         batch = _Batch(job, name)
         futures = []
         for spec, frames in items:
-            future = TaskFuture(self._on_cancel)
+            future = TaskFuture(self._cancel_hook)
             batch.items.append((spec, frames, future))
             futures.append(future)
         self._command(batch)
@@ -517,15 +552,17 @@ class Engine:
             for sub in chunk:
                 sub.sent_at = now
 
-    def _shared_frames(self, sub: _Submission) -> tuple[list[Any], list[Ref]]:
+    def _shared_frames(self, sub: _Submission) -> tuple[list[Any], Sequence[Ref]]:
         """A function task's big frames go through the coordinator's shared-memory folder when
         this process can use it (same machine): written once, whatever the re-sends."""
         folder = self._shm
         if folder is None or sub.spec.get("kind") != "fn":
-            return sub.frames, []
-        if sub.shared is None or sub.shared[0] != str(folder.path):
+            return sub.frames, ()
+        path = str(folder.path)
+        if sub.shared is None or sub.shared[0] != path:
             frames, refs = folder.share(sub.frames)
-            sub.shared = (str(folder.path), frames, refs)
+            # Nothing big (a tiny task): its own frames, and no new lists kept per task.
+            sub.shared = (path, frames, refs) if refs else (path, sub.frames, ())
         return sub.shared[1], sub.shared[2]
 
     def _unshare(self, sub: _Submission) -> None:

@@ -159,20 +159,26 @@ class PickledFunction:
             self.frame = [cloudpickle.dumps(fn, protocol=serialize.PROTOCOL)]
         self.digest = serialize.function_digest(self.frame[0])
 
-    def task(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], options: TaskOptions,
-             portable: SourceForm | None = None) -> tuple[dict[str, Any], list[Any]]:
-        """Spec and frames of one call; with ``portable``, the source form rides along (last
-        two frames) for workers on another Python, when the arguments are plain data."""
+    def spec(self, options: TaskOptions) -> dict[str, Any]:
+        """The spec of its calls under ``options``: one dict that the calls made together share
+        (nothing changes it once made; a call whose source form rides along gets a copy)."""
         spec = options.spec("fn")
         spec["fn"] = self.digest
+        return spec
+
+    def task(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], spec: dict[str, Any],
+             portable: SourceForm | None = None) -> tuple[dict[str, Any], list[Any]]:
+        """Spec and frames of one call (``spec`` from ``self.spec``); with ``portable``, the
+        source form rides along (last two frames) for workers on another Python, when the
+        arguments are plain data."""
         try:
             frames = [self.frame[0], *serialize.dumps((args, dict(kwargs)))]
         except Exception as exc:
             raise _unpicklable(f"the arguments of {self.name}", exc) from exc
         extra = portable.frames(args, kwargs) if portable is not None else None
         if portable is not None and extra is not None:
-            spec["src"] = portable.name
-            spec["py"] = PYTHON  # the worker compares it with its own to pick the form
+            # The worker compares ``py`` with its own Python to pick the form.
+            spec = {**spec, "src": portable.name, "py": PYTHON}
             frames += extra
         return spec, frames
 

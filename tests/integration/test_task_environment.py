@@ -114,7 +114,8 @@ def test_env_that_bypassed_the_client_is_refused_once(mesh_env):
     mesh_env.start_coordinator()
     mesh_env.add_worker()
     client = mesh_env.client()
-    spec, frames = PickledFunction(read_variable).task(("LD_PRELOAD",), {}, TaskOptions())
+    pickled = PickledFunction(read_variable)
+    spec, frames = pickled.task(("LD_PRELOAD",), {}, pickled.spec(TaskOptions()))
     spec["env"] = {"LD_PRELOAD": "/tmp/evil.so"}
     future, = client._require().submit([(spec, frames)], "rawjob01", "raw")
     refused_once(client, future, "rawjob01", "cannot set LD_PRELOAD")

@@ -97,7 +97,7 @@ def test_unpicklable_arguments_say_what_to_do_instead():
     from gpumesh.client.tasks import PickledFunction
 
     with pytest.raises(TypeError) as info:
-        PickledFunction(len).task((threading.Lock(),), {}, TaskOptions())
+        PickledFunction(len).task((threading.Lock(),), {}, PickledFunction(len).spec(TaskOptions()))
     text = str(info.value)
     assert "arguments of len" in text and "_thread.lock" in text
     assert "open the resource inside the function" in text
