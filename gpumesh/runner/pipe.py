@@ -100,6 +100,14 @@ def encode_small(frames: Sequence[Any]) -> bytes | None:
     """A message with no big frame, whole (its frames joined after the head), ready to be
     written with others in one call; None for one too big for that (``send_message`` then
     writes it frame by frame, or through a shared file)."""
+    if all(type(f) is bytes for f in frames):  # a tiny task's frames: no views to make
+        lengths = [len(f) for f in frames]
+        total = sum(lengths)
+        if total > _ONE_WRITE or len(frames) > MAX_FRAMES \
+                or max(lengths, default=0) >= SHARED_THRESHOLD:
+            return None
+        return b"".join([_HEAD.pack(len(frames), _PACKED, _LENGTH.size * len(frames) + total),
+                         struct.pack(f"<{len(frames)}Q", *lengths), *frames])
     views = [_view(f) for f in frames]
     total = sum(v.nbytes for v in views)
     if total > _ONE_WRITE or len(views) > MAX_FRAMES \
