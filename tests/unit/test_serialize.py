@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import numpy
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpumesh.protocol.serialize import (
     OUT_OF_BAND_THRESHOLD,
@@ -292,3 +295,38 @@ def test_a_tensor_from_a_read_only_buffer_is_a_writable_copy() -> None:
     back = loads([main, bytes(buffer)])  # bytes: read-only, as a socket's frame is
     back[0] = 2.0  # would fault on read-only memory
     assert back[0] == 2.0 and tensor[0] == 1.0
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+                     st.complex_numbers(allow_nan=False), st.text(max_size=20),
+                     st.binary(max_size=20))
+_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=8), st.tuples(inner, inner),
+    st.dictionaries(st.one_of(st.text(max_size=5), st.integers()), inner, max_size=6)),
+    max_leaves=80)
+
+
+@settings(max_examples=300, database=None, deadline=None)
+@given(_values)
+def test_plain_data_pickles_to_the_bytes_cloudpickle_writes(value):
+    # Small plain values (a tiny task's arguments and result) skip cloudpickle's set-up: what
+    # goes on the wire must not change for them, and whatever is not plain goes as before.
+    from gpumesh.protocol import serialize
+
+    with io.BytesIO() as out:
+        serialize._Pickler(out, protocol=serialize.PROTOCOL).dump(value)
+        by_cloudpickle = out.getvalue()
+    assert serialize.dumps(value) == [by_cloudpickle]
+    assert serialize.loads(serialize.dumps(value)) == value
+
+
+def test_what_is_not_plain_data_still_goes_through_cloudpickle():
+    from gpumesh.protocol import serialize
+
+    assert serialize._plain(((1, "a"), {"k": [b"x", None, 2.5]}))
+    cyclic: list = []
+    cyclic.append(cyclic)
+    for value in (lambda: 1, bytearray(b"x"), [object()], list(range(100)), cyclic,
+                  {i: i for i in range(40)}, ((numpy.zeros(3),), {})):
+        assert not serialize._plain(value), value
+    assert serialize.loads(serialize.dumps(cyclic))[0][0] is not None  # still round-trips
