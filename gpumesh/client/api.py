@@ -20,7 +20,15 @@ from .engine import FIRST_CHUNK, Engine, TaskFuture
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
 from .portable import SourceForm, source_form
 from .remotetb import localize_error
-from .tasks import PYTHON, PickledFunction, TaskOptions, plan_calls, scheduler_options, script_task
+from .tasks import (
+    DEFAULT_OPTIONS,
+    PYTHON,
+    PickledFunction,
+    TaskOptions,
+    plan_calls,
+    scheduler_options,
+    script_task,
+)
 
 if TYPE_CHECKING:
     from .executor import MeshExecutor
@@ -171,7 +179,7 @@ class GPUMesh:
         """One task per call: ``(args, kwargs)`` or ``(args, kwargs, options)``, as one job.
         If a call cannot be pickled, the error is raised and those already sent are cancelled."""
         engine = self._require()
-        options = options or TaskOptions()
+        options = options or DEFAULT_OPTIONS
         pickled = PickledFunction.of(fn)
         portable = self._portable_form(fn)
         calls = list(calls)
@@ -258,7 +266,7 @@ class GPUMesh:
         A dict's scheduler keys (``gpu``, ``cores``, ``memory``, ``vram``, ``cost``) place the
         task instead of reaching ``fn``, unless ``fn`` declares a parameter of that name.
         """
-        futures = self.submit_calls(fn, plan_calls(fn, items, options or TaskOptions()), options)
+        futures = self.submit_calls(fn, plan_calls(fn, items, options or DEFAULT_OPTIONS), options)
         return self.gather(futures, timeout=timeout)
 
     def distribute(self, function: Callable[..., R], params: Sequence[dict[str, Any]],
@@ -403,7 +411,7 @@ class GPUMesh:
             source = path.read_bytes()
         except OSError as exc:
             raise ConfigError(f"cannot read the script {path}: {exc.strerror}") from None
-        options = options or TaskOptions()
+        options = options or DEFAULT_OPTIONS
         items = []
         for index, payload in enumerate(payloads):
             payload, task_options = scheduler_options(payload, options, where=f"payload {index}")
