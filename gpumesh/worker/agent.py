@@ -636,7 +636,11 @@ class WorkerAgent:
         if h.get("fnkeep") is True and payload:
             if h.get("fnreset") is True:
                 self.functions.clear()
-            self.functions[digest] = payload[0]
+            kept = payload[0]
+            # As bytes: the tasks that name it hand it on to a runner with their own frames,
+            # which are written the short way when all are bytes (runner/pipe.py, encode_small).
+            self.functions[digest] = kept if type(kept) is bytes else bytes(
+                getattr(kept, "buffer", kept))
         return payload
 
     def _start_queued(self, now: float) -> None:

@@ -144,6 +144,17 @@ def test_the_agent_keeps_what_it_is_told_and_puts_it_back_when_named(agent):
     assert [m.header.get("fnref") for m in agent.sent if m.command is Command.HELLO][-1] is True
 
 
+def test_a_function_that_came_as_a_zmq_frame_is_kept_as_bytes(agent):
+    # The first TASK of a run often arrives alone, its frames as zmq.Frames: the function is
+    # kept as bytes, so the tasks that name it go to the runner the short way (all bytes).
+    import zmq
+
+    fn, digest = function("f")
+    agent._with_function({"fn": digest, "fnkeep": True}, [zmq.Frame(fn), b"a"])
+    frames = agent._with_function({"fn": digest, "fnref": True}, [b"b"])
+    assert frames == [fn, b"b"] and all(type(f) is bytes for f in frames)
+
+
 def test_a_named_function_the_agent_lacks_starts_a_new_session_not_a_wrong_run(agent):
     _, digest = function("f")
     agent.session.welcomed = True
