@@ -9,6 +9,7 @@ message costs time, never a result.
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import getpass
 import itertools
@@ -72,22 +73,35 @@ BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue
 OutputHandler = Callable[[str, str, bytes, str], None]  # (worker short id, stream, data, task)
 
 
-# The lock every TaskFuture's state changes take. A concurrent.futures.Future makes a Condition
-# of its own: with its lock, waiter queue and bound methods, 8 of the 18 objects a queued task
-# held in the client, each one more for the garbage collector to scan again and again while a
-# .map runs (in a process holding numpy, Ray and Dask, its full collections cost 40-120 ms per
-# 5,000-task map). The shared one is only ever held for a few statements; nobody waits on it:
-# a thread that waits for a result waits on an event of its own (``_wait``).
-_STATE_LOCK = threading.Condition(threading.RLock())
+class _FutureLock(_thread.RLock):  # type: ignore[misc]  # a C type mypy cannot subclass
+    """A TaskFuture's lock, where a concurrent.futures.Future has a Condition: its lock, waiter
+    queue and bound methods were 8 of the 18 objects a queued task held in the client, each one
+    more for the garbage collector to scan again and again while a .map runs (in a process
+    holding numpy, Ray and Dask, its full collections cost 40-120 ms per 5,000-task map). Each
+    future still has a lock of its own: ``concurrent.futures.wait`` takes the locks of the
+    futures it is given in order, which only rules out deadlock when no two futures share one.
+    Nobody waits on it (a thread that waits for a result waits on an event of its own:
+    ``TaskFuture._wait``), so notifying is nothing and waiting returns at once."""
+
+    __slots__ = ()
+
+    def notify(self, n: int = 1) -> None:
+        pass
+
+    def notify_all(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False
 
 
 class TaskFuture(concurrent.futures.Future[Any]):
     """A future for one task; ``task_id`` and ``worker`` are filled in as they become known."""
 
     def __init__(self, on_cancel: Callable[[TaskFuture], None] | None = None) -> None:
-        # What Future.__init__ sets, with the shared lock for a Condition of its own
-        # (tests/unit/test_task_future.py checks that these are all it sets).
-        self._condition = _STATE_LOCK
+        # What Future.__init__ sets, with a plain lock for its Condition (_FutureLock;
+        # tests/unit/test_task_future.py checks that these are all it sets).
+        self._condition = _FutureLock()  # type: ignore[assignment]  # stands in for one
         self._state = "PENDING"
         self._result = None
         self._exception: BaseException | None = None
@@ -106,18 +120,30 @@ class TaskFuture(concurrent.futures.Future[Any]):
     def cancel(self) -> bool:
         """Cancel the task: at once here, and on the mesh as soon as the coordinator is told."""
         if self.cancel_requested:
-            # Told once is enough. (Two threads cancelling at the same moment may both tell
-            # it: a second CANCEL changes nothing at the coordinator.)
-            return True
-        if not super().cancel():
-            return False
-        # Those waiting in ``_wait`` (and concurrent.futures.wait) learn of it now: Future
-        # tells its waiters only here, which an executor calls before it runs a call.
-        self.set_running_or_notify_cancel()
+            return True  # told once is enough (the state changes under the lock: once)
+        with self._condition:
+            if self._state in ("RUNNING", "FINISHED"):
+                return False
+            if self._state in ("CANCELLED", "CANCELLED_AND_NOTIFIED"):
+                return True
+            # Cancelled and its waiters told in one step, as an executor's
+            # set_running_or_notify_cancel() would: those waiting in ``_wait`` (and
+            # concurrent.futures.wait) wait on their own events, not on this lock.
+            self._state = "CANCELLED_AND_NOTIFIED"
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
         self.cancel_requested = True
+        self._invoke_callbacks()  # type: ignore[attr-defined]  # Future's, not in its stubs
         if self._on_cancel is not None:
             self._on_cancel(self)
         return True
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """As Future's: False for a cancelled future (cancel() told its waiters already)."""
+        with self._condition:
+            if self._state == "CANCELLED_AND_NOTIFIED":
+                return False
+        return super().set_running_or_notify_cancel()
 
     def result(self, timeout: float | None = None) -> Any:
         self._wait(timeout)
@@ -128,9 +154,8 @@ class TaskFuture(concurrent.futures.Future[Any]):
         return super().exception(0)
 
     def _wait(self, timeout: float | None) -> None:
-        """Until done or ``timeout``: on an event of this wait's own (concurrent.futures.wait),
-        never on the lock all TaskFutures share, which would wake every waiting thread for
-        every task that finishes."""
+        """Until done or ``timeout``, on an event of this wait's own (concurrent.futures.wait):
+        the future's lock is a plain lock (_FutureLock), nothing to wait on."""
         if not self.done():
             concurrent.futures.wait([self], timeout)
 
