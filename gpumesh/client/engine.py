@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import _base  # the states a Future moves through
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,7 @@ class _FutureLock(_thread.RLock):  # type: ignore[misc]  # a C type mypy cannot 
     """A TaskFuture's lock, where a concurrent.futures.Future has a Condition: its lock, waiter
     queue and bound methods were 8 of the 18 objects a queued task held in the client, each one
     more for the garbage collector to scan again and again while a .map runs (in a process
-    holding numpy, Ray and Dask, its full collections cost 40-120 ms per 5,000-task map). Each
+    holding numpy, Ray and Dask, its full collections cost 40-150 ms per 5,000-task map). Each
     future still has a lock of its own: ``concurrent.futures.wait`` takes the locks of the
     futures it is given in order, which only rules out deadlock when no two futures share one.
     Nobody waits on it (a thread that waits for a result waits on an event of its own:
@@ -102,7 +103,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
         # What Future.__init__ sets, with a plain lock for its Condition (_FutureLock;
         # tests/unit/test_task_future.py checks that these are all it sets).
         self._condition = _FutureLock()  # type: ignore[assignment]  # stands in for one
-        self._state = "PENDING"
+        self._state = _base.PENDING
         self._result = None
         self._exception: BaseException | None = None
         self._waiters: list[Any] = []
@@ -122,14 +123,14 @@ class TaskFuture(concurrent.futures.Future[Any]):
         if self.cancel_requested:
             return True  # told once is enough (the state changes under the lock: once)
         with self._condition:
-            if self._state in ("RUNNING", "FINISHED"):
+            if self._state in (_base.RUNNING, _base.FINISHED):
                 return False
-            if self._state in ("CANCELLED", "CANCELLED_AND_NOTIFIED"):
+            if self._state in (_base.CANCELLED, _base.CANCELLED_AND_NOTIFIED):
                 return True
             # Cancelled and its waiters told in one step, as an executor's
             # set_running_or_notify_cancel() would: those waiting in ``_wait`` (and
             # concurrent.futures.wait) wait on their own events, not on this lock.
-            self._state = "CANCELLED_AND_NOTIFIED"
+            self._state = _base.CANCELLED_AND_NOTIFIED
             for waiter in self._waiters:
                 waiter.add_cancelled(self)
         self.cancel_requested = True
@@ -141,7 +142,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
     def set_running_or_notify_cancel(self) -> bool:
         """As Future's: False for a cancelled future (cancel() told its waiters already)."""
         with self._condition:
-            if self._state == "CANCELLED_AND_NOTIFIED":
+            if self._state == _base.CANCELLED_AND_NOTIFIED:
                 return False
         return super().set_running_or_notify_cancel()
 
