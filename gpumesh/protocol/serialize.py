@@ -41,7 +41,7 @@ def dumps(obj: Any) -> list[Any]:
     """``[main pickle, buffer, buffer, ...]``; buffers are memoryviews over the object's memory."""
     if _plain(obj):
         # The same bytes cloudpickle writes for these, without its pickler's set-up: a tiny
-        # task's arguments and result, 3.5 -> 0.4 µs each on the test machine.
+        # task's arguments and result, 3.5 -> 1.0 µs each on the test machine.
         return [pickle.dumps(obj, protocol=PROTOCOL)]
     buffers: list[memoryview] = []
 
