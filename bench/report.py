@@ -191,17 +191,19 @@ def head_to_head_lines(section: dict[str, Any]) -> list[str]:
     return [*title, *table, "", *failed]
 
 
-def cpu_table(results: Results) -> list[str]:
-    """CPU per tiny task, by process, for every system that ran the throughput measurement."""
+def cpu_table(results: Results, per: str = "task") -> list[str]:
+    """CPU per tiny task of the map (``per="task"``) or per single call (``per="call"``), by
+    process, for every system that ran that measurement."""
     rows = []
     for system in results.get("systems", []):
-        split = system.get("cpu_split_us_per_task")
+        split = system.get(f"cpu_split_us_per_{per}")
         if not split:
             continue
         for role, micros in split.items():
             rows.append([system["name"], role, number(micros, 0)])
-        rows.append([system["name"], "**total**", f"**{number(system['cpu_us_per_task'], 0)}**"])
-    return _table(["system", "process", "CPU µs per task"], rows, "llr")
+        rows.append([system["name"], "**total**",
+                     f"**{number(system[f'cpu_us_per_{per}'], 0)}**"])
+    return _table(["system", "process", f"CPU µs per {per}"], rows, "llr")
 
 
 def machine_lines(machine: dict[str, Any]) -> list[str]:
@@ -260,6 +262,11 @@ def markdown(results: Results) -> str:
              "columns, below 1 is better for ↓ columns.", "",
              "## Targets", "", *targets_table(results), "",
              "## CPU per tiny task, by process", "", *cpu_table(results), ""]
+    if any(system.get("cpu_split_us_per_call") for system in results.get("systems", [])):
+        lines += ["## CPU per single call, by process", "",
+                  "The sequential calls of the p50/p99 columns: what each process spent per "
+                  "call, on the call's path or beside it (a journal commit, acknowledgements).",
+                  "", *cpu_table(results, "call"), ""]
     if "head_to_head" in results:
         lines += head_to_head_lines(results["head_to_head"])
     if "journal_cost" in results:

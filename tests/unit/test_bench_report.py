@@ -34,6 +34,18 @@ def test_targets_say_met_not_met_or_not_measured() -> None:
     assert "| .map throughput ≥ 5× Ray | not measured | – |" in rows
 
 
+def test_cpu_per_call_has_its_own_table_only_for_systems_that_measured_it() -> None:
+    results = _results()
+    assert "CPU per single call" not in markdown(results)
+    results["systems"][2].update(cpu_us_per_call=900.0,
+                                 cpu_split_us_per_call={"client": 300.0, "coordinator": 600.0})
+    text = markdown(results)
+    calls = text[text.index("## CPU per single call"):]
+    assert "| gpumesh | coordinator | 600 |" in calls
+    assert "| gpumesh | **total** | **900** |" in calls
+    assert "| floor |" not in calls  # the floor's dict has no per-call split
+
+
 def test_json_round_trips_and_numbers_read_well() -> None:
     assert json.loads(to_json(_results()))["systems"][2]["tasks_per_s"] == 2000.0
     assert number(12345.678, 0) == "12,346"
