@@ -1,0 +1,112 @@
+"""One side of ``python -m bench.ab``: a mesh of one gpumesh tree, driven over stdin/stdout.
+
+Run as ``python -m bench.ab_driver TREE WORKERS`` from this repository: the ``bench`` package is
+this checkout's, while ``gpumesh`` (here, in the coordinator, the workers and their runners)
+is imported from TREE. It starts ``gpumesh serve`` and WORKERS ``gpumesh join`` processes as
+the benchmark does (bench/systems/gpumesh_system.py), a client in this process, prints
+``ready``, then answers one JSON line per command line:
+
+    calls N     N sequential single calls: {"ms": [latency, ...]}
+    map N       one map of N no-op tasks: {"seconds": s}
+    cpu         CPU seconds so far, by process role: {"cpu": {role: seconds}}
+    quit        stop the mesh and exit (so does the end of stdin)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .procs import cpu_seconds, descendants, install_teardown
+from .systems.gpumesh_system import Mesh, wait_for_workers
+from .tasks import noop
+
+
+def side_mesh(tree: Path) -> type[Mesh]:
+    class SideMesh(Mesh):
+        def env(self) -> dict[str, str]:
+            # TREE first: the processes import its gpumesh (and its bench.tasks, for noop).
+            env = super().env()
+            env["PYTHONPATH"] = os.pathsep.join([str(tree), env["PYTHONPATH"]])
+            return env
+
+    return SideMesh
+
+
+def roles(mesh: Mesh) -> dict[int, str]:
+    found = {os.getpid(): "client", mesh.coordinator.pid: "coordinator"}
+    for worker in mesh.workers:
+        found[worker.pid] = "worker agents"
+        found.update({pid: "worker runners" for pid in descendants(worker.pid)})
+    return found
+
+
+def cpu_by_role(mesh: Mesh) -> dict[str, float]:
+    spent: dict[str, float] = {}
+    for pid, role in roles(mesh).items():
+        seconds = cpu_seconds(pid)
+        if seconds is not None:
+            spent[role] = spent.get(role, 0.0) + seconds
+    return spent
+
+
+def answer(command: str, mesh: Mesh, client: Any) -> dict[str, Any]:
+    verb, _, count = command.partition(" ")
+    if verb == "calls":
+        latencies = []
+        for index in range(int(count)):
+            started = time.perf_counter()
+            client.submit(noop, index).result(120)
+            latencies.append((time.perf_counter() - started) * 1000)
+        return {"ms": latencies}
+    if verb == "map":
+        items = list(range(int(count)))
+        started = time.perf_counter()
+        if client.map(noop, items, timeout=120) != items:
+            raise RuntimeError("the map returned wrong results")
+        return {"seconds": time.perf_counter() - started}
+    if verb == "cpu":
+        return {"cpu": cpu_by_role(mesh)}
+    raise ValueError(f"unknown command {command!r}")
+
+
+def main(argv: list[str]) -> int:
+    tree, workers = Path(argv[0]).resolve(), int(argv[1])
+    sys.path.insert(0, str(tree))  # before anything imports gpumesh
+    install_teardown()
+    import gpumesh
+
+    origin = getattr(gpumesh, "__file__", None)  # None: a folder without __init__.py
+    if origin is None or Path(origin).resolve().parent.parent != tree:
+        raise SystemExit(f"gpumesh came from {origin or list(gpumesh.__path__)}, not from {tree}")
+    mesh = side_mesh(tree).fresh()
+    client = None
+    try:
+        mesh.start_coordinator()
+        for _ in range(workers):
+            mesh.add_worker()
+        mesh.wait_listening()
+        client = mesh.client()
+        wait_for_workers(client, workers)
+        client.map(noop, list(range(500)))  # runners, imports and caches warm
+        for index in range(100):
+            client.submit(noop, index).result(120)
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "quit":
+                break
+            print(json.dumps(answer(command, mesh, client)), flush=True)
+    finally:
+        if client is not None:
+            client.close()
+        mesh.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

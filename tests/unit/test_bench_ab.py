@@ -1,0 +1,40 @@
+"""bench/ab.py's arithmetic and report (pure code; the speeds are made up)."""
+
+from __future__ import annotations
+
+from bench.ab import markdown, summarize
+
+
+def _measured() -> dict:
+    def figures(base_p50: float, new_p50: float, base_rate: float, new_rate: float) -> dict:
+        return {"base": {"p50_ms": base_p50, "tasks_per_s": base_rate},
+                "new": {"p50_ms": new_p50, "tasks_per_s": new_rate}}
+
+    # The machine drifts 2x between rounds; new is 10% faster at p50 in each of them.
+    return {"rounds": [figures(1.0, 0.9, 1000.0, 1100.0), figures(2.0, 1.8, 500.0, 500.0),
+                       figures(1.5, 1.35, 800.0, 720.0)],
+            "latencies_ms": {"base": [1.0] * 50 + [2.0] * 50 + [10.0] * 2,
+                             "new": [0.9] * 50 + [1.8] * 50 + [5.0] * 2},
+            "cpu_us_per_call": {"base": {"client": 300.0, "coordinator": 600.0},
+                                "new": {"client": 250.0, "coordinator": 600.0}}}
+
+
+def test_ratios_are_medians_of_per_round_ratios_so_drift_cancels() -> None:
+    summary = summarize(_measured())
+    p50 = summary["ratios"]["p50_ms"]
+    assert round(p50["median"], 6) == 0.9 and round(p50["low"], 6) == 0.9
+    rate = summary["ratios"]["tasks_per_s"]
+    assert rate["median"] == 1.0 and rate["low"] == 0.9 and round(rate["high"], 6) == 1.1
+    assert summary["sides"]["base"]["tasks_per_s"] == 800.0
+    assert summary["ratios"]["p99_ms"]["pooled"] < 1.0
+
+
+def test_report_names_both_builds_and_splits_cpu_by_process() -> None:
+    measured = _measured()
+    text = markdown({"base": "abc123 Old", "new": "this checkout's working tree", "rounds": 3,
+                     "calls": 100, "tasks": 500, "measured": measured,
+                     "summary": summarize(measured)})
+    assert "Base: abc123 Old. New: this checkout's working tree." in text
+    assert "| call p50 ms ↓ | 2.000 | 1.800 | **0.900×** (0.900–0.900) |" in text
+    assert "| client | 300 | 250 |" in text
+    assert "| **total** | **900** | **850** |" in text
