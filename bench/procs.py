@@ -95,7 +95,15 @@ def wait_for(condition: Any, timeout: float, what: str, every: float = 0.02) -> 
 # ----------------------------------------------------------------- CPU and memory of processes
 
 def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` (its threads included), None once it is gone."""
+    """User + system CPU seconds of ``pid`` (its threads included), None once it is gone.
+
+    On Linux from the process's CPU clock, to the nanosecond: the kernel's tick counts (psutil,
+    /proc/PID/stat) come in 10 ms steps, 33 µs a call over the bench's 300 single calls."""
+    if sys.platform.startswith("linux"):
+        try:
+            return time.clock_gettime(_process_cpu_clock(pid))
+        except OSError:
+            pass  # gone (EINVAL), or not ours to read: psutil and /proc tell which
     try:
         import psutil
     except ImportError:
@@ -105,6 +113,12 @@ def cpu_seconds(pid: int) -> float | None:
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     return float(times.user + times.system)
+
+
+def _process_cpu_clock(pid: int) -> int:
+    """clock_getcpuclockid(3) of another process: the kernel's MAKE_PROCESS_CPUCLOCK(pid,
+    CPUCLOCK_SCHED), which Python's time module has no call for."""
+    return ((~pid) << 3) | 2
 
 
 def _proc_stat_cpu(pid: int) -> float | None:
