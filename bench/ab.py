@@ -42,8 +42,13 @@ def log(text: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.ab",
-                                     description=(__doc__ or "").split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ab", description=(__doc__ or "").split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  python -m bench.ab                     # the working tree against HEAD\n"
+               "  python -m bench.ab --base HEAD~3       # against an older commit\n"
+               "  python -m bench.ab --same --rounds 20  # HEAD against itself: the noise")
     parser.add_argument("--base", default="HEAD", help="the commit to compare with (HEAD)")
     parser.add_argument("--same", action="store_true",
                         help="run the base on both sides: how far apart two equal builds read")
