@@ -521,9 +521,10 @@ class Engine:
         # A SUBMIT's header must stay well inside the coordinator's header limit (specs can
         # carry up to 32 KiB of env each), or the coordinator drops the whole message.
         header_budget = self.settings.limits.max_header_bytes // 2
+        room_bytes, room_frames = self._message_room()
         for job, group in by_job.items():
             chunk: list[_Submission] = []
-            size = header = 0
+            size = header = wire_bytes = wire_frames = 0
             # A small first chunk: the coordinator starts it on idle workers while it still
             # journals the rest (a 200-task .map's first task began after 40 ms, now ~8).
             most = FIRST_CHUNK
@@ -533,15 +534,73 @@ class Engine:
                     # write: Ctrl+C of a map of big arrays must not wait for all of them).
                     self._outstanding.pop(sub.seq, None)
                     continue
+                task_bytes, task_frames = self._wire_cost(sub)
+                if task_bytes > room_bytes or task_frames > room_frames:
+                    self._refuse_oversize(sub, task_bytes, task_frames, room_bytes, room_frames)
+                    continue
+                if chunk and (wire_bytes + task_bytes > room_bytes
+                              or wire_frames + task_frames > room_frames):
+                    # The coordinator drops a message over its limits unanswered: this task
+                    # opens the next SUBMIT instead.
+                    self._send_chunk(job, chunk, now)
+                    chunk, size, header, wire_bytes, wire_frames = [], 0, 0, 0, 0
+                    most = CHUNK
                 chunk.append(sub)
                 size += serialize.payload_nbytes(sub.frames)
                 header += sub.header_bytes
+                wire_bytes += task_bytes
+                wire_frames += task_frames
                 if len(chunk) >= most or size >= 8 * 1024 * 1024 or header >= header_budget:
                     self._send_chunk(job, chunk, now)
-                    chunk, size, header = [], 0, 0
+                    chunk, size, header, wire_bytes, wire_frames = [], 0, 0, 0, 0
                     most = CHUNK
             if chunk:
                 self._send_chunk(job, chunk, now)
+
+    def _message_room(self) -> tuple[int, int]:
+        """The payload bytes and frames one SUBMIT may carry: the coordinator's limits (from
+        WELCOME, else this side's defaults) less its header and the frames before it."""
+        limits = self.settings.limits
+        most_bytes = _positive(self.welcome.get("max_message_bytes"), limits.max_message_bytes)
+        most_frames = _positive(self.welcome.get("max_frames"), limits.max_frames)
+        return most_bytes - limits.max_header_bytes, most_frames - 3
+
+    def _wire_cost(self, sub: _Submission) -> tuple[int, int]:
+        """The payload bytes and frames this task adds to a SUBMIT, as ``_send_chunk`` will
+        send it: its big frames in shared memory when they can go there, the rest in slices."""
+        frames, _ = self._shared_frames(sub)
+        limit = self.settings.limits.chunk_bytes
+        size = count = 0
+        for frame in frames:  # a loop: this runs for every task a client sends
+            nbytes = serialize.frame_nbytes(frame)
+            size += nbytes
+            count += 1 if nbytes <= limit else -(-nbytes // limit)
+        return size, count
+
+    def _refuse_oversize(self, sub: _Submission, nbytes: int, frames: int, room_bytes: int,
+                         room_frames: int) -> None:
+        """A task no SUBMIT can carry fails now: sent, it would be dropped by the coordinator
+        and sent again every RESEND_AFTER, forever."""
+        self._outstanding.pop(sub.seq, None)
+        self._unshare(sub)
+        if nbytes > room_bytes:
+            why = (f"its pickled input is {_size_text(nbytes)}, and one message to the "
+                   f"coordinator carries at most {_size_text(room_bytes)}")
+        else:
+            why = (f"its pickled input is {frames} frames, and one message to the coordinator "
+                   f"carries at most {room_frames}: pass fewer, larger arrays (one stacked "
+                   "array instead of many small ones)")
+        hint = ("pass big data by path (a file every worker can read) or split it over "
+                "several tasks")
+        if not self.settings.share_memory:
+            hint += ("; or let shared memory carry it (GPUMESH_SHARED_MEMORY=0 turned it off), "
+                     "which has no such limit on the coordinator's machine")
+        elif self._shm is None:
+            hint += ("; a client on the coordinator's machine hands big arrays over in shared "
+                     "memory, which has no such limit")
+        if not sub.future.done():
+            _settle(sub.future.set_exception,
+                    SubmitRejected(f"the task was not sent: {why}. To run it, {hint}."))
 
     def _send_chunk(self, job: tuple[str, str], chunk: list[_Submission], now: float) -> None:
         specs: list[dict[str, Any]] = []
@@ -858,6 +917,17 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     if status == ResultStatus.CANCELLED.value:
         raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
     raise TaskError(f"task {task_id} ended with status {status!r}: {diagnosis}", task_id=task_id)
+
+
+def _positive(value: Any, default: int) -> int:
+    """A limit from the coordinator's WELCOME, or ``default`` when it sent none that is usable."""
+    return value if type(value) is int and value > 0 else default
+
+
+def _size_text(nbytes: int) -> str:
+    if nbytes >= 1000 * 1024**2:
+        return f"{nbytes / 1024**3:.2f} GiB"
+    return f"{nbytes / 1024**2:.1f} MiB"
 
 
 def _settle(settle: Callable[[Any], None], outcome: Any) -> None:
