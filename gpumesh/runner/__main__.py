@@ -25,11 +25,11 @@ from typing import Any
 
 import msgpack
 
-from ..protocol.refs import parse_refs
+from ..protocol.refs import Ref, parse_refs, ref_names
 from ..protocol.vocabulary import ResultStatus
 from ..sharedmem import SharedFolder
 from .environment import base_environment, set_environ
-from .execute import infrastructure_failure, run_task
+from .execute import fit_to_send, infrastructure_failure, run_task
 from .pipe import MARKER, PipeClosed, recv_message, send_message
 
 MAX_TASK_BYTES = 1 << 40
@@ -77,6 +77,7 @@ def main(argv: list[str]) -> int:
                 task_frames = folder.resolve(task_frames, refs)
             began = time.perf_counter()
             result_header, result_frames = run_task(header, task_frames, base_env)
+            result_refs: list[Ref] = []
             # Its own run time: the agent may read this result well after it was written.
             result_header["ran"] = round(time.perf_counter() - began, 6)
             del task_frames
@@ -86,6 +87,12 @@ def main(argv: list[str]) -> int:
                 result_frames, result_refs = folder.share(result_frames)
                 if result_refs:
                     result_header["shm"] = [list(ref) for ref in result_refs]
+            # After the shared folder took what it could: what is left travels in messages.
+            sent_header, result_frames = fit_to_send(result_header, result_frames)
+            if sent_header is not result_header and folder is not None and result_refs:
+                folder.remove(ref_names(result_refs))  # nobody will ever name these files
+            sent_header["ran"] = result_header["ran"]
+            result_header = sent_header
         except Exception as exc:
             # A fault in the runner's own handling of one task: answer for it and stay up.
             result_header, result_frames = infrastructure_failure("the runner failed", exc)

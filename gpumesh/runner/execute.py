@@ -24,11 +24,18 @@ from typing import Any
 
 import msgpack
 
+from ..config import Limits
 from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.taskenv import check_script_name, check_task_env
 from .environment import script_environment, task_environ
 
 STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error report
+# What one result may carry: it travels to the coordinator in one message, which also holds its
+# header (the client keeps the same room for a task's input). The agent reads at most one
+# message's bytes from its runner.
+_LIMITS = Limits()
+RESULT_ROOM_BYTES = _LIMITS.max_message_bytes - _LIMITS.max_header_bytes
+RESULT_ROOM_FRAMES = _LIMITS.max_frames - 4  # signature, command, header; the pipe's own head
 
 _functions: OrderedDict[str, Any] = OrderedDict()
 _FUNCTION_CACHE = 64
@@ -121,6 +128,36 @@ def _returned(value: Any) -> tuple[dict[str, Any], list[Any]]:
         return {"status": ResultStatus.OK.value}, serialize.dumps(value)
     except Exception as exc:
         return _error(exc, "the function's return value could not be pickled: ")
+
+
+def fit_to_send(header: dict[str, Any], frames: Sequence[Any], room_bytes: int = RESULT_ROOM_BYTES,
+                room_frames: int = RESULT_ROOM_FRAMES) -> tuple[dict[str, Any], list[Any]]:
+    """The result as it is when one message can carry it, else an error that says so: sent,
+    the agent would take it for a dead runner (over its read limit) or the coordinator would
+    drop it (over its own), and the task would be retried, each time to the same end."""
+    nbytes = count = 0
+    chunk = _LIMITS.chunk_bytes
+    for frame in frames:
+        size = serialize.frame_nbytes(frame)
+        nbytes += size
+        count += 1 if size <= chunk else -(-size // chunk)
+    if nbytes <= room_bytes and count <= room_frames:
+        return header, frames if isinstance(frames, list) else list(frames)
+    if nbytes > room_bytes:
+        what = (f"{_size_text(nbytes)} pickled, and one result carries at most "
+                f"{_size_text(room_bytes)}")
+    else:
+        what = (f"{count} frames pickled, and one result carries at most {room_frames}: return "
+                "fewer, larger arrays (one stacked array instead of many small ones)")
+    return _refused(f"the task's result was not sent: it is {what}. Return less, or write it "
+                    "to a file every machine can read and return the path",
+                    kind="gpumesh.ResultTooLarge")
+
+
+def _size_text(nbytes: int) -> str:
+    if nbytes >= 1000 * 1024**2:
+        return f"{nbytes / 1024**3:.2f} GiB"
+    return f"{nbytes / 1024**2:.1f} MiB"
 
 
 def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[Any]]:

@@ -1,0 +1,38 @@
+"""A result one message cannot carry becomes an error that says so, in the runner, before it is
+written to the agent (tests/integration/test_oversize_messages.py runs it on a mesh)."""
+
+from __future__ import annotations
+
+from gpumesh.config import Limits
+from gpumesh.runner.execute import RESULT_ROOM_BYTES, RESULT_ROOM_FRAMES, fit_to_send
+
+SLICE = Limits().chunk_bytes  # a bigger frame travels as slices of this size
+
+
+def test_a_result_that_fits_goes_as_it_is():
+    header, frames = {"status": "ok"}, [b"pickle", bytearray(1000)]
+    assert fit_to_send(header, frames) == (header, frames)
+    assert fit_to_send(header, frames)[1] is frames  # no copy on every task's way out
+
+
+def test_the_room_is_a_message_less_its_header():
+    limits = Limits()
+    assert RESULT_ROOM_BYTES == limits.max_message_bytes - limits.max_header_bytes
+    assert RESULT_ROOM_FRAMES == limits.max_frames - 4
+
+
+def test_a_result_over_the_byte_room_is_refused_with_both_sizes():
+    header, frames = fit_to_send({"status": "ok"}, [b"p", bytearray(3 << 20)], room_bytes=2 << 20)
+    assert frames == []
+    assert header["status"] == "error"
+    assert header["error"]["type"] == "gpumesh.ResultTooLarge"
+    assert "3.0 MiB pickled" in header["error"]["message"]
+    assert "at most 2.0 MiB" in header["error"]["message"]
+
+
+def test_frames_are_counted_as_the_slices_they_travel_in():
+    big = bytearray(2 * SLICE + 1)  # three slices on the wire
+    assert fit_to_send({"status": "ok"}, [b"p", big], room_frames=4)[1] == [b"p", big]
+    header, frames = fit_to_send({"status": "ok"}, [b"p", big], room_frames=3)
+    assert frames == [] and "4 frames pickled" in header["error"]["message"]
+    assert "at most 3" in header["error"]["message"]
