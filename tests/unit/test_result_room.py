@@ -17,8 +17,8 @@ def test_a_result_that_fits_goes_as_it_is():
 
 def test_the_room_is_a_message_less_its_header():
     limits = Limits()
-    assert RESULT_ROOM_BYTES == limits.max_message_bytes - limits.max_header_bytes
-    assert RESULT_ROOM_FRAMES == limits.max_frames - 4
+    assert limits.max_message_bytes - limits.max_header_bytes == RESULT_ROOM_BYTES
+    assert limits.max_frames - 4 == RESULT_ROOM_FRAMES
 
 
 def test_a_result_over_the_byte_room_is_refused_with_both_sizes():
