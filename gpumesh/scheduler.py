@@ -13,7 +13,7 @@ Rules, in order:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ DEFAULT_COST = 1.0
 
 __all__ = [  # Requirements, Gpu and sizes live in the protocol; they are used here by name
     "DEFAULT_COST", "Gpu", "Requirements", "TaskView", "WorkerView", "choose", "could_ever_run",
-    "eligible", "explain_unschedulable", "parse_size", "stragglers", "unmet",
+    "eligible", "explain_unschedulable", "parse_size", "placement_class", "stragglers", "unmet",
 ]
 
 
@@ -76,6 +76,14 @@ def eligible(worker: WorkerView, task: TaskView) -> bool:
     if task.cost > DEFAULT_COST and worker.straggler:
         return False
     return not unmet(worker, task.requirements, portable=task.portable)
+
+
+def placement_class(requirements: Requirements, portable: bool, cost: float) -> Hashable:
+    """What decides whether ``choose`` finds a worker for a task at all: given the same workers,
+    it finds one for every task of a class or for none (the rest of a task, its priority, exact
+    cost and excluded workers, only ranks the candidates). The dispatcher relies on it to pass
+    over a whole class at once."""
+    return (requirements, portable, cost > DEFAULT_COST)
 
 
 def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:

@@ -18,7 +18,6 @@ the message kind and peer, answered with ERROR where there is a peer, and the lo
 from __future__ import annotations
 
 import gc
-import heapq
 import logging
 import sys
 from collections.abc import Callable
@@ -67,7 +66,6 @@ log = logging.getLogger("gpumesh.coordinator")
 
 __all__ = ["Broker", "Event"]
 
-MAX_SKIPPED = 1000  # unplaceable tasks put back per dispatch pass before it gives up
 # Idle, memory is given back once this many tasks finished or left since the last time...
 MEMORY_AFTER = 1000
 MEMORY_INTERVAL = 5.0  # ... and at most once in this many seconds (it costs O(tasks))
@@ -375,23 +373,32 @@ class Broker:
         views = {w.worker_id: w.view() for w in candidates}
         for worker_id in self.worker_side.stragglers & views.keys():
             views[worker_id].straggler = True
-        skipped: list[tuple[int, int, str]] = []
         sent = 0
         free = sum(v.free for v in views.values())
-        while ledger.pending and free > 0 and len(skipped) < MAX_SKIPPED:
-            entry = heapq.heappop(ledger.pending)
+        # Class by class: a class whose best task fits no worker now is passed over whole.
+        walk = ledger.pending.walk()
+        while free > 0:
+            entry = walk.peek()
+            if entry is None:
+                break
             task = ledger.tasks.get(entry[2])
             if task is None or task.state is not TaskState.PENDING:
-                continue  # stale entry: cancelled, or already handed out
+                walk.take()  # stale entry: cancelled, or already handed out
+                continue
+            taken = False
             try:
                 choice = scheduler.choose(task.view(), views.values())
                 if choice is None:
-                    skipped.append(entry)
+                    walk.pass_over()
                     continue
+                walk.take()
+                taken = True
                 worker = ledger.workers[choice.worker_id]
                 ledger.lease(task, worker, now)
             except Exception as exc:  # a bug of ours: this task fails, the others go on
                 log.exception("failed to dispatch task %s", task.task_id)
+                if not taken:
+                    walk.take()
                 if not task.state.terminal:
                     ledger.fail(task, ResultStatus.ERROR,
                                 f"the coordinator could not schedule this task ({_short(exc)})",
@@ -403,8 +410,6 @@ class Broker:
             choice.last_assigned = worker.last_assigned
             free -= 1
             sent += 1
-        for entry in skipped:
-            heapq.heappush(ledger.pending, entry)
         return sent
 
     # ----------------------------------------------------------------- timers

@@ -10,7 +10,6 @@ messages to them.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import secrets
@@ -30,10 +29,12 @@ from ..protocol import (
     serialize,
 )
 from ..protocol.refs import ref_names, refs_of
+from ..scheduler import placement_class
 from ..sharedmem import MIN_SHARED_BYTES, SharedFolder, materialize
 from ..store import Store
 from .events import Event, EventLog
 from .jobs import Job, error_line, summarize
+from .pending import PendingQueue
 from .state import (
     REDELIVER_AFTER,
     ClientSession,
@@ -91,7 +92,7 @@ class Ledger:
         self.clients: dict[str, ClientSession] = {}
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, tuple[Role, str]] = {}
-        self.pending: list[tuple[int, int, str]] = []  # heap of (-priority, order, task id)
+        self.pending = PendingQueue()  # entries (-priority, order, task id), by placement class
         # Kinds (requirements, portable) of the tasks queued: the unschedulable check scans the
         # queue only when some kind has no worker that could ever run it.
         self.kinds: set[tuple[Requirements, bool]] = set()
@@ -165,7 +166,7 @@ class Ledger:
         self.tasks = dict(self.tasks)
         self.by_seq = dict(self.by_seq)
         if not self.pending:
-            self.pending = []
+            self.pending = PendingQueue()
             self.kinds = set()
         for job in self.jobs.values():
             job.compact()
@@ -185,7 +186,8 @@ class Ledger:
         return self._requirements.setdefault(requirements, requirements)
 
     def enqueue(self, task: Task) -> None:
-        heapq.heappush(self.pending, (-task.priority, next(self._order), task.task_id))
+        self.pending.push(placement_class(task.requirements, task.portable, task.cost),
+                          (-task.priority, next(self._order), task.task_id))
         self.kinds.add((task.requirements, task.portable))
 
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
