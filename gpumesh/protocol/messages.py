@@ -122,7 +122,7 @@ def batches(messages: Sequence[list[Any]], limits: Limits) -> list[list[Any]]:
     BATCHes, a lone or big message as it is; the order is kept."""
     out: list[list[Any]] = []
     run: list[list[Any]] = []
-    size = 0
+    size = frames = 0
     most = min(BATCH_BYTES, limits.max_header_bytes // 2)
 
     def close_run() -> None:
@@ -141,14 +141,17 @@ def batches(messages: Sequence[list[Any]], limits: Limits) -> list[list[Any]]:
         body = head + payload
         if payload >= BATCH_ALONE_BYTES or body >= most:
             close_run()
-            size = 0
+            size = frames = 0
             out.append(message)
             continue
-        if run and (len(run) >= MAX_BATCHED or size + body > most):
+        inner = len(message) - 3  # its payload frames: unbundle refuses a BATCH of too many
+        if run and (len(run) >= MAX_BATCHED or size + body > most
+                    or frames + inner > limits.max_frames):
             close_run()
-            size = 0
+            size = frames = 0
         run.append(message)
         size += body + 8 * (len(message) - 1)
+        frames += inner
     close_run()
     return out
 

@@ -69,6 +69,14 @@ def test_batches_stay_under_the_header_limit_and_the_message_count():
         decode(frames, limits)
 
 
+def test_a_run_is_cut_before_its_frames_pass_the_limit_unbundle_enforces():
+    # Small messages of many small frames: within the bytes and message count, over the frames.
+    many = [encode(Command.RESULT, {"lease": i}, [b"f"] * 300) for i in range(30)]
+    out = batches(many, LIMITS)
+    assert len(out) >= 3
+    assert [m.header["lease"] for f in out for m in _read(f)] == list(range(30))
+
+
 def _batch(entries, payload=()) -> Message:
     return Message(Command.BATCH, {"m": entries}, list(payload))
 
