@@ -66,6 +66,9 @@ log = logging.getLogger("gpumesh.coordinator")
 
 __all__ = ["Broker", "Event"]
 
+# Placement classes (distinct requirements) one dispatch pass may find unplaceable before it
+# stops: each costs a look at every worker with credit, every turn.
+MAX_PASSED_OVER = 1000
 # Idle, memory is given back once this many tasks finished or left since the last time...
 MEMORY_AFTER = 1000
 MEMORY_INTERVAL = 5.0  # ... and at most once in this many seconds (it costs O(tasks))
@@ -377,7 +380,8 @@ class Broker:
         free = sum(v.free for v in views.values())
         # Class by class: a class whose best task fits no worker now is passed over whole.
         walk = ledger.pending.walk()
-        while free > 0:
+        passed_over = 0
+        while free > 0 and passed_over < MAX_PASSED_OVER:
             entry = walk.peek()
             if entry is None:
                 break
@@ -390,6 +394,7 @@ class Broker:
                 choice = scheduler.choose(task.view(), views.values())
                 if choice is None:
                     walk.pass_over()
+                    passed_over += 1
                     continue
                 walk.take()
                 taken = True

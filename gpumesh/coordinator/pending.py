@@ -5,7 +5,8 @@ class's best task now, no worker can take any task of that class in this pass ei
 (``scheduler.placement_class``), so the whole class is passed over at the cost of one look.
 Tasks that can run are never stuck behind thousands that cannot (a batch waiting for a busy
 GPU, say), and a pass costs about one heap step per task placed and per class, not per task
-skipped.
+skipped. (The dispatcher still stops after passing over so many classes in one pass: tasks
+queued behind that many distinct unplaceable requirement sets wait.)
 
 An entry is ``(-priority, order, task_id)``: lower is first. A task may have stale entries
 (cancelled, or handed out after a retry queued it again); the dispatcher drops those as it
@@ -64,10 +65,14 @@ class DispatchPass:
 
     def take(self) -> None:
         """Remove the best entry from the queue; its class's next one takes its place."""
-        _, placement = self._heads[0]
+        entry, placement = self._heads[0]
         queue = self._queue
         heap = queue.classes[placement]
-        heapq.heappop(heap)
+        if heap[0] is entry:
+            heapq.heappop(heap)
+        else:  # pushed to during the pass, ahead of it: remove this very entry
+            heap.remove(entry)
+            heapq.heapify(heap)
         queue._size -= 1
         if heap:
             heapq.heapreplace(self._heads, (heap[0], placement))

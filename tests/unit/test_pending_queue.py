@@ -116,3 +116,35 @@ def test_tasks_that_can_run_are_not_stuck_behind_thousands_that_cannot():
     leased = [t for t in broker.tasks.values() if t.state is TaskState.LEASED]
     assert sorted(t.worker_id for t in leased) == ["cpu-worker"] * 4 + ["gpu-worker"]
     assert len(broker.ledger.pending) == 2999  # the GPU tasks still queued, in their order
+
+
+def test_an_entry_pushed_ahead_during_a_pass_does_not_cost_the_one_taken_its_place():
+    queue = PendingQueue()
+    queue.push("cpu", (0, 5, "first"))
+    walk = queue.walk()
+    assert walk.peek() == (0, 5, "first")
+    queue.push("cpu", (-1, 6, "urgent"))  # a retry queued while the pass runs
+    walk.take()
+    assert sorted(queue) == [(-1, 6, "urgent")] and len(queue) == 1
+
+
+def test_a_pass_looks_at_a_bounded_number_of_unplaceable_classes(monkeypatch):
+    # Each distinct memory size is a class of its own: 1,500 classes no worker can take.
+    from gpumesh.coordinator import broker as broker_module
+
+    broker = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    broker.handle(b"w", msg(Command.HELLO, {
+        "role": "worker", "id": "small", "slots": 1, "credit": 1, "proto": [1, 1],
+        "info": {"python": "3.11", "memory": 10**9}}), 0.0)
+    broker.handle(b"client", msg(Command.HELLO, {"role": "client", "id": "c", "proto": [1, 1]}), 0.0)
+    specs = [{"seq": i + 1, "nf": 1, "kind": "script", "req": {"memory": 2 * 10**9 + i}}
+             for i in range(1500)]
+    for start in range(0, 1500, 500):
+        part = specs[start:start + 500]
+        broker.handle(b"client", msg(Command.SUBMIT, {"tasks": part}, [b"p"] * 500), 0.0)
+    looks = []
+    real_choose = broker_module.scheduler.choose
+    monkeypatch.setattr(broker_module.scheduler, "choose",
+                        lambda task, workers: looks.append(task) or real_choose(task, workers))
+    assert broker.dispatch(0.1) == 0
+    assert len(looks) == broker_module.MAX_PASSED_OVER < 1500
