@@ -156,6 +156,16 @@ class Limits:
         return self.max_frame_bytes - 4096
 
 
+def sizes_over_room(nbytes: int, room: int) -> tuple[str, str]:
+    """``nbytes`` and the ``room`` it is over, as a user reads them side by side: MiB, or bytes
+    where MiB would print both alike."""
+    mib = 1024 * 1024
+    shown, most = f"{nbytes / mib:,.1f} MiB", f"{room / mib:,.1f} MiB"
+    if shown == most:
+        shown, most = f"{nbytes:,} bytes", f"{room:,} bytes"
+    return shown, most
+
+
 @dataclass(frozen=True)
 class Settings:
     """All of gpumesh's configuration, read once from the environment and the config file."""

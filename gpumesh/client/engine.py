@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from ..config import Endpoint, Settings
+from ..config import Endpoint, Settings, sizes_over_room
 from ..errors import (
     MeshError,
     RemoteError,
@@ -584,20 +584,23 @@ class Engine:
         self._outstanding.pop(sub.seq, None)
         self._unshare(sub)
         if nbytes > room_bytes:
-            why = (f"its pickled input is {_size_text(nbytes)}, and one message to the "
-                   f"coordinator carries at most {_size_text(room_bytes)}")
+            shown, most = sizes_over_room(nbytes, room_bytes)
+            why = (f"its pickled input is {shown}, and one message to the coordinator carries "
+                   f"at most {most}")
         else:
             why = (f"its pickled input is {frames} frames, and one message to the coordinator "
                    f"carries at most {room_frames}: pass fewer, larger arrays (one stacked "
                    "array instead of many small ones)")
         hint = ("pass big data by path (a file every worker can read) or split it over "
                 "several tasks")
-        if not self.settings.share_memory:
-            hint += ("; or let shared memory carry it (GPUMESH_SHARED_MEMORY=0 turned it off), "
-                     "which has no such limit on the coordinator's machine")
-        elif self._shm is None:
-            hint += ("; a client on the coordinator's machine hands big arrays over in shared "
-                     "memory, which has no such limit")
+        # Shared memory carries a function task's big frames, not a script's, nor small ones.
+        if nbytes > room_bytes and sub.spec.get("kind") == "fn":
+            if not self.settings.share_memory:
+                hint += ("; or let shared memory carry it (GPUMESH_SHARED_MEMORY=0 turned it "
+                         "off), which has no such limit on the coordinator's machine")
+            elif self._shm is None:
+                hint += ("; a client on the coordinator's machine hands big arrays over in "
+                         "shared memory, which has no such limit")
         if not sub.future.done():
             _settle(sub.future.set_exception,
                     SubmitRejected(f"the task was not sent: {why}. To run it, {hint}."))
@@ -922,12 +925,6 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
 def _positive(value: Any, default: int) -> int:
     """A limit from the coordinator's WELCOME, or ``default`` when it sent none that is usable."""
     return value if type(value) is int and value > 0 else default
-
-
-def _size_text(nbytes: int) -> str:
-    if nbytes >= 1000 * 1024**2:
-        return f"{nbytes / 1024**3:.2f} GiB"
-    return f"{nbytes / 1024**2:.1f} MiB"
 
 
 def _settle(settle: Callable[[Any], None], outcome: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from ..config import Limits
+from ..config import Limits, sizes_over_room
 from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.taskenv import check_script_name, check_task_env
 from .environment import script_environment, task_environ
@@ -35,7 +35,9 @@ STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error 
 # message's bytes from its runner.
 _LIMITS = Limits()
 RESULT_ROOM_BYTES = _LIMITS.max_message_bytes - _LIMITS.max_header_bytes
-RESULT_ROOM_FRAMES = _LIMITS.max_frames - 4  # signature, command, header; the pipe's own head
+# The RESULT's signature, command and header frames (the pipe's head is another message's:
+# the pipe takes 4,095 frames, more than this leaves).
+RESULT_ROOM_FRAMES = _LIMITS.max_frames - 3
 
 _functions: OrderedDict[str, Any] = OrderedDict()
 _FUNCTION_CACHE = 64
@@ -144,20 +146,14 @@ def fit_to_send(header: dict[str, Any], frames: Sequence[Any], room_bytes: int =
     if nbytes <= room_bytes and count <= room_frames:
         return header, frames if isinstance(frames, list) else list(frames)
     if nbytes > room_bytes:
-        what = (f"{_size_text(nbytes)} pickled, and one result carries at most "
-                f"{_size_text(room_bytes)}")
+        shown, most = sizes_over_room(nbytes, room_bytes)
+        what = f"{shown} pickled, and one result carries at most {most}"
     else:
         what = (f"{count} frames pickled, and one result carries at most {room_frames}: return "
                 "fewer, larger arrays (one stacked array instead of many small ones)")
     return _refused(f"the task's result was not sent: it is {what}. Return less, or write it "
                     "to a file every machine can read and return the path",
                     kind="gpumesh.ResultTooLarge")
-
-
-def _size_text(nbytes: int) -> str:
-    if nbytes >= 1000 * 1024**2:
-        return f"{nbytes / 1024**3:.2f} GiB"
-    return f"{nbytes / 1024**2:.1f} MiB"
 
 
 def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[Any]]:

@@ -172,7 +172,7 @@ def test_a_result_bigger_than_a_message_is_an_error_that_says_so(mesh_env):
     client = mesh_env.client()
     mesh_env.wait_workers(1, client)
     future = client.submit(big_zeros)
-    with pytest.raises(RemoteError, match=r"1\.07 GiB pickled.*at most 1\.00 GiB") as caught:
+    with pytest.raises(RemoteError, match=r"1,100\.0 MiB pickled.*at most 1,023\.0 MiB") as caught:
         future.result(timeout=60)
     assert caught.value.remote_type == "gpumesh.ResultTooLarge"
     assert future.attempts == 1  # refused once, not retried as a crash

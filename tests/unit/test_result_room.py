@@ -3,7 +3,7 @@ written to the agent (tests/integration/test_oversize_messages.py runs it on a m
 
 from __future__ import annotations
 
-from gpumesh.config import Limits
+from gpumesh.config import Limits, sizes_over_room
 from gpumesh.runner.execute import RESULT_ROOM_BYTES, RESULT_ROOM_FRAMES, fit_to_send
 
 SLICE = Limits().chunk_bytes  # a bigger frame travels as slices of this size
@@ -18,7 +18,7 @@ def test_a_result_that_fits_goes_as_it_is():
 def test_the_room_is_a_message_less_its_header():
     limits = Limits()
     assert limits.max_message_bytes - limits.max_header_bytes == RESULT_ROOM_BYTES
-    assert limits.max_frames - 4 == RESULT_ROOM_FRAMES
+    assert limits.max_frames - 3 == RESULT_ROOM_FRAMES
 
 
 def test_a_result_over_the_byte_room_is_refused_with_both_sizes():
@@ -36,3 +36,10 @@ def test_frames_are_counted_as_the_slices_they_travel_in():
     header, frames = fit_to_send({"status": "ok"}, [b"p", big], room_frames=3)
     assert frames == [] and "4 frames pickled" in header["error"]["message"]
     assert "at most 3" in header["error"]["message"]
+
+
+def test_sizes_over_a_room_never_read_alike():
+    mib = 1024 * 1024
+    assert sizes_over_room(1100 * mib, 1023 * mib) == ("1,100.0 MiB", "1,023.0 MiB")
+    assert sizes_over_room(1023 * mib + 1, 1023 * mib) == ("1,072,693,249 bytes",
+                                                            "1,072,693,248 bytes")
