@@ -43,6 +43,7 @@ class WorkerView:
     last_assigned: int = 0
     straggler: bool = False
     label: str = field(default="", compare=False)
+    shares_memory: bool = False  # it maps the coordinator's shared-memory folder (same machine)
 
 
 @dataclass
@@ -52,11 +53,18 @@ class TaskView:
     cost: float = DEFAULT_COST
     excluded: frozenset[str] = frozenset()
     portable: bool = False  # a source form rides along: the Python version is a preference
+    # Its input sits in the coordinator's shared memory and is too big for one message: only a
+    # worker that maps that memory (on the coordinator's machine) can be handed it.
+    local_only: bool = False
 
 
-def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False) -> list[str]:
+def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False,
+          local_only: bool = False) -> list[str]:
     """The requirements ``worker`` misses, in words; empty when it qualifies."""
     missing = []
+    if local_only and not worker.shares_memory:
+        missing.append("is not on the coordinator's machine, and the task's input is too big "
+                       "for one message")
     if req.gpu is True and not worker.gpus:
         missing.append("has no GPU")
     elif isinstance(req.gpu, str) and not any(gpu_satisfies(g, req.gpu, None) for g in worker.gpus):
@@ -75,15 +83,17 @@ def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False) -> l
 def eligible(worker: WorkerView, task: TaskView) -> bool:
     if task.cost > DEFAULT_COST and worker.straggler:
         return False
-    return not unmet(worker, task.requirements, portable=task.portable)
+    return not unmet(worker, task.requirements, portable=task.portable,
+                     local_only=task.local_only)
 
 
-def placement_class(requirements: Requirements, portable: bool, cost: float) -> Hashable:
+def placement_class(requirements: Requirements, portable: bool, cost: float,
+                    local_only: bool = False) -> Hashable:
     """What decides whether ``choose`` finds a worker for a task at all: given the same workers,
     it finds one for every task of a class or for none (the rest of a task, its priority, exact
     cost and excluded workers, only ranks the candidates). The dispatcher relies on it to pass
     over a whole class at once."""
-    return (requirements, portable, cost > DEFAULT_COST)
+    return (requirements, portable, cost > DEFAULT_COST, local_only)
 
 
 def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:
@@ -107,21 +117,26 @@ def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:
 
 def could_ever_run(task: TaskView, workers: Sequence[WorkerView]) -> bool:
     """Whether any connected worker qualifies, busy or not (else the task waits to time out)."""
-    return any(not unmet(w, task.requirements, portable=task.portable) for w in workers)
+    return any(not unmet(w, task.requirements, portable=task.portable,
+                         local_only=task.local_only) for w in workers)
 
 
 def explain_unschedulable(req: Requirements, workers: Sequence[WorkerView], *,
-                          portable: bool = False) -> str:
+                          portable: bool = False, local_only: bool = False) -> str:
     """A message naming the requirement and the closest connected workers."""
+    needs = req.describe()
+    if local_only:  # what it needs before anything else: a worker on this machine
+        needs = "a worker on the coordinator's machine (its input is too big for one " \
+                "message)" + ("" if needs == "nothing" else f", {needs}")
     if not workers:
-        return f"no worker is connected to run a task that needs {req.describe()}"
+        return f"no worker is connected to run a task that needs {needs}"
 
     def misses(w: WorkerView) -> list[str]:
-        return unmet(w, req, portable=portable)
+        return unmet(w, req, portable=portable, local_only=local_only)
 
     ranked = sorted(workers, key=lambda w: (len(misses(w)), -w.score))[:3]
     closest = "; ".join(f"{_name(w)} {', '.join(misses(w))}" for w in ranked)
-    return f"no connected worker satisfies {req.describe()} (closest: {closest})"
+    return f"no connected worker satisfies {needs} (closest: {closest})"
 
 
 def _name(worker: WorkerView) -> str:

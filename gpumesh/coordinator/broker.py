@@ -38,7 +38,6 @@ from ..protocol import (
     Output,
     ProtocolError,
     Query,
-    Requirements,
     Result,
     ResultStatus,
     Role,
@@ -490,8 +489,9 @@ class Broker:
         cutoff = now - limit
         if self._no_workers_at > cutoff:
             return  # a worker came back less than the timeout ago: nothing can be due yet
-        runnable = {kind: scheduler.could_ever_run(scheduler.TaskView("", kind[0], portable=kind[1]),
-                                                   views) for kind in ledger.kinds}
+        runnable = {kind: scheduler.could_ever_run(
+            scheduler.TaskView("", kind[0], portable=kind[1], local_only=kind[2]), views)
+            for kind in ledger.kinds}
         if all(runnable.values()):
             return  # every kind of task queued has a worker that could run it: nothing is due
         doomed: dict[str, Task] = {}  # a task may have several heap entries (retry)
@@ -500,7 +500,7 @@ class Broker:
             task = ledger.tasks.get(task_id)
             if task is None or task.state is not TaskState.PENDING:
                 continue
-            kind: tuple[Requirements, bool] = (task.requirements, task.portable)
+            kind = (task.requirements, task.portable, task.local_only)
             ledger.kinds.add(kind)
             if task.pending_since > cutoff:
                 continue
@@ -510,7 +510,8 @@ class Broker:
                 doomed[task.task_id] = task
         for task in doomed.values():
             message = scheduler.explain_unschedulable(task.requirements, views,
-                                                      portable=task.portable)
+                                                      portable=task.portable,
+                                                      local_only=task.local_only)
             ledger.fail(task, ResultStatus.UNSCHEDULABLE,
                         f"{message}; gave up after {limit:.0f}s pending", now)
 

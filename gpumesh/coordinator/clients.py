@@ -208,6 +208,12 @@ class ClientSide:
             return ErrorCode.SAFE_MODE, (
                 "this coordinator runs with --safe-mode and accepts scripts only: submit a script "
                 "(mesh.submit(script=..., payloads=[...])) instead of a pickled function")
+        if size > limits.max_queued_bytes:
+            # Never accepted, however long it waits: refused now, not parked as busy.
+            return ErrorCode.TOO_LARGE, (
+                f"its input is {_mib(size)}, more than all of a client's unfinished tasks may "
+                f"hold ({_mib(limits.max_queued_bytes)}, GPUMESH_MAX_QUEUED_GB on the "
+                "coordinator): raise that, or pass a path to the data instead")
         if client.unfinished >= limits.max_queued_tasks:
             return ErrorCode.BUSY, (f"this client already has {client.unfinished} unfinished "
                                     f"tasks (the limit is {limits.max_queued_tasks}): wait for "

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Limits, Timing
+from ..config import Limits, Timing, sizes_over_room
 from ..protocol import (
     Command,
     ErrorCode,
@@ -28,7 +28,7 @@ from ..protocol import (
     encode,
     serialize,
 )
-from ..protocol.refs import ref_names, refs_of
+from ..protocol.refs import ref_names, refs_of, shared_bytes
 from ..scheduler import placement_class
 from ..sharedmem import MIN_SHARED_BYTES, SharedFolder, materialize
 from ..store import Store
@@ -58,6 +58,11 @@ RESULT_JOURNAL_DELAY = 0.05
 MAX_PEER_COUNTERS = 10_000
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
+
+
+class TooBigToSend(ValueError):
+    """Frames in this machine's shared memory that a peer elsewhere could only get in a message
+    over the limits: sent, it would be dropped unanswered."""
 
 
 @dataclass
@@ -95,7 +100,7 @@ class Ledger:
         self.pending = PendingQueue()  # entries (-priority, order, task id), by placement class
         # Kinds (requirements, portable) of the tasks queued: the unschedulable check scans the
         # queue only when some kind has no worker that could ever run it.
-        self.kinds: set[tuple[Requirements, bool]] = set()
+        self.kinds: set[tuple[Requirements, bool, bool]] = set()  # requirements, portable, local
         self.outbox: list[tuple[bytes, list[Any]]] = []
         self.events = EventLog()
         self.listeners: list[Callable[[Event], None]] = []
@@ -186,9 +191,25 @@ class Ledger:
         return self._requirements.setdefault(requirements, requirements)
 
     def enqueue(self, task: Task) -> None:
-        self.pending.push(placement_class(task.requirements, task.portable, task.cost),
+        if "shm" in task.spec:  # only frames in shared memory can make it too big to send
+            task.local_only = self.too_big_to_send(task.spec, task.payload)
+        self.pending.push(placement_class(task.requirements, task.portable, task.cost,
+                                          task.local_only),
                           (-task.priority, next(self._order), task.task_id))
-        self.kinds.add((task.requirements, task.portable))
+        self.kinds.add((task.requirements, task.portable, task.local_only))
+
+    def too_big_to_send(self, header: dict[str, Any], payload: Sequence[Any]) -> bool:
+        """Whether ``payload``, its shared frames read back in, would be over one message's room
+        (as a client counts it) for a peer that does not map this machine's shared memory."""
+        sizes = [serialize.frame_nbytes(frame) for frame in
+                 serialize.join_frames(payload, header.get("split"))]
+        for index, _, size in refs_of(header.get("shm")):
+            if 0 <= index < len(sizes):
+                sizes[index] = size
+        chunk = self.limits.chunk_bytes
+        frames = sum(1 if size <= chunk else -(-size // chunk) for size in sizes)
+        return (sum(sizes) > self.limits.max_message_bytes - self.limits.max_header_bytes
+                or frames > self.limits.max_frames - 3)
 
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
         if worker.maps_shared and self.shm is not None and "shm" not in task.spec:
@@ -286,6 +307,12 @@ class Ledger:
         refs = refs_of(header.get("shm"))
         if not refs or shares:
             return payload
+        if self.too_big_to_send(header, payload):
+            shown, most = sizes_over_room(
+                serialize.payload_nbytes(payload) + shared_bytes(refs),
+                self.limits.max_message_bytes - self.limits.max_header_bytes)
+            raise TooBigToSend(f"it is {shown} in this machine's shared memory, and one message "
+                               f"to a peer on another machine carries at most {most}")
         frames = serialize.join_frames(payload, header.get("split"))
         frames = materialize(frames, refs, self.shm)
         wire, layout = serialize.split_frames(frames, self.limits.chunk_bytes)
@@ -422,6 +449,15 @@ class Ledger:
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         try:
             payload = self.outgoing(header, task.result_payload, client.maps_shared)
+        except TooBigToSend as exc:
+            header = {"status": ResultStatus.ERROR.value, "task": task.task_id, "seq": task.seq,
+                      "worker": header.get("worker", ""), "attempts": task.attempts,
+                      "error": {"type": "gpumesh.ResultTooLarge", "traceback": "",
+                                "message": f"the task's result was not sent: {exc}. Fetch it "
+                                           "from a client on the coordinator's machine, or "
+                                           "return less (write it to a file every machine can "
+                                           "read and return the path)"}}
+            payload = []
         except ValueError as exc:
             log.warning("the result of task %s is lost: %s", task.task_id, exc)
             header = {"status": ResultStatus.ERROR.value, "task": task.task_id, "seq": task.seq,

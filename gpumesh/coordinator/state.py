@@ -98,6 +98,9 @@ class Task:
     # only under one of them, from that worker (an earlier attempt's late result still wins).
     granted: dict[int, str] = field(default_factory=dict)
     charged: int = 0  # bytes counted against its owner's quota (0: not counted, e.g. restored)
+    # Its input is in this machine's shared memory and too big for one message: only a worker
+    # that maps that memory may take it (set when it is queued: Ledger.enqueue).
+    local_only: bool = False
     delivered: tuple[bytes, float] | None = None  # (routing, when) of the last RESULT sent
     # Told of every state change: its job keeps its counts without scanning its tasks.
     observer: Callable[[TaskState, TaskState], None] | None = field(
@@ -164,7 +167,7 @@ class Task:
 
     def view(self) -> TaskView:
         return TaskView(self.task_id, self.requirements, self.cost, self.excluded,
-                        portable=self.portable)
+                        portable=self.portable, local_only=self.local_only)
 
 
 @dataclass
@@ -242,6 +245,7 @@ class WorkerSession:
             python=info.python,
             last_assigned=self.last_assigned,
             label=self.label,
+            shares_memory=self.maps_shared,
         )
 
     def summary(self) -> dict[str, Any]:
