@@ -148,3 +148,14 @@ def test_a_pass_looks_at_a_bounded_number_of_unplaceable_classes(monkeypatch):
                         lambda task, workers: looks.append(task) or real_choose(task, workers))
     assert broker.dispatch(0.1) == 0
     assert len(looks) == broker_module.MAX_PASSED_OVER < 1500
+
+
+def test_an_entry_pushed_ahead_during_a_pass_of_several_classes_is_kept_too():
+    queue = PendingQueue()
+    queue.push("cpu", (0, 5, "first"))
+    queue.push("gpu", (0, 7, "gpu"))
+    walk = queue.walk()
+    assert walk.peek() == (0, 5, "first")
+    queue.push("cpu", (-1, 6, "urgent"))
+    walk.take()
+    assert sorted(queue) == [(-1, 6, "urgent"), (0, 7, "gpu")] and len(queue) == 2
