@@ -329,6 +329,8 @@ class Broker:
             session.batch = hello.batch
             session.shmlock = hello.shmlock
             session.shm = False  # until this session's HEARTBEAT proves it reads the folder
+            if isinstance(session, ClientSession):
+                session.hello_at = now
         ledger.send(routing, Command.WELCOME, welcome)
 
     def _worker_result(self, worker: WorkerSession, msg: Message, now: float) -> None:
@@ -435,6 +437,8 @@ class Broker:
             for routing in ledger.peers:
                 ledger.send(routing, Command.HEARTBEAT, {})
         _guarded("expire workers and leases", self.worker_side.expire, now)
+        _guarded("deliver results held for a proof of shared memory", ledger.deliver_deferred,
+                 now)
         silence = ledger.timing.silence_limit
         for client in ledger.clients.values():
             if client.routing is not None and now - client.last_seen > silence:

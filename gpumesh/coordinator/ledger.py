@@ -54,6 +54,9 @@ EVENT_ERROR_CHARS = 300  # of a failed task's "Type: message" in its task_finish
 # no result bytes in SQLite). Until one or the other is committed, the worker's RESULT_ACK
 # waits, so the worker keeps the result and sends it again if the coordinator dies meanwhile.
 RESULT_JOURNAL_DELAY = 0.05
+# A client on this machine proves it maps the shared-memory folder right after WELCOME: a result
+# too big to send any other way waits this long after its HELLO for that proof.
+SHM_PROOF_GRACE = 2.0
 
 MAX_PEER_COUNTERS = 10_000
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
@@ -119,6 +122,7 @@ class Ledger:
         self._event_seq = itertools.count(1)
         # Results delivered and not journaled yet, oldest first (task id -> HeldResult).
         self.held_results: dict[str, HeldResult] = {}
+        self.deferred_deliveries: dict[str, float] = {}  # task id -> when to deliver it again
 
     # ----------------------------------------------------------------- plumbing
 
@@ -450,13 +454,17 @@ class Ledger:
         try:
             payload = self.outgoing(header, task.result_payload, client.maps_shared)
         except TooBigToSend as exc:
+            if client.shmlock and not client.shm and now - client.hello_at < SHM_PROOF_GRACE:
+                # Maybe a client on this machine whose proof is on its way (it just reconnected):
+                # sent now, the error would be final (its acknowledgement drops the result).
+                self.deferred_deliveries[task.task_id] = client.hello_at + SHM_PROOF_GRACE
+                return
             header = {"status": ResultStatus.ERROR.value, "task": task.task_id, "seq": task.seq,
                       "worker": header.get("worker", ""), "attempts": task.attempts,
                       "error": {"type": "gpumesh.ResultTooLarge", "traceback": "",
-                                "message": f"the task's result was not sent: {exc}. Fetch it "
-                                           "from a client on the coordinator's machine, or "
-                                           "return less (write it to a file every machine can "
-                                           "read and return the path)"}}
+                                "message": f"the task finished, but its result is dropped: {exc}. "
+                                           "Return less, or write it to a file every machine "
+                                           "can read and return the path"}}
             payload = []
         except ValueError as exc:
             log.warning("the result of task %s is lost: %s", task.task_id, exc)
@@ -467,6 +475,17 @@ class Ledger:
             payload = []
         task.delivered = (client.routing, now)
         self.send(client.routing, Command.RESULT, header, payload)
+
+    def deliver_deferred(self, now: float) -> None:
+        """Deliver the results ``deliver`` held back for a proof of shared memory, once due."""
+        if not self.deferred_deliveries:
+            return
+        due = [task_id for task_id, when in self.deferred_deliveries.items() if when <= now]
+        for task_id in due:
+            del self.deferred_deliveries[task_id]
+            task = self.tasks.get(task_id)
+            if task is not None:
+                self.deliver(task, now)
 
     def redeliver(self, task: Task, now: float) -> None:
         """Send a finished task's result again (FETCH, a re-sent SUBMIT), at most once a second

@@ -80,7 +80,7 @@ class DispatchPass:
         only = self._only
         if only is not None:
             placement, heap = only
-            peeked = self._peeked
+            peeked, self._peeked = self._peeked, None
             if peeked is None or heap[0] is peeked:
                 heapq.heappop(heap)
             else:  # pushed to during the pass, ahead of it: remove this very entry

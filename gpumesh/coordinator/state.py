@@ -294,6 +294,7 @@ class ClientSession:
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
     shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
     shmlock: bool = False  # it locks the shared files it maps (its HELLO said so)
+    hello_at: float = 0.0  # its session's HELLO: a client on this machine proves ``shm`` after
 
     @property
     def owner(self) -> str:

@@ -140,3 +140,33 @@ def test_an_input_over_a_clients_whole_quota_is_refused_not_parked(broker):
     rejected = _sent(broker, Command.ACCEPTED)[-1][1].header["rejected"]
     assert rejected[0][:2] == [7, "too_large"]
     assert "GPUMESH_MAX_QUEUED_GB" in rejected[0][2]
+
+
+def _finish_big_result(broker: Broker, task_id: str, now: float) -> None:
+    broker.outbox.clear()
+    broker.handle(b"here", msg(Command.RESULT, {
+        "task": task_id, "lease": broker.tasks[task_id].lease_id, "status": "ok",
+        "shm": [[0, "b" * 32, 2 * GiB]]}, [b""]), now)
+
+
+@pytest.mark.parametrize("proves", [True, False])
+def test_a_big_result_waits_for_a_reconnected_clients_proof_of_shared_memory(proves):
+    broker = make_broker("here")
+    task_id = _submit(broker, 10)
+    assert broker.dispatch(0.1) == 1
+    # The client reconnects: a new session, its proof of the folder not read yet.
+    broker.handle(b"client2", msg(Command.HELLO, {"role": "client", "id": "c", "proto": [1, 1],
+                                                  "shmlock": True}), 10.0)
+    _finish_big_result(broker, task_id, 10.1)
+    assert _sent(broker, Command.RESULT) == []  # not the error: the proof may be on its way
+    if proves:
+        broker.clients["c"].shm = True  # its HEARTBEAT proved it
+    broker.tick(11.0)
+    assert _sent(broker, Command.RESULT) == []  # still within the grace
+    broker.tick(12.5)
+    (routing, result), = _sent(broker, Command.RESULT)
+    assert routing == b"client2"
+    if proves:
+        assert result.header["status"] == "ok" and result.header["shm"][0][2] == 2 * GiB
+    else:
+        assert result.header["error"]["type"] == "gpumesh.ResultTooLarge"
