@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import zmq
-from conftest import FAST
+from conftest import FAST, wait_for
 
 from gpumesh.client import GPUMesh
 from gpumesh.config import Limits, Settings
@@ -113,13 +112,10 @@ def client(stub: StubCoordinator, tmp_path) -> Iterator[GPUMesh]:
         mesh.close()
 
 
-def accepted(futures: list[Any], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(getattr(f, "task_id", "") for f in futures):
-            return True
-        time.sleep(0.02)
-    return False
+def accepted(futures: list[Any]) -> bool:
+    """Wait until the stand-in accepted every one of ``futures`` (each then has a task id)."""
+    return bool(wait_for(lambda: all(getattr(f, "task_id", "") for f in futures),
+                         timeout=10.0, what="the tasks accepted"))
 
 
 def test_a_task_bigger_than_a_message_fails_at_once_and_is_never_sent(stub, client):
