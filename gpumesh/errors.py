@@ -72,6 +72,8 @@ class RemoteError(TaskError):
         self.remote_traceback = remote_traceback
 
     def __str__(self) -> str:
+        if not self.remote_traceback:  # an error the worker itself reported: no user code ran
+            return f"{self.remote_type}: {self.args[0]}"
         return f"{self.remote_type}: {self.args[0]}\n\nRemote traceback:\n{self.remote_traceback}"
 
 

@@ -43,3 +43,13 @@ def test_sizes_over_a_room_never_read_alike():
     assert sizes_over_room(1100 * mib, 1023 * mib) == ("1,100.0 MiB", "1,023.0 MiB")
     assert sizes_over_room(1023 * mib + 1, 1023 * mib) == ("1,072,693,249 bytes",
                                                             "1,072,693,248 bytes")
+
+
+def test_an_error_the_worker_reported_reads_without_an_empty_traceback():
+    from gpumesh.errors import RemoteError
+
+    refused = RemoteError("it is too big", remote_type="gpumesh.ResultTooLarge",
+                          remote_traceback="")
+    assert str(refused) == "gpumesh.ResultTooLarge: it is too big"
+    raised = RemoteError("boom", remote_type="ValueError", remote_traceback="Traceback ...")
+    assert str(raised).endswith("Remote traceback:\nTraceback ...")
