@@ -155,6 +155,13 @@ class Limits:
         wire, and MAXMSGSIZE counts them."""
         return self.max_frame_bytes - 4096
 
+    @property
+    def message_room(self) -> tuple[int, int]:
+        """The payload bytes and frames one message may carry, as every sender counts them
+        (serialize.wire_cost): the total less a full header, the frames less the signature,
+        command and header frames."""
+        return self.max_message_bytes - self.max_header_bytes, self.max_frames - 3
+
 
 def sizes_over_room(nbytes: int, room: int) -> tuple[str, str]:
     """``nbytes`` and the ``room`` it is over, as a user reads them side by side: MiB, or bytes

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import _base  # the states a Future moves through
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -49,7 +49,7 @@ from ..protocol import (
     encode,
     serialize,
 )
-from ..protocol.refs import Ref, parse_refs, ref_names
+from ..protocol.refs import Ref, parse_refs, ref_names, shared_bytes
 from ..security import derive_keys
 from ..session import Session
 from ..sharedmem import SharedFolder, materialize
@@ -522,6 +522,7 @@ class Engine:
         # carry up to 32 KiB of env each), or the coordinator drops the whole message.
         header_budget = self.settings.limits.max_header_bytes // 2
         room_bytes, room_frames = self._message_room()
+        chunk_bytes = self.settings.limits.chunk_bytes
         for job, group in by_job.items():
             chunk: list[_Submission] = []
             size = header = wire_bytes = wire_frames = 0
@@ -534,7 +535,10 @@ class Engine:
                     # write: Ctrl+C of a map of big arrays must not wait for all of them).
                     self._outstanding.pop(sub.seq, None)
                     continue
-                task_bytes, task_frames = self._wire_cost(sub)
+                # What the task puts on the wire: its big frames in shared memory when they can
+                # go there (written once, whatever the re-sends), the rest in slices.
+                sent_frames, refs = self._shared_frames(sub)
+                task_bytes, task_frames = serialize.wire_cost(sent_frames, chunk_bytes)
                 if task_bytes > room_bytes or task_frames > room_frames:
                     self._refuse_oversize(sub, task_bytes, task_frames, room_bytes, room_frames)
                     continue
@@ -546,7 +550,7 @@ class Engine:
                     chunk, size, header, wire_bytes, wire_frames = [], 0, 0, 0, 0
                     most = CHUNK
                 chunk.append(sub)
-                size += serialize.payload_nbytes(sub.frames)
+                size += task_bytes + shared_bytes(refs) if refs else task_bytes
                 header += sub.header_bytes
                 wire_bytes += task_bytes
                 wire_frames += task_frames
@@ -558,24 +562,15 @@ class Engine:
                 self._send_chunk(job, chunk, now)
 
     def _message_room(self) -> tuple[int, int]:
-        """The payload bytes and frames one SUBMIT may carry: the coordinator's limits (from
-        WELCOME, else this side's defaults) less its header and the frames before it."""
+        """The payload bytes and frames one SUBMIT may carry, by the coordinator's limits (from
+        WELCOME, else this side's defaults)."""
         limits = self.settings.limits
-        most_bytes = _positive(self.welcome.get("max_message_bytes"), limits.max_message_bytes)
-        most_frames = _positive(self.welcome.get("max_frames"), limits.max_frames)
-        return most_bytes - limits.max_header_bytes, most_frames - 3
-
-    def _wire_cost(self, sub: _Submission) -> tuple[int, int]:
-        """The payload bytes and frames this task adds to a SUBMIT, as ``_send_chunk`` will
-        send it: its big frames in shared memory when they can go there, the rest in slices."""
-        frames, _ = self._shared_frames(sub)
-        limit = self.settings.limits.chunk_bytes
-        size = count = 0
-        for frame in frames:  # a loop: this runs for every task a client sends
-            nbytes = serialize.frame_nbytes(frame)
-            size += nbytes
-            count += 1 if nbytes <= limit else -(-nbytes // limit)
-        return size, count
+        return replace(
+            limits,
+            max_message_bytes=_positive(self.welcome.get("max_message_bytes"),
+                                        limits.max_message_bytes),
+            max_frames=_positive(self.welcome.get("max_frames"), limits.max_frames),
+        ).message_room
 
     def _refuse_oversize(self, sub: _Submission, nbytes: int, frames: int, room_bytes: int,
                          room_frames: int) -> None:

@@ -205,15 +205,10 @@ class Ledger:
     def too_big_to_send(self, header: dict[str, Any], payload: Sequence[Any]) -> bool:
         """Whether ``payload``, its shared frames read back in, would be over one message's room
         (as a client counts it) for a peer that does not map this machine's shared memory."""
-        sizes = [serialize.frame_nbytes(frame) for frame in
-                 serialize.join_frames(payload, header.get("split"))]
-        for index, _, size in refs_of(header.get("shm")):
-            if 0 <= index < len(sizes):
-                sizes[index] = size
-        chunk = self.limits.chunk_bytes
-        frames = sum(1 if size <= chunk else -(-size // chunk) for size in sizes)
-        return (sum(sizes) > self.limits.max_message_bytes - self.limits.max_header_bytes
-                or frames > self.limits.max_frames - 3)
+        nbytes, frames = serialize.wire_cost(serialize.join_frames(payload, header.get("split")),
+                                             self.limits.chunk_bytes, refs_of(header.get("shm")))
+        room_bytes, room_frames = self.limits.message_room
+        return nbytes > room_bytes or frames > room_frames
 
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
         if worker.maps_shared and self.shm is not None and "shm" not in task.spec:
@@ -312,9 +307,8 @@ class Ledger:
         if not refs or shares:
             return payload
         if self.too_big_to_send(header, payload):
-            shown, most = sizes_over_room(
-                serialize.payload_nbytes(payload) + shared_bytes(refs),
-                self.limits.max_message_bytes - self.limits.max_header_bytes)
+            shown, most = sizes_over_room(serialize.payload_nbytes(payload) + shared_bytes(refs),
+                                          self.limits.message_room[0])
             raise TooBigToSend(f"it is {shown} in this machine's shared memory, and one message "
                                f"to a peer on another machine carries at most {most}")
         frames = serialize.join_frames(payload, header.get("split"))

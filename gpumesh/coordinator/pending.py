@@ -55,42 +55,17 @@ class DispatchPass:
 
     def __init__(self, queue: PendingQueue) -> None:
         self._queue = queue
-        classes = queue.classes
-        # One class (a .map's tasks, a run of single calls): its own heap, no heap of heads.
-        self._only: tuple[Hashable, list[Entry]] | None = None
-        self._heads: list[tuple[Entry, Hashable]] = []
-        self._peeked: Entry | None = None
-        if len(classes) == 1:
-            self._only = next(iter(classes.items()))
-        else:
-            # (best entry, class): entries are unique (by order), so classes are never compared.
-            self._heads = [(heap[0], placement) for placement, heap in classes.items()]
-            heapq.heapify(self._heads)
+        # (best entry, class): entries are unique (by order), so classes are never compared.
+        self._heads = [(heap[0], placement) for placement, heap in queue.classes.items()]
+        heapq.heapify(self._heads)
 
     def peek(self) -> Entry | None:
-        only = self._only
-        if only is not None:
-            self._peeked = only[1][0] if only[1] else None
-            return self._peeked
         return self._heads[0][0] if self._heads else None
 
     def take(self) -> None:
         """Remove the best entry from the queue; its class's next one takes its place."""
-        queue = self._queue
-        only = self._only
-        if only is not None:
-            placement, heap = only
-            peeked, self._peeked = self._peeked, None
-            if peeked is None or heap[0] is peeked:
-                heapq.heappop(heap)
-            else:  # pushed to during the pass, ahead of it: remove this very entry
-                heap.remove(peeked)
-                heapq.heapify(heap)
-            queue._size -= 1
-            if not heap:
-                del queue.classes[placement]
-            return
         entry, placement = self._heads[0]
+        queue = self._queue
         heap = queue.classes[placement]
         if heap[0] is entry:
             heapq.heappop(heap)
@@ -106,7 +81,4 @@ class DispatchPass:
 
     def pass_over(self) -> None:
         """Leave the best entry's class queued, untouched, for later passes."""
-        if self._only is not None:
-            self._only = (self._only[0], [])  # nothing more to look at in this pass
-        else:
-            heapq.heappop(self._heads)
+        heapq.heappop(self._heads)

@@ -173,6 +173,28 @@ def split_frames(frames: Sequence[Any], limit: int) -> tuple[list[Any], list[int
     return wire, layout
 
 
+def wire_cost(frames: Sequence[Any], limit: int,
+              shared: Sequence[tuple[int, str, int]] = ()) -> tuple[int, int]:
+    """The payload bytes and frames ``frames`` take in a message once ``split_frames`` cut
+    them to ``limit``; ``shared`` references (index, name, size) count their frame at its size
+    (the frame read back in from shared memory for a peer that does not map it)."""
+    nbytes = count = 0
+    for frame in frames:  # a loop: this runs for every task a client sends
+        size = frame_nbytes(frame)
+        nbytes += size
+        count += 1 if size <= limit else -(-size // limit)
+    for index, _, size in shared:
+        if 0 <= index < len(frames):
+            placeholder = frame_nbytes(frames[index])
+            nbytes += size - placeholder
+            count += _slices(size, limit) - _slices(placeholder, limit)
+    return nbytes, count
+
+
+def _slices(size: int, limit: int) -> int:
+    return 1 if size <= limit else -(-size // limit)
+
+
 def join_frames(frames: Sequence[Any], layout: Sequence[int] | None) -> list[Any]:
     """Undo ``split_frames``: one copy for each frame that was split, none for the rest.
 

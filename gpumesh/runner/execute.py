@@ -32,12 +32,9 @@ from .environment import script_environment, task_environ
 STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error report
 # What one result may carry: it travels to the coordinator in one message, which also holds its
 # header (the client keeps the same room for a task's input). The agent reads at most one
-# message's bytes from its runner.
+# message's bytes from its runner, and the pipe takes 4,095 frames, more than this leaves.
 _LIMITS = Limits()
-RESULT_ROOM_BYTES = _LIMITS.max_message_bytes - _LIMITS.max_header_bytes
-# The RESULT's signature, command and header frames (the pipe's head is another message's:
-# the pipe takes 4,095 frames, more than this leaves).
-RESULT_ROOM_FRAMES = _LIMITS.max_frames - 3
+RESULT_ROOM_BYTES, RESULT_ROOM_FRAMES = _LIMITS.message_room
 
 _functions: OrderedDict[str, Any] = OrderedDict()
 _FUNCTION_CACHE = 64
@@ -137,12 +134,7 @@ def fit_to_send(header: dict[str, Any], frames: Sequence[Any], room_bytes: int =
     """The result as it is when one message can carry it, else an error that says so: sent,
     the agent would take it for a dead runner (over its read limit) or the coordinator would
     drop it (over its own), and the task would be retried, each time to the same end."""
-    nbytes = count = 0
-    chunk = _LIMITS.chunk_bytes
-    for frame in frames:
-        size = serialize.frame_nbytes(frame)
-        nbytes += size
-        count += 1 if size <= chunk else -(-size // chunk)
+    nbytes, count = serialize.wire_cost(frames, _LIMITS.chunk_bytes)
     if nbytes <= room_bytes and count <= room_frames:
         return header, frames if isinstance(frames, list) else list(frames)
     if nbytes > room_bytes:

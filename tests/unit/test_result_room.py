@@ -53,3 +53,11 @@ def test_an_error_the_worker_reported_reads_without_an_empty_traceback():
     assert str(refused) == "gpumesh.ResultTooLarge: it is too big"
     raised = RemoteError("boom", remote_type="ValueError", remote_traceback="Traceback ...")
     assert str(raised).endswith("Remote traceback:\nTraceback ...")
+
+
+def test_a_shared_frame_counts_at_its_size_and_in_its_slices():
+    from gpumesh.protocol.serialize import wire_cost
+
+    frames = [b"p" * 10, b""]  # a pickle and the placeholder of a frame in shared memory
+    assert wire_cost(frames, SLICE) == (10, 2)
+    assert wire_cost(frames, SLICE, [(1, "a" * 32, 3 * SLICE)]) == (10 + 3 * SLICE, 4)
