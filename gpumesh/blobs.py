@@ -16,7 +16,9 @@ import os
 import re
 import secrets
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .fileio import write_all
 
@@ -25,6 +27,20 @@ log = logging.getLogger("gpumesh.store")
 BLOB_THRESHOLD = 64 * 1024
 _NAME = re.compile(r"[0-9a-f]{24}")
 _TEMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """Where a payload's frames lie: the blob's name and each frame's length. The coordinator
+    holds one in place of a queued task's input once the blob is written (Ledger.spill_inputs),
+    and reads the frames back only to send them."""
+
+    name: str
+    lengths: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
 
 
 class BlobFolder:
@@ -70,20 +86,34 @@ class BlobFolder:
             _fsync_dir(self.path)
         return name
 
+    def check(self, name: str, lengths: Sequence[int]) -> BlobRef:
+        """A reference to a blob that is there and exactly as long as its frames, read from a
+        journal row (whose columns are not trusted: a row may be damaged or edited by hand).
+
+        Raises ValueError as ``read`` does."""
+        total = _checked_total(name, lengths)
+        try:
+            size = os.stat(self.path / name).st_size
+        except FileNotFoundError:
+            raise ValueError(f"its payload file {name} is missing") from None
+        except OSError as exc:
+            raise ValueError(f"its payload file {name} cannot be read ({exc.strerror})") from None
+        if size != total:
+            raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
+        return BlobRef(name, tuple(lengths))
+
     def read(self, name: str, lengths: Sequence[int]) -> list[memoryview]:
         """The frames of a blob: views into one buffer, read with one copy.
 
-        Raises ValueError when the name is not one this folder makes, or the file is missing
-        or not exactly as long as the frames."""
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError("a blob reference that this gpumesh does not write")
-        if not all(isinstance(n, int) and n >= 0 for n in lengths):
-            raise ValueError("bad frame lengths in a blob reference")
-        total = sum(lengths)
+        Raises ValueError when the name is not one this folder makes, or the file is missing,
+        unreadable, or not exactly as long as the frames."""
+        total = _checked_total(name, lengths)
         try:
             fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ValueError(f"its payload file {name} is missing") from None
+        except OSError as exc:
+            raise ValueError(f"its payload file {name} cannot be read ({exc.strerror})") from None
         try:
             size = os.fstat(fd).st_size
             if size != total:
@@ -96,6 +126,8 @@ class BlobFolder:
                 if n == 0:
                     raise ValueError(f"its payload file {name} ended at {got} of {total} bytes")
                 got += n
+        except OSError as exc:  # an I/O error mid-file: the task fails saying so, nothing stops
+            raise ValueError(f"its payload file {name} cannot be read ({exc.strerror})") from None
         finally:
             os.close(fd)
         frames, start = [], 0
@@ -125,6 +157,14 @@ class BlobFolder:
 
     def exists(self) -> bool:
         return self.path.is_dir()
+
+
+def _checked_total(name: Any, lengths: Sequence[Any]) -> int:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError("a blob reference that this gpumesh does not write")
+    if not all(type(n) is int and n >= 0 for n in lengths):
+        raise ValueError("bad frame lengths in a blob reference")
+    return sum(lengths)
 
 
 def _unlink(path: Path) -> None:

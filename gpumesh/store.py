@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from .blobs import BLOB_THRESHOLD, BlobFolder
+from .blobs import BLOB_THRESHOLD, BlobFolder, BlobRef
 from .checkpoint import Checkpointer
 from .errors import MeshError
 
@@ -90,6 +90,9 @@ class StoredTask:
     result_header: dict[str, Any] | None
     result_payload: list[bytes | memoryview] | None
     submitted_at: float
+    # The input frames that are in a blob file, checked there but not read: the restored task
+    # holds this in place of them (``payload`` then holds only its function, if any).
+    payload_file: BlobRef | None = None
 
 
 def _frame_view(frame: Any) -> memoryview:
@@ -283,8 +286,9 @@ class Store:
                 if name:
                     self._doomed.append(name)
 
-    def _store_frames(self, frames: Sequence[Any]) -> tuple[bytes | None, bytes | None, str | None]:
-        """(inline column value, reference column value, blob name) for a payload."""
+    def _store_frames(self, frames: Sequence[Any]
+                      ) -> tuple[bytes | None, bytes | None, BlobRef | None]:
+        """(inline column value, reference column value, blob) for a payload."""
         if all(type(f) is bytes for f in frames) and sum(map(len, frames)) < BLOB_THRESHOLD:
             # The common case (a tiny task's pickled arguments or result): no views to make.
             return msgpack.packb(list(frames), use_bin_type=True), None, None
@@ -297,7 +301,8 @@ class Store:
                 log.warning("journal: cannot write a blob (%s); keeping the payload in the "
                             "database", exc.strerror)
             else:
-                return None, msgpack.packb([name, lengths], use_bin_type=True), name
+                return (None, msgpack.packb([name, lengths], use_bin_type=True),
+                        BlobRef(name, tuple(lengths)))
         packed = [f if isinstance(f, bytes) else v.tobytes() for f, v in zip(frames, views, strict=True)]
         return msgpack.packb(packed, use_bin_type=True), None, None
 
@@ -320,9 +325,13 @@ class Store:
     def add_task(
         self, task_id: str, client_id: str, seq: int, job_id: str, spec: dict[str, Any],
         payload: Sequence[Any], submitted_at: float, *, function: str | None = None,
-    ) -> None:
+    ) -> BlobRef | None:
         """Journal a new task. With ``function`` (its digest), ``payload[0]`` is that pickled
-        function: it is journaled once in the functions table, and the row keeps the rest."""
+        function: it is journaled once in the functions table, and the row keeps the rest.
+
+        Returns the blob the rest went into (already written, under its final name), or None
+        where they stay in the row: the caller may let go of those frames and read them back
+        with ``read_blob`` until the task's input is dropped."""
         if function is not None and payload:
             if function not in self._functions_kept:
                 self._functions_kept.add(function)
@@ -331,13 +340,21 @@ class Store:
             payload = payload[1:]
         else:
             function = None
-        inline, ref, name = self._store_frames(payload)
-        self._keep_blob(task_id, 0, name)
+        inline, ref, blob = self._store_frames(payload)
+        self._keep_blob(task_id, 0, None if blob is None else blob.name)
         self._write(
             _INSERT_TASK,
             (task_id, client_id, seq, job_id, msgpack.packb(spec, use_bin_type=True),
              b"" if inline is None else inline, submitted_at, ref, function),
         )
+        return blob
+
+    def read_blob(self, blob: BlobRef) -> list[memoryview]:
+        """The frames of a blob ``add_task`` or ``load`` gave out, read back with one copy.
+        Raises ValueError (missing, short or unreadable file: the task cannot run)."""
+        if self._blobs is None:
+            raise ValueError("a blob reference in an in-memory journal")
+        return self._blobs.read(blob.name, blob.lengths)
 
     def set_attempts(self, task_id: str, attempts: int) -> None:
         self._write("UPDATE tasks SET attempts = ? WHERE task_id = ?", (attempts, task_id))
@@ -347,8 +364,8 @@ class Store:
         *, keep_input: bool = False,
     ) -> None:
         """Record a terminal outcome. The task's input is dropped unless it may be retried."""
-        inline, ref, name = self._store_frames(payload)
-        self._keep_blob(task_id, 1, name)
+        inline, ref, blob = self._store_frames(payload)
+        self._keep_blob(task_id, 1, None if blob is None else blob.name)
         if not keep_input:
             self._drop_blob(task_id, 0)
             self._freed += 1
@@ -483,7 +500,10 @@ class Store:
         functions: dict[str, bytes] = {}
         for row in rows:
             try:
-                payload = self._load_frames(row[5], row[11]) or []
+                # A queued input in a blob file stays there (checked, not read): a restart with
+                # gigabytes queued must not hold them in memory, only the ones being sent.
+                payload_file = None if row[11] is None else self._check_blob(row[11])
+                payload = [] if payload_file is not None else self._load_frames(row[5], None) or []
                 if row[13] is not None:
                     payload = [self._function(row[13], functions), *payload]
                 yield StoredTask(
@@ -497,6 +517,7 @@ class Store:
                     ),
                     result_payload=self._load_frames(row[9], row[12]),
                     submitted_at=row[10],
+                    payload_file=payload_file,
                 )
             except Exception as exc:  # msgpack raises several unrelated types on garbage
                 # A row that no longer decodes still names its task: the restore fails that
@@ -518,6 +539,15 @@ class Store:
                 raise _BlobMissing(f"its function {str(digest)[:32]} is missing from the journal")
             data = loaded[digest] = bytes(row[0])
         return data
+
+    def _check_blob(self, ref: Any) -> BlobRef:
+        name, lengths = msgpack.unpackb(ref, raw=False)
+        if self._blobs is None:
+            raise _BlobMissing("a blob reference in an in-memory journal")
+        try:
+            return self._blobs.check(name, lengths)
+        except ValueError as exc:
+            raise _BlobMissing(str(exc)) from None
 
     def _load_frames(self, inline: Any, ref: Any) -> list[bytes | memoryview] | None:
         if ref is not None:

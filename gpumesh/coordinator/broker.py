@@ -54,7 +54,7 @@ from ..sharedmem import SharedFolder
 from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
 from .jobs import Job, summarize
-from .ledger import Event, Ledger
+from .ledger import Event, InputUnreadable, Ledger
 from .memory import trim_heap
 from .retention import RETENTION_SWEEP, Retention
 from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
@@ -68,6 +68,10 @@ __all__ = ["Broker", "Event"]
 # Placement classes (distinct requirements) one dispatch pass may find unplaceable before it
 # stops: each costs a look at every worker with credit, every turn.
 MAX_PASSED_OVER = 1000
+# Input bytes let go of or read back from blob files after which the C heap is trimmed, at
+# most once a second: glibc keeps big freed buffers for reuse once it has raised its mmap
+# threshold past their size (a queue of 8 MiB inputs let go of stayed resident without it).
+LOOSE_TRIM_BYTES = 1 << 20
 # Idle, memory is given back once this many tasks finished or left since the last time...
 MEMORY_AFTER = 1000
 MEMORY_INTERVAL = 5.0  # ... and at most once in this many seconds (it costs O(tasks))
@@ -91,6 +95,7 @@ class Broker:
         self._restoring = True
         self._pythons_told: list[str] = []  # the worker Pythons last pushed to clients
         self._memory_given_at = now
+        self._trimmed_at = now  # when spill_inputs last trimmed the C heap
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -190,16 +195,22 @@ class Broker:
             return 0
         if CORRUPT in row.spec:
             raise ValueError(f"its row does not decode: {row.spec[CORRUPT]}")
-        stored = {**row.spec, "nf": len(row.payload)}
-        if not row.payload:
+        payload, payload_file = row.payload, row.payload_file
+        if payload_file is not None and "shm" in row.spec:
+            # Its frames count against the message room with the shared ones (Ledger.enqueue):
+            # a rare task, both in shared memory and 64 KiB beyond it, is read back whole.
+            payload, payload_file = [*payload, *ledger.store.read_blob(payload_file)], None
+        on_disk = 0 if payload_file is None else len(payload_file.lengths)
+        stored = {**row.spec, "nf": len(payload) + on_disk}
+        if not payload and payload_file is None:
             # A finished task's input is gone, and its layout and shared frames with it.
             stored.pop("split", None)
             stored.pop("shm", None)
         spec = TaskSpec.from_mapping(stored)
         task = Task(
             task_id=row.task_id, client_id=row.client_id, seq=row.seq, job_id=row.job_id,
-            spec=spec.to_spec(), payload=row.payload, submitted_at=row.submitted_at,
-            attempts=row.attempts, requirements=spec.requirements,
+            spec=spec.to_spec(), payload=payload, submitted_at=row.submitted_at,
+            attempts=row.attempts, requirements=spec.requirements, input_file=payload_file,
         )
         if row.result_header is not None:
             task.state = TaskState(row.state)
@@ -401,6 +412,14 @@ class Broker:
                 taken = True
                 worker = ledger.workers[choice.worker_id]
                 ledger.lease(task, worker, now)
+            except InputUnreadable as exc:  # removed or cut short by hand, a failing disk
+                log.warning("task %s cannot run: %s", task.task_id, exc)
+                if not taken:
+                    walk.take()
+                ledger.fail(task, ResultStatus.ERROR,
+                            f"the coordinator could not read this task's input back from its "
+                            f"journal ({exc}); submit it again", now)
+                continue
             except Exception as exc:  # a bug of ours: this task fails, the others go on
                 log.exception("failed to dispatch task %s", task.task_id)
                 if not taken:
@@ -468,6 +487,18 @@ class Broker:
         if now - self._last_sweep >= RETENTION_SWEEP:
             self._last_sweep = now
             _guarded("sweep retained results", self.retention.sweep, now)
+
+    def spill_inputs(self, now: float) -> None:
+        """After the turn's dispatch: queued inputs the turn journaled into blob files leave
+        memory (Ledger.spill_inputs), and the C heap gives them back to the system, as it does
+        the buffers inputs were read back into to be sent."""
+        ledger = self.ledger
+        ledger.spill_inputs()
+        # Every turn runs this (ticks included): the last of a burst is trimmed a second later.
+        if ledger.loose_bytes >= LOOSE_TRIM_BYTES and now - self._trimmed_at >= 1.0:
+            ledger.loose_bytes = 0
+            self._trimmed_at = now
+            trim_heap()
 
     def _give_back_memory(self, now: float) -> None:
         """Once enough tasks have left since the last time, and not more than once every

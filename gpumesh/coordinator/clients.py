@@ -187,9 +187,11 @@ class ClientSide:
                     ledger.shared_requirements(entry.requirements), pending_since=now)
         ledger.tasks[task_id] = task
         ledger.by_seq[(client.client_id, entry.seq)] = task_id
-        ledger.store.add_task(task_id, client.client_id, entry.seq, job.job_id, spec, payload, now,
-                              function=entry.function if by_digest else None)
+        blob = ledger.store.add_task(task_id, client.client_id, entry.seq, job.job_id, spec,
+                                     payload, now, function=entry.function if by_digest else None)
         ledger.enqueue(task)
+        if blob is not None:
+            ledger.journaled_input(task, blob)
         job.add(task)
         job.finished_at = None
         job.last_activity = now

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..blobs import BlobRef
 from ..config import Limits, Timing, sizes_over_room
 from ..protocol import (
     Command,
@@ -61,6 +62,11 @@ SHM_PROOF_GRACE = 2.0
 MAX_PEER_COUNTERS = 10_000
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
+
+
+class InputUnreadable(ValueError):
+    """A task's input, let go of once journaled, cannot be read back from its blob file (it was
+    removed or cut short by hand, or the disk fails): the task cannot run."""
 
 
 class TooBigToSend(ValueError):
@@ -123,6 +129,12 @@ class Ledger:
         # Results delivered and not journaled yet, oldest first (task id -> HeldResult).
         self.held_results: dict[str, HeldResult] = {}
         self.deferred_deliveries: dict[str, float] = {}  # task id -> when to deliver it again
+        # Tasks accepted this turn whose input went into a blob file: spill_inputs() lets go of
+        # their frames once the turn has handed out what it could.
+        self.journaled_inputs: list[tuple[Task, BlobRef]] = []
+        # Input bytes let go of or read back from blob files (and sent) since the broker last
+        # gave the C heap's free pages back: what those big buffers leave behind.
+        self.loose_bytes = 0
 
     # ----------------------------------------------------------------- plumbing
 
@@ -210,12 +222,50 @@ class Ledger:
         room_bytes, room_frames = self.limits.message_room
         return nbytes > room_bytes or frames > room_frames
 
+    def journaled_input(self, task: Task, blob: BlobRef) -> None:
+        """``task``'s input (after its function) was written to ``blob`` as it was journaled."""
+        if task.kind == TaskKind.FUNCTION.value and "shm" not in task.spec:
+            # A script's frames stay: its job's summary previews them. A task naming frames in
+            # shared memory is counted against the message room from its frames (enqueue).
+            self.journaled_inputs.append((task, blob))
+
+    def spill_inputs(self) -> None:
+        """Let go of the input frames that this turn journaled into blob files: a queue of big
+        inputs then takes disk (page cache), not the coordinator's memory, and each is read
+        back only when it is sent (``input_frames``). Call it after the turn's dispatch, so a
+        task handed out at once was sent from the frames that came in."""
+        if not self.journaled_inputs:
+            return  # most turns: tiny tasks' inputs stay in the database rows
+        spilled, self.journaled_inputs = self.journaled_inputs, []
+        for task, blob in spilled:
+            kept = len(task.payload) - len(blob.lengths)  # its function, when journaled apart
+            if (task.input_file is not None or kept not in (0, 1) or not task.has_input
+                    or "shm" in task.spec or self.tasks.get(task.task_id) is not task):
+                continue  # finished, moved into shared memory, or forgotten meanwhile
+            task.payload = task.payload[:kept]
+            task.input_file = blob
+            self.loose_bytes += blob.nbytes
+
+    def input_frames(self, task: Task) -> list[Any]:
+        """``task``'s input frames, read back from its blob file if it was let go of.
+        Raises InputUnreadable."""
+        if task.input_file is None:
+            return task.payload
+        try:
+            frames = self.store.read_blob(task.input_file)
+        except ValueError as exc:
+            raise InputUnreadable(str(exc)) from None
+        self.loose_bytes += task.input_file.nbytes
+        return [*task.payload, *frames]
+
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
+        # Raises InputUnreadable (and the task fails, saying why) when its blob file is gone.
+        frames = self.input_frames(task)
         if worker.maps_shared and self.shm is not None and "shm" not in task.spec:
-            self._share_input(task, self.shm)
+            frames = self._share_input(task, frames, self.shm)
         header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
         # Raises (and the task fails, saying why) when its shared input is gone.
-        payload = self.outgoing(header, task.payload, worker.maps_shared)
+        payload = self.outgoing(header, frames, worker.maps_shared)
         task.move(TaskState.LEASED)
         task.attempts += 1
         task.lease_id = self.new_lease_id()
@@ -235,22 +285,23 @@ class Ledger:
             payload = self._by_reference(header, payload, worker)
         self.send(worker.routing, Command.TASK, header, payload)
 
-    def _share_input(self, task: Task, folder: SharedFolder) -> None:
+    def _share_input(self, task: Task, payload: list[Any], folder: SharedFolder) -> list[Any]:
         """Before a function task goes to a worker that maps this machine's shared memory, its
         big input frames that came over a socket (from a client on another machine, or one
         that does not share memory) move into the folder: one memory copy here instead of
         encrypting them again for that worker, and decrypting them there. The task then names
         them as a client on this machine would have (``shm``), and they go when it ends. The
         journal keeps the bytes it wrote at SUBMIT: a restarted coordinator takes them from
-        there, and removes an unnamed file left here once it is 10 minutes old."""
-        payload = task.payload
+        there, and removes an unnamed file left here once it is 10 minutes old.
+
+        Returns the frames to send: ``payload``, or the task's new ones."""
         if task.spec.get("kind") != TaskKind.FUNCTION.value \
                 or serialize.payload_nbytes(payload) < MIN_SHARED_BYTES:
-            return  # a script's frames are its own: only a function's runner maps frames
+            return payload  # a script's frames are its own: only a function's runner maps them
         layout = task.spec.get("split")
         counts = layout if isinstance(layout, list) else [1] * len(payload)
         if sum(counts) != len(payload):
-            return  # checked at SUBMIT; never here
+            return payload  # checked at SUBMIT; never here
         frames: list[Any] = []
         refs: list[list[Any]] = []
         start = 0
@@ -269,14 +320,16 @@ class Ledger:
                 refs.append([index, name, size])
             elif size >= MIN_SHARED_BYTES:  # the folder is full: the bytes go as they came
                 self.drop_files([ref[1] for ref in refs])
-                return
-            else:
-                frames.append(serialize.join_frames(pieces, [count])[0])
+                return payload
+            else:  # a copy: a view would keep the whole buffer it came in (a blob read) alive
+                frames.append(bytes(serialize.join_frames(pieces, [count])[0]))
         if refs:
             spec = {k: v for k, v in task.spec.items() if k != "split"}
             spec["shm"] = refs
             task.spec = spec
             task.payload = frames
+            task.input_file = None  # the journal keeps its blob; this run reads the folder
+        return task.payload if refs else payload
 
     @staticmethod
     def _by_reference(header: dict[str, Any], payload: list[Any],
@@ -367,6 +420,7 @@ class Ledger:
             job.summaries[task.task_id] = summarize(task)
         if not retryable:
             task.payload = []
+            task.input_file = None
             if task.task_id not in self.held_results:
                 # A held result's input stays until the result is journaled or collected:
                 # until then the journal says the task is to run.
@@ -542,7 +596,7 @@ class Ledger:
 
     def reopen(self, task: Task, now: float) -> bool:
         """``gpumesh retry``: a failed or cancelled task whose input is still here runs again."""
-        if task.state not in (TaskState.FAILED, TaskState.CANCELLED) or not task.payload:
+        if task.state not in (TaskState.FAILED, TaskState.CANCELLED) or not task.has_input:
             return False
         task.move(TaskState.PENDING)
         # A fresh start: a new pending clock, and the old attempts' results no longer count.

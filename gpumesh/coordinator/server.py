@@ -144,6 +144,7 @@ class Coordinator:
                     next_tick = now + tick_ms / 1000
                     self._contained("run its timers", self.broker.tick, now)
                 self._contained("hand out tasks", self.broker.dispatch, now)
+                self._contained("let go of journaled inputs", self.broker.spill_inputs, now)
                 self._contained("journal held results", self.ledger.journal_held_results, now)
                 self._end_turn(now)
             # What already arrived is read once more (a worker's goodbye sent as serve stopped,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from ..blobs import BlobRef
 from ..protocol import ClientInfo, ErrorCode, ProtocolError, Requirements, WorkerInfo, WorkerMode
 from ..protocol.refs import refs_of, shared_bytes
 from ..protocol.serialize import function_digest, payload_nbytes
@@ -101,6 +102,9 @@ class Task:
     # Its input is in this machine's shared memory and too big for one message: only a worker
     # that maps that memory may take it (set when it is queued: Ledger.enqueue).
     local_only: bool = False
+    # Its input frames (after its function) are in the journal's blob file and not in memory:
+    # the coordinator reads them back only to send them (Ledger.input_frames).
+    input_file: BlobRef | None = None
     delivered: tuple[bytes, float] | None = None  # (routing, when) of the last RESULT sent
     # Told of every state change: its job keeps its counts without scanning its tasks.
     observer: Callable[[TaskState, TaskState], None] | None = field(
@@ -136,7 +140,14 @@ class Task:
 
     @property
     def input_bytes(self) -> int:
-        return payload_nbytes(self.payload) + shared_bytes(refs_of(self.spec.get("shm")))
+        on_disk = 0 if self.input_file is None else self.input_file.nbytes
+        return (payload_nbytes(self.payload) + on_disk
+                + shared_bytes(refs_of(self.spec.get("shm"))))
+
+    @property
+    def has_input(self) -> bool:
+        """Its input is still here (not dropped when it succeeded): it can run again."""
+        return bool(self.payload) or self.input_file is not None
 
     @property
     def max_attempts(self) -> int:

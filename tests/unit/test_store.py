@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from gpumesh.blobs import BLOB_THRESHOLD
+from gpumesh.blobs import BLOB_THRESHOLD, BlobFolder
 from gpumesh.store import CORRUPT, SCHEMA_VERSION, Store, StoredTask, StoreError
 
 SPEC = {"fn": "abc123", "gpu": "A100", "cores": 2, "nested": {"k": [1, 2]}}
@@ -37,6 +37,15 @@ def _reopen_and_load(path: Path) -> list[StoredTask]:
         return list(s.load())
     finally:
         s.close()
+
+
+def _whole_input(db_path: Path, row: StoredTask) -> list[bytes]:
+    """A loaded row's input: the frames in the row, then those its blob file holds."""
+    frames = list(row.payload)
+    if row.payload_file is not None:
+        blobs = BlobFolder(Path(f"{db_path}.blobs"), sync=False)
+        frames += blobs.read(row.payload_file.name, row.payload_file.lengths)
+    return [bytes(f) for f in frames]
 
 
 def _add(s: Store, task_id: str = "t1", seq: int = 1, client: str = "c1", **kw) -> None:
@@ -395,13 +404,16 @@ def test_big_payload_and_result_round_trip_through_a_reopen(db_path: Path) -> No
     assert len(_blob_files(db_path)) == 2
 
     (task,) = _reopen_and_load(db_path)
-    assert [bytes(f) for f in task.payload] == BIG
+    # The input stays in its file (checked, not read): a restart does not load the queue.
+    assert task.payload == [] and task.payload_file is not None
+    assert task.payload_file.lengths == tuple(len(f) for f in BIG)
+    assert _whole_input(db_path, task) == BIG
     assert task.result_payload is not None
     assert [bytes(f) for f in task.result_payload] == result
     assert task.spec == SPEC
     # One buffer per file, handed out as views: no copy per frame.
-    assert all(isinstance(f, memoryview) for f in task.payload)
-    assert task.payload[1].obj is task.payload[3].obj
+    assert all(isinstance(f, memoryview) for f in task.result_payload)
+    assert task.result_payload[0].obj is task.result_payload[1].obj
 
 
 def test_blob_folder_is_0700_and_files_0600(db_path: Path) -> None:
@@ -503,7 +515,7 @@ def test_uncommitted_blob_is_an_orphan_swept_at_open(db_path: Path) -> None:
     s._db.close()
     assert len(_blob_files(db_path)) == 3
     (task,) = _reopen_and_load(db_path)
-    assert task.task_id == "kept" and [bytes(f) for f in task.payload] == BIG
+    assert task.task_id == "kept" and _whole_input(db_path, task) == BIG
     assert len(_blob_files(db_path)) == 1
 
 
@@ -515,7 +527,7 @@ def test_a_deleted_task_keeps_its_blob_until_the_commit(db_path: Path) -> None:
     s.delete_task("t1")
     s._db.close()  # crash before the commit: the row comes back, and its blob with it
     (task,) = _reopen_and_load(db_path)
-    assert [bytes(f) for f in task.payload] == BIG
+    assert _whole_input(db_path, task) == BIG
 
 
 def test_a_refused_insert_does_not_leave_its_blob(store: Store, db_path: Path) -> None:
@@ -682,7 +694,8 @@ def test_a_memory_journal_keeps_big_payloads_in_its_blob_folder(tmp_path):
     store.commit()
     assert [p.stat().st_size for p in (tmp_path / "blobs").iterdir()] == [1 + len(big)]
     (row,) = store.load()
-    assert [bytes(f) for f in row.payload] == [b"f", big]
+    assert row.payload == [] and row.payload_file is not None
+    assert [bytes(f) for f in store.read_blob(row.payload_file)] == [b"f", big]
     store.finish_task("t1", "done", 1, {"status": "ok"}, [b"r"])
     store.commit()
     assert list((tmp_path / "blobs").iterdir()) == []
