@@ -93,6 +93,7 @@ class StoredTask:
     # The input frames that are in a blob file, checked there but not read: the restored task
     # holds this in place of them (``payload`` then holds only its function, if any).
     payload_file: BlobRef | None = None
+    result_file: BlobRef | None = None  # likewise for the result (``result_payload`` is None)
 
 
 def _frame_view(frame: Any) -> memoryview:
@@ -362,8 +363,10 @@ class Store:
     def finish_task(
         self, task_id: str, state: str, attempts: int, header: dict[str, Any], payload: Sequence[Any],
         *, keep_input: bool = False,
-    ) -> None:
-        """Record a terminal outcome. The task's input is dropped unless it may be retried."""
+    ) -> BlobRef | None:
+        """Record a terminal outcome. The task's input is dropped unless it may be retried.
+
+        Returns the blob the result went into, or None (in the row): as for ``add_task``."""
         inline, ref, blob = self._store_frames(payload)
         self._keep_blob(task_id, 1, None if blob is None else blob.name)
         if not keep_input:
@@ -375,6 +378,7 @@ class Store:
             + " WHERE task_id = ?",
             (state, attempts, msgpack.packb(header, use_bin_type=True), inline, ref, task_id),
         )
+        return blob
 
     def reopen_task(self, task_id: str) -> None:
         """A failed task goes back to the queue (``gpumesh retry``)."""
@@ -504,6 +508,7 @@ class Store:
                 # gigabytes queued must not hold them in memory, only the ones being sent.
                 payload_file = None if row[11] is None else self._check_blob(row[11])
                 payload = [] if payload_file is not None else self._load_frames(row[5], None) or []
+                result_file = None if row[12] is None else self._check_blob(row[12])
                 if row[13] is not None:
                     payload = [self._function(row[13], functions), *payload]
                 yield StoredTask(
@@ -515,9 +520,11 @@ class Store:
                         msgpack.unpackb(row[8], raw=False, strict_map_key=False) if row[8]
                         else None
                     ),
-                    result_payload=self._load_frames(row[9], row[12]),
+                    result_payload=None if result_file is not None
+                    else self._load_frames(row[9], None),
                     submitted_at=row[10],
                     payload_file=payload_file,
+                    result_file=result_file,
                 )
             except Exception as exc:  # msgpack raises several unrelated types on garbage
                 # A row that no longer decodes still names its task: the restore fails that

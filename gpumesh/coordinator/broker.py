@@ -216,6 +216,7 @@ class Broker:
             task.state = TaskState(row.state)
             task.result_header = row.result_header
             task.result_payload = row.result_payload or []
+            task.result_file = row.result_file
             task.finished_at = float(row.result_header.get("finished_at", 0.0) or now)
         else:
             task.state = TaskState.RESTORED

@@ -244,7 +244,7 @@ class ClientSide:
             else:
                 # The owner has the failure; the task stays (input kept) so it can be retried.
                 task.collected = True
-                task.result_payload = []
+                task.result_payload, task.result_file = [], None
                 self.ledger.drop_shared(task.result_header)
 
     def fetch(self, client: ClientSession, ids: TaskIds, now: float) -> None:

@@ -410,9 +410,10 @@ class Ledger:
         self.finished_total += 1
         retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
         client = owner if owner is not None and owner.routing is not None else None
+        journaled = None
         if retryable or client is None or task.collected:
-            self.store.finish_task(task.task_id, state.value, task.attempts, result, payload,
-                                   keep_input=retryable)
+            journaled = self.store.finish_task(task.task_id, state.value, task.attempts, result,
+                                               payload, keep_input=retryable)
         else:  # on its way to a connected client, which will most likely collect it first
             self.held_results[task.task_id] = HeldResult(task, state, result, payload, now, [])
         job = self.jobs.get(task.job_id)
@@ -440,6 +441,27 @@ class Ledger:
                   worker=result.get("worker", ""), latency=round(now - task.submitted_at, 6),
                   elapsed=result.get("elapsed", 0.0), **extra)
         self.deliver(task, now)
+        if journaled is not None:
+            self._result_on_disk(task, journaled)
+
+    def _result_on_disk(self, task: Task, blob: BlobRef) -> None:
+        """A result just journaled into ``blob`` (and sent, if its client is here) leaves
+        memory: it waits there for a FETCH, maybe hours (a laptop closed), and is read back
+        to be sent (``result_frames``)."""
+        if task.result_file is None and task.result_payload \
+                and len(task.result_payload) == len(blob.lengths):
+            task.result_payload = []
+            task.result_file = blob
+            self.loose_bytes += blob.nbytes
+
+    def result_frames(self, task: Task) -> list[Any]:
+        """``task``'s result frames, read back from its blob file if it left memory.
+        Raises ValueError (the file is gone: the result is lost)."""
+        if task.result_file is None:
+            return task.result_payload
+        frames = self.store.read_blob(task.result_file)
+        self.loose_bytes += task.result_file.nbytes
+        return list(frames)
 
     def acknowledge_result(self, routing: bytes | None, task: Task, header: dict[str, Any]
                            ) -> None:
@@ -462,8 +484,10 @@ class Ledger:
                 break  # oldest first: the rest are younger
             task = entry.task
             del held[task.task_id]
-            self.store.finish_task(task.task_id, entry.state.value, task.attempts, entry.result,
-                                   entry.payload)
+            journaled = self.store.finish_task(task.task_id, entry.state.value, task.attempts,
+                                               entry.result, entry.payload)
+            if journaled is not None and task.result_payload is entry.payload:
+                self._result_on_disk(task, journaled)
             self.drop_shared(task.spec)
             self._release_acks(entry)
 
@@ -500,7 +524,7 @@ class Ledger:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         try:
-            payload = self.outgoing(header, task.result_payload, client.maps_shared)
+            payload = self.outgoing(header, self.result_frames(task), client.maps_shared)
         except TooBigToSend as exc:
             if client.shmlock and not client.shm and now - client.hello_at < SHM_PROOF_GRACE:
                 # Maybe a client on this machine whose proof is on its way (it just reconnected):
@@ -604,7 +628,7 @@ class Ledger:
         task.lease_floor = self.new_lease_id()
         task.attempts, task.failures, task.excluded = 0, [], frozenset()
         self.drop_shared(task.result_header)
-        task.result_header, task.result_payload = None, []
+        task.result_header, task.result_payload, task.result_file = None, [], None
         task.cancel_requested = task.collected = False
         task.worker_id = ""
         self.store.reopen_task(task.task_id)

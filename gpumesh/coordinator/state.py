@@ -105,6 +105,7 @@ class Task:
     # Its input frames (after its function) are in the journal's blob file and not in memory:
     # the coordinator reads them back only to send them (Ledger.input_frames).
     input_file: BlobRef | None = None
+    result_file: BlobRef | None = None  # the same for its result, once journaled there
     delivered: tuple[bytes, float] | None = None  # (routing, when) of the last RESULT sent
     # Told of every state change: its job keeps its counts without scanning its tasks.
     observer: Callable[[TaskState, TaskState], None] | None = field(
@@ -163,8 +164,10 @@ class Task:
 
     @property
     def result_bytes(self) -> int:
-        shared = shared_bytes(refs_of((self.result_header or {}).get("shm")))
-        return shared + sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
+        elsewhere = shared_bytes(refs_of((self.result_header or {}).get("shm")))
+        if self.result_file is not None:
+            elsewhere += self.result_file.nbytes
+        return elsewhere + sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
                             for f in self.result_payload)
 
     @property

@@ -1,9 +1,12 @@
-"""A queued task's big input waits in the journal's blob file, not in the coordinator's memory.
+"""A queued task's big input, and a big result waiting for its client, wait in the journal's
+blob files, not in the coordinator's memory.
 
 Before, every queued input stayed in memory as it came (a client elsewhere queueing 20 GB held
-20 GB in the coordinator) besides the copy the journal wrote to disk. Now the coordinator lets
-go of the frames once the turn that journaled them has handed out what it could, and reads them
-back only to send them. Broker driven by hand on a journal in a temporary folder, no sockets."""
+20 GB in the coordinator) besides the copy the journal wrote to disk, and so did every result
+waiting for a client that had gone (up to the 2 GiB retention cap). Now the coordinator lets go
+of the frames once they are journaled (an input after the turn's dispatch, so a task that starts
+at once is sent from what came in) and reads them back only to send them. Broker driven by hand
+on a journal in a temporary folder, no sockets."""
 
 from __future__ import annotations
 
@@ -212,3 +215,82 @@ def test_what_stays_in_memory(tmp_path, kind):
     end_turn(b)
     (task,) = b.tasks.values()
     assert task.input_file is None and [bytes(f) for f in task.payload] == payload
+
+
+def finish_with(b: Broker, task_id: str, result: bytes, now: float) -> None:
+    task = b.tasks[task_id]
+    b.handle(W, msg(Command.RESULT, {"task": task_id, "lease": task.lease_id, "status": "ok",
+                                     "granted": 1}, [result]), now)
+
+
+def fetched(b: Broker, task_id: str, now: float) -> list[bytes]:
+    b.outbox.clear()
+    b.handle(C, msg(Command.FETCH, {"qid": 7, "tasks": [task_id]}), now)
+    (answer,) = [m for m in sent(b, Command.RESULT) if m.header["task"] == task_id]
+    assert answer.header["status"] == "ok"
+    return [bytes(f) for f in answer.payload]
+
+
+def test_a_result_for_a_client_that_left_waits_on_disk(tmp_path):
+    b = make(tmp_path / "journal.db", worker=True)
+    task_id = submit(b, 1, b"small input")
+    b.dispatch(0.0)
+    b.handle(C, msg(Command.DISCONNECT, {}), 1.0)  # the laptop closes
+    result = b"\x09" * BIG
+    finish_with(b, task_id, result, 2.0)
+    task = b.tasks[task_id]
+    assert task.state is TaskState.DONE
+    assert task.result_payload == [] and task.result_file is not None
+    assert task.result_bytes == BIG  # the retention cap still counts it
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 3.0)
+    assert fetched(b, task_id, 3.0) == [result]
+
+
+def test_a_result_its_client_did_not_take_at_once_is_journaled_then_leaves_memory(tmp_path):
+    b = make(tmp_path / "journal.db", worker=True)
+    task_id = submit(b, 1, b"small input")
+    b.dispatch(0.0)
+    result = b"\x0a" * BIG
+    finish_with(b, task_id, result, 1.0)
+    task = b.tasks[task_id]
+    assert [bytes(f) for f in task.result_payload] == [result]  # held: its client may take it
+    b.ledger.journal_held_results(2.0)  # it did not acknowledge it in time
+    assert task.result_payload == [] and task.result_file is not None
+    assert fetched(b, task_id, 5.0) == [result]
+
+
+def test_a_restart_leaves_waiting_results_on_disk(tmp_path):
+    db = tmp_path / "journal.db"
+    first = make(db, worker=True)
+    task_id = submit(first, 1, b"small input")
+    first.dispatch(0.0)
+    first.handle(C, msg(Command.DISCONNECT, {}), 1.0)
+    result = b"\x0b" * BIG
+    finish_with(first, task_id, result, 2.0)
+    first.store.commit()
+    _OPEN.remove(first.store)
+    first.store.close()
+    second = Broker(journal(db), Timing(), Limits(), epoch=2, now=10.0)
+    second.restore(10.0)
+    task = second.tasks[task_id]
+    assert task.result_payload == [] and task.result_file is not None
+    second.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 11.0)
+    assert fetched(second, task_id, 11.0) == [result]
+
+
+def test_a_waiting_result_whose_file_is_gone_reaches_its_client_as_lost(tmp_path):
+    db = tmp_path / "journal.db"
+    b = make(db, worker=True)
+    task_id = submit(b, 1, b"small input")
+    b.dispatch(0.0)
+    b.handle(C, msg(Command.DISCONNECT, {}), 1.0)
+    finish_with(b, task_id, b"\x0c" * BIG, 2.0)
+    blob = b.tasks[task_id].result_file
+    assert blob is not None
+    (Path(f"{db}.blobs") / blob.name).unlink()
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 3.0)
+    b.outbox.clear()
+    b.handle(C, msg(Command.FETCH, {"qid": 7, "tasks": [task_id]}), 3.0)
+    (answer,) = sent(b, Command.RESULT)
+    assert answer.header["error"]["type"] == "gpumesh.ResultLost"
+    assert "is missing" in answer.header["error"]["message"]
