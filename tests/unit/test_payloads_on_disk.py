@@ -18,7 +18,7 @@ import pytest
 from gpumesh.blobs import BLOB_THRESHOLD
 from gpumesh.config import Limits, Timing
 from gpumesh.coordinator.broker import Broker
-from gpumesh.coordinator.state import TaskState
+from gpumesh.coordinator.state import Task, TaskState
 from gpumesh.protocol import Command, Message, decode, encode, serialize
 from gpumesh.store import Store
 
@@ -119,13 +119,19 @@ def test_a_task_handed_out_in_its_own_turn_never_reads_its_file(tmp_path, monkey
     assert task_frames(b)[1] == data
 
 
-def test_a_requeued_task_is_sent_again_from_its_file(tmp_path):
-    b = make(tmp_path / "journal.db", worker=True)
-    data = b"\x02" * BIG
+def leased_from_disk(db: Path, data: bytes) -> tuple[Broker, Task]:
+    """A task sent to the worker at once, whose input then left memory (no function apart)."""
+    b = make(db, worker=True)
     task_id = submit(b, 1, data, by_digest=False)
     b.dispatch(0.0)
     end_turn(b)
-    task = b.tasks[task_id]
+    return b, b.tasks[task_id]
+
+
+def test_a_requeued_task_is_sent_again_from_its_file(tmp_path):
+    data = b"\x02" * BIG
+    b, task = leased_from_disk(tmp_path / "journal.db", data)
+    task_id = task.task_id
     assert task.state is TaskState.LEASED and task.payload == [] and task.input_file is not None
     b.outbox.clear()
     b.handle(W, msg(Command.RESULT, {"task": task_id, "lease": task.lease_id,
@@ -139,13 +145,9 @@ def test_a_requeued_task_is_sent_again_from_its_file(tmp_path):
 
 
 def test_a_failed_task_whose_input_is_on_disk_can_be_retried(tmp_path):
-    b = make(tmp_path / "journal.db", worker=True)
     data = b"\x03" * BIG
-    task_id = submit(b, 1, data, by_digest=False)
-    b.dispatch(0.0)
-    end_turn(b)
-    task = b.tasks[task_id]
-    b.handle(W, msg(Command.RESULT, {"task": task_id, "lease": task.lease_id, "status": "error",
+    b, task = leased_from_disk(tmp_path / "journal.db", data)
+    b.handle(W, msg(Command.RESULT, {"task": task.task_id, "lease": task.lease_id, "status": "error",
                                      "granted": 1}, [b"err"]), 1.0)
     assert task.state is TaskState.FAILED and task.payload == []
     assert b.ledger.reopen(task, 2.0)
@@ -231,13 +233,18 @@ def fetched(b: Broker, task_id: str, now: float) -> list[bytes]:
     return [bytes(f) for f in answer.payload]
 
 
-def test_a_result_for_a_client_that_left_waits_on_disk(tmp_path):
-    b = make(tmp_path / "journal.db", worker=True)
+def result_for_a_client_that_left(db: Path, result: bytes) -> tuple[Broker, str]:
+    b = make(db, worker=True)
     task_id = submit(b, 1, b"small input")
     b.dispatch(0.0)
     b.handle(C, msg(Command.DISCONNECT, {}), 1.0)  # the laptop closes
-    result = b"\x09" * BIG
     finish_with(b, task_id, result, 2.0)
+    return b, task_id
+
+
+def test_a_result_for_a_client_that_left_waits_on_disk(tmp_path):
+    result = b"\x09" * BIG
+    b, task_id = result_for_a_client_that_left(tmp_path / "journal.db", result)
     task = b.tasks[task_id]
     assert task.state is TaskState.DONE
     assert task.result_payload == [] and task.result_file is not None
@@ -261,12 +268,8 @@ def test_a_result_its_client_did_not_take_at_once_is_journaled_then_leaves_memor
 
 def test_a_restart_leaves_waiting_results_on_disk(tmp_path):
     db = tmp_path / "journal.db"
-    first = make(db, worker=True)
-    task_id = submit(first, 1, b"small input")
-    first.dispatch(0.0)
-    first.handle(C, msg(Command.DISCONNECT, {}), 1.0)
     result = b"\x0b" * BIG
-    finish_with(first, task_id, result, 2.0)
+    first, task_id = result_for_a_client_that_left(db, result)
     first.store.commit()
     _OPEN.remove(first.store)
     first.store.close()
@@ -280,11 +283,7 @@ def test_a_restart_leaves_waiting_results_on_disk(tmp_path):
 
 def test_a_waiting_result_whose_file_is_gone_reaches_its_client_as_lost(tmp_path):
     db = tmp_path / "journal.db"
-    b = make(db, worker=True)
-    task_id = submit(b, 1, b"small input")
-    b.dispatch(0.0)
-    b.handle(C, msg(Command.DISCONNECT, {}), 1.0)
-    finish_with(b, task_id, b"\x0c" * BIG, 2.0)
+    b, task_id = result_for_a_client_that_left(db, b"\x0c" * BIG)
     blob = b.tasks[task_id].result_file
     assert blob is not None
     (Path(f"{db}.blobs") / blob.name).unlink()
