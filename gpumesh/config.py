@@ -148,6 +148,10 @@ class Limits:
     max_header_bytes: int = 1024 * 1024
     max_queued_tasks: int = 1_000_000  # unfinished tasks per client
     max_queued_bytes: int = 4 * 1024**3  # input bytes of a client's unfinished tasks
+    # Queued inputs the coordinator keeps in memory besides their journal files; the rest wait
+    # on disk and are read back when sent (coordinator/inputs.py), on the loop's thread: ~50 µs
+    # per 256 KiB from the page cache here, but a disk's latency once the cache has let go.
+    queue_memory_bytes: int = 512 * 1024**2
 
     @property
     def chunk_bytes(self) -> int:
@@ -227,8 +231,11 @@ class Settings:
             discovery_interfaces=_addresses(env, "GPUMESH_DISCOVERY_INTERFACES"),
             discovery_timeout=_env_float(env, "GPUMESH_DISCOVERY_TIMEOUT", 3.0),
             timing=timing,
-            limits=Limits(max_queued_bytes=int(2**30 * _env_float(
-                env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30))),
+            limits=Limits(
+                max_queued_bytes=int(2**30 * _env_float(
+                    env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30)),
+                queue_memory_bytes=int(2**20 * _env_float(
+                    env, "GPUMESH_QUEUE_MEMORY_MB", Limits.queue_memory_bytes / 2**20))),
         )
 
     def with_timing(self, **changes: Any) -> Settings:

@@ -34,6 +34,7 @@ from ..scheduler import placement_class
 from ..sharedmem import MIN_SHARED_BYTES, SharedFolder, materialize
 from ..store import Store
 from .events import Event, EventLog
+from .inputs import JournaledInputs
 from .jobs import Job, error_line, summarize
 from .pending import PendingQueue
 from .state import (
@@ -129,11 +130,10 @@ class Ledger:
         # Results delivered and not journaled yet, oldest first (task id -> HeldResult).
         self.held_results: dict[str, HeldResult] = {}
         self.deferred_deliveries: dict[str, float] = {}  # task id -> when to deliver it again
-        # Tasks accepted this turn whose input went into a blob file: spill_inputs() lets go of
-        # their frames once the turn has handed out what it could.
-        self.journaled_inputs: list[tuple[Task, BlobRef]] = []
-        # Input bytes let go of or read back from blob files (and sent) since the broker last
-        # gave the C heap's free pages back: what those big buffers leave behind.
+        # The inputs that are in blob files and also in memory, within a budget (inputs.py).
+        self.inputs = JournaledInputs(limits.queue_memory_bytes)
+        # Bytes of inputs and results let go of, or read back from blob files (and sent), since
+        # the broker last gave the C heap's free pages back: what those big buffers leave.
         self.loose_bytes = 0
 
     # ----------------------------------------------------------------- plumbing
@@ -191,6 +191,7 @@ class Ledger:
             self.kinds = set()
         for job in self.jobs.values():
             job.compact()
+        self.inputs.compact()
         self.store.compact()
 
     def new_lease_id(self) -> int:
@@ -227,24 +228,13 @@ class Ledger:
         if task.kind == TaskKind.FUNCTION.value and "shm" not in task.spec:
             # A script's frames stay: its job's summary previews them. A task naming frames in
             # shared memory is counted against the message room from its frames (enqueue).
-            self.journaled_inputs.append((task, blob))
+            self.inputs.arrived(task, blob)
 
     def spill_inputs(self) -> None:
-        """Let go of the input frames that this turn journaled into blob files: a queue of big
-        inputs then takes disk (page cache), not the coordinator's memory, and each is read
-        back only when it is sent (``input_frames``). Call it after the turn's dispatch, so a
-        task handed out at once was sent from the frames that came in."""
-        if not self.journaled_inputs:
-            return  # most turns: tiny tasks' inputs stay in the database rows
-        spilled, self.journaled_inputs = self.journaled_inputs, []
-        for task, blob in spilled:
-            kept = len(task.payload) - len(blob.lengths)  # its function, when journaled apart
-            if (task.input_file is not None or kept not in (0, 1) or not task.has_input
-                    or "shm" in task.spec or self.tasks.get(task.task_id) is not task):
-                continue  # finished, moved into shared memory, or forgotten meanwhile
-            task.payload = task.payload[:kept]
-            task.input_file = blob
-            self.loose_bytes += blob.nbytes
+        """Call after the turn's dispatch, so a task handed out at once was sent from the
+        frames that came in: the inputs this turn journaled stay in memory within the budget,
+        the rest wait on disk (page cache) and are read back when sent (``input_frames``)."""
+        self.loose_bytes += self.inputs.end_turn()
 
     def input_frames(self, task: Task) -> list[Any]:
         """``task``'s input frames, read back from its blob file if it was let go of.
@@ -329,6 +319,7 @@ class Ledger:
             task.spec = spec
             task.payload = frames
             task.input_file = None  # the journal keeps its blob; this run reads the folder
+            self.inputs.release(task)
         return task.payload if refs else payload
 
     @staticmethod
@@ -419,9 +410,12 @@ class Ledger:
         job = self.jobs.get(task.job_id)
         if job is not None:
             job.summaries[task.task_id] = summarize(task)
-        if not retryable:
+        if retryable:
+            self.loose_bytes += self.inputs.spill(task)  # on disk until a retry, if ever
+        else:
             task.payload = []
             task.input_file = None
+            self.inputs.release(task)
             if task.task_id not in self.held_results:
                 # A held result's input stays until the result is journaled or collected:
                 # until then the journal says the task is to run.

@@ -30,6 +30,7 @@ class Retention:
         """Drop a finished task and its result: only its summary stays, in memory and in the
         journal, until its job is forgotten."""
         del self.ledger.tasks[task.task_id]
+        self.ledger.inputs.release(task)
         self.ledger.result_collected(task)
         self.ledger.released += 1
         self.ledger.drop_shared(task.spec)

@@ -31,6 +31,8 @@ def digest(array: np.ndarray) -> str:
 
 
 def test_queued_inputs_wait_on_disk_and_survive_a_kill_9(mesh_env):
+    # Keep 1 MiB of queued inputs in memory (512 by default): the rest wait on disk.
+    mesh_env.env["GPUMESH_QUEUE_MEMORY_MB"] = "1"
     coordinator = mesh_env.start_coordinator()
     client = GPUMesh(coordinator.url, mesh_env.token, quiet=True,
                      settings=replace(mesh_env.settings, share_memory=False))

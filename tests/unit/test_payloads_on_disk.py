@@ -55,8 +55,10 @@ def journal(db: Path) -> Store:
     return store
 
 
-def make(db: Path, *, worker: bool = False) -> Broker:
-    b = Broker(journal(db), Timing(), Limits(), epoch=1, now=0.0)
+def make(db: Path, *, worker: bool = False, in_memory: int = 0) -> Broker:
+    """A broker that keeps ``in_memory`` bytes of journaled inputs in memory (none: each
+    test sees the disk path unless it asks for the budget)."""
+    b = Broker(journal(db), Timing(), Limits(queue_memory_bytes=in_memory), epoch=1, now=0.0)
     b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
     if worker:
         hello_worker(b)
@@ -165,6 +167,7 @@ def test_a_restart_leaves_queued_inputs_on_disk(tmp_path):
     end_turn(first)
     _OPEN.remove(first.store)
     first.store.close()
+    # With room in memory to spare: a restart reads nothing until it sends it.
     second = Broker(journal(db), Timing(restore_grace=0.0), Limits(), epoch=2, now=10.0)
     assert second.restore(10.0) == 1
     task = second.tasks[task_id]
@@ -217,6 +220,39 @@ def test_what_stays_in_memory(tmp_path, kind):
     end_turn(b)
     (task,) = b.tasks.values()
     assert task.input_file is None and [bytes(f) for f in task.payload] == payload
+
+
+def test_inputs_stay_in_memory_within_the_budget_and_the_newest_go_to_disk(tmp_path):
+    b = make(tmp_path / "journal.db", in_memory=int(2.5 * BIG))
+    ids = [submit(b, seq, bytes([seq]) * BIG) for seq in range(4)]
+    end_turn(b)
+    on_disk = [b.tasks[t].input_file is not None for t in ids]
+    assert on_disk == [False, False, True, True]  # the last to arrive are the last to go
+    assert b.ledger.inputs.resident_bytes == 2 * BIG
+    hello_worker(b)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 4, "credit": 4,
+                                    "proto": [1, 1], "info": {"python": "3.11"}}), 1.0)
+    b.outbox.clear()
+    assert b.dispatch(1.0) == 4
+    assert [bytes(m.payload[1]) for m in sent(b, Command.TASK)] == \
+        [bytes([seq]) * BIG for seq in range(4)]
+    for task_id in ids:  # they succeed: nothing is kept, in memory or counted
+        task = b.tasks[task_id]
+        b.handle(W, msg(Command.RESULT, {"task": task_id, "lease": task.lease_id,
+                                         "status": "ok", "granted": 1}, [b"r"]), 2.0)
+    assert b.ledger.inputs.resident_bytes == 0
+
+
+def test_a_failed_task_keeps_its_input_on_disk_not_in_memory(tmp_path):
+    b = make(tmp_path / "journal.db", worker=True, in_memory=10 * BIG)
+    task_id = submit(b, 1, b"\x0d" * BIG)
+    b.dispatch(0.0)
+    end_turn(b)
+    task = b.tasks[task_id]
+    assert task.input_file is None and b.ledger.inputs.resident_bytes == BIG
+    b.handle(W, msg(Command.RESULT, {"task": task_id, "lease": task.lease_id, "status": "error",
+                                     "granted": 1}, [b"err"]), 1.0)
+    assert task.input_file is not None and b.ledger.inputs.resident_bytes == 0
 
 
 def finish_with(b: Broker, task_id: str, result: bytes, now: float) -> None:
