@@ -105,15 +105,14 @@ class BlobFolder:
     def read(self, name: str, lengths: Sequence[int]) -> list[memoryview]:
         """The frames of a blob: views into one buffer, read with one copy.
 
-        Raises ValueError when the name is not one this folder makes, or the file is missing,
-        unreadable, or not exactly as long as the frames."""
+        Raises ValueError when the name is not one this folder makes, or the file is missing or
+        not exactly as long as the frames: its bytes are gone. Raises OSError for a failure that
+        may pass (too many open files, no memory, an I/O error): try again later."""
         total = _checked_total(name, lengths)
         try:
             fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ValueError(f"its payload file {name} is missing") from None
-        except OSError as exc:
-            raise ValueError(f"its payload file {name} cannot be read ({exc.strerror})") from None
         try:
             size = os.fstat(fd).st_size
             if size != total:
@@ -126,8 +125,6 @@ class BlobFolder:
                 if n == 0:
                     raise ValueError(f"its payload file {name} ended at {got} of {total} bytes")
                 got += n
-        except OSError as exc:  # an I/O error mid-file: the task fails saying so, nothing stops
-            raise ValueError(f"its payload file {name} cannot be read ({exc.strerror})") from None
         finally:
             os.close(fd)
         frames, start = [], 0

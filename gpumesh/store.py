@@ -352,7 +352,8 @@ class Store:
 
     def read_blob(self, blob: BlobRef) -> list[memoryview]:
         """The frames of a blob ``add_task`` or ``load`` gave out, read back with one copy.
-        Raises ValueError (missing, short or unreadable file: the task cannot run)."""
+        Raises ValueError (missing or short file: its bytes are gone) or OSError (a failure
+        that may pass: try again later)."""
         if self._blobs is None:
             raise ValueError("a blob reference in an in-memory journal")
         return self._blobs.read(blob.name, blob.lengths)
@@ -493,8 +494,9 @@ class Store:
         """Every task still in the journal, oldest first, for restoring after a restart.
 
         A row that does not decode, or whose blob file is missing or short, comes back with
-        ``spec == {CORRUPT: reason}`` and empty payloads. Payloads kept in blob files come back
-        as memoryviews into one buffer per file."""
+        ``spec == {CORRUPT: reason}`` and empty payloads. Payloads kept in blob files are checked
+        (there, and as long as their frames) but not read: they come back as ``payload_file``
+        and ``result_file`` (``read_blob`` reads them)."""
         self._flush()
         rows = self._db.execute(
             "SELECT task_id, client_id, seq, job_id, spec, payload, state, attempts, "

@@ -72,6 +72,7 @@ MAX_PASSED_OVER = 1000
 # most once a second: glibc keeps big freed buffers for reuse once it has raised its mmap
 # threshold past their size (a queue of 8 MiB inputs let go of stayed resident without it).
 LOOSE_TRIM_BYTES = 1 << 20
+READ_WARNING_INTERVAL = 10.0  # at most one warning this often while input files cannot be read
 # Idle, memory is given back once this many tasks finished or left since the last time...
 MEMORY_AFTER = 1000
 MEMORY_INTERVAL = 5.0  # ... and at most once in this many seconds (it costs O(tasks))
@@ -96,6 +97,7 @@ class Broker:
         self._pythons_told: list[str] = []  # the worker Pythons last pushed to clients
         self._memory_given_at = now
         self._trimmed_at = now  # when spill_inputs last trimmed the C heap
+        self._read_warned_at = 0.0  # last warning of an input file unreadable for now
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -196,9 +198,10 @@ class Broker:
         if CORRUPT in row.spec:
             raise ValueError(f"its row does not decode: {row.spec[CORRUPT]}")
         payload, payload_file = row.payload, row.payload_file
-        if payload_file is not None and "shm" in row.spec:
-            # Its frames count against the message room with the shared ones (Ledger.enqueue):
-            # a rare task, both in shared memory and 64 KiB beyond it, is read back whole.
+        if payload_file is not None and ("shm" in row.spec or row.spec.get("kind") == "script"):
+            # As when it was accepted, these stay in memory (inputs.py): a script's frames (its
+            # job's summary previews them) and a task in shared memory and 64 KiB beyond it (its
+            # frames count against the message room with the shared ones, Ledger.enqueue).
             payload, payload_file = [*payload, *ledger.store.read_blob(payload_file)], None
         on_disk = 0 if payload_file is None else len(payload_file.lengths)
         stored = {**row.spec, "nf": len(payload) + on_disk}
@@ -413,14 +416,30 @@ class Broker:
                 taken = True
                 worker = ledger.workers[choice.worker_id]
                 ledger.lease(task, worker, now)
-            except InputUnreadable as exc:  # removed or cut short by hand, a failing disk
+            except InputUnreadable as exc:  # removed or cut short by hand
                 log.warning("task %s cannot run: %s", task.task_id, exc)
                 if not taken:
                     walk.take()
+                ledger.lose_input(task)  # a retry could only fail the same way
                 ledger.fail(task, ResultStatus.ERROR,
                             f"the coordinator could not read this task's input back from its "
                             f"journal ({exc}); submit it again", now)
                 continue
+            except OSError as exc:  # its file is there, but not readable now (too many open
+                # files, no memory): it stays queued, and this pass ends (the next reads may
+                # fail alike); the next turn tries again.
+                if task.state is not TaskState.PENDING:  # not from the read: a bug of ours
+                    log.exception("failed to dispatch task %s", task.task_id)
+                    if not task.state.terminal:
+                        ledger.fail(task, ResultStatus.ERROR, "the coordinator could not "
+                                    f"schedule this task ({_short(exc)})", now)
+                    continue
+                if now - self._read_warned_at >= READ_WARNING_INTERVAL:
+                    self._read_warned_at = now
+                    log.warning("cannot read task %s's input back now (%s): it waits",
+                                task.task_id, exc.strerror)
+                ledger.enqueue(task)
+                break
             except Exception as exc:  # a bug of ours: this task fails, the others go on
                 log.exception("failed to dispatch task %s", task.task_id)
                 if not taken:

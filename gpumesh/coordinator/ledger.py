@@ -59,6 +59,9 @@ RESULT_JOURNAL_DELAY = 0.05
 # A client on this machine proves it maps the shared-memory folder right after WELCOME: a result
 # too big to send any other way waits this long after its HELLO for that proof.
 SHM_PROOF_GRACE = 2.0
+# A blob file that exists but cannot be read now (too many open files, no memory): the input or
+# result is read again after this long, instead of being declared lost.
+READ_AGAIN_AFTER = 1.0
 
 MAX_PEER_COUNTERS = 10_000
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
@@ -238,7 +241,7 @@ class Ledger:
 
     def input_frames(self, task: Task) -> list[Any]:
         """``task``'s input frames, read back from its blob file if it was let go of.
-        Raises InputUnreadable."""
+        Raises InputUnreadable (the file is gone) or OSError (a failure that may pass)."""
         if task.input_file is None:
             return task.payload
         try:
@@ -399,7 +402,8 @@ class Ledger:
                 worker.leases.pop(task.lease_id, None)
         self.released += 1
         self.finished_total += 1
-        retryable = state is not TaskState.DONE  # `gpumesh retry` needs the input again
+        # `gpumesh retry` needs the input again (unless it is lost: lose_input)
+        retryable = state is not TaskState.DONE and task.has_input
         client = owner if owner is not None and owner.routing is not None else None
         journaled = None
         if retryable or client is None or task.collected:
@@ -448,9 +452,16 @@ class Ledger:
             task.result_file = blob
             self.loose_bytes += blob.nbytes
 
+    def lose_input(self, task: Task) -> None:
+        """``task``'s input file is gone: it cannot run again, so nothing may offer a retry
+        (``finish`` then journals it without an input)."""
+        task.payload = []
+        task.input_file = None
+        self.inputs.release(task)
+
     def result_frames(self, task: Task) -> list[Any]:
         """``task``'s result frames, read back from its blob file if it left memory.
-        Raises ValueError (the file is gone: the result is lost)."""
+        Raises ValueError (the file is gone: the result is lost) or OSError (try later)."""
         if task.result_file is None:
             return task.result_payload
         frames = self.store.read_blob(task.result_file)
@@ -519,6 +530,11 @@ class Ledger:
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         try:
             payload = self.outgoing(header, self.result_frames(task), client.maps_shared)
+        except OSError as exc:  # its file is there but cannot be read now (too many open files)
+            log.warning("cannot read the result of task %s back now (%s): trying again in %g s",
+                        task.task_id, exc.strerror, READ_AGAIN_AFTER)
+            self.deferred_deliveries[task.task_id] = now + READ_AGAIN_AFTER
+            return
         except TooBigToSend as exc:
             if client.shmlock and not client.shm and now - client.hello_at < SHM_PROOF_GRACE:
                 # Maybe a client on this machine whose proof is on its way (it just reconnected):

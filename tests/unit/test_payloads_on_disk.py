@@ -202,6 +202,44 @@ def test_an_input_file_removed_by_hand_fails_its_task_and_nothing_else(tmp_path,
     assert "is missing" in task.result_header["diagnosis"]
     assert b.tasks[kept].state is TaskState.LEASED
     assert not any(r.exc_info for r in caplog.records)  # no traceback: not a bug of ours
+    assert not b.ledger.reopen(task, 2.0)  # a retry could only fail the same way
+    b.store.commit()
+    (row,) = [r for r in b.store.load() if r.task_id == lost]
+    assert row.payload_file is None and row.payload == []  # the journal names no file either
+
+
+def test_an_input_file_unreadable_for_now_waits_in_the_queue(tmp_path, monkeypatch):
+    b = make(tmp_path / "journal.db")
+    data = b"\x0e" * BIG
+    task_id = submit(b, 1, data)
+    end_turn(b)
+    hello_worker(b)
+    read = b.store.read_blob
+    monkeypatch.setattr(b.store, "read_blob",
+                        lambda blob: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+    b.outbox.clear()
+    assert b.dispatch(1.0) == 0
+    assert b.tasks[task_id].state is TaskState.PENDING and sent(b, Command.TASK) == []
+    monkeypatch.setattr(b.store, "read_blob", read)  # the descriptors are back
+    assert b.dispatch(2.0) == 1
+    fn, _ = function()
+    assert task_frames(b) == [fn, data]
+
+
+def test_a_restarted_script_keeps_its_frames_in_memory(tmp_path):
+    """Its job's summary previews its arguments, as before the restart."""
+    db = tmp_path / "journal.db"
+    first = make(db)
+    frames = [b"#" * BIG, b'{"x": 1}']
+    first.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "script",
+                                                    "name": "x.py"}]}, frames), 0.0)
+    end_turn(first)
+    _OPEN.remove(first.store)
+    first.store.close()
+    second = Broker(journal(db), Timing(), Limits(), epoch=2, now=10.0)
+    second.restore(10.0)
+    (task,) = second.tasks.values()
+    assert task.input_file is None and [bytes(f) for f in task.payload] == frames
 
 
 @pytest.mark.parametrize("kind", ["script", "small"])
@@ -329,3 +367,19 @@ def test_a_waiting_result_whose_file_is_gone_reaches_its_client_as_lost(tmp_path
     (answer,) = sent(b, Command.RESULT)
     assert answer.header["error"]["type"] == "gpumesh.ResultLost"
     assert "is missing" in answer.header["error"]["message"]
+
+
+def test_a_result_file_unreadable_for_now_is_sent_later_not_lost(tmp_path, monkeypatch):
+    result = b"\x0f" * BIG
+    b, task_id = result_for_a_client_that_left(tmp_path / "journal.db", result)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 3.0)
+    read = b.store.read_blob
+    monkeypatch.setattr(b.store, "read_blob",
+                        lambda blob: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+    b.outbox.clear()
+    b.handle(C, msg(Command.FETCH, {"qid": 7, "tasks": [task_id]}), 3.0)
+    assert sent(b, Command.RESULT) == []
+    monkeypatch.setattr(b.store, "read_blob", read)
+    b.ledger.deliver_deferred(5.0)
+    (answer,) = sent(b, Command.RESULT)
+    assert answer.header["status"] == "ok" and [bytes(f) for f in answer.payload] == [result]
