@@ -32,8 +32,8 @@ _TEMP_PREFIX = ".tmp-"
 @dataclass(frozen=True, slots=True)
 class BlobRef:
     """Where a payload's frames lie: the blob's name and each frame's length. The coordinator
-    holds one in place of a queued task's input once the blob is written (Ledger.spill_inputs),
-    and reads the frames back only to send them."""
+    holds one in place of an input or result it let go of (coordinator/inputs.py, Ledger), and
+    reads the frames back only to send them."""
 
     name: str
     lengths: tuple[int, ...]

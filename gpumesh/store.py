@@ -509,7 +509,7 @@ class Store:
                 # A queued input in a blob file stays there (checked, not read): a restart with
                 # gigabytes queued must not hold them in memory, only the ones being sent.
                 payload_file = None if row[11] is None else self._check_blob(row[11])
-                payload = [] if payload_file is not None else self._load_frames(row[5], None) or []
+                payload = [] if payload_file is not None else self._load_frames(row[5]) or []
                 result_file = None if row[12] is None else self._check_blob(row[12])
                 if row[13] is not None:
                     payload = [self._function(row[13], functions), *payload]
@@ -523,7 +523,7 @@ class Store:
                         else None
                     ),
                     result_payload=None if result_file is not None
-                    else self._load_frames(row[9], None),
+                    else self._load_frames(row[9]),
                     submitted_at=row[10],
                     payload_file=payload_file,
                     result_file=result_file,
@@ -558,15 +558,9 @@ class Store:
         except ValueError as exc:
             raise _BlobMissing(str(exc)) from None
 
-    def _load_frames(self, inline: Any, ref: Any) -> list[bytes | memoryview] | None:
-        if ref is not None:
-            name, lengths = msgpack.unpackb(ref, raw=False)
-            if self._blobs is None:
-                raise _BlobMissing("a blob reference in an in-memory journal")
-            try:
-                return list(self._blobs.read(name, lengths))
-            except (ValueError, OSError) as exc:
-                raise _BlobMissing(str(exc)) from None
+    @staticmethod
+    def _load_frames(inline: Any) -> list[bytes | memoryview] | None:
+        """The frames a row holds itself (those in a blob file: ``_check_blob``)."""
         if not inline:
             return None
         frames = msgpack.unpackb(inline, raw=False)

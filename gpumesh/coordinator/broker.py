@@ -54,7 +54,7 @@ from ..sharedmem import SharedFolder
 from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
 from .jobs import Job, summarize
-from .ledger import Event, InputUnreadable, Ledger
+from .ledger import Event, InputUnreadable, Ledger, ReadLater
 from .memory import trim_heap
 from .retention import RETENTION_SWEEP, Retention
 from .state import ClientSession, Task, TaskState, WorkerSession, WorkerState
@@ -72,7 +72,6 @@ MAX_PASSED_OVER = 1000
 # most once a second: glibc keeps big freed buffers for reuse once it has raised its mmap
 # threshold past their size (a queue of 8 MiB inputs let go of stayed resident without it).
 LOOSE_TRIM_BYTES = 1 << 20
-READ_WARNING_INTERVAL = 10.0  # at most one warning this often while input files cannot be read
 # Idle, memory is given back once this many tasks finished or left since the last time...
 MEMORY_AFTER = 1000
 MEMORY_INTERVAL = 5.0  # ... and at most once in this many seconds (it costs O(tasks))
@@ -97,7 +96,6 @@ class Broker:
         self._pythons_told: list[str] = []  # the worker Pythons last pushed to clients
         self._memory_given_at = now
         self._trimmed_at = now  # when spill_inputs last trimmed the C heap
-        self._read_warned_at = 0.0  # last warning of an input file unreadable for now
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -425,19 +423,9 @@ class Broker:
                             f"the coordinator could not read this task's input back from its "
                             f"journal ({exc}); submit it again", now)
                 continue
-            except OSError as exc:  # its file is there, but not readable now (too many open
-                # files, no memory): it stays queued, and this pass ends (the next reads may
-                # fail alike); the next turn tries again.
-                if task.state is not TaskState.PENDING:  # not from the read: a bug of ours
-                    log.exception("failed to dispatch task %s", task.task_id)
-                    if not task.state.terminal:
-                        ledger.fail(task, ResultStatus.ERROR, "the coordinator could not "
-                                    f"schedule this task ({_short(exc)})", now)
-                    continue
-                if now - self._read_warned_at >= READ_WARNING_INTERVAL:
-                    self._read_warned_at = now
-                    log.warning("cannot read task %s's input back now (%s): it waits",
-                                task.task_id, exc.strerror)
+            except ReadLater as exc:  # it stays queued, and this pass ends (the next reads may
+                # fail alike); the next turn tries again
+                ledger.warn_read_later(f"task {task.task_id}'s input", exc, now)
                 ledger.enqueue(task)
                 break
             except Exception as exc:  # a bug of ours: this task fails, the others go on

@@ -62,6 +62,7 @@ SHM_PROOF_GRACE = 2.0
 # A blob file that exists but cannot be read now (too many open files, no memory): the input or
 # result is read again after this long, instead of being declared lost.
 READ_AGAIN_AFTER = 1.0
+READ_WARNING_INTERVAL = 10.0  # at most one warning this often while files cannot be read
 
 MAX_PEER_COUNTERS = 10_000
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
@@ -71,6 +72,11 @@ MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then sta
 class InputUnreadable(ValueError):
     """A task's input, let go of once journaled, cannot be read back from its blob file (it was
     removed or cut short by hand, or the disk fails): the task cannot run."""
+
+
+class ReadLater(Exception):
+    """A blob file that is there could not be read now (too many open files, no memory, an
+    I/O error): the input or result waits and is read again, never declared lost."""
 
 
 class TooBigToSend(ValueError):
@@ -138,6 +144,7 @@ class Ledger:
         # Bytes of inputs and results let go of, or read back from blob files (and sent), since
         # the broker last gave the C heap's free pages back: what those big buffers leave.
         self.loose_bytes = 0
+        self._read_warned_at = -READ_WARNING_INTERVAL  # last warning of a ReadLater
 
     # ----------------------------------------------------------------- plumbing
 
@@ -241,15 +248,27 @@ class Ledger:
 
     def input_frames(self, task: Task) -> list[Any]:
         """``task``'s input frames, read back from its blob file if it was let go of.
-        Raises InputUnreadable (the file is gone) or OSError (a failure that may pass)."""
+        Raises InputUnreadable (the file is gone) or ReadLater."""
         if task.input_file is None:
             return task.payload
-        try:
-            frames = self.store.read_blob(task.input_file)
-        except ValueError as exc:
-            raise InputUnreadable(str(exc)) from None
-        self.loose_bytes += task.input_file.nbytes
+        frames = self._read_back(task.input_file, InputUnreadable)
         return [*task.payload, *frames]
+
+    def _read_back(self, blob: BlobRef, gone: type[ValueError]) -> list[Any]:
+        try:
+            frames = self.store.read_blob(blob)
+        except ValueError as exc:
+            raise gone(str(exc)) from None
+        except OSError as exc:
+            raise ReadLater(exc.strerror or str(exc)) from None
+        self.loose_bytes += blob.nbytes
+        return list(frames)
+
+    def warn_read_later(self, what: str, exc: ReadLater, now: float) -> None:
+        """Say that ``what`` waits for its file to be readable, at most every 10 s."""
+        if now - self._read_warned_at >= READ_WARNING_INTERVAL:
+            self._read_warned_at = now
+            log.warning("cannot read %s back from its file now (%s): it waits", what, exc)
 
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
         # Raises InputUnreadable (and the task fails, saying why) when its blob file is gone.
@@ -461,12 +480,10 @@ class Ledger:
 
     def result_frames(self, task: Task) -> list[Any]:
         """``task``'s result frames, read back from its blob file if it left memory.
-        Raises ValueError (the file is gone: the result is lost) or OSError (try later)."""
+        Raises ValueError (the file is gone: the result is lost) or ReadLater."""
         if task.result_file is None:
             return task.result_payload
-        frames = self.store.read_blob(task.result_file)
-        self.loose_bytes += task.result_file.nbytes
-        return list(frames)
+        return self._read_back(task.result_file, ValueError)
 
     def acknowledge_result(self, routing: bytes | None, task: Task, header: dict[str, Any]
                            ) -> None:
@@ -530,9 +547,8 @@ class Ledger:
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         try:
             payload = self.outgoing(header, self.result_frames(task), client.maps_shared)
-        except OSError as exc:  # its file is there but cannot be read now (too many open files)
-            log.warning("cannot read the result of task %s back now (%s): trying again in %g s",
-                        task.task_id, exc.strerror, READ_AGAIN_AFTER)
+        except ReadLater as exc:
+            self.warn_read_later(f"the result of task {task.task_id}", exc, now)
             self.deferred_deliveries[task.task_id] = now + READ_AGAIN_AFTER
             return
         except TooBigToSend as exc:

@@ -167,8 +167,7 @@ class Task:
         elsewhere = shared_bytes(refs_of((self.result_header or {}).get("shm")))
         if self.result_file is not None:
             elsewhere += self.result_file.nbytes
-        return elsewhere + sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
-                            for f in self.result_payload)
+        return elsewhere + payload_nbytes(self.result_payload)
 
     @property
     def kept_bytes(self) -> int:

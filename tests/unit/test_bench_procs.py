@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -26,5 +25,5 @@ def test_another_processs_cpu_is_read_finer_than_the_kernels_ticks_and_agrees_wi
             assert precise != round(precise, 2)  # not ticks: a 10 ms step would be exact
         finally:
             child.kill()
-    time.sleep(0.05)
+            child.wait(10)  # reaped
     assert cpu_seconds(child.pid) is None  # reaped: gone, not a stale or made-up figure
