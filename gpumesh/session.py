@@ -27,6 +27,11 @@ from .protocol import MAJOR, Command, ErrorCode, Message, Role, encode
 
 log = logging.getLogger("gpumesh.session")
 
+# The jitter draws from its own generator: the session runs in the engine's background thread,
+# and a draw from the module-level one would move the state of a user's random.seed(...) in
+# the middle of their script.
+_jitter = random.Random()
+
 # What a WELCOME may set, whatever a coordinator sends: a heartbeat too fast would spin the
 # loop, one too slow would leave a lost coordinator unnoticed for hours.
 HEARTBEAT_RANGE = (0.05, 60.0)
@@ -82,7 +87,7 @@ class Backoff:
         self.current = minimum
 
     def next_delay(self) -> float:
-        delay = self.current * random.uniform(0.75, 1.25)
+        delay = self.current * _jitter.uniform(0.75, 1.25)
         self.current = min(self.current * 2, self.maximum)
         return delay
 

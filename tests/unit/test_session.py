@@ -122,7 +122,7 @@ def test_heartbeats_go_out_once_per_interval_while_welcomed(session):
 
 
 def test_silence_backs_off_replaces_the_socket_and_says_hello_again(session, monkeypatch):
-    monkeypatch.setattr("gpumesh.session.random.uniform", lambda a, b: 1.0)  # no jitter
+    monkeypatch.setattr("gpumesh.session._jitter.uniform", lambda a, b: 1.0)  # no jitter
     s, link, role = session
     s.start(0.0)
     s.on_message(message(Command.WELCOME), 0.0)
@@ -148,6 +148,21 @@ def test_silence_backs_off_replaces_the_socket_and_says_hello_again(session, mon
     assert delays == [2.0, 4.0, 4.0, 4.0] and link.resets == 5
     s.on_message(message(Command.WELCOME), now)
     assert s.backoff.current == 1.0  # a good session starts the backoff over
+
+
+def test_the_backoff_jitter_leaves_the_users_random_state_alone():
+    # The session runs in the engine's thread while the user's script runs: a script that
+    # seeded random must draw the same numbers whether or not a reconnect happened meanwhile.
+    import random
+
+    from gpumesh.session import Backoff
+
+    random.seed(7)
+    state = random.getstate()
+    backoff = Backoff(1.0, 32.0)
+    delays = [backoff.next_delay() for _ in range(6)]
+    assert random.getstate() == state
+    assert all(0.75 * 2 ** i <= d <= 1.25 * 2 ** i for i, d in enumerate(delays[:5]))
 
 
 def test_no_session_means_hello_again_and_another_major_is_fatal(session):
