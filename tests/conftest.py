@@ -37,6 +37,25 @@ def _gpumesh_logging_as_found() -> Iterator[None]:
     output._flags[:] = flags
 
 
+@pytest.fixture(autouse=True)
+def _default_mesh_forgotten() -> Iterator[None]:
+    """``@mesh`` without a mesh, and joblib's ``backend="gpumesh"``, connect the process-wide
+    default mesh from the environment a test set. Left connected, it keeps calling a coordinator
+    that the test stopped, reconnecting in its thread for the rest of the run (and drawing its
+    backoff jitter meanwhile), so each test leaves it as it found it: not yet resolved."""
+    from gpumesh.client import decorators
+
+    sources = (decorators.mesh._source, decorators.accelerate._default)
+    before = [source._resolved for source in sources]
+    yield
+    for source, was_resolved in zip(sources, before, strict=True):
+        if source._resolved and not was_resolved:
+            if source._mesh is not None:
+                source._mesh.close()
+            source._mesh, source._settings, source._resolved = None, None, False
+            source._worker_deadline = None
+
+
 # Fast timing so failure detection takes seconds, not tens of seconds.
 FAST = {
     "GPUMESH_DISCOVERY_INTERFACES": "127.0.0.1",
