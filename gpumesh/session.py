@@ -27,10 +27,12 @@ from .protocol import MAJOR, Command, ErrorCode, Message, Role, encode
 
 log = logging.getLogger("gpumesh.session")
 
-# The jitter draws from its own generator: the session runs in the engine's background thread,
-# and a draw from the module-level one would move the state of a user's random.seed(...) in
-# the middle of their script.
-_jitter = random.Random()
+# The jitter draws from the OS, not from the module-level generator: the client's session runs
+# in its engine's background thread, and a draw there would move the state of a user's
+# random.seed(...) in the middle of their script. Not a private random.Random() either: unlike
+# the module's, it is not reseeded in a forked child, and the clients of a pool forked from one
+# process would then all reconnect at the same moments, which is what the jitter is against.
+_jitter = random.SystemRandom()
 
 # What a WELCOME may set, whatever a coordinator sends: a heartbeat too fast would spin the
 # loop, one too slow would leave a lost coordinator unnoticed for hours.

@@ -42,18 +42,22 @@ def _default_mesh_forgotten() -> Iterator[None]:
     """``@mesh`` without a mesh, and joblib's ``backend="gpumesh"``, connect the process-wide
     default mesh from the environment a test set. Left connected, it keeps calling a coordinator
     that the test stopped, reconnecting in its thread for the rest of the run (and drawing its
-    backoff jitter meanwhile), so each test leaves it as it found it: not yet resolved."""
+    backoff jitter meanwhile), so each test leaves it as it found it: a mesh it connected is
+    closed, and the settings it read are forgotten."""
     from gpumesh.client import decorators
 
+    fields = ("_mesh", "_settings", "_resolved", "_worker_deadline")
     sources = (decorators.mesh._source, decorators.accelerate._default)
-    before = [source._resolved for source in sources]
+    before = [tuple(getattr(source, name) for name in fields) for source in sources]
     yield
-    for source, was_resolved in zip(sources, before, strict=True):
-        if source._resolved and not was_resolved:
-            if source._mesh is not None:
-                source._mesh.close()
-            source._mesh, source._settings, source._resolved = None, None, False
-            source._worker_deadline = None
+    for source, found in zip(sources, before, strict=True):
+        connected = source._mesh
+        try:
+            if connected is not None and connected is not found[0]:
+                connected.close()
+        finally:
+            for name, value in zip(fields, found, strict=True):
+                setattr(source, name, value)
 
 
 # Fast timing so failure detection takes seconds, not tens of seconds.
