@@ -43,6 +43,7 @@ from ..protocol import (
     Role,
     Submit,
     TaskIds,
+    TaskKind,
     TaskSpec,
     check_proto,
     departure_of,
@@ -196,7 +197,7 @@ class Broker:
         if CORRUPT in row.spec:
             raise ValueError(f"its row does not decode: {row.spec[CORRUPT]}")
         payload, payload_file = row.payload, row.payload_file
-        if payload_file is not None and ("shm" in row.spec or row.spec.get("kind") == "script"):
+        if payload_file is not None and ("shm" in row.spec or row.spec.get("kind") == TaskKind.SCRIPT.value):
             # As when it was accepted, these stay in memory (inputs.py): a script's frames (its
             # job's summary previews them) and a task in shared memory and 64 KiB beyond it (its
             # frames count against the message room with the shared ones, Ledger.enqueue).
@@ -418,7 +419,7 @@ class Broker:
                 log.warning("task %s cannot run: %s", task.task_id, exc)
                 if not taken:
                     walk.take()
-                ledger.lose_input(task)  # a retry could only fail the same way
+                ledger.drop_input(task)  # a retry could only fail the same way
                 ledger.fail(task, ResultStatus.ERROR,
                             f"the coordinator could not read this task's input back from its "
                             f"journal ({exc}); submit it again", now)

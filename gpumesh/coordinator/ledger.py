@@ -254,7 +254,7 @@ class Ledger:
         frames = self._read_back(task.input_file, InputUnreadable)
         return [*task.payload, *frames]
 
-    def _read_back(self, blob: BlobRef, gone: type[ValueError]) -> list[Any]:
+    def _read_back(self, blob: BlobRef, gone: type[ValueError]) -> list[memoryview]:
         try:
             frames = self.store.read_blob(blob)
         except ValueError as exc:
@@ -262,7 +262,7 @@ class Ledger:
         except OSError as exc:
             raise ReadLater(exc.strerror or str(exc)) from None
         self.loose_bytes += blob.nbytes
-        return list(frames)
+        return frames
 
     def warn_read_later(self, what: str, exc: ReadLater, now: float) -> None:
         """Say that ``what`` waits for its file to be readable, at most every 10 s."""
@@ -421,7 +421,7 @@ class Ledger:
                 worker.leases.pop(task.lease_id, None)
         self.released += 1
         self.finished_total += 1
-        # `gpumesh retry` needs the input again (unless it is lost: lose_input)
+        # `gpumesh retry` needs the input again (unless it is gone: drop_input)
         retryable = state is not TaskState.DONE and task.has_input
         client = owner if owner is not None and owner.routing is not None else None
         journaled = None
@@ -436,9 +436,7 @@ class Ledger:
         if retryable:
             self.loose_bytes += self.inputs.spill(task)  # on disk until a retry, if ever
         else:
-            task.payload = []
-            task.input_file = None
-            self.inputs.release(task)
+            self.drop_input(task)
             if task.task_id not in self.held_results:
                 # A held result's input stays until the result is journaled or collected:
                 # until then the journal says the task is to run.
@@ -471,9 +469,10 @@ class Ledger:
             task.result_file = blob
             self.loose_bytes += blob.nbytes
 
-    def lose_input(self, task: Task) -> None:
-        """``task``'s input file is gone: it cannot run again, so nothing may offer a retry
-        (``finish`` then journals it without an input)."""
+    def drop_input(self, task: Task) -> None:
+        """``task``'s input is not needed any more (it succeeded) or is gone (its file was
+        removed): it cannot run again, so nothing may offer a retry (``finish`` then journals
+        it without an input)."""
         task.payload = []
         task.input_file = None
         self.inputs.release(task)

@@ -10,8 +10,12 @@ on a journal in a temporary folder, no sockets."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -208,19 +212,30 @@ def test_an_input_file_removed_by_hand_fails_its_task_and_nothing_else(tmp_path,
     assert row.payload_file is None and row.payload == []  # the journal names no file either
 
 
-def test_an_input_file_unreadable_for_now_waits_in_the_queue(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def files_unreadable_for_now(b: Broker) -> Iterator[None]:
+    """Every blob read fails as at the open-files limit, until the block ends (the descriptors
+    are back)."""
+    def at_the_limit(blob: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    read, b.store.read_blob = b.store.read_blob, at_the_limit
+    try:
+        yield
+    finally:
+        b.store.read_blob = read
+
+
+def test_an_input_file_unreadable_for_now_waits_in_the_queue(tmp_path):
     b = make(tmp_path / "journal.db")
     data = b"\x0e" * BIG
     task_id = submit(b, 1, data)
     end_turn(b)
     hello_worker(b)
-    read = b.store.read_blob
-    monkeypatch.setattr(b.store, "read_blob",
-                        lambda blob: (_ for _ in ()).throw(OSError(24, "Too many open files")))
-    b.outbox.clear()
-    assert b.dispatch(1.0) == 0
-    assert b.tasks[task_id].state is TaskState.PENDING and sent(b, Command.TASK) == []
-    monkeypatch.setattr(b.store, "read_blob", read)  # the descriptors are back
+    with files_unreadable_for_now(b):
+        b.outbox.clear()
+        assert b.dispatch(1.0) == 0
+        assert b.tasks[task_id].state is TaskState.PENDING and sent(b, Command.TASK) == []
     assert b.dispatch(2.0) == 1
     fn, _ = function()
     assert task_frames(b) == [fn, data]
@@ -369,17 +384,14 @@ def test_a_waiting_result_whose_file_is_gone_reaches_its_client_as_lost(tmp_path
     assert "is missing" in answer.header["error"]["message"]
 
 
-def test_a_result_file_unreadable_for_now_is_sent_later_not_lost(tmp_path, monkeypatch):
+def test_a_result_file_unreadable_for_now_is_sent_later_not_lost(tmp_path):
     result = b"\x0f" * BIG
     b, task_id = result_for_a_client_that_left(tmp_path / "journal.db", result)
     b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 3.0)
-    read = b.store.read_blob
-    monkeypatch.setattr(b.store, "read_blob",
-                        lambda blob: (_ for _ in ()).throw(OSError(24, "Too many open files")))
-    b.outbox.clear()
-    b.handle(C, msg(Command.FETCH, {"qid": 7, "tasks": [task_id]}), 3.0)
-    assert sent(b, Command.RESULT) == []
-    monkeypatch.setattr(b.store, "read_blob", read)
+    with files_unreadable_for_now(b):
+        b.outbox.clear()
+        b.handle(C, msg(Command.FETCH, {"qid": 7, "tasks": [task_id]}), 3.0)
+        assert sent(b, Command.RESULT) == []
     b.ledger.deliver_deferred(5.0)
     (answer,) = sent(b, Command.RESULT)
     assert answer.header["status"] == "ok" and [bytes(f) for f in answer.payload] == [result]
