@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="examples:\n"
                "  python -m bench.ab                     # the working tree against HEAD\n"
                "  python -m bench.ab --base HEAD~3       # against an older commit\n"
-               "  python -m bench.ab --same --rounds 20  # HEAD against itself: the noise")
+               "  python -m bench.ab --same --rounds 20  # HEAD against itself: the noise\n"
+               "  python -m bench.ab --payload 262144 --tasks 1000  # 256 KiB arguments")
     parser.add_argument("--base", default="HEAD", help="the commit to compare with (HEAD)")
     parser.add_argument("--same", action="store_true",
                         help="run the base on both sides: how far apart two equal builds read")
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, default=5000,
                         help="no-op tasks in each side's map per round (5000; 0 skips maps)")
     parser.add_argument("--workers", type=int, default=2, help="workers per mesh (2)")
+    parser.add_argument("--payload", type=int, default=0, metavar="BYTES",
+                        help="each task takes a buffer of this many bytes and returns its first "
+                             "byte (0: no-op tasks)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results",
                         help="output folder")
     return parser.parse_args(argv)
@@ -123,7 +127,7 @@ def run_rounds(sides: dict[str, Side], args: argparse.Namespace) -> dict[str, An
         figures: dict[str, dict[str, float]] = {name: {} for name in sides}
         for name in order:
             before = sides[name].ask("cpu")["cpu"]
-            ms = sides[name].ask(f"calls {args.calls}")["ms"]
+            ms = sides[name].ask(f"calls {args.calls} {args.payload}")["ms"]
             after = sides[name].ask("cpu")["cpu"]
             for role, seconds in after.items():
                 spent = seconds - before.get(role, 0.0)
@@ -132,7 +136,7 @@ def run_rounds(sides: dict[str, Side], args: argparse.Namespace) -> dict[str, An
             figures[name]["p50_ms"] = statistics.median(ms)
         if args.tasks:
             for name in order:
-                seconds = sides[name].ask(f"map {args.tasks}")["seconds"]
+                seconds = sides[name].ask(f"map {args.tasks} {args.payload}")["seconds"]
                 figures[name]["tasks_per_s"] = args.tasks / seconds
         rounds.append(figures)
         log(f"round {index + 1} of {args.rounds} done")
@@ -168,7 +172,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# gpumesh A/B: new against base, interleaved", "",
              f"Base: {result['base']}. New: {result['new']}.",
              f"{result['rounds']} rounds of {result['calls']} single calls and a "
-             f"{result['tasks']}-task map on each side, the order flipping every round.", "",
+             f"{result['tasks']}-task map on each side, the order flipping every round; "
+             + (f"each task takes {result['payload']:,} bytes." if result.get("payload")
+                else "no-op tasks."), "",
              "| figure | base | new | new / base (median of rounds; range) |",
              "| --- | ---: | ---: | --- |"]
     for key, label, digits in (("p50_ms", "call p50 ms ↓", 3), ("p99_ms", "call p99 ms ↓", 3),
@@ -212,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 side.read()  # {"ready": true}
             measured = run_rounds(sides, args)
         result = {"base": labels["base"], "new": labels["new"], "rounds": args.rounds,
-                  "calls": args.calls, "tasks": args.tasks, "measured": measured,
+                  "calls": args.calls, "tasks": args.tasks, "payload": args.payload,
+                  "measured": measured,
                   "summary": summarize(measured)}
     finally:
         for side in sides.values():

@@ -6,8 +6,8 @@ is imported from TREE. It starts ``gpumesh serve`` and WORKERS ``gpumesh join`` 
 the benchmark does (bench/systems/gpumesh_system.py), a client in this process, prints
 ``ready``, then answers one JSON line per command line:
 
-    calls N     N sequential single calls: {"ms": [latency, ...]}
-    map N       one map of N no-op tasks: {"seconds": s}
+    calls N [BYTES]  N sequential single calls: {"ms": [latency, ...]}
+    map N [BYTES]    one map of N tasks: {"seconds": s}
     cpu         CPU seconds so far, by process role: {"cpu": {role: seconds}}
     quit        stop the mesh and exit (so does the end of stdin)
 """
@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -54,23 +55,42 @@ def cpu_by_role(mesh: Mesh) -> dict[str, float]:
     return spent
 
 
+def first_byte(data: bytes) -> int:
+    return data[0]
+
+
+def task_and_items(count: int, payload: int) -> tuple[Any, list[Any], list[Any]]:
+    """(the task, its arguments, the results it must give): no-ops, or with ``payload`` a task
+    taking that many bytes (eight distinct buffers, each item pickled on its own)."""
+    if not payload:
+        items = list(range(count))
+        return noop, items, items
+    # By value (a copy of first_byte in __main__, which cloudpickle never imports): the base
+    # tree's workers cannot import a task this checkout added. A module of None instead would
+    # make cloudpickle search every loaded module for it, ~6 ms a call.
+    task = types.FunctionType(first_byte.__code__, {"__name__": "__main__"})
+    buffers = [bytes([n]) * payload for n in range(8)]
+    return task, [buffers[i % 8] for i in range(count)], [i % 8 for i in range(count)]
+
+
 def answer(command: str, mesh: Mesh, client: Any) -> dict[str, Any]:
-    verb, _, count = command.partition(" ")
+    verb, *numbers = command.split()
+    if verb == "cpu":
+        return {"cpu": cpu_by_role(mesh)}
+    count, payload = int(numbers[0]), int(numbers[1]) if len(numbers) > 1 else 0
+    task, items, expected = task_and_items(count, payload)
     if verb == "calls":
         latencies = []
-        for index in range(int(count)):
+        for item in items:
             started = time.perf_counter()
-            client.submit(noop, index).result(120)
+            client.submit(task, item).result(120)
             latencies.append((time.perf_counter() - started) * 1000)
         return {"ms": latencies}
     if verb == "map":
-        items = list(range(int(count)))
         started = time.perf_counter()
-        if client.map(noop, items, timeout=120) != items:
+        if client.map(task, items, timeout=120) != expected:
             raise RuntimeError("the map returned wrong results")
         return {"seconds": time.perf_counter() - started}
-    if verb == "cpu":
-        return {"cpu": cpu_by_role(mesh)}
     raise ValueError(f"unknown command {command!r}")
 
 

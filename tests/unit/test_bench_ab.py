@@ -38,3 +38,22 @@ def test_report_names_both_builds_and_splits_cpu_by_process() -> None:
     assert "| call p50 ms ↓ | 2.000 | 1.800 | **0.900×** (0.900–0.900) |" in text
     assert "| client | 300 | 250 |" in text
     assert "| **total** | **900** | **850** |" in text
+
+
+def test_a_payload_task_travels_by_value_so_an_older_tree_runs_it() -> None:
+    import cloudpickle
+
+    from bench.ab_driver import task_and_items
+
+    task, items, expected = task_and_items(10, 1000)
+    assert b"bench" not in cloudpickle.dumps(task)  # the base tree has no such module function
+    assert [len(item) for item in items] == [1000] * 10
+    assert [task(item) for item in items] == expected == [i % 8 for i in range(10)]
+    assert task_and_items(3, 0)[1:] == ([0, 1, 2], [0, 1, 2])  # no payload: the no-op tasks
+
+
+def test_report_says_what_each_task_carried() -> None:
+    measured = _measured()
+    text = markdown({"base": "b", "new": "n", "rounds": 3, "calls": 100, "tasks": 500,
+                     "payload": 262144, "measured": measured, "summary": summarize(measured)})
+    assert "each task takes 262,144 bytes." in text
