@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .fileio import write_all
+from .fileio import read_into, write_all
 
 log = logging.getLogger("gpumesh.store")
 
@@ -117,14 +117,10 @@ class BlobFolder:
             size = os.fstat(fd).st_size
             if size != total:
                 raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
-            buf = bytearray(total)
-            view = memoryview(buf)
-            got = 0
-            while got < total:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    raise ValueError(f"its payload file {name} ended at {got} of {total} bytes")
-                got += n
+            view = memoryview(bytearray(total))
+            got = read_into(fd, view)
+            if got < total:
+                raise ValueError(f"its payload file {name} ended at {got} of {total} bytes")
         finally:
             os.close(fd)
         frames, start = [], 0

@@ -1,6 +1,6 @@
 """Writing files: many buffers to a file descriptor at once (the journal's blob files, the runner
-pipe's memfd and the shared-memory folder write frames straight from their buffers), and small
-owner-only files replaced whole (worker ids, the benchmark cache)."""
+pipe's memfd and the shared-memory folder write frames straight from their buffers), reading one
+back into a buffer, and small owner-only files replaced whole (worker ids, the benchmark cache)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ def write_all(fd: int, views: Sequence[memoryview]) -> None:
             else:
                 pending[0] = head[written:]
                 written = 0
+
+
+def read_into(fd: int, view: memoryview) -> int:
+    """Fill ``view`` from ``fd``'s current offset; the bytes read, fewer only at the file's end."""
+    got = 0
+    while got < view.nbytes:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 def replace_private(path: Path, data: bytes) -> None:

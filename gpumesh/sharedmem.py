@@ -12,9 +12,10 @@ the same people who can read the token in ``~/.gpumesh``.
 
 A frame is written by its producer and mapped copy-on-write by its consumer, so a 64 MiB array
 crosses from the client to the runner without passing through any socket, and stays writable
-for the code that receives it. A consumer holds a shared lock on a file while it maps it, and
-the producer writes a later frame of that size into the same file only once the coordinator
-has retired it and nobody holds it any more (gpumesh/shmpool.py).
+for the code that receives it (a frame under 1 MiB is read into the consumer's own memory
+instead: as fast, and it holds no descriptor). A consumer holds a shared lock on a file while
+it maps or reads it, and the producer writes a later frame of that size into the same file only
+once the coordinator has retired it and nobody holds it any more (gpumesh/shmpool.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .fileio import replace_private, write_all
+from .fileio import read_into, replace_private, write_all
 from .protocol.refs import NAME_PATTERN, Ref
 from .shmpool import KEEP_MAX_BYTES, RETIRED, Pool, holds
 from .shmspares import Spares
@@ -48,8 +49,15 @@ except ImportError:  # Windows: no folder is ever made (create), so no lock is e
 
 log = logging.getLogger("gpumesh.sharedmem")
 
-# Frames this big or bigger go through the folder: below it, the socket is as fast.
-MIN_SHARED_BYTES = 1024 * 1024
+# Frames this big or bigger go through the folder. Below it the socket is as fast; from it up
+# a frame that came over a socket also costs the journal a file of its own (blobs.BLOB_THRESHOLD,
+# the same size), which made a .map of 64 KiB-1 MB arrays on the test machine 1.6-3.7 times
+# slower than through the folder (bench/README.md, "Mid-size arguments").
+MIN_SHARED_BYTES = 64 * 1024
+# A consumer maps a frame this big or bigger; a smaller one it reads into memory of its own (one
+# copy of at most 1 MiB): CPython's mmap keeps a descriptor open per mapping, and a client holding
+# thousands of mid-size results would run out of them.
+MIN_MAPPED_BYTES = 1024 * 1024
 PROBE = "probe"
 JOURNAL = "journal"  # the path of the journal that names the folder's frames
 _NAME = NAME_PATTERN
@@ -172,12 +180,13 @@ class SharedFolder:
 
     # ----------------------------------------------------------------- frames
 
-    def share(self, frames: Sequence[Any]) -> tuple[list[Any], list[Ref]]:
-        """Frames to send, with the big ones written here and left as empty placeholders, and
-        the references to them. A frame that cannot be written (folder full) goes as it is."""
-        out: list[Any] = []
+    def share(self, frames: Sequence[Any], start: int = 0) -> tuple[list[Any], list[Ref]]:
+        """Frames to send, with the big ones from ``start`` on written here and left as empty
+        placeholders, and the references to them. A frame that cannot be written (folder full)
+        goes as it is."""
+        out: list[Any] = list(frames[:start])
         refs: list[Ref] = []
-        for index, frame in enumerate(frames):
+        for index, frame in enumerate(frames[start:], start):
             if isinstance(frame, bytes) and len(frame) < MIN_SHARED_BYTES:
                 out.append(frame)  # a small pickle, the common case: no view to make
                 continue
@@ -245,7 +254,8 @@ class SharedFolder:
 
     def resolve(self, frames: Sequence[Any], refs: Iterable[Ref]) -> list[Any]:
         """``frames`` with each referenced placeholder replaced by its file, mapped copy-on-
-        write (no copy until written). Raises ValueError for a bad or missing reference."""
+        write (no copy until written) or, under MIN_MAPPED_BYTES, read. Raises ValueError for a
+        bad or missing reference."""
         out = list(frames)
         for index, name, size in refs:
             if not 0 <= index < len(out):
@@ -271,6 +281,13 @@ class SharedFolder:
             if fcntl is not None and not (_lock_shared(fd) and _still_named(path, info)):
                 raise ValueError(f"shared frame {name} is gone: it was removed, or retired and "
                                  "written again, while this process opened it")
+            if size < MIN_MAPPED_BYTES:
+                # Read under the lock, which goes with the descriptor: the producer may write
+                # into the file again at once.
+                view = memoryview(bytearray(size))
+                if read_into(fd, view) < size:
+                    raise ValueError(f"shared frame {name} is shorter than its {size} bytes")
+                return view
             # The lock lives as long as the mapping, which keeps a duplicate of this descriptor
             # (CPython's mmap does): the producer writes into the file only once it is let go.
             return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))

@@ -643,7 +643,12 @@ class Engine:
             return sub.frames, ()
         path = str(folder.path)
         if sub.shared is None or sub.shared[0] != path:
-            frames, refs = folder.share(sub.frames)
+            # The pickled function goes once per SUBMIT in its table (_send_chunk), unless it is
+            # too big for one frame: then each task's copy is better in the folder than split.
+            function = sub.frames[0] if sub.spec.get("fn") and sub.frames else None
+            fits = function is not None and \
+                serialize.frame_nbytes(function) <= self.settings.limits.chunk_bytes
+            frames, refs = folder.share(sub.frames, start=1 if fits else 0)
             # Nothing big (a tiny task): its own frames, and no new lists kept per task.
             sub.shared = (path, frames, refs) if refs else (path, sub.frames, ())
         return sub.shared[1], sub.shared[2]

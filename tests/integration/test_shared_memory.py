@@ -17,11 +17,11 @@ from conftest import wait_for
 
 from gpumesh import GPUMesh
 from gpumesh.protocol.refs import NAME_PATTERN
-from gpumesh.sharedmem import MIN_SHARED_BYTES
+from gpumesh.sharedmem import MIN_MAPPED_BYTES, MIN_SHARED_BYTES
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 
-SIZE = 4 * MIN_SHARED_BYTES
+SIZE = 4 * MIN_MAPPED_BYTES  # big: its receivers map it
 
 
 def checksum_after(array, seconds):
@@ -74,6 +74,35 @@ def test_big_arguments_and_results_round_trip_writable(mesh_env, shared):
     assert (engine is not None and engine._shm is not None) == (shared == "1")
     # Collected: the coordinator removed every file of this job.
     wait_for(lambda: frames_in(mesh_env) <= before, what="the shared files to be removed")
+
+
+def test_mid_size_arguments_go_by_name_not_into_journal_files(mesh_env):
+    """From 64 KiB, not only from 1 MiB: through the socket each input would also cost the
+    journal a file of its own on disk. Results of that size come back by name too, read into
+    the caller's memory (writable, and no descriptor held per result)."""
+    import sqlite3
+
+    mesh_env.start_coordinator()
+    client = mesh_env.client()
+    rng = np.random.default_rng(3)
+    mid = 256 * 1024
+    assert MIN_SHARED_BYTES <= mid < MIN_MAPPED_BYTES
+    items = [rng.integers(0, 255, mid, dtype=np.uint8) for _ in range(12)]
+    futures = client.submit_calls(checksum_after, [((a, 0.0), {}) for a in items])
+    wait_for(lambda: all(f.task_id for f in futures), what="the tasks to be accepted")
+    raw = sqlite3.connect(f"file:{mesh_env.db}?mode=ro", uri=True)
+    try:
+        (on_disk,) = raw.execute("SELECT count(*) FROM tasks WHERE payload_ref IS NOT NULL"
+                                 ).fetchone()
+        (biggest,) = raw.execute("SELECT max(length(payload)) FROM tasks").fetchone()
+    finally:
+        raw.close()
+    assert on_disk == 0 and biggest < 4096  # the rows name files in the folder
+    mesh_env.add_worker(slots=2)
+    for (digest, value), item in zip(client.gather(futures, timeout=60), items, strict=True):
+        want_digest, want_value = expected(item)
+        assert digest == want_digest and np.array_equal(value, want_value)
+        value[1] = 0
 
 
 def mapped_from_the_folder(array):

@@ -16,13 +16,20 @@ from gpumesh.config import Limits, Timing
 from gpumesh.coordinator.broker import Broker
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.protocol.refs import parse_refs
-from gpumesh.sharedmem import JOURNAL, MIN_SHARED_BYTES, ORPHAN_AGE, PROBE, SharedFolder
+from gpumesh.sharedmem import (
+    JOURNAL,
+    MIN_MAPPED_BYTES,
+    MIN_SHARED_BYTES,
+    ORPHAN_AGE,
+    PROBE,
+    SharedFolder,
+)
 from gpumesh.shmpool import RETIRED
 from gpumesh.store import Store
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX shared memory")
 
-BIG = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
+BIG = bytes(range(256)) * (MIN_MAPPED_BYTES // 256)  # a size consumers map
 LIMITS = Limits()
 
 
@@ -60,6 +67,35 @@ def test_big_frames_go_by_name_and_come_back_writable(folder):
     assert bytes(back[1]) == BIG and bytes(back[2]) == BIG
     back[1][0] = 0  # copy-on-write: the receiver may change what it got...
     assert bytes(folder.open(refs[0][1], len(BIG)))[0] == BIG[0]  # ...the file stays
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_mid_size_frames_go_by_name_and_are_read_back_holding_nothing(folder):
+    # From 64 KiB a frame goes through the folder (through a socket it would also cost the
+    # journal a file of its own); under 1 MiB its consumer reads it instead of mapping it, so a
+    # caller keeping thousands of results keeps no descriptor for each.
+    mid = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
+    frames, refs = folder.share([mid[:-1], mid])
+    assert frames[0] == mid[:-1] and frames[1] == b"" and len(refs) == 1
+    consumer = SharedFolder.join(folder.offer())
+    assert consumer is not None
+    _, name, size = refs[0]
+    before = _open_descriptors()
+    held = [consumer.open(name, size) for _ in range(64)]
+    # A mapping would hold 64 more; the producer's spare-making thread may open one meanwhile.
+    assert _open_descriptors() - before < 8
+    assert all(bytes(h) == mid for h in held)
+    held[0][0] = 255  # the receiver's own copy: writable, and the file stays as it was
+    assert bytes(consumer.open(name, size)) == mid
+    _, big = folder.share([BIG])
+    before = _open_descriptors()
+    mapped = [consumer.open(big[0][1], len(BIG)) for _ in range(64)]
+    assert _open_descriptors() - before >= 64  # what mapping each mid-size frame would cost
+    del mapped
 
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", PROBE, "A" * 32, "0" * 31, 7])

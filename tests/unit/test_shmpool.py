@@ -10,13 +10,13 @@ import pytest
 from conftest import wait_for
 
 from gpumesh import sharedmem, shmpool
-from gpumesh.sharedmem import JOURNAL, MIN_SHARED_BYTES, PROBE, SharedFolder, _still_named
+from gpumesh.sharedmem import JOURNAL, MIN_MAPPED_BYTES, PROBE, SharedFolder, _still_named
 from gpumesh.shmpool import RETIRED, holds
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX locks and fork")
 fcntl = pytest.importorskip("fcntl")
 
-BIG = bytes(range(256)) * (MIN_SHARED_BYTES // 256)
+BIG = bytes(range(256)) * (MIN_MAPPED_BYTES // 256)  # a size consumers map
 OTHER = bytes(reversed(BIG))
 
 
