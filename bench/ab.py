@@ -59,12 +59,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, default=5000,
                         help="no-op tasks in each side's map per round (5000; 0 skips maps)")
     parser.add_argument("--workers", type=int, default=2, help="workers per mesh (2)")
-    parser.add_argument("--payload", type=int, default=0, metavar="BYTES",
+    parser.add_argument("--payload", type=_byte_count, default=0, metavar="BYTES",
                         help="each task takes a buffer of this many bytes and returns its first "
                              "byte (0: no-op tasks)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results",
                         help="output folder")
     return parser.parse_args(argv)
+
+
+def _byte_count(text: str) -> int:
+    count = int(text)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{count} is not a byte count (0 or more)")
+    return count
 
 
 def export(ref: str, into: Path) -> str:

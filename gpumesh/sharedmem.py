@@ -50,10 +50,18 @@ except ImportError:  # Windows: no folder is ever made (create), so no lock is e
 log = logging.getLogger("gpumesh.sharedmem")
 
 # Frames this big or bigger go through the folder. Below it the socket is as fast; from it up
-# a frame that came over a socket also costs the journal a file of its own (blobs.BLOB_THRESHOLD,
-# the same size), which made a .map of 64 KiB-1 MB arrays on the test machine 1.6-3.7 times
-# slower than through the folder (bench/README.md, "Mid-size arguments").
+# the frame, sent over a socket, also costs the journal a file of its own (a task's input of
+# blobs.BLOB_THRESHOLD, 64 KiB, or more in all), which made a .map of 64 KiB-1 MB arrays on the
+# test machine 1.6-3.7 times slower than through the folder (bench/README.md, "Mid-size
+# arguments").
 MIN_SHARED_BYTES = 64 * 1024
+# A frame under MIN_MAPPED_BYTES goes into the folder only while its file system keeps a quarter
+# of its size (at most 1 GiB) free after it: /dev/shm is memory (64 MiB in a Docker container)
+# that other programs use too (a PyTorch DataLoader, NCCL), and such a frame may as well go
+# through the socket. A bigger frame may fill it, as before: some can go no other way (over one
+# message's room).
+MID_SIZE_FREE_SHARE = 0.25
+MID_SIZE_FREE_MAX = 1 << 30
 # A consumer maps a frame this big or bigger; a smaller one it reads into memory of its own (one
 # copy of at most 1 MiB): CPython's mmap keeps a descriptor open per mapping, and a client holding
 # thousands of mid-size results would run out of them.
@@ -214,6 +222,8 @@ class SharedFolder:
         pool = self._pool
         if pool is not None and pool.refill(pieces, name):
             return name  # into pages that exist and are mapped: a plain memory copy
+        if size < MIN_MAPPED_BYTES and not self._room_for(size):
+            return None
         spares = self._spares
         fd = spares.take(size) if spares is not None else None
         if fd is not None and spares is not None and not spares.name(fd, target):
@@ -240,6 +250,15 @@ class SharedFolder:
         if spares is not None:
             spares.want(size)  # the next frame of this size goes into pages made meanwhile
         return name
+
+    def _room_for(self, size: int) -> bool:
+        """Whether a mid-size frame leaves the free space the others need (MID_SIZE_FREE_*)."""
+        try:
+            fs = os.statvfs(self.path)
+        except OSError:
+            return True  # no figure: the write says whether it fits
+        keep = min(fs.f_blocks * fs.f_frsize * MID_SIZE_FREE_SHARE, MID_SIZE_FREE_MAX)
+        return fs.f_bavail * fs.f_frsize - size >= keep
 
     def release(self) -> None:
         """This process is done with the folder: give back the spare file it holds, and make
@@ -518,6 +537,13 @@ def _sweep_abandoned(mine: Path) -> None:
             _remove_if_empty(folder)
         finally:
             os.close(fd)
+
+
+def big_enough_to_share(frame: Any) -> bool:
+    """Whether ``SharedFolder.share`` puts this frame in the folder (when there is room)."""
+    if isinstance(frame, bytes):
+        return len(frame) >= MIN_SHARED_BYTES
+    return _view(frame).nbytes >= MIN_SHARED_BYTES
 
 
 def materialize(frames: Sequence[Any], refs: Iterable[Ref], folder: SharedFolder | None) -> list[Any]:

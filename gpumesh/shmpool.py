@@ -12,7 +12,8 @@ its task, and writes a later frame of the same size into it once two things hold
   give (sharedmem.SharedFolder.retire_soon). The producer claims it back by renaming it to the
   new frame's name: the rename is atomic, so one file never gets two new names;
 - nobody maps it. Every consumer holds a shared ``flock`` on a file while it maps it (the lock
-  lives on with the mapping's own descriptor: sharedmem.SharedFolder.open), and the producer
+  lives on with the mapping's own descriptor: sharedmem.SharedFolder.open) or reads it (a frame
+  under 1 MiB: the lock goes once it has its copy), and the producer
   holds one too while it keeps the file. The producer writes only while it holds the exclusive
   lock, which it gets only when it is the file's one holder.
 

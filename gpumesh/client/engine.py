@@ -52,7 +52,7 @@ from ..protocol import (
 from ..protocol.refs import Ref, parse_refs, ref_names, shared_bytes
 from ..security import derive_keys
 from ..session import Session
-from ..sharedmem import SharedFolder, materialize
+from ..sharedmem import SharedFolder, big_enough_to_share, materialize
 from ..transport import DealerLink, LinkEvent
 
 log = logging.getLogger("gpumesh.client")
@@ -643,12 +643,9 @@ class Engine:
             return sub.frames, ()
         path = str(folder.path)
         if sub.shared is None or sub.shared[0] != path:
-            # The pickled function goes once per SUBMIT in its table (_send_chunk), unless it is
-            # too big for one frame: then each task's copy is better in the folder than split.
-            function = sub.frames[0] if sub.spec.get("fn") and sub.frames else None
-            fits = function is not None and \
-                serialize.frame_nbytes(function) <= self.settings.limits.chunk_bytes
-            frames, refs = folder.share(sub.frames, start=1 if fits else 0)
+            by_table = function_goes_by_table(sub.spec, sub.frames,
+                                              self.settings.limits.chunk_bytes)
+            frames, refs = folder.share(sub.frames, start=1 if by_table else 0)
             # Nothing big (a tiny task): its own frames, and no new lists kept per task.
             sub.shared = (path, frames, refs) if refs else (path, sub.frames, ())
         return sub.shared[1], sub.shared[2]
@@ -881,7 +878,7 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     payload = serialize.join_frames(payload, split if isinstance(split, list) else None)
     refs = parse_refs(header.get("shm"), len(payload)) if not script else ()
     if refs:
-        # Mapped copy-on-write: no copy, and the value stays writable.
+        # Mapped copy-on-write (read, under 1 MiB): either way the value stays writable.
         payload = materialize(payload, refs, shm)
     if status == ResultStatus.OK.value:
         encoding = header.get("encoding")
@@ -964,3 +961,14 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
     else:  # Python 3.10
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def function_goes_by_table(spec: dict[str, Any], frames: Sequence[Any], chunk_bytes: int) -> bool:
+    """Whether a function task's pickled function (frame 0) stays out of the shared-memory
+    folder to go once per SUBMIT in the function table (``_send_chunk``): only when none of its
+    arguments goes there (a task that names shared frames carries its function: protocol.md,
+    "SUBMIT") and it fits one frame. Otherwise each task's copy is better in the folder than
+    on the socket."""
+    return bool(spec.get("fn")) and len(frames) > 0 \
+        and serialize.frame_nbytes(frames[0]) <= chunk_bytes \
+        and not any(big_enough_to_share(frame) for frame in frames[1:])

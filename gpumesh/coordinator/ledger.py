@@ -31,7 +31,7 @@ from ..protocol import (
 )
 from ..protocol.refs import ref_names, refs_of, shared_bytes
 from ..scheduler import placement_class
-from ..sharedmem import MIN_SHARED_BYTES, SharedFolder, materialize
+from ..sharedmem import SharedFolder, materialize
 from ..store import Store
 from .events import Event, EventLog
 from .inputs import JournaledInputs
@@ -65,6 +65,9 @@ READ_AGAIN_AFTER = 1.0
 READ_WARNING_INTERVAL = 10.0  # at most one warning this often while files cannot be read
 
 MAX_PEER_COUNTERS = 10_000
+# A function task's input from a socket is moved into the shared-memory folder for a worker on
+# this machine from this size (_share_input).
+MOVE_INTO_FOLDER_BYTES = 1024 * 1024
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
 
@@ -306,9 +309,13 @@ class Ledger:
         journal keeps the bytes it wrote at SUBMIT: a restarted coordinator takes them from
         there, and removes an unnamed file left here once it is 10 minutes old.
 
+        Only from 1 MiB (MIN_SHARED_BYTES is 64 KiB): under it, a copy into the folder against
+        an encryption on loopback has not been measured, and a function's frame there would
+        keep it from going to the worker by reference (fnref) once per session.
+
         Returns the frames to send: ``payload``, or the task's new ones."""
         if task.spec.get("kind") != TaskKind.FUNCTION.value \
-                or serialize.payload_nbytes(payload) < MIN_SHARED_BYTES:
+                or serialize.payload_nbytes(payload) < MOVE_INTO_FOLDER_BYTES:
             return payload  # a script's frames are its own: only a function's runner maps them
         layout = task.spec.get("split")
         counts = layout if isinstance(layout, list) else [1] * len(payload)
@@ -322,7 +329,7 @@ class Ledger:
             start += count
             size = serialize.payload_nbytes(pieces)
             name = None
-            if size >= MIN_SHARED_BYTES:
+            if size >= MOVE_INTO_FOLDER_BYTES:
                 try:
                     name = folder.write(pieces)
                 except OSError as exc:  # never the task's fault: its bytes go as they came
@@ -330,7 +337,7 @@ class Ledger:
             if name is not None:
                 frames.append(b"")
                 refs.append([index, name, size])
-            elif size >= MIN_SHARED_BYTES:  # the folder is full: the bytes go as they came
+            elif size >= MOVE_INTO_FOLDER_BYTES:  # the folder is full: the bytes go as they came
                 self.drop_files([ref[1] for ref in refs])
                 return payload
             else:  # a copy: a view would keep the whole buffer it came in (a blob read) alive

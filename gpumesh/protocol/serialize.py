@@ -218,7 +218,7 @@ def writable(frames: Sequence[Any]) -> list[Any]:
     """``dumps`` frames whose out-of-band buffers are writable, so arrays rebuilt from them are
     too, as they were for the caller who sent them. Frames received from a socket are read-only:
     those are copied (at most one frame limit each; bigger ones were rebuilt by join_frames, or
-    mapped copy-on-write from shared memory)."""
+    mapped copy-on-write or read from shared memory)."""
     out = list(frames)
     for index in range(1, len(out)):
         view = memoryview(_as_buffer(out[index]))

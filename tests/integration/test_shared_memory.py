@@ -78,8 +78,7 @@ def test_big_arguments_and_results_round_trip_writable(mesh_env, shared):
 
 def test_mid_size_arguments_go_by_name_not_into_journal_files(mesh_env):
     """From 64 KiB, not only from 1 MiB: through the socket each input would also cost the
-    journal a file of its own on disk. Results of that size come back by name too, read into
-    the caller's memory (writable, and no descriptor held per result)."""
+    journal a file of its own on disk. Results of that size come back whole and writable."""
     import sqlite3
 
     mesh_env.start_coordinator()
@@ -103,6 +102,22 @@ def test_mid_size_arguments_go_by_name_not_into_journal_files(mesh_env):
         want_digest, want_value = expected(item)
         assert digest == want_digest and np.array_equal(value, want_value)
         value[1] = 0
+
+
+def test_a_big_closure_with_mid_size_arguments_goes_through_the_folder_and_runs(mesh_env):
+    """A task that names shared frames cannot name its function by reference, so a function
+    closing over 300 KiB goes into the folder with its 128 KiB argument, not on the socket."""
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    table = np.arange(300 * 1024, dtype=np.uint8)
+
+    def lookup(array):
+        return int(table[int(array[0]) * 1000]) + int(array[-1])
+
+    items = [np.full(128 * 1024, i, dtype=np.uint8) for i in range(6)]
+    assert client.map(lookup, items, timeout=60) == [int(table[i * 1000]) + i for i in range(6)]
 
 
 def mapped_from_the_folder(array):

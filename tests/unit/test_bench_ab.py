@@ -46,7 +46,7 @@ def test_a_payload_task_travels_by_value_so_an_older_tree_runs_it() -> None:
     from bench.ab_driver import task_and_items
 
     task, items, expected = task_and_items(10, 1000)
-    assert b"bench" not in cloudpickle.dumps(task)  # the base tree has no such module function
+    assert b"bench.ab_driver" not in cloudpickle.dumps(task)  # not by reference: by value
     assert [len(item) for item in items] == [1000] * 10
     assert [task(item) for item in items] == expected == [i % 8 for i in range(10)]
     assert task_and_items(3, 0)[1:] == ([0, 1, 2], [0, 1, 2])  # no payload: the no-op tasks
@@ -57,3 +57,13 @@ def test_report_says_what_each_task_carried() -> None:
     text = markdown({"base": "b", "new": "n", "rounds": 3, "calls": 100, "tasks": 500,
                      "payload": 262144, "measured": measured, "summary": summarize(measured)})
     assert "each task takes 262,144 bytes." in text
+
+
+def test_a_negative_payload_is_refused_before_anything_starts(capsys) -> None:
+    import pytest
+
+    from bench.ab import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--payload", "-1"])
+    assert "not a byte count" in capsys.readouterr().err

@@ -65,6 +65,18 @@ def test_a_file_someone_maps_is_never_written_again_until_they_let_go(folder):
     assert bytes(folder.open(third, len(BIG))) == BIG[::-1]
 
 
+def test_a_mid_size_frame_read_by_its_consumer_is_written_again_at_once(folder):
+    # Read, not mapped (under 1 MiB): the consumer holds nothing once it has its copy.
+    mid = BIG[:MIN_MAPPED_BYTES // 4]
+    first = share(folder, mid)
+    was = inode(folder, first)
+    copy = folder.open(first, len(mid))
+    assert folder.retire(first)
+    second = share(folder, mid[::-1])
+    assert inode(folder, second) == was  # written again in place while the copy lives
+    assert bytes(copy) == mid
+
+
 def test_a_file_nobody_holds_is_removed_not_retired(folder):
     writer = SharedFolder(folder.path, "")
     writer.release()  # a producer that keeps nothing (an older gpumesh, a full pool)
