@@ -15,7 +15,7 @@ from typing import Any
 from .params import Params
 from .procs import cpu_seconds
 from .systems.base import System
-from .tasks import echo, nap, noop
+from .tasks import echo, first_element, nap, noop
 
 Result = dict[str, Any]
 
@@ -40,7 +40,7 @@ def run_system(system_type: type[System], params: Params, log: Callable[[str], N
         system.wait_ready()
         system.map(noop, list(range(params.warmup_tasks)))  # runners, imports, caches warm
         steps: list[tuple[str, Callable[[System, Params], Result]]] = [
-            ("throughput", throughput), ("round trip", round_trips),
+            ("throughput", throughput), ("mid-size map", mid_size_map), ("round trip", round_trips),
             ("64 MiB", big_round_trip), ("sleep", sleep_efficiency)]
         for label, step in steps:
             gc.collect()
@@ -142,12 +142,34 @@ def round_trips(system: System, params: Params) -> Result:
                                       for role, seconds in split.items()}}
 
 
+def filled(size: int, value: int) -> Any:
+    """``size`` bytes of ``value``: a numpy array, or bytes without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return bytes([value]) * size
+    return np.full(size, value, dtype=np.uint8)
+
+
 def big_payload(size: int) -> Any:
     try:
         import numpy as np
     except ImportError:
         return bytes(size)
     return np.ones(size, dtype=np.uint8)
+
+
+def mid_size_map(system: System, params: Params) -> Result:
+    """One map of ``mid_tasks`` tasks, each taking a ``mid_bytes`` array (eight distinct ones,
+    each item sent on its own) and returning its first element: data preprocessing's shape."""
+    arrays = [filled(params.mid_bytes, value) for value in range(8)]
+    items = [arrays[i % 8] for i in range(params.mid_tasks)]
+    started = time.perf_counter()
+    got = system.map(first_element, items)
+    seconds = time.perf_counter() - started
+    if got != [i % 8 for i in range(params.mid_tasks)]:
+        raise RuntimeError("the mid-size map returned wrong results")
+    return {"mid_tasks_per_s": params.mid_tasks / seconds}
 
 
 def big_round_trip(system: System, params: Params) -> Result:

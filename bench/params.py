@@ -14,6 +14,8 @@ class Params:
     round_trips: int = 300
     big_bytes: int = 64 * MIB
     big_repeats: int = 3
+    mid_bytes: int = 256 * 1024  # each argument of the mid-size map
+    mid_tasks: int = 1000
     sleep_tasks: int = 40
     sleep_seconds: float = 0.05
     warmup_tasks: int = 100
@@ -21,7 +23,7 @@ class Params:
 
     @classmethod
     def quick(cls) -> Params:
-        return cls(tiny_tasks=2000, round_trips=100, big_repeats=1)
+        return cls(tiny_tasks=2000, round_trips=100, big_repeats=1, mid_tasks=300)
 
     @property
     def ideal_sleep_seconds(self) -> float:

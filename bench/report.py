@@ -27,6 +27,7 @@ METRICS = [
     Metric("tasks_per_s", "tiny tasks/s", True, 0),
     Metric("p50_ms", "call p50 ms", False, 3),
     Metric("p99_ms", "call p99 ms", False, 3),
+    Metric("mid_tasks_per_s", "256 KiB map tasks/s", True, 0),
     Metric("big_mb_s", "64 MiB round trip MB/s", True, 0),
     Metric("sleep_efficiency", "sleep efficiency", True, 3),
     Metric("cold_start_s", "cold start s", False, 2),

@@ -16,6 +16,11 @@ def echo(payload: Any) -> Any:
     return payload
 
 
+def first_element(array: Any) -> int:
+    """Receive a mid-size array (or bytes) and return its first element: the arguments' way."""
+    return int(array[0])
+
+
 def nap(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
