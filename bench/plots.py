@@ -31,7 +31,8 @@ def _colors(systems: list[dict[str, Any]]) -> list[str]:
 
 
 def _metrics(plt: Any, systems: list[dict[str, Any]]) -> Any:
-    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
+    rows = -(-len(METRICS) // 4)
+    fig, axes = plt.subplots(rows, 4, figsize=(17, 3.75 * rows))
     for axis, metric in zip(axes.flat, METRICS, strict=False):
         shown = [s for s in systems if s.get(metric.key) is not None]
         axis.barh([s["name"] for s in shown], [s[metric.key] for s in shown],
@@ -40,7 +41,8 @@ def _metrics(plt: Any, systems: list[dict[str, Any]]) -> Any:
         axis.invert_yaxis()
         if metric.key in ("tasks_per_s", "p50_ms", "p99_ms", "cpu_us_per_task"):
             axis.set_xscale("log")
-    axes.flat[-1].axis("off")
+    for unused in list(axes.flat)[len(METRICS):]:
+        unused.axis("off")
     fig.suptitle("gpumesh (red) and the alternatives, same run, same machine")
     fig.tight_layout()
     return fig

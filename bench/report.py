@@ -221,7 +221,8 @@ def params_line(results: Results) -> str:
     p = results.get("params", {})
     return (f"Run: {results.get('mode', '?')} ({results.get('started', '?')}); "
             f"{p.get('workers')} workers; {p.get('tiny_tasks')} tiny tasks; "
-            f"{p.get('round_trips')} sequential calls; 64 MiB best of {p.get('big_repeats')}; "
+            f"{p.get('round_trips')} sequential calls; {p.get('mid_tasks')} × "
+            f"{(p.get('mid_bytes') or 0) // 1024} KiB map; 64 MiB best of {p.get('big_repeats')}; "
             f"{p.get('sleep_tasks')} × sleep({p.get('sleep_seconds')}).")
 
 
