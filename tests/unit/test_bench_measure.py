@@ -37,7 +37,6 @@ def test_the_mid_size_map_sends_each_item_its_size_and_checks_the_results() -> N
 
 
 def test_every_metric_gets_a_panel_that_can_be_read() -> None:
-    pytest.importorskip("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
