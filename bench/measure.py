@@ -156,10 +156,6 @@ def filled(size: int, value: int) -> Any:
     return np.full(size, value, dtype=np.uint8)
 
 
-def big_payload(size: int) -> Any:
-    return filled(size, 1)
-
-
 def mid_size_map(system: System, params: Params) -> Result:
     """One map of ``mid_tasks`` tasks, each taking a ``mid_bytes`` array and returning its first
     element: data preprocessing's shape. Eight arrays' data, but each item is an object of its
@@ -179,7 +175,7 @@ def mid_size_map(system: System, params: Params) -> Result:
 
 def big_round_trip(system: System, params: Params) -> Result:
     """A task that receives ``big_bytes`` and returns them; MB/s counts both directions."""
-    payload = big_payload(params.big_bytes)
+    payload = filled(params.big_bytes, 1)
     timings = []
     for _ in range(params.big_repeats):
         started = time.perf_counter()

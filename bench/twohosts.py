@@ -199,7 +199,7 @@ def echo_client(url: str, size: int, repeats: int, curve: bool) -> dict[str, Any
 
 
 def gpumesh_client(url: str, size: int, repeats: int) -> dict[str, Any]:
-    from .measure import big_payload
+    from .measure import filled
     from .systems.gpumesh_system import wait_for_workers
 
     home = tempfile.mkdtemp(prefix="gpumesh-bench-client-")
@@ -209,7 +209,7 @@ def gpumesh_client(url: str, size: int, repeats: int) -> dict[str, Any]:
     with GPUMesh(url, os.environ["GPUMESH_TOKEN"], quiet=True, connect_timeout=30) as mesh:
         wait_for_workers(mesh, 1)
         mesh.submit(echo, b"warm").result(TIMEOUT)
-        payload = big_payload(size)
+        payload = filled(size, 1)
         timings = []
         for _ in range(repeats):
             started = time.perf_counter()

@@ -195,17 +195,14 @@ class SharedFolder:
         out: list[Any] = list(frames[:start])
         refs: list[Ref] = []
         for index, frame in enumerate(frames[start:], start):
-            if isinstance(frame, bytes) and len(frame) < MIN_SHARED_BYTES:
-                out.append(frame)  # a small pickle, the common case: no view to make
-                continue
-            view = _view(frame)
-            if view.nbytes >= MIN_SHARED_BYTES:
+            if big_enough_to_share(frame):
+                view = _view(frame)
                 name = self.write([view])
                 if name is not None:
                     out.append(b"")
                     refs.append((index, name, view.nbytes))
                     continue
-            out.append(frame)
+            out.append(frame)  # a small pickle (the common case), or no room in the folder
         return out, refs
 
     def write(self, frames: Sequence[Any]) -> str | None:
@@ -541,7 +538,7 @@ def _sweep_abandoned(mine: Path) -> None:
 
 def big_enough_to_share(frame: Any) -> bool:
     """Whether ``SharedFolder.share`` puts this frame in the folder (when there is room)."""
-    if isinstance(frame, bytes):
+    if isinstance(frame, bytes):  # a small pickle, the common case: no view to make
         return len(frame) >= MIN_SHARED_BYTES
     return _view(frame).nbytes >= MIN_SHARED_BYTES
 
