@@ -98,7 +98,14 @@ def _serve_until_ready(args: list[str], env: dict[str, str]) -> tuple[str, str]:
                 break
     finally:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            # Killed here, so its failure stays in this test: a Popen left running warns when
+            # it is collected, and that warning fails whichever later test is running then.
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            pytest.fail(f"gpumesh serve did not stop within 20 s of SIGINT; it said:\n{err}")
     return "".join(lines) + out, err
 
 
