@@ -129,6 +129,24 @@ class BlobFolder:
             start += n
         return frames
 
+    def open(self, name: str, lengths: Sequence[int]) -> int:
+        """A read-only descriptor of a blob, checked as ``read`` checks it, for reading its
+        frames a piece at a time (protocol/pieces.py). Raises as ``read`` does."""
+        total = _checked_total(name, lengths)
+        try:
+            fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ValueError(f"its payload file {name} is missing") from None
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
+        if size != total:
+            os.close(fd)
+            raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
+        return fd
+
     def unlink(self, names: Iterable[str]) -> None:
         for name in names:
             _unlink(self.path / name)

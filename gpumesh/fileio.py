@@ -58,3 +58,50 @@ def replace_private(path: Path, data: bytes) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class SharedFd:
+    """A read-only descriptor that several spans read: closed once none refers to it (when
+    the message they make up has gone, or was dropped). Opened before the file may be
+    unlinked, it keeps the bytes readable until then."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def span(self, offset: int, length: int) -> FileSpan:
+        return FileSpan(self, offset, length)
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class FileSpan:
+    """A frame whose bytes wait in a file: ``length`` bytes from ``offset`` of a descriptor,
+    read only when they are sent (protocol/pieces.py), so a big payload on disk is never held
+    whole in memory."""
+
+    __slots__ = ("fd", "offset", "length")
+
+    def __init__(self, fd: SharedFd, offset: int, length: int) -> None:
+        self.fd = fd
+        self.offset = offset
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.length
+
+    def read(self, start: int, size: int) -> bytes:
+        """``size`` bytes from ``start`` within the span. Raises OSError, or EOFError when the
+        file has grown short."""
+        data = os.pread(self.fd.fd, size, self.offset + start)
+        if len(data) < size:
+            raise EOFError(f"a file ended {size - len(data)} bytes early")
+        return data

@@ -124,7 +124,7 @@ class Session:
         self.welcomed = False
         fields = self.hooks.on_hello()
         header = {"role": self.role.value, "id": self.peer_id, "proto": [MAJOR, MAJOR],
-                  "batch": True, "shmlock": True, **fields}
+                  "batch": True, "shmlock": True, "pieces": True, **fields}
         self.link.flush()
         self.link.batching = False  # until this coordinator's WELCOME says it reads BATCH
         self.link.post(encode(Command.HELLO, header))
@@ -141,6 +141,8 @@ class Session:
                 self._on_error(msg, now)
             elif msg.command is Command.DISCONNECT:
                 self._on_disconnect(msg.header, now)
+            elif msg.command is Command.PIECE:
+                pass  # the link took it in (transport.py); hearing it is what counts here
             else:
                 self.hooks.on_message(msg, now)
         except MeshError:

@@ -358,6 +358,13 @@ class Store:
             raise ValueError("a blob reference in an in-memory journal")
         return self._blobs.read(blob.name, blob.lengths)
 
+    def open_blob(self, blob: BlobRef) -> int:
+        """A read-only descriptor of a blob's file, checked as ``read_blob`` checks it, for
+        sending its frames a piece at a time. Raises as ``read_blob`` does."""
+        if self._blobs is None:
+            raise ValueError("a blob reference in an in-memory journal")
+        return self._blobs.open(blob.name, blob.lengths)
+
     def set_attempts(self, task_id: str, attempts: int) -> None:
         self._write("UPDATE tasks SET attempts = ? WHERE task_id = ?", (attempts, task_id))
 

@@ -27,9 +27,11 @@ from .protocol import (
     ProtocolError,
     batches,
     decode,
+    encode,
     unbundle,
 )
 from .protocol.messages import MAGIC
+from .protocol.pieces import Assembler
 from .security import MeshKeys, configure_client
 from .session import coordinator_version, install_advice
 
@@ -121,6 +123,7 @@ class DealerLink:
         self._inbox: deque[Message] = deque()
         self._outbox: list[list[Any]] = []
         self.batching = False  # the coordinator reads BATCH: set from its WELCOME
+        self._assembler = Assembler(limits)
 
     @property
     def backlog(self) -> bool:
@@ -168,6 +171,7 @@ class DealerLink:
         self.close()
         self._inbox.clear()
         self._outbox.clear()  # a new session re-sends what matters (HELLO, unacked results)
+        self._assembler.reset()  # the rest of a message in pieces never comes to a new socket
         self.batching = False
         self.open()
 
@@ -197,9 +201,11 @@ class DealerLink:
 
     def recv(self) -> Message | None:
         """One decoded message if one is waiting; malformed input is logged and dropped. The
-        messages of a BATCH come out one by one, in order."""
+        messages of a BATCH come out one by one, in order. A PIECE of a big message is
+        acknowledged here and handed out as it is (it shows the coordinator is there), and the
+        message its last piece completes comes out after it (protocol/pieces.py)."""
         if self._inbox:
-            return self._inbox.popleft()
+            return self._with_pieces(self._inbox.popleft())
         assert self.sock is not None
         try:
             frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -208,7 +214,7 @@ class DealerLink:
         try:
             msg = receive(frames, self.limits)
             if msg.command is not Command.BATCH:
-                return msg
+                return self._with_pieces(msg)
             for item in unbundle(msg, self.limits):
                 if isinstance(item, ProtocolError):
                     log.warning("dropped a message from the coordinator: %s", item.detail)
@@ -230,7 +236,17 @@ class DealerLink:
                     f"speaks {MAJOR}: {advice}") from None
             log.warning("dropped a malformed message from the coordinator: %s", exc.detail)
             return None
-        return self._inbox.popleft() if self._inbox else None
+        return self._with_pieces(self._inbox.popleft()) if self._inbox else None
+
+    def _with_pieces(self, msg: Message) -> Message:
+        if msg.command is not Command.PIECE:
+            return msg
+        ack, whole = self._assembler.feed(msg.header, msg.payload)
+        if ack is not None:
+            self.send(encode(Command.PIECE_ACK, ack))
+        if whole is not None:
+            self._inbox.appendleft(whole)  # next out: it came before anything still waiting
+        return msg
 
     def monitor_events(self) -> list[LinkEvent]:
         """Drain the monitor. Raises AuthenticationError when the token is wrong."""

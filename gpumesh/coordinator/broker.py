@@ -36,6 +36,7 @@ from ..protocol import (
     Hello,
     Message,
     Output,
+    PieceAck,
     ProtocolError,
     Query,
     Result,
@@ -50,6 +51,7 @@ from ..protocol import (
     qid_of,
     unbundle,
 )
+from ..protocol.pieces import Outflow
 from ..protocol.refs import ref_names, refs_of
 from ..sharedmem import SharedFolder
 from ..store import COLLECTED, CORRUPT, Store, StoredTask
@@ -97,6 +99,10 @@ class Broker:
         self._pythons_told: list[str] = []  # the worker Pythons last pushed to clients
         self._memory_given_at = now
         self._trimmed_at = now  # when spill_inputs last trimmed the C heap
+        # Big messages going out in pieces (the server sends what it gives), and the peers
+        # whose acknowledgements let more go since the server last asked.
+        self.outflow = Outflow(limits)
+        self.pieces_acked: set[bytes] = set()
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -341,6 +347,7 @@ class Broker:
         session = (ledger.workers if hello.role is Role.WORKER else ledger.clients).get(hello.peer_id)
         if session is not None:
             session.batch = hello.batch
+            session.pieces = hello.pieces
             session.shmlock = hello.shmlock
             session.shm = False  # until this session's HEARTBEAT proves it reads the folder
             if isinstance(session, ClientSession):
@@ -351,6 +358,22 @@ class Broker:
         result = Result.from_header(msg.header)
         result.check_frames(len(msg.payload))
         self.worker_side.result(worker, result, msg.payload, now)
+
+    def _piece_ack(self, session: WorkerSession | ClientSession, msg: Message, now: float) -> None:
+        ack = PieceAck.from_header(msg.header)
+        routing = session.routing
+        if routing is None or not self.outflow.acked(routing, ack.transfer, ack.got, now):
+            return
+        self.pieces_acked.add(routing)
+        if isinstance(session, WorkerSession):
+            # A worker still receiving a task in pieces cannot list its lease in a heartbeat
+            # yet: each acknowledgement renews its leases, so a long transfer never expires one.
+            expires = now + self.ledger.timing.lease_ttl
+            tasks = self.ledger.tasks
+            for lease_id, task_id in session.leases.items():
+                task = tasks.get(task_id)
+                if task is not None and task.lease_id == lease_id:
+                    task.lease_expires = max(task.lease_expires, expires)
 
     def _client_submit(self, client: ClientSession, msg: Message, now: float) -> None:
         self.client_side.submit(client, Submit.from_header(msg.header), msg.payload, now)
@@ -465,6 +488,7 @@ class Broker:
             for routing in ledger.peers:
                 ledger.send(routing, Command.HEARTBEAT, {})
         _guarded("expire workers and leases", self.worker_side.expire, now)
+        _guarded("drop pieces nobody takes", self._drop_stalled_pieces, now)
         _guarded("deliver results held for a proof of shared memory", ledger.deliver_deferred,
                  now)
         silence = ledger.timing.silence_limit
@@ -496,6 +520,19 @@ class Broker:
         if now - self._last_sweep >= RETENTION_SWEEP:
             self._last_sweep = now
             _guarded("sweep retained results", self.retention.sweep, now)
+
+    def _drop_stalled_pieces(self, now: float) -> None:
+        """What was going in pieces to a session that ended goes; a peer that acknowledged
+        nothing for a minute is treated as unreachable (it says HELLO again, and re-claims)."""
+        outflow, peers = self.outflow, self.ledger.peers
+        for routing in outflow.routings():
+            if routing not in peers:
+                outflow.drop(routing)
+        for routing in outflow.stalled(now):
+            log.warning("a peer acknowledged no piece of a big message for a minute: "
+                        "dropping its session")
+            outflow.drop(routing)
+            self.unreachable(routing, now)
 
     def spill_inputs(self, now: float) -> None:
         """After the turn's dispatch: queued inputs the turn journaled into blob files leave
@@ -581,6 +618,7 @@ _WORKER_HANDLERS: dict[Command, Callable[[Broker, Any, Message, float], None]] =
     Command.OUTPUT: lambda b, w, m, now: b.worker_side.output(
         w, Output.from_header(m.header), m.payload, now),
     Command.RESULT: Broker._worker_result,
+    Command.PIECE_ACK: Broker._piece_ack,
     Command.DISCONNECT: lambda b, w, m, now: b.worker_side.disconnect(
         w, departure_of(m.header), now),
 }
@@ -597,4 +635,5 @@ _CLIENT_HANDLERS: dict[Command, Callable[[Broker, Any, Message, float], None]] =
     Command.CONTROL: lambda b, c, m, now: b.client_side.control(
         c, Control.from_header(m.header), now),
     Command.DISCONNECT: lambda b, c, m, now: b.client_side.disconnect(c, now),
+    Command.PIECE_ACK: Broker._piece_ack,
 }

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..blobs import BlobRef
 from ..config import Limits, Timing, sizes_over_room
+from ..fileio import FileSpan, SharedFd
 from ..protocol import (
     Command,
     ErrorCode,
@@ -29,6 +30,7 @@ from ..protocol import (
     encode,
     serialize,
 )
+from ..protocol.pieces import STREAM_BYTES
 from ..protocol.refs import ref_names, refs_of, shared_bytes
 from ..scheduler import placement_class
 from ..sharedmem import SharedFolder, materialize
@@ -167,11 +169,18 @@ class Ledger:
         return self.shm is not None and self.shm.verifies(proof)
 
     def reads_batches(self, routing: bytes) -> bool:
+        session = self._session_at(routing)
+        return session is not None and session.batch
+
+    def reads_pieces(self, routing: bytes) -> bool:
+        session = self._session_at(routing)
+        return session is not None and session.pieces
+
+    def _session_at(self, routing: bytes) -> WorkerSession | ClientSession | None:
         peer = self.peers.get(routing)
         if peer is None:
-            return False
-        session = (self.workers if peer[0] is Role.WORKER else self.clients).get(peer[1])
-        return session is not None and session.batch
+            return None
+        return (self.workers if peer[0] is Role.WORKER else self.clients).get(peer[1])
 
     def error(self, routing: bytes | None, code: ErrorCode, text: str, qid: int = 0) -> None:
         header: dict[str, Any] = {"code": code.value, "message": text}
@@ -257,6 +266,22 @@ class Ledger:
         frames = self._read_back(task.input_file, InputUnreadable)
         return [*task.payload, *frames]
 
+    def _input_spans(self, blob: BlobRef) -> list[FileSpan]:
+        """A big input on disk, for a worker that reads a message in pieces: its frames as
+        spans of its file, read a piece at a time as they are sent (protocol/pieces.py)
+        instead of whole now. Raises InputUnreadable or ReadLater as ``input_frames``."""
+        try:
+            fd = SharedFd(self.store.open_blob(blob))
+        except ValueError as exc:
+            raise InputUnreadable(str(exc)) from None
+        except OSError as exc:
+            raise ReadLater(exc.strerror or str(exc)) from None
+        spans, offset = [], 0
+        for length in blob.lengths:
+            spans.append(fd.span(offset, length))
+            offset += length
+        return spans
+
     def _read_back(self, blob: BlobRef, gone: type[ValueError]) -> list[memoryview]:
         try:
             frames = self.store.read_blob(blob)
@@ -275,7 +300,11 @@ class Ledger:
 
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
         # Raises InputUnreadable (and the task fails, saying why) when its blob file is gone.
-        frames = self.input_frames(task)
+        if worker.pieces and not worker.maps_shared and task.input_file is not None \
+                and task.input_file.nbytes >= STREAM_BYTES:
+            frames = [*task.payload, *self._input_spans(task.input_file)]
+        else:
+            frames = self.input_frames(task)
         if worker.maps_shared and self.shm is not None and "shm" not in task.spec:
             frames = self._share_input(task, frames, self.shm)
         header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}

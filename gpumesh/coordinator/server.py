@@ -25,6 +25,7 @@ from .._version import __version__
 from ..config import Settings
 from ..errors import ConfigError
 from ..protocol import Command, ErrorCode, ProtocolError, batches, encode
+from ..protocol.pieces import STREAM_BYTES
 from ..protocol.serialize import payload_nbytes
 from ..security import (
     MeshKeys,
@@ -225,6 +226,7 @@ class Coordinator:
     def _end_turn(self, now: float) -> None:
         """Send what the turn produced around its one commit: the rest first, then the
         acknowledgements that the commit made true."""
+        self._send_acked_pieces(now)
         self._send_ahead(now)
         self.store.commit()
         self._flush(now)
@@ -282,11 +284,43 @@ class Coordinator:
         broker = self.broker
         if len(messages) > 1 and broker.ledger.reads_batches(routing):
             messages = batches(messages, self.settings.limits)
-        for frames in messages:
-            broker.count_traffic(routing, payload_nbytes(frames), up=False)
+        outflow = broker.outflow
+        for index, frames in enumerate(messages):
+            size = payload_nbytes(frames)
+            broker.count_traffic(routing, size, up=False)
+            if outflow.busy(routing) or (size >= STREAM_BYTES and broker.ledger.reads_pieces(routing)):
+                # This one goes in pieces, or waits behind one that does: so do the rest.
+                for later in messages[index + 1:]:
+                    broker.count_traffic(routing, payload_nbytes(later), up=False)
+                outflow.add(routing, messages[index:], now)
+                self._send_pieces(routing, now)
+                return
             if not send_frames(self._router, [routing, *frames]):
                 broker.unreachable(routing, now)
                 break
+
+    def _send_pieces(self, routing: bytes, now: float) -> None:
+        """What the outflow lets go to this peer now (protocol/pieces.py)."""
+        broker = self.broker
+        try:
+            wire = broker.outflow.take(routing)
+        except (OSError, EOFError) as exc:  # a journal file that cannot be read any more
+            log.warning("cannot read a big message's bytes back from its file (%s): dropping "
+                        "the session it was going to, which starts over", exc)
+            broker.outflow.drop(routing)
+            broker.unreachable(routing, now)
+            return
+        for frames in wire:
+            if not send_frames(self._router, [routing, *frames]):
+                broker.outflow.drop(routing)
+                broker.unreachable(routing, now)
+                return
+
+    def _send_acked_pieces(self, now: float) -> None:
+        """Acknowledgements came in: more pieces may go."""
+        acked = self.broker.pieces_acked
+        while acked:
+            self._send_pieces(acked.pop(), now)
 
     def close(self) -> None:
         if self._router.closed:

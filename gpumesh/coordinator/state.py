@@ -205,6 +205,7 @@ class WorkerSession:
     mode: WorkerMode = WorkerMode.ACTIVE  # as the worker's owner set it
     seconds_per_cost: float = 0.0  # moving average of task time per unit of cost (stragglers)
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
+    pieces: bool = False  # it reads a big message in PIECEs (its HELLO said so)
     shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
     shmlock: bool = False  # it locks the shared files it maps (its HELLO said so)
     # It keeps functions sent with ``fnkeep`` for this session (its HELLO said ``fnref``): the
@@ -305,6 +306,7 @@ class ClientSession:
     unfinished: int = 0
     queued_bytes: int = 0
     batch: bool = False  # it reads BATCH messages (its HELLO said so)
+    pieces: bool = False  # it reads a big message in PIECEs (its HELLO said so)
     shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
     shmlock: bool = False  # it locks the shared files it maps (its HELLO said so)
     hello_at: float = 0.0  # its session's HELLO: a client on this machine proves ``shm`` after

@@ -184,6 +184,7 @@ class Hello:
     incarnation: str = ""
     mode: WorkerMode = WorkerMode.ACTIVE
     batch: bool = False  # the peer reads BATCH messages (since 1.3)
+    pieces: bool = False  # the peer reads a big message in PIECEs (since 1.8)
     shmlock: bool = False  # the peer locks the shared-memory files it maps (since 1.7)
     fnref: bool = False  # the worker keeps functions and takes TASKs that name one (since 1.4)
     control: bool = False  # the worker takes CONTROL drain/pause/resume from the mesh (since 1.5)
@@ -199,9 +200,10 @@ class Hello:
         raw_info = f.mapping(h, "info", max_items=64, default={})
         batch = bool(f.flag(h, "batch", default=False))
         shmlock = bool(f.flag(h, "shmlock", default=False))
+        pieces = bool(f.flag(h, "pieces", default=False))
         if role is Role.CLIENT:
             return cls(role, peer_id, ClientInfo.from_mapping(raw_info), batch=batch,
-                       shmlock=shmlock)
+                       shmlock=shmlock, pieces=pieces)
         info = WorkerInfo.from_mapping(raw_info)
         slots = f.integer(h, "slots", low=1, high=MAX_SLOTS)
         most = max(info.cores, len(info.gpus), 1) * SLOTS_PER_CORE
@@ -221,6 +223,7 @@ class Hello:
             mode=_mode(h, WorkerMode.ACTIVE),
             batch=batch,
             shmlock=shmlock,
+            pieces=pieces,
             fnref=bool(f.flag(h, "fnref", default=False)),
             control=bool(f.flag(h, "control", default=False)),
         )
@@ -539,6 +542,20 @@ class TaskIds:
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> TaskIds:
         return cls(f.text_list(h, "tasks", max_items=MAX_IDS, max_len=ID_CHARS), qid_of(h))
+
+
+@dataclass(frozen=True)
+class PieceAck:
+    """PIECE_ACK from a peer (since 1.8): it has ``got`` bytes of the coordinator's transfer
+    ``transfer`` (protocol/pieces.py). The outflow checks both against what it sent."""
+
+    transfer: int
+    got: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> PieceAck:
+        return cls(f.integer(h, "x", low=0, high=f.INT64),
+                   f.integer(h, "got", low=1, high=f.INT64))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..config import Limits
 
 MAGIC = b"GPM"
 MAJOR = 1
-MINOR = 7
+MINOR = 8
 SIGNATURE = MAGIC + bytes([MAJOR])
 
 
@@ -48,6 +48,10 @@ class Command(enum.IntEnum):
     # costs one send, one wake-up and one CURVE box per turn instead of one per message. Sent
     # only to a peer that said it reads them (HELLO/WELCOME ``batch``).
     BATCH = 0x13
+    # Coordinator -> a peer that said HELLO ``pieces`` (since v1.8): a big message in slices,
+    # paced by the peer's PIECE_ACKs, so neither side holds it whole in ZeroMQ (pieces.py).
+    PIECE = 0x14
+    PIECE_ACK = 0x15  # peer -> coordinator: how many bytes of a PIECE transfer arrived
 
 
 class Role(str, enum.Enum):

@@ -194,3 +194,33 @@ def test_a_worker_is_told_its_goodbye_will_be_answered_and_a_client_is_not():
     welcomes = {to: decode(frames, Limits()).header for to, frames in b.outbox
                 if decode(frames, Limits()).command is Command.WELCOME}
     assert welcomes[W]["goodbye"] is True and "goodbye" not in welcomes[C]
+
+
+def test_a_worker_taking_a_task_in_pieces_renews_its_lease_with_each_acknowledgement():
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "credit": 1,
+                                    "proto": [1, 1], "info": {"python": "3.11"},
+                                    "pieces": True}), 0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    assert b.workers["w1"].pieces and b.ledger.reads_pieces(W) and not b.ledger.reads_pieces(C)
+    b.outbox.clear()
+    task_id = submit(b, {})
+    b.dispatch(0.0)
+    [(routing, frames)] = [(r, f) for r, f in b.outbox if f[1] == bytes([Command.TASK])]
+    b.outflow.add(routing, [frames + [b"x" * Limits().chunk_bytes] * 9], 0.0)  # as the server does
+    [first, *_] = [decode(f, Limits()) for f in b.outflow.take(routing)]
+    task = b.tasks[task_id]
+    expires = task.lease_expires
+    b.handle(W, msg(Command.PIECE_ACK, {"x": first.header["x"], "got": 1000}), 5.0)
+    assert task.lease_expires == 5.0 + Timing().lease_ttl > expires
+    assert b.pieces_acked == {W}
+    b.handle(W, msg(Command.PIECE_ACK, {"x": first.header["x"], "got": 1000}), 9.0)  # a repeat
+    assert task.lease_expires == 5.0 + Timing().lease_ttl
+
+
+@pytest.mark.parametrize("bad", [{}, {"x": "1", "got": 5}, {"x": 1, "got": 0},
+                                 {"x": -1, "got": 5}, {"x": 1, "got": True}])
+def test_a_malformed_piece_acknowledgement_is_answered_and_the_session_kept(broker, bad):
+    broker.handle(W, msg(Command.PIECE_ACK, bad), 0.0)
+    assert sent(broker, Command.ERROR)[-1]["code"] == "malformed"
+    assert broker.workers["w1"].state.value == "alive"

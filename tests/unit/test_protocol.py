@@ -124,7 +124,7 @@ def test_signature_is_checked_before_sizes() -> None:
     assert _code_of(frames, Limits(max_frames=4)) is ErrorCode.VERSION
 
 
-@pytest.mark.parametrize("byte", [0x00, 0x0A, 0x14, 0x7F, 0xFF])
+@pytest.mark.parametrize("byte", [0x00, 0x0A, 0x16, 0x7F, 0xFF])
 def test_unknown_command_byte_is_unsupported(byte: int) -> None:
     frames = _valid()
     frames[1] = bytes([byte])

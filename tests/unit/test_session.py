@@ -89,7 +89,7 @@ def test_hello_carries_the_sessions_fields_and_the_roles(session):
     hello = link.sent[-1]
     assert hello.command is Command.HELLO and not s.welcomed
     assert hello.header == {"role": "worker", "id": "w1", "proto": [MAJOR, MAJOR], "batch": True,
-                            "shmlock": True, "slots": 2}
+                            "shmlock": True, "pieces": True, "slots": 2}
     assert role.calls == [("hello",)]
 
 

@@ -1,0 +1,298 @@
+"""Big messages from the coordinator in pieces, paced by the receiver (since protocol 1.8).
+
+A ZeroMQ message is atomic: the sender's libzmq holds all of it until the last byte is on the
+wire, and the receiver's until the last byte has come. For a 1 GiB task sent to a worker on
+another machine that is 1 GiB more in the coordinator for as long as the network takes (nine
+seconds on a gigabit LAN), read back from its journal file whole first. So a message of
+``STREAM_BYTES`` or more, and one whose frames wait in a file (``FileSpan``), goes to a peer
+that said it reads them (HELLO ``pieces``) as PIECE messages of at most ``piece_bytes`` each:
+the message's frames end to end, cut into slices. The first PIECE says how long the whole is
+and how long each frame; the receiver puts the slices into one buffer, acknowledges each with
+PIECE_ACK, and hands on the message it makes up as if it had come whole. The sender keeps at
+most ``window`` bytes unacknowledged, and reads a frame in a file only when its slice goes.
+
+Messages to one peer keep their order: what comes after a message in pieces waits behind it.
+Nothing here is journaled or retried: a session that ends mid-way drops what it was sending
+and receiving, as ZeroMQ drops a message to a peer that has gone, and the protocol's own
+re-sends (a lease not re-claimed, a result fetched again) recover. No I/O here besides the
+files' reads; the coordinator's loop sends what ``Outflow.take`` gives it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Limits
+from ..fileio import FileSpan
+from .messages import Command, Message, ProtocolError, decode, encode, frame_size
+
+log = logging.getLogger("gpumesh.protocol")
+
+STREAM_BYTES = 8 * 1024 * 1024  # a message this big or bigger goes in pieces
+WINDOW_PIECES = 16  # pieces sent and not yet acknowledged, per peer
+# A frame (or what is left of it) this big goes in pieces of its own, without a copy; smaller
+# ones share a piece. The slices of a split buffer are the size of a piece, or nearly.
+ALONE_BYTES = 64 * 1024
+STALL_SECONDS = 60.0  # no acknowledgement for this long: the peer is gone, drop what it was sent
+
+
+def streams(frames: Sequence[Any]) -> bool:
+    """Whether ``frames`` (a message as ``encode`` made it) go in pieces to a peer that reads
+    them: a frame in a file always does (nothing else reads it), a big message too."""
+    total = 0
+    for frame in frames:
+        if isinstance(frame, FileSpan):
+            return True
+        total += frame_size(frame)
+    return total >= STREAM_BYTES
+
+
+@dataclass
+class _Transfer:
+    xid: int
+    frames: list[Any]
+    lengths: list[int]
+    total: int
+    sent: int = 0  # bytes put into PIECEs
+    frame: int = 0  # the frame the next piece starts in
+    offset: int = 0  # ... and where in it
+
+    def next_piece(self, size: int) -> Any:
+        """The next piece of at most ``size`` bytes. A piece ends where a big frame does, so
+        each piece of a big frame is a view of it (no copy); small frames (the head ones, and
+        the small frames of a task) are joined into one piece (one copy). A frame in a file is
+        read here, and only here."""
+        frame, length = self.frames[self.frame], self.lengths[self.frame]
+        left = length - self.offset
+        if left >= ALONE_BYTES or isinstance(frame, FileSpan):
+            n = min(left, size)
+            piece = self._slice(frame, length, n)
+            self._advance(n)
+            return piece
+        parts: list[Any] = []
+        room = size
+        while self.sent < self.total and room:
+            frame, length = self.frames[self.frame], self.lengths[self.frame]
+            left = length - self.offset
+            if parts and (left >= ALONE_BYTES or isinstance(frame, FileSpan)):
+                break  # a big one starts a piece of its own
+            n = min(left, room)
+            parts.append(self._slice(frame, length, n))
+            room -= n
+            self._advance(n)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _slice(self, frame: Any, length: int, n: int) -> Any:
+        if isinstance(frame, FileSpan):
+            return frame.read(self.offset, n)
+        if n == length:
+            return frame  # a whole frame: as it is
+        return memoryview(frame).cast("B")[self.offset:self.offset + n]
+
+    def _advance(self, n: int) -> None:
+        self.sent += n
+        self.offset += n
+        while self.frame < len(self.lengths) and self.offset == self.lengths[self.frame]:
+            self.frame += 1
+            self.offset = 0
+
+
+@dataclass
+class _Peer:
+    queue: deque[list[Any]] = field(default_factory=deque)  # messages waiting, in order
+    transfer: _Transfer | None = None
+    sent: int = 0  # bytes of PIECEs sent to this peer, all transfers
+    acked: int = 0  # ... and acknowledged
+    # Transfers not wholly acknowledged: xid -> (bytes sent to the peer before it, its size).
+    # PIECE_ACK ``got`` counts a transfer's own bytes.
+    open: dict[int, tuple[int, int]] = field(default_factory=dict)
+    progress_at: float = 0.0
+
+
+class Outflow:
+    """The coordinator's messages in pieces, per peer (by routing id). Owned by its loop."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.piece_bytes = limits.chunk_bytes
+        self.window = WINDOW_PIECES * self.piece_bytes
+        self._peers: dict[bytes, _Peer] = {}
+        self._next_xid = 0
+        self.sending = 0  # transfers under way, all peers
+
+    def busy(self, routing: bytes) -> bool:
+        """Whether messages to this peer wait behind one in pieces (so a new one must too)."""
+        return routing in self._peers
+
+    def add(self, routing: bytes, messages: Sequence[list[Any]], now: float) -> None:
+        """Queue ``messages`` for this peer, behind what waits already; ``take`` gives them."""
+        peer = self._peers.get(routing)
+        if peer is None:
+            peer = self._peers[routing] = _Peer(progress_at=now)
+        elif not peer.open:
+            peer.progress_at = now  # the stall clock runs only while pieces are unacknowledged
+        peer.queue.extend(messages)
+
+    def take(self, routing: bytes) -> list[list[Any]]:
+        """What may go to this peer now, in order: the messages before the next one in pieces
+        as they are, then that one's pieces while the window lets them go."""
+        peer = self._peers.get(routing)
+        if peer is None:
+            return []
+        out: list[list[Any]] = []
+        while True:
+            transfer = peer.transfer
+            if transfer is None:
+                if not peer.queue:
+                    if not peer.open:
+                        # Nothing waits or is unacknowledged: the peer's messages go direct.
+                        del self._peers[routing]
+                    return out
+                frames = peer.queue.popleft()
+                if not streams(frames):
+                    out.append(frames)
+                    continue
+                transfer = peer.transfer = self._start(frames)
+                peer.open[transfer.xid] = (peer.sent, transfer.total)
+                self.sending += 1
+            while transfer.sent < transfer.total and peer.sent - peer.acked < self.window:
+                header: dict[str, Any] = {"x": transfer.xid, "at": transfer.sent}
+                if transfer.sent == 0:
+                    header.update(total=transfer.total, lengths=transfer.lengths)
+                piece = transfer.next_piece(self.piece_bytes)
+                peer.sent += frame_size(piece)
+                out.append(encode(Command.PIECE, header, [piece]))
+            if transfer.sent < transfer.total:
+                return out  # the window is full: an acknowledgement lets more go
+            peer.transfer = None  # its frames go: a file it read is closed with the last
+            self.sending -= 1
+
+    def _start(self, frames: list[Any]) -> _Transfer:
+        self._next_xid += 1
+        lengths = [frame_size(f) for f in frames]
+        return _Transfer(self._next_xid, frames, lengths, sum(lengths))
+
+    def acked(self, routing: bytes, xid: Any, got: Any, now: float) -> bool:
+        """A PIECE_ACK: the peer has had ``got`` bytes of transfer ``xid``. True when it moved
+        the window (the loop then ``take``s); anything else (a repeat, more than was sent, an
+        unknown transfer, garbage) is ignored."""
+        peer = self._peers.get(routing)
+        if peer is None or type(xid) is not int or type(got) is not int:
+            return False
+        base, total = peer.open.get(xid, (0, -1))
+        if not 0 < got <= total or base + got > peer.sent or base + got <= peer.acked:
+            return False
+        peer.acked = base + got
+        peer.progress_at = now
+        if got == total:
+            for done in [x for x in peer.open if x <= xid]:
+                del peer.open[done]
+        return True
+
+    def routings(self) -> list[bytes]:
+        return list(self._peers)
+
+    def drop(self, routing: bytes) -> None:
+        """The peer is gone (a failed send, a session ended): forget what it was sent."""
+        peer = self._peers.pop(routing, None)
+        if peer is not None and peer.transfer is not None:
+            self.sending -= 1
+
+    def stalled(self, now: float) -> list[bytes]:
+        """Peers that acknowledged nothing for STALL_SECONDS while pieces waited on them."""
+        return [routing for routing, peer in self._peers.items()
+                if peer.open and now - peer.progress_at > STALL_SECONDS]
+
+
+class Assembler:
+    """A peer's side: one message in pieces at a time, into one buffer. Owned by its link."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._xid: int | None = None
+        self._buffer: memoryview | None = None
+        self._lengths: list[int] = []
+        self._got = 0
+
+    def reset(self) -> None:
+        self._xid, self._buffer, self._lengths, self._got = None, None, [], 0
+
+    def feed(self, header: dict[str, Any], payload: list[Any]) -> tuple[dict[str, Any] | None,
+                                                                          Message | None]:
+        """One PIECE: the PIECE_ACK header to send (None for a piece that fits nothing under
+        way, which is dropped) and, with the last piece, the message they make up."""
+        xid, at = header.get("x"), header.get("at")
+        if type(xid) is not int or type(at) is not int or len(payload) != 1:
+            log.warning("dropped a malformed PIECE from the coordinator")
+            return None, None
+        piece = memoryview(payload[0].buffer if hasattr(payload[0], "buffer") else payload[0])
+        if at == 0 and "total" in header:
+            if not self._begin(xid, header):
+                return None, None
+        elif xid != self._xid or at != self._got:
+            # A piece of a message whose start was lost (a new session began mid-way): the
+            # sender drops it too; what mattered in it comes again through the protocol.
+            log.debug("dropped a PIECE out of order (transfer %s at %s)", xid, at)
+            self.reset()
+            return None, None
+        assert self._buffer is not None
+        size = piece.nbytes
+        if size == 0 or size > self.limits.max_frame_bytes or self._got + size > len(self._buffer):
+            log.warning("dropped a PIECE that does not fit its message")
+            self.reset()
+            return None, None
+        self._buffer[self._got:self._got + size] = piece.cast("B")
+        self._got += size
+        ack = {"x": xid, "got": self._got}
+        if self._got < len(self._buffer):
+            return ack, None
+        buffer, lengths = self._buffer, self._lengths
+        self.reset()
+        try:
+            return ack, _decoded(buffer, lengths, self.limits)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed message from the coordinator: %s", exc.detail)
+            return ack, None
+
+    def _begin(self, xid: int, header: dict[str, Any]) -> bool:
+        total, lengths = header.get("total"), header.get("lengths")
+        limits = self.limits
+        if not (type(total) is int and 0 < total <= limits.max_message_bytes
+                and isinstance(lengths, list) and 3 <= len(lengths) <= limits.max_frames
+                and all(type(n) is int and 0 <= n <= limits.max_frame_bytes for n in lengths)
+                and sum(lengths) == total):
+            log.warning("dropped a PIECE announcing a message this side does not take")
+            self.reset()
+            return False
+        self._xid, self._lengths, self._got = xid, lengths, 0
+        self._buffer = memoryview(bytearray(total))
+        return True
+
+
+def _decoded(buffer: memoryview, lengths: list[int], limits: Limits) -> Message:
+    """The message a transfer's buffer holds, checked as one that came whole. Frames that were
+    split are joined as views: their slices lie side by side in the buffer, so the copy that
+    joining costs a whole message is not made again (its ``split`` goes with it)."""
+    frames: list[Any] = []
+    starts: list[int] = []
+    start = 0
+    for index, length in enumerate(lengths):
+        view = buffer[start:start + length]
+        frames.append(bytes(view) if index < 3 else view)  # the codec reads the head as bytes
+        starts.append(start)
+        start += length
+    msg = decode(frames, limits)
+    layout = msg.header.get("split")
+    if isinstance(layout, list) and all(type(n) is int and n >= 1 for n in layout) \
+            and sum(layout) == len(msg.payload):
+        joined, first = [], 3
+        for count in layout:
+            end = starts[first + count - 1] + lengths[first + count - 1]
+            joined.append(buffer[starts[first]:end])
+            first += count
+        msg.payload = joined
+        del msg.header["split"]
+    return msg

@@ -1,0 +1,117 @@
+"""A big input waiting on the coordinator's disk goes to a worker on another machine (one that
+does not share the coordinator's memory) in pieces read from its file as they are sent, never
+whole: before, the coordinator read it back whole and handed it to ZeroMQ, which held it until
+the network had taken the last byte (1 GiB for nine seconds on a gigabit LAN). And a worker or
+coordinator killed with SIGKILL in the middle of such a transfer loses nothing: the task runs
+again from the journal. docs/protocol.md, "Big messages in pieces"."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import numpy as np
+from conftest import wait_for
+
+from gpumesh import GPUMesh
+
+MiB = 1024 * 1024
+NO_SHARING = {"GPUMESH_SHARED_MEMORY": "0"}  # as a worker on another machine
+
+
+def status_mib(pid: int, field: str) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} line")
+
+
+def reset_peak(pid: int) -> None:
+    """Start VmHWM (the peak resident size) over from now (Linux 4.0 and later)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def digest(array: np.ndarray) -> str:
+    return hashlib.sha256(array.tobytes()).hexdigest()
+
+
+def remote_client(mesh_env) -> GPUMesh:
+    client = GPUMesh(mesh_env.coordinator.url, mesh_env.token, quiet=True,
+                     settings=replace(mesh_env.settings, share_memory=False))
+    mesh_env.clients.append(client)
+    return client
+
+
+def queued(client: GPUMesh, items: list[np.ndarray]) -> list:
+    """Submit ``items`` with no worker there. With GPUMESH_QUEUE_MEMORY_MB=1 each input waits
+    in its journal file once it is accepted (the turn that journals it lets go of it)."""
+    assert client.workers() == []
+    futures = client.submit_calls(digest, [((a,), {}) for a in items])
+    wait_for(lambda: all(f.task_id for f in futures), timeout=60,
+             what="every submission to be accepted")
+    return futures
+
+
+def test_a_big_input_on_disk_goes_to_a_worker_in_pieces_not_whole(mesh_env):
+    mesh_env.env["GPUMESH_QUEUE_MEMORY_MB"] = "1"  # queued inputs wait on disk
+    coordinator = mesh_env.start_coordinator()
+    client = remote_client(mesh_env)
+    rng = np.random.default_rng(5)
+    size = 128 * MiB
+    items = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(2)]
+    idle = status_mib(coordinator.pid, "VmRSS")
+    futures = queued(client, items)
+    wait_for(lambda: status_mib(coordinator.pid, "VmRSS") < idle + size / MiB / 2,
+             what=f"the coordinator to give back the memory the inputs came in (idle it took "
+                  f"{idle:.0f} MiB, now {status_mib(coordinator.pid, 'VmRSS'):.0f})")
+    before = status_mib(coordinator.pid, "VmRSS")
+    reset_peak(coordinator.pid)
+    mesh_env.add_worker(slots=1, env=NO_SHARING)
+    assert client.gather(futures, timeout=120) == [digest(a) for a in items]
+    peak = status_mib(coordinator.pid, "VmHWM")
+    # Read back whole, each input alone took 128 MiB more; in pieces, the window (16 MiB) and
+    # the pieces being encrypted.
+    assert peak < before + size / MiB / 4, (
+        f"the coordinator peaked at {peak:.0f} MiB sending {size // MiB} MiB inputs, from "
+        f"{before:.0f} MiB before: more than a quarter of an input")
+
+
+def mid_transfer(worker_pid: int, idle: float, what: str) -> None:
+    """Wait until the worker has taken in part of a big message (its buffer fills as pieces
+    come, so its resident size grows) and not yet all of it."""
+    wait_for(lambda: status_mib(worker_pid, "VmRSS") > idle + 24, timeout=60,
+             what=f"{what} to be receiving the task's input")
+
+
+def test_a_worker_killed_mid_transfer_loses_nothing(mesh_env):
+    mesh_env.env["GPUMESH_QUEUE_MEMORY_MB"] = "1"
+    mesh_env.start_coordinator()
+    client = remote_client(mesh_env)
+    item = np.random.default_rng(6).integers(0, 255, 512 * MiB, dtype=np.uint8)
+    [future] = queued(client, [item])
+    first = mesh_env.add_worker(slots=1, env=NO_SHARING)
+    wait_for(lambda: first.pid and status_mib(first.pid, "VmRSS") > 0, what="the worker up")
+    idle = status_mib(first.pid, "VmRSS")
+    mid_transfer(first.pid, idle, "the first worker")
+    assert not future.done()
+    first.kill()
+    mesh_env.add_worker(slots=1, env=NO_SHARING)
+    assert future.result(timeout=120) == digest(item)
+
+
+def test_a_coordinator_killed_mid_transfer_loses_nothing(mesh_env):
+    mesh_env.env["GPUMESH_QUEUE_MEMORY_MB"] = "1"
+    coordinator = mesh_env.start_coordinator()
+    client = remote_client(mesh_env)
+    item = np.random.default_rng(7).integers(0, 255, 512 * MiB, dtype=np.uint8)
+    [future] = queued(client, [item])
+    worker = mesh_env.add_worker(slots=1, env=NO_SHARING)
+    wait_for(lambda: worker.pid and status_mib(worker.pid, "VmRSS") > 0, what="the worker up")
+    idle = status_mib(worker.pid, "VmRSS")
+    mid_transfer(worker.pid, idle, "the worker")
+    assert not future.done()
+    coordinator.kill()
+    mesh_env.start_coordinator(port=coordinator.port)  # the same journal
+    assert future.result(timeout=120) == digest(item)

@@ -1,0 +1,181 @@
+"""Big messages from the coordinator in pieces (gpumesh/protocol/pieces.py): the outflow cuts a
+message into PIECEs paced by PIECE_ACKs and keeps each peer's order, and the assembler puts
+them back together, refusing whatever does not fit what it was told."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpumesh.config import Limits
+from gpumesh.fileio import SharedFd
+from gpumesh.protocol import Command, Message, decode, encode
+from gpumesh.protocol.pieces import STREAM_BYTES, WINDOW_PIECES, Assembler, Outflow, streams
+
+LIMITS = Limits()
+PIECE = LIMITS.chunk_bytes
+PEER = b"peer-1"
+
+
+def big(size: int, seed: int = 1) -> bytes:
+    return bytes((seed + i) % 251 for i in range(256)) * (size // 256) + b"x" * (size % 256)
+
+
+def frames_of(count: int, seed: int = 1) -> list[bytes]:
+    """``count`` payload frames of a piece each: as a sender splits a big buffer (``split``)."""
+    return [big(PIECE, seed + n) for n in range(count)]
+
+
+ENOUGH = STREAM_BYTES // PIECE + 1  # frames that make a message go in pieces
+
+
+def messages(wire: list[list]) -> list[Message]:
+    return [decode(frames, LIMITS) for frames in wire]
+
+
+def deliver(outflow: Outflow, assembler: Assembler, now: float = 0.0) -> list[Message]:
+    """Run the exchange to its end: what the peer's side makes of everything sent."""
+    out: list[Message] = []
+    while True:
+        wire = outflow.take(PEER)
+        if not wire:
+            return out
+        for msg in messages(wire):
+            if msg.command is not Command.PIECE:
+                out.append(msg)
+                continue
+            ack, whole = assembler.feed(msg.header, msg.payload)
+            assert ack is not None
+            if whole is not None:
+                out.append(whole)
+            outflow.acked(PEER, ack["x"], ack["got"], now)
+
+
+def test_a_big_message_comes_out_whole_and_in_order_with_the_small_ones_around_it():
+    payload = [*frames_of(ENOUGH), b"tail", big(PIECE // 2 + 123, seed=7)]
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.HEARTBEAT, {"n": 1}),
+                       encode(Command.TASK, {"task": "t1"}, payload),
+                       encode(Command.HEARTBEAT, {"n": 2})], 0.0)
+    out = deliver(outflow, Assembler(LIMITS))
+    assert [m.command for m in out] == [Command.HEARTBEAT, Command.TASK, Command.HEARTBEAT]
+    assert [m.header for m in out] == [{"n": 1}, {"task": "t1"}, {"n": 2}]
+    assert [bytes(f) for f in out[1].payload] == payload
+    assert not outflow.busy(PEER)  # all acknowledged: the next message goes direct
+
+
+def test_the_window_holds_back_pieces_until_they_are_acknowledged():
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.TASK, {}, frames_of(WINDOW_PIECES + 5))], 0.0)
+    first = messages(outflow.take(PEER))
+    in_flight = sum(len(m.payload[0]) for m in first)
+    # The head frames make a small piece of their own; then whole slices of the big frames.
+    assert len(first[0].payload[0]) < 100 and len(first) == WINDOW_PIECES + 1
+    assert WINDOW_PIECES * PIECE <= in_flight < (WINDOW_PIECES + 1) * PIECE
+    assert outflow.take(PEER) == []
+    assert first[0].header["total"] > (WINDOW_PIECES + 5) * PIECE  # the head frames count too
+    assert outflow.busy(PEER)
+    # A repeat, a count past what was sent, an unknown transfer, garbage: nothing moves.
+    xid = first[0].header["x"]
+    for bad in [(xid, 0), (xid, in_flight + 1), (xid + 1, PIECE), ("x", PIECE),
+                (xid, True)]:
+        assert not outflow.acked(PEER, *bad, 0.0)
+    assert outflow.acked(PEER, xid, 2 * PIECE, 0.0)
+    assert not outflow.acked(PEER, xid, 2 * PIECE, 0.0)  # the same again
+    assert len(outflow.take(PEER)) == 2
+
+
+def test_a_message_of_stream_size_streams_and_a_smaller_one_does_not():
+    assert not streams(encode(Command.TASK, {}, [b"x" * 1000]))
+    assert streams(encode(Command.TASK, {}, [b"x" * STREAM_BYTES]))
+
+
+def test_frames_in_a_file_are_read_only_as_their_pieces_go(tmp_path):
+    data = big(PIECE + 77, seed=3)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    fd = SharedFd(os.open(path, os.O_RDONLY))
+    spans = [fd.span(0, PIECE), fd.span(PIECE, 77)]
+    assert streams(encode(Command.TASK, {}, [b"fn", *spans]))  # a file's frame always does
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.TASK, {"task": "t"}, [b"fn", *spans])], 0.0)
+    raw = fd.fd
+    del spans
+    [task] = deliver(outflow, Assembler(LIMITS))
+    assert [bytes(f) for f in task.payload] == [b"fn", data[:PIECE], data[PIECE:]]
+    del fd
+    with pytest.raises(OSError):  # sent: the descriptor went with the last span
+        os.fstat(raw)
+
+
+def test_a_file_that_shrank_raises_for_the_loop_to_drop_the_peer(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(b"y" * (3 * PIECE))
+    fd = SharedFd(os.open(path, os.O_RDONLY))
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.TASK, {}, [fd.span(0, 3 * PIECE)])], 0.0)
+    os.truncate(path, PIECE)
+    with pytest.raises(EOFError):
+        outflow.take(PEER)
+    outflow.drop(PEER)
+    assert not outflow.busy(PEER) and outflow.sending == 0
+
+
+def test_a_peer_that_acknowledges_nothing_stalls_and_a_dropped_one_is_forgotten():
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.TASK, {}, frames_of(ENOUGH))], 100.0)
+    outflow.take(PEER)
+    assert outflow.stalled(130.0) == []
+    assert outflow.stalled(161.0) == [PEER]
+    outflow.drop(PEER)
+    assert outflow.routings() == [] and outflow.sending == 0
+    assert not outflow.acked(PEER, 1, PIECE, 162.0)
+
+
+def pieces_of(payload: list[bytes]) -> list[Message]:
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.RESULT, {"task": "t"}, payload)], 0.0)
+    out = messages(outflow.take(PEER))
+    while True:  # acknowledge everything, as a peer would
+        xid = out[0].header["x"]
+        outflow.acked(PEER, xid, sum(len(m.payload[0]) for m in out), 0.0)
+        more = messages(outflow.take(PEER))
+        if not more:
+            return out
+        out += more
+
+
+def test_the_assembler_refuses_pieces_that_do_not_fit_and_starts_over():
+    good = pieces_of(frames_of(ENOUGH))
+    assembler = Assembler(LIMITS)
+    assert assembler.feed(good[1].header, good[1].payload) == (None, None)  # no start seen
+    first = good[0]
+    for bad_header in [{**first.header, "total": 0},
+                       {**first.header, "total": LIMITS.max_message_bytes + 1},
+                       {**first.header, "lengths": [1, 2]},
+                       {**first.header, "lengths": [*first.header["lengths"][:-1], 1]},
+                       {**first.header, "lengths": "many"},
+                       {**first.header, "x": "one"},
+                       {**first.header, "lengths": [LIMITS.max_frame_bytes + 1, 1, 1]}]:
+        assert assembler.feed(bad_header, first.payload) == (None, None)
+    assert assembler.feed(first.header, [b""]) == (None, None)  # an empty piece
+    assert assembler.feed(first.header, []) == (None, None)  # no frame at all
+    # Started, then a piece out of place: dropped, and the whole starts over.
+    assert assembler.feed(first.header, first.payload)[0] is not None
+    assert assembler.feed(good[2].header, good[2].payload) == (None, None)
+    results = [assembler.feed(m.header, m.payload) for m in good]
+    assert all(ack is not None for ack, _ in results)
+    whole = results[-1][1]
+    assert whole is not None and whole.command is Command.RESULT
+
+
+def test_a_piece_that_overflows_its_announced_message_is_dropped():
+    good = pieces_of(frames_of(ENOUGH))
+    assembler = Assembler(LIMITS)
+    for msg in good[:-1]:
+        assert assembler.feed(msg.header, msg.payload)[1] is None
+    last = good[-1]
+    overflowing = bytes(last.payload[0]) + b"!"
+    assert assembler.feed(last.header, [overflowing]) == (None, None)
+    assert assembler.feed(last.header, last.payload) == (None, None)  # started over
