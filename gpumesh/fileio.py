@@ -66,9 +66,11 @@ class SharedFd:
     unlinked, it keeps the bytes readable until then."""
 
     __slots__ = ("fd",)
+    opened = 0  # how many are open in this process: the coordinator keeps it bounded
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        SharedFd.opened += 1
 
     def span(self, offset: int, length: int) -> FileSpan:
         return FileSpan(self, offset, length)
@@ -77,6 +79,7 @@ class SharedFd:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+            SharedFd.opened -= 1
 
 
 class FileSpan:

@@ -524,15 +524,16 @@ class Broker:
     def _drop_stalled_pieces(self, now: float) -> None:
         """What was going in pieces to a session that ended goes; a peer that acknowledged
         nothing for a minute is treated as unreachable (it says HELLO again, and re-claims)."""
-        outflow, peers = self.outflow, self.ledger.peers
+        outflow, ledger = self.outflow, self.ledger
         for routing in outflow.routings():
-            if routing not in peers:
-                outflow.drop(routing)
+            if routing not in ledger.peers:
+                # Sent as they are, the rest of what waited: a DISCONNECT among them included.
+                ledger.outbox.extend((routing, frames) for frames in outflow.drop(routing))
         for routing in outflow.stalled(now):
             log.warning("a peer acknowledged no piece of a big message for a minute: "
                         "dropping its session")
-            outflow.drop(routing)
             self.unreachable(routing, now)
+            ledger.outbox.extend((routing, frames) for frames in outflow.drop(routing))
 
     def spill_inputs(self, now: float) -> None:
         """After the turn's dispatch: queued inputs the turn journaled into blob files leave

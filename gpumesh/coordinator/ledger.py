@@ -70,6 +70,10 @@ MAX_PEER_COUNTERS = 10_000
 # A function task's input from a socket is moved into the shared-memory folder for a worker on
 # this machine from this size (_share_input).
 MOVE_INTO_FOLDER_BYTES = 1024 * 1024
+# Journaled inputs held open to be sent a piece at a time (protocol/pieces.py): one descriptor
+# each until sent, however long it waits behind another; beyond this many, an input is read
+# back whole as before, so the coordinator never runs short of descriptors for its sockets.
+MAX_SPAN_FILES = 64
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
 
@@ -301,7 +305,7 @@ class Ledger:
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
         # Raises InputUnreadable (and the task fails, saying why) when its blob file is gone.
         if worker.pieces and not worker.maps_shared and task.input_file is not None \
-                and task.input_file.nbytes >= STREAM_BYTES:
+                and task.input_file.nbytes >= STREAM_BYTES and SharedFd.opened < MAX_SPAN_FILES:
             frames = [*task.payload, *self._input_spans(task.input_file)]
         else:
             frames = self.input_frames(task)

@@ -24,6 +24,7 @@ import zmq
 from .._version import __version__
 from ..config import Settings
 from ..errors import ConfigError
+from ..fileio import FileSpan
 from ..protocol import Command, ErrorCode, ProtocolError, batches, encode
 from ..protocol.pieces import STREAM_BYTES
 from ..protocol.serialize import payload_nbytes
@@ -218,15 +219,15 @@ class Coordinator:
                                     "gpumesh": __version__})])
                 send_frames(self._router, [routing, *encode(Command.DISCONNECT, {"reason": "version"})])
         elif exc.code is ErrorCode.UNSUPPORTED:
-            send_frames(self._router, [routing, *encode(
-                Command.ERROR, {"code": exc.code.value, "message": exc.detail})])
+            self._send_now(routing, encode(
+                Command.ERROR, {"code": exc.code.value, "message": exc.detail}))
         else:
             log.debug("dropped a malformed message: %s", exc.detail)
 
     def _end_turn(self, now: float) -> None:
         """Send what the turn produced around its one commit: the rest first, then the
         acknowledgements that the commit made true."""
-        self._send_acked_pieces(now)
+        self._contained("send pieces of big messages", self._send_acked_pieces, now)
         self._send_ahead(now)
         self.store.commit()
         self._flush(now)
@@ -295,6 +296,10 @@ class Coordinator:
                 outflow.add(routing, messages[index:], now)
                 self._send_pieces(routing, now)
                 return
+            if size >= STREAM_BYTES and any(isinstance(f, FileSpan) for f in frames):
+                # A task read from its file a piece at a time, for a worker whose session ended
+                # in this turn (its lease went back to the queue with it): nobody to send it to.
+                continue
             if not send_frames(self._router, [routing, *frames]):
                 broker.unreachable(routing, now)
                 break
@@ -307,14 +312,22 @@ class Coordinator:
         except (OSError, EOFError) as exc:  # a journal file that cannot be read any more
             log.warning("cannot read a big message's bytes back from its file (%s): dropping "
                         "the session it was going to, which starts over", exc)
-            broker.outflow.drop(routing)
             broker.unreachable(routing, now)
+            self._send(routing, broker.outflow.drop(routing), now)
             return
         for frames in wire:
             if not send_frames(self._router, [routing, *frames]):
                 broker.outflow.drop(routing)
                 broker.unreachable(routing, now)
                 return
+
+    def _send_now(self, routing: bytes, frames: list[Any]) -> None:
+        """A reply made outside the broker (to undecodable input): in order behind what goes
+        to the peer in pieces, if anything does."""
+        if self.broker.outflow.busy(routing):
+            self.broker.outflow.add(routing, [frames], time.time())
+        else:
+            send_frames(self._router, [routing, *frames])
 
     def _send_acked_pieces(self, now: float) -> None:
         """Acknowledgements came in: more pieces may go."""

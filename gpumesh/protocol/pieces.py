@@ -195,11 +195,18 @@ class Outflow:
     def routings(self) -> list[bytes]:
         return list(self._peers)
 
-    def drop(self, routing: bytes) -> None:
-        """The peer is gone (a failed send, a session ended): forget what it was sent."""
+    def drop(self, routing: bytes) -> list[list[Any]]:
+        """Stop sending this peer pieces (its session ended, a send failed, a file could not be
+        read): the transfer under way and the messages waiting to go in pieces are dropped.
+        Returns the other messages that waited behind them, in order, for the loop to send as
+        they are (a DISCONNECT among them still tells a worker it was removed); the peer
+        drops a half-received message when something other than its next piece comes."""
         peer = self._peers.pop(routing, None)
-        if peer is not None and peer.transfer is not None:
+        if peer is None:
+            return []
+        if peer.transfer is not None:
             self.sending -= 1
+        return [frames for frames in peer.queue if not streams(frames)]
 
     def stalled(self, now: float) -> list[bytes]:
         """Peers that acknowledged nothing for STALL_SECONDS while pieces waited on them."""

@@ -224,3 +224,14 @@ def test_a_malformed_piece_acknowledgement_is_answered_and_the_session_kept(brok
     broker.handle(W, msg(Command.PIECE_ACK, bad), 0.0)
     assert sent(broker, Command.ERROR)[-1]["code"] == "malformed"
     assert broker.workers["w1"].state.value == "alive"
+
+
+def test_what_waited_behind_pieces_for_a_session_that_ended_is_still_sent(broker):
+    frames = encode(Command.TASK, {}, [b"x" * Limits().chunk_bytes] * 40)  # past the window
+    broker.outflow.add(W, [frames, encode(Command.DISCONNECT, {"reason": "kill"})], 0.0)
+    broker.outflow.take(W)
+    broker.ledger.peers.pop(W)  # the worker's session ended (kill, lost, left)
+    broker.tick(1.0)
+    assert not broker.outflow.busy(W)
+    assert any(r == W and decode(f, Limits()).command is Command.DISCONNECT
+               for r, f in broker.outbox)

@@ -395,3 +395,51 @@ def test_a_result_file_unreadable_for_now_is_sent_later_not_lost(tmp_path):
     b.ledger.deliver_deferred(5.0)
     (answer,) = sent(b, Command.RESULT)
     assert answer.header["status"] == "ok" and [bytes(f) for f in answer.payload] == [result]
+
+
+def test_a_big_input_on_disk_goes_to_a_worker_that_reads_pieces_as_spans_of_its_file(
+        tmp_path, monkeypatch):
+    from gpumesh.fileio import FileSpan, SharedFd
+    from gpumesh.protocol.pieces import STREAM_BYTES
+
+    def no_reads(blob):
+        raise AssertionError("read a big input back whole for a worker that reads pieces")
+
+    b = make(tmp_path / "journal.db")
+    data = bytes(range(256)) * (STREAM_BYTES // 256)
+    task_id = submit_split(b, 1, data)
+    end_turn(b)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 2, "credit": 2,
+                                    "proto": [1, 1], "info": {"python": "3.11"},
+                                    "pieces": True}), 0.0)
+    b.outbox.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(b.store, "read_blob", no_reads)
+        assert b.dispatch(1.0) == 1
+    [(_, frames)] = b.outbox
+    fn, _ = function()
+    # A function that came in slices is journaled with its task (its digest was not checked),
+    # so every payload frame is a span of the file.
+    assert all(isinstance(f, FileSpan) for f in frames[3:])
+    assert b"".join(f.read(0, f.length) for f in frames[3:]) == fn + data
+    assert b.tasks[task_id].payload == []  # nothing of the input came back into memory
+    # Beyond MAX_SPAN_FILES descriptors held, an input is read back whole, as before.
+    b.outbox.clear()
+    second = submit_split(b, 2, data)
+    end_turn(b)
+    monkeypatch.setattr(SharedFd, "opened", 10_000)
+    b.outbox.clear()
+    assert b.dispatch(2.0) == 1
+    [(_, frames)] = b.outbox
+    assert not any(isinstance(f, FileSpan) for f in frames)
+    assert b"".join(bytes(f) for f in frames[3:]) == fn + data
+    assert b.tasks[second].state is TaskState.LEASED
+
+
+def submit_split(b: Broker, seq: int, data: bytes) -> str:
+    """As the client sends a big buffer: in slices of a frame's size, with ``split``."""
+    fn, digest = function()
+    wire, layout = serialize.split_frames([fn, data], Limits().chunk_bytes)
+    spec = {"seq": seq, "nf": len(wire), "kind": "fn", "fn": digest, "split": layout}
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [spec]}, wire), 0.0)
+    return next(t.task_id for t in b.tasks.values() if t.seq == seq)

@@ -179,3 +179,16 @@ def test_a_piece_that_overflows_its_announced_message_is_dropped():
     overflowing = bytes(last.payload[0]) + b"!"
     assert assembler.feed(last.header, [overflowing]) == (None, None)
     assert assembler.feed(last.header, last.payload) == (None, None)  # started over
+
+
+def test_a_dropped_peer_gives_back_the_small_messages_that_waited_in_order():
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.TASK, {"n": 1}, frames_of(WINDOW_PIECES + 5)),
+                       encode(Command.HEARTBEAT, {"n": 2}),
+                       encode(Command.TASK, {"n": 3}, frames_of(ENOUGH)),
+                       encode(Command.DISCONNECT, {"reason": "kill"})], 0.0)
+    outflow.take(PEER)
+    left = messages(outflow.drop(PEER))
+    assert [(m.command, m.header) for m in left] == [
+        (Command.HEARTBEAT, {"n": 2}), (Command.DISCONNECT, {"reason": "kill"})]
+    assert not outflow.busy(PEER) and outflow.drop(PEER) == []
