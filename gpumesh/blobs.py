@@ -12,9 +12,11 @@ holds half a payload. Names are random, never reused, so a row can only ever mee
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 import secrets
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +148,16 @@ class BlobFolder:
             os.close(fd)
             raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
         return fd
+
+    def scratch(self, size: int) -> memoryview:
+        """A writable buffer of ``size`` bytes in a file of this folder that has no name
+        (O_TMPFILE), mapped: a message arriving in pieces (protocol/pieces.py) waits in the
+        page cache, which the kernel may write out, not in the process's memory. The file
+        goes with the last view of the buffer. Raises OSError."""
+        self._ensure()
+        with tempfile.TemporaryFile(dir=self.path) as scratch:
+            scratch.truncate(size)
+            return memoryview(mmap.mmap(scratch.fileno(), size))  # the mapping keeps the file
 
     def unlink(self, names: Iterable[str]) -> None:
         for name in names:

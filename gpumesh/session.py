@@ -46,12 +46,15 @@ class Link(Protocol):
     """What the session needs of the socket it speaks through (transport.DealerLink)."""
 
     batching: bool
+    sends_pieces: bool
 
     def post(self, frames: list[Any]) -> None: ...
 
     def flush(self) -> bool: ...
 
     def reset(self) -> None: ...
+
+    def forget_pieces(self) -> None: ...
 
 
 class SessionRole(Protocol):
@@ -125,8 +128,10 @@ class Session:
         fields = self.hooks.on_hello()
         header = {"role": self.role.value, "id": self.peer_id, "proto": [MAJOR, MAJOR],
                   "batch": True, "shmlock": True, "pieces": True, **fields}
+        self.link.forget_pieces()
         self.link.flush()
         self.link.batching = False  # until this coordinator's WELCOME says it reads BATCH
+        self.link.sends_pieces = False  # ... and PIECEs
         self.link.post(encode(Command.HELLO, header))
         self.link.flush()
 
@@ -141,7 +146,7 @@ class Session:
                 self._on_error(msg, now)
             elif msg.command is Command.DISCONNECT:
                 self._on_disconnect(msg.header, now)
-            elif msg.command is Command.PIECE:
+            elif msg.command in (Command.PIECE, Command.PIECE_ACK):
                 pass  # the link took it in (transport.py); hearing it is what counts here
             else:
                 self.hooks.on_message(msg, now)
@@ -184,6 +189,7 @@ class Session:
     def _on_welcome(self, header: dict[str, Any], now: float) -> None:
         self.welcomed = True
         self.link.batching = header.get("batch") is True
+        self.link.sends_pieces = header.get("pieces") is True
         self.heartbeat = _bounded(header.get("heartbeat"), HEARTBEAT_RANGE, self.heartbeat)
         liveness = _bounded(header.get("liveness"), LIVENESS_RANGE, 5)
         self.silence_limit = self.heartbeat * int(liveness)

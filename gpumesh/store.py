@@ -365,6 +365,18 @@ class Store:
             raise ValueError("a blob reference in an in-memory journal")
         return self._blobs.open(blob.name, blob.lengths)
 
+    def scratch_buffer(self, size: int) -> memoryview:
+        """A buffer for a message arriving in pieces: a mapped file without a name in the blob
+        folder (``BlobFolder.scratch``), or memory for a journal without one or when the file
+        cannot be made (a full disk: the message is then held in memory, as before)."""
+        if self._blobs is not None:
+            try:
+                return self._blobs.scratch(size)
+            except OSError as exc:
+                log.warning("cannot make a file to receive a big message in (%s): it is "
+                            "received in memory", exc.strerror or exc)
+        return memoryview(bytearray(size))
+
     def set_attempts(self, task_id: str, attempts: int) -> None:
         self._write("UPDATE tasks SET attempts = ? WHERE task_id = ?", (attempts, task_id))
 

@@ -31,7 +31,7 @@ from .protocol import (
     unbundle,
 )
 from .protocol.messages import MAGIC
-from .protocol.pieces import Assembler
+from .protocol.pieces import Assembler, Outflow, streams
 from .security import MeshKeys, configure_client
 from .session import coordinator_version, install_advice
 
@@ -41,6 +41,7 @@ log = logging.getLogger("gpumesh.transport")
 ZERO_COPY_THRESHOLD = 64 * 1024
 # An ERROR version header is a few short fields; a bigger frame of another major is not read.
 MAX_VERSION_ERROR_HEADER = 4096
+_COORDINATOR = b""  # the outflow's key for the one peer a DEALER has
 AUTH_FAILED_MESSAGE = "authentication failed: the token does not match this coordinator"
 
 
@@ -124,6 +125,9 @@ class DealerLink:
         self._outbox: list[list[Any]] = []
         self.batching = False  # the coordinator reads BATCH: set from its WELCOME
         self._assembler = Assembler(limits)
+        # Big messages to the coordinator in pieces, once its WELCOME said it reads them.
+        self._outflow = Outflow(limits)
+        self.sends_pieces = False
 
     @property
     def backlog(self) -> bool:
@@ -171,12 +175,34 @@ class DealerLink:
         self.close()
         self._inbox.clear()
         self._outbox.clear()  # a new session re-sends what matters (HELLO, unacked results)
-        self._assembler.reset()  # the rest of a message in pieces never comes to a new socket
+        self.forget_pieces()  # the rest of a message in pieces never comes to a new socket
+        self.sends_pieces = False  # until this coordinator's WELCOME says it reads them
         self.batching = False
         self.open()
 
     def send(self, frames: Sequence[Any]) -> bool:
+        """Send at once, or in pieces behind what already goes in pieces (a big SUBMIT or
+        RESULT to a coordinator whose WELCOME said it reads them). False when it could not go."""
+        if self.sends_pieces and (self._outflow.busy(_COORDINATOR) or streams(frames)):
+            self._outflow.add(_COORDINATOR, [list(frames)], 0.0)
+            return self._send_pieces()
+        return self._send_now(frames)
+
+    def forget_pieces(self) -> None:
+        """A new session: what was coming or going in pieces belongs to the old one (the
+        coordinator forgets it too when it reads HELLO), and what mattered in it is sent
+        again in the new one."""
+        self._assembler.reset()
+        self._outflow = Outflow(self.limits)
+
+    def _send_now(self, frames: Sequence[Any]) -> bool:
         return self.sock is not None and send_frames(self.sock, frames)
+
+    def _send_pieces(self) -> bool:
+        sent = True
+        for frames in self._outflow.take(_COORDINATOR):
+            sent = self._send_now(frames) and sent
+        return sent
 
     @property
     def posted(self) -> int:
@@ -239,11 +265,15 @@ class DealerLink:
         return self._with_pieces(self._inbox.popleft()) if self._inbox else None
 
     def _with_pieces(self, msg: Message) -> Message:
+        if msg.command is Command.PIECE_ACK:
+            if self._outflow.acked(_COORDINATOR, msg.header.get("x"), msg.header.get("got"), 0.0):
+                self._send_pieces()
+            return msg
         if msg.command is not Command.PIECE:
             return msg
         ack, whole = self._assembler.feed(msg.header, msg.payload)
         if ack is not None:
-            self.send(encode(Command.PIECE_ACK, ack))
+            self._send_now(encode(Command.PIECE_ACK, ack))  # never behind our own pieces
         if whole is not None:
             self._inbox.appendleft(whole)  # next out: it came before anything still waiting
         return msg

@@ -318,6 +318,9 @@ class Broker:
             ledger.send(routing, Command.DISCONNECT, {"reason": "version"})
             return
         hello = Hello.from_header(msg.header)  # checked whole before anything moves
+        # A peer saying HELLO has forgotten what was coming to it in pieces (its new session
+        # gets what matters again): going on would only wait for acknowledgements.
+        self.outflow.drop(routing)
         old = ledger.peers.get(routing)
         if old is not None and old != (hello.role, hello.peer_id):
             ledger.error(routing, ErrorCode.UNEXPECTED, "a second HELLO under another identity")
@@ -329,7 +332,7 @@ class Broker:
             "max_frame_bytes": ledger.limits.max_frame_bytes,
             "max_message_bytes": ledger.limits.max_message_bytes,
             "max_frames": ledger.limits.max_frames, "safe_mode": ledger.safe_mode,
-            "batch": True, "fnref": True,
+            "batch": True, "fnref": True, "pieces": True,
             # What peers compare with their own at join time (a worker on another Python
             # cannot load functions pickled where the coordinator runs, usually a client too).
             "python": PYTHON, "gpumesh": __version__,
@@ -368,12 +371,27 @@ class Broker:
         if isinstance(session, WorkerSession):
             # A worker still receiving a task in pieces cannot list its lease in a heartbeat
             # yet: each acknowledgement renews its leases, so a long transfer never expires one.
-            expires = now + self.ledger.timing.lease_ttl
-            tasks = self.ledger.tasks
-            for lease_id, task_id in session.leases.items():
-                task = tasks.get(task_id)
-                if task is not None and task.lease_id == lease_id:
-                    task.lease_expires = max(task.lease_expires, expires)
+            self._renew_leases(session, now)
+
+    def heard_piece(self, routing: bytes, now: float) -> bool:
+        """A PIECE of a big message came from this peer (the server puts it together). False
+        when the peer has no session. A piece is a sign of life, and a worker's renews its
+        leases: its heartbeats wait behind the result it is sending."""
+        session = self.ledger.session_at(routing)
+        if session is None:
+            return False
+        session.last_seen = now
+        if isinstance(session, WorkerSession):
+            self._renew_leases(session, now)
+        return True
+
+    def _renew_leases(self, worker: WorkerSession, now: float) -> None:
+        expires = now + self.ledger.timing.lease_ttl
+        tasks = self.ledger.tasks
+        for lease_id, task_id in worker.leases.items():
+            task = tasks.get(task_id)
+            if task is not None and task.lease_id == lease_id:
+                task.lease_expires = max(task.lease_expires, expires)
 
     def _client_submit(self, client: ClientSession, msg: Message, now: float) -> None:
         self.client_side.submit(client, Submit.from_header(msg.header), msg.payload, now)

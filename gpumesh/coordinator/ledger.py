@@ -173,14 +173,14 @@ class Ledger:
         return self.shm is not None and self.shm.verifies(proof)
 
     def reads_batches(self, routing: bytes) -> bool:
-        session = self._session_at(routing)
+        session = self.session_at(routing)
         return session is not None and session.batch
 
     def reads_pieces(self, routing: bytes) -> bool:
-        session = self._session_at(routing)
+        session = self.session_at(routing)
         return session is not None and session.pieces
 
-    def _session_at(self, routing: bytes) -> WorkerSession | ClientSession | None:
+    def session_at(self, routing: bytes) -> WorkerSession | ClientSession | None:
         peer = self.peers.get(routing)
         if peer is None:
             return None

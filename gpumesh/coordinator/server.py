@@ -25,8 +25,8 @@ from .._version import __version__
 from ..config import Settings
 from ..errors import ConfigError
 from ..fileio import FileSpan
-from ..protocol import Command, ErrorCode, ProtocolError, batches, encode
-from ..protocol.pieces import STREAM_BYTES
+from ..protocol import Command, ErrorCode, Message, ProtocolError, batches, encode
+from ..protocol.pieces import STREAM_BYTES, Inflow
 from ..protocol.serialize import payload_nbytes
 from ..security import (
     MeshKeys,
@@ -88,6 +88,9 @@ class Coordinator:
         self.broker = Broker(self.store, settings.timing, settings.limits, epoch=self.epoch,
                              now=now, safe_mode=safe_mode, shm=shm)
         self.ledger = self.broker.ledger
+        # Big messages peers send in pieces, each put together in a mapped file of the journal's
+        # blob folder (protocol/pieces.py).
+        self._inflow = Inflow(settings.limits, self.store.scratch_buffer)
         self.restored = self.broker.restore(now)
         stretching.join()
         try:
@@ -144,7 +147,7 @@ class Coordinator:
                 self._drain(now)
                 if now >= next_tick:
                     next_tick = now + tick_ms / 1000
-                    self._contained("run its timers", self.broker.tick, now)
+                    self._contained("run its timers", self._tick, now)
                 self._contained("hand out tasks", self.broker.dispatch, now)
                 self._contained("let go of journaled inputs", self.broker.spill_inputs, now)
                 self._contained("journal held results", self.ledger.journal_held_results, now)
@@ -189,15 +192,50 @@ class Coordinator:
             except ProtocolError as exc:
                 self._reject(routing, exc)
                 continue
-            broker.handle(routing, msg, now)  # contains its own failures
-            # After handle: a worker's first HELLO is counted once its session exists.
-            broker.count_traffic(routing, payload_nbytes(frames) - len(routing), up=True)
+            if msg.command is Command.HELLO:
+                self._inflow.drop(routing)  # what it was sending belongs to its old session
+            if msg.command is Command.PIECE:
+                whole = self._take_piece(routing, msg, now)
+                broker.count_traffic(routing, payload_nbytes(frames) - len(routing), up=True)
+                if whole is None:
+                    continue
+                msg = whole
+                broker.handle(routing, msg, now)
+            else:
+                broker.handle(routing, msg, now)  # contains its own failures
+                # After handle: a worker's first HELLO is counted once its session exists.
+                broker.count_traffic(routing, payload_nbytes(frames) - len(routing), up=True)
             if msg.command is Command.SUBMIT and broker.work_waits_for_idle_workers():
                 # A single call, or a .map's first chunk (the client makes it small), starts on
                 # idle workers before the rest of what arrived is read: the acknowledgements
                 # behind a client's SUBMIT, the rest of a batch. They share this turn's commit.
                 self._contained("hand out tasks", broker.dispatch, now)
                 self._send_ahead(now)
+
+    def _take_piece(self, routing: bytes, msg: Message, now: float) -> Message | None:
+        """A PIECE of a big message from a peer: into its buffer (a mapped file), acknowledged
+        at once (ahead of anything else for that peer: the peer waits for it to send on), and
+        the message itself once its last piece is in."""
+        broker = self.broker
+        if not broker.heard_piece(routing, now):
+            broker.handle(routing, msg, now)  # no session: answered as any message would be
+            return None
+        try:
+            ack, whole = self._inflow.feed(routing, msg.header, msg.payload)
+        except Exception:  # a bug of ours, or a mapping that failed: this message only
+            log.exception("failed to take in a piece of a big message")
+            self._inflow.drop(routing)
+            return None
+        if ack is not None:
+            send_frames(self._router, [routing, *encode(Command.PIECE_ACK, ack)])
+        return whole
+
+    def _tick(self, now: float) -> None:
+        self.broker.tick(now)
+        peers = self.ledger.peers
+        for routing in self._inflow.routings():
+            if routing not in peers:
+                self._inflow.drop(routing)  # its session ended mid-way: what came goes
 
     def _contained(self, duty: str, action: Callable[[float], object], now: float) -> None:
         """A bug in one turn's timers or dispatch is logged; the next turn runs as usual."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,11 +214,22 @@ class Outflow:
                 if peer.open and now - peer.progress_at > STALL_SECONDS]
 
 
-class Assembler:
-    """A peer's side: one message in pieces at a time, into one buffer. Owned by its link."""
+def memory_buffer(size: int) -> memoryview:
+    return memoryview(bytearray(size))
 
-    def __init__(self, limits: Limits) -> None:
+
+class Assembler:
+    """The receiving side of one connection: one message in pieces at a time, into one buffer
+    that ``make_buffer`` gives (memory by default; the coordinator's is a file it maps)."""
+
+    def __init__(self, limits: Limits, make_buffer: Callable[[int], memoryview] = memory_buffer,
+                 source: str = "the coordinator", join_split: bool = True) -> None:
         self.limits = limits
+        self._make_buffer = make_buffer
+        self.source = source
+        # A peer joins split frames as it would have (as views); the coordinator forwards
+        # them, as slices within the frame limit, and never joins them.
+        self.join_split = join_split
         self._xid: int | None = None
         self._buffer: memoryview | None = None
         self._lengths: list[int] = []
@@ -233,7 +244,7 @@ class Assembler:
         way, which is dropped) and, with the last piece, the message they make up."""
         xid, at = header.get("x"), header.get("at")
         if type(xid) is not int or type(at) is not int or len(payload) != 1:
-            log.warning("dropped a malformed PIECE from the coordinator")
+            log.warning("dropped a malformed PIECE from %s", self.source)
             return None, None
         piece = memoryview(payload[0].buffer if hasattr(payload[0], "buffer") else payload[0])
         if at == 0 and "total" in header:
@@ -259,9 +270,9 @@ class Assembler:
         buffer, lengths = self._buffer, self._lengths
         self.reset()
         try:
-            return ack, _decoded(buffer, lengths, self.limits)
+            return ack, _decoded(buffer, lengths, self.limits, self.join_split)
         except ProtocolError as exc:
-            log.warning("dropped a malformed message from the coordinator: %s", exc.detail)
+            log.warning("dropped a malformed message from %s: %s", self.source, exc.detail)
             return ack, None
 
     def _begin(self, xid: int, header: dict[str, Any]) -> bool:
@@ -275,11 +286,45 @@ class Assembler:
             self.reset()
             return False
         self._xid, self._lengths, self._got = xid, lengths, 0
-        self._buffer = memoryview(bytearray(total))
+        self._buffer = self._make_buffer(total)
         return True
 
+    @property
+    def receiving(self) -> bool:
+        return self._buffer is not None
 
-def _decoded(buffer: memoryview, lengths: list[int], limits: Limits) -> Message:
+
+class Inflow:
+    """The coordinator's side of messages its peers send in pieces: an assembler per peer,
+    whose buffers ``make_buffer`` gives (files it maps, so a big SUBMIT or RESULT waits in the
+    page cache, which the kernel may write out, instead of in the process's memory)."""
+
+    def __init__(self, limits: Limits, make_buffer: Callable[[int], memoryview]) -> None:
+        self.limits = limits
+        self._make_buffer = make_buffer
+        self._by_peer: dict[bytes, Assembler] = {}
+
+    def feed(self, routing: bytes, header: dict[str, Any], payload: list[Any]
+             ) -> tuple[dict[str, Any] | None, Message | None]:
+        assembler = self._by_peer.get(routing)
+        if assembler is None:
+            assembler = self._by_peer[routing] = Assembler(self.limits, self._make_buffer,
+                                                           source="a peer", join_split=False)
+        ack, whole = assembler.feed(header, payload)
+        if not assembler.receiving:
+            del self._by_peer[routing]  # done, or dropped: nothing held for this peer
+        return ack, whole
+
+    def routings(self) -> list[bytes]:
+        return list(self._by_peer)
+
+    def drop(self, routing: bytes) -> None:
+        """The peer's session ended: what it was sending goes."""
+        self._by_peer.pop(routing, None)
+
+
+def _decoded(buffer: memoryview, lengths: list[int], limits: Limits, join_split: bool
+             ) -> Message:
     """The message a transfer's buffer holds, checked as one that came whole. Frames that were
     split are joined as views: their slices lie side by side in the buffer, so the copy that
     joining costs a whole message is not made again (its ``split`` goes with it)."""
@@ -293,7 +338,7 @@ def _decoded(buffer: memoryview, lengths: list[int], limits: Limits) -> Message:
         start += length
     msg = decode(frames, limits)
     layout = msg.header.get("split")
-    if isinstance(layout, list) and all(type(n) is int and n >= 1 for n in layout) \
+    if join_split and isinstance(layout, list) and all(type(n) is int and n >= 1 for n in layout) \
             and sum(layout) == len(msg.payload):
         joined, first = [], 3
         for count in layout:

@@ -115,3 +115,70 @@ def test_a_coordinator_killed_mid_transfer_loses_nothing(mesh_env):
     coordinator.kill()
     mesh_env.start_coordinator(port=coordinator.port)  # the same journal
     assert future.result(timeout=120) == digest(item)
+
+
+def rss_anon_mib(pid: int) -> float:
+    return status_mib(pid, "RssAnon")
+
+
+class AnonPeak:
+    """The highest anonymous resident size of a process while a block runs, sampled every
+    few milliseconds (a big message held in memory stays there for far longer)."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid, self.peak, self._stop = pid, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.003):
+            self.peak = max(self.peak, rss_anon_mib(self.pid))
+
+    def __enter__(self) -> AnonPeak:
+        self.peak = rss_anon_mib(self.pid)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def echo(array: np.ndarray) -> np.ndarray:
+    return array
+
+
+def test_a_big_input_and_result_go_to_the_coordinator_in_pieces_into_files(mesh_env):
+    """The other way: a client elsewhere sends a big input, a worker elsewhere a big result,
+    each in pieces the coordinator writes into a file it maps (page cache, not its memory)."""
+    coordinator = mesh_env.start_coordinator()
+    client = remote_client(mesh_env)
+    mesh_env.add_worker(slots=1, env=NO_SHARING)
+    mesh_env.wait_workers(1, client)
+    size = 256 * MiB
+    item = np.random.default_rng(8).integers(0, 255, size, dtype=np.uint8)
+    idle = rss_anon_mib(coordinator.pid)
+    with AnonPeak(coordinator.pid) as peak:
+        back = client.submit(echo, item).result(timeout=120)
+    assert np.array_equal(back, item)
+    # Whole, the input alone took 256 MiB of the coordinator's own memory while it arrived.
+    assert peak.peak < idle + size / MiB / 4, (
+        f"the coordinator's anonymous memory peaked at {peak.peak:.0f} MiB (idle {idle:.0f}) "
+        f"passing on a {size // MiB} MiB input and result")
+
+
+def test_a_coordinator_killed_mid_upload_loses_nothing(mesh_env):
+    coordinator = mesh_env.start_coordinator()
+    client = remote_client(mesh_env)
+    item = np.random.default_rng(9).integers(0, 255, 768 * MiB, dtype=np.uint8)
+    idle = status_mib(coordinator.pid, "RssFile")
+    future = client.submit(digest, item)
+    # The coordinator's mapped file fills as the pieces come: kill it half-way.
+    wait_for(lambda: status_mib(coordinator.pid, "RssFile") > idle + 64, timeout=60,
+             what="the coordinator to be receiving the input")
+    assert not future.task_id
+    coordinator.kill()
+    mesh_env.start_coordinator(port=coordinator.port)
+    mesh_env.add_worker(slots=1, env=NO_SHARING)
+    assert future.result(timeout=180) == digest(item)

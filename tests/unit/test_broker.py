@@ -235,3 +235,13 @@ def test_what_waited_behind_pieces_for_a_session_that_ended_is_still_sent(broker
     assert not broker.outflow.busy(W)
     assert any(r == W and decode(f, Limits()).command is Command.DISCONNECT
                for r, f in broker.outbox)
+
+
+def test_a_piece_from_a_worker_is_a_sign_of_life_and_renews_its_leases(broker):
+    task_id = submit(broker, {})
+    broker.dispatch(0.0)
+    task = broker.tasks[task_id]
+    assert broker.heard_piece(W, 7.0)
+    assert task.lease_expires == 7.0 + Timing().lease_ttl
+    assert broker.workers["w1"].last_seen == 7.0
+    assert not broker.heard_piece(b"nobody", 7.0)  # no session: the server answers NO_SESSION

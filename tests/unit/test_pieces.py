@@ -11,7 +11,14 @@ import pytest
 from gpumesh.config import Limits
 from gpumesh.fileio import SharedFd
 from gpumesh.protocol import Command, Message, decode, encode
-from gpumesh.protocol.pieces import STREAM_BYTES, WINDOW_PIECES, Assembler, Outflow, streams
+from gpumesh.protocol.pieces import (
+    STREAM_BYTES,
+    WINDOW_PIECES,
+    Assembler,
+    Inflow,
+    Outflow,
+    streams,
+)
 
 LIMITS = Limits()
 PIECE = LIMITS.chunk_bytes
@@ -192,3 +199,43 @@ def test_a_dropped_peer_gives_back_the_small_messages_that_waited_in_order():
     assert [(m.command, m.header) for m in left] == [
         (Command.HEARTBEAT, {"n": 2}), (Command.DISCONNECT, {"reason": "kill"})]
     assert not outflow.busy(PEER) and outflow.drop(PEER) == []
+
+
+def test_the_coordinators_inflow_fills_a_mapped_file_and_passes_split_frames_on_as_they_came(
+        tmp_path):
+    import mmap
+
+    from gpumesh.blobs import BlobFolder
+    from gpumesh.protocol import serialize
+
+    folder = BlobFolder(tmp_path / "blobs", sync=False)
+    made: list[memoryview] = []
+
+    def scratch(size: int) -> memoryview:
+        made.append(folder.scratch(size))
+        return made[-1]
+
+    data = big(ENOUGH * PIECE + 3)
+    wire, layout = serialize.split_frames([b"fn", data], LIMITS.chunk_bytes)
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.SUBMIT, {"split": layout}, wire)], 0.0)
+    inflow = Inflow(LIMITS, scratch)
+    whole = None
+    while (pieces := messages(outflow.take(PEER))):
+        for piece in pieces:
+            ack, done = inflow.feed(PEER, piece.header, piece.payload)
+            outflow.acked(PEER, ack["x"], ack["got"], 0.0)
+            whole = done or whole
+    assert whole is not None and whole.header == {"split": layout}  # not joined: forwarded
+    assert [bytes(f) for f in whole.payload] == [bytes(f) for f in wire]
+    assert isinstance(made[0].obj, mmap.mmap) and inflow.routings() == []
+    assert list((tmp_path / "blobs").iterdir()) == []  # the file has no name
+
+
+def test_a_transfer_cut_off_by_a_new_session_is_forgotten():
+    inflow = Inflow(LIMITS, lambda size: memoryview(bytearray(size)))
+    first = pieces_of(frames_of(ENOUGH))[0]
+    assert inflow.feed(PEER, first.header, first.payload)[0] is not None
+    assert inflow.routings() == [PEER]
+    inflow.drop(PEER)
+    assert inflow.routings() == []

@@ -22,6 +22,8 @@ TIMING = Timing(heartbeat=1.0, liveness=5, backoff_min=1.0, backoff_max=4.0)
 class FakeLink:
     def __init__(self) -> None:
         self.batching = False
+        self.sends_pieces = False
+        self.forgotten = 0
         self.posted: list[list[Any]] = []
         self.sent: list[Message] = []
         self.resets = 0
@@ -38,6 +40,9 @@ class FakeLink:
         self.resets += 1
         self.posted = []
         self.batching = False
+
+    def forget_pieces(self) -> None:
+        self.forgotten += 1
 
     def commands(self) -> list[Command]:
         self.flush()
@@ -96,8 +101,11 @@ def test_hello_carries_the_sessions_fields_and_the_roles(session):
 def test_welcome_sets_the_coordinators_timing_within_bounds_and_batching(session):
     s, link, role = session
     s.start(0.0)
-    s.on_message(message(Command.WELCOME, {"heartbeat": 0.5, "liveness": 3, "batch": True}), 0.1)
-    assert s.welcomed and link.batching and role.calls[-1] == ("welcome", 0.1)
+    assert link.forgotten == 1  # a HELLO forgets what went or came in pieces
+    s.on_message(message(Command.WELCOME, {"heartbeat": 0.5, "liveness": 3, "batch": True,
+                                           "pieces": True}), 0.1)
+    assert s.welcomed and link.batching and link.sends_pieces
+    assert role.calls[-1] == ("welcome", 0.1)
     assert (s.heartbeat, s.silence_limit) == (0.5, 1.5)
     # A hostile or broken WELCOME cannot make the loop spin or never notice silence.
     s.on_message(message(Command.WELCOME, {"heartbeat": 0.0, "liveness": 10**9}), 0.2)
