@@ -156,7 +156,9 @@ class BlobFolder:
         goes with the last view of the buffer. Raises OSError."""
         self._ensure()
         with tempfile.TemporaryFile(dir=self.path) as scratch:
-            scratch.truncate(size)
+            # Allocated now, not sparse: a full disk is an OSError here, where a write into
+            # the mapping of a sparse file would kill the process with SIGBUS.
+            os.posix_fallocate(scratch.fileno(), 0, size)
             return memoryview(mmap.mmap(scratch.fileno(), size))  # the mapping keeps the file
 
     def unlink(self, names: Iterable[str]) -> None:

@@ -56,6 +56,8 @@ class Link(Protocol):
 
     def forget_pieces(self) -> None: ...
 
+    def pieces_stalled(self, now: float, limit: float) -> bool: ...
+
 
 class SessionRole(Protocol):
     """The hooks a role (client, worker) gives the session."""
@@ -129,9 +131,9 @@ class Session:
         header = {"role": self.role.value, "id": self.peer_id, "proto": [MAJOR, MAJOR],
                   "batch": True, "shmlock": True, "pieces": True, **fields}
         self.link.forget_pieces()
+        self.link.sends_pieces = False  # until this coordinator's WELCOME says it reads PIECEs
         self.link.flush()
-        self.link.batching = False  # until this coordinator's WELCOME says it reads BATCH
-        self.link.sends_pieces = False  # ... and PIECEs
+        self.link.batching = False  # ... and BATCH
         self.link.post(encode(Command.HELLO, header))
         self.link.flush()
 
@@ -171,6 +173,13 @@ class Session:
             self.reconnect_at = now + delay
             self.hooks.on_lost(now, delay, was_welcomed)
             return
+        if self.welcomed and self.link.pieces_stalled(now, self.silence_limit):
+            # The coordinator takes none of what we send in pieces, and everything but our
+            # heartbeats waits behind it: a new session sends again what matters.
+            log.warning("the coordinator at %s took no piece of a big message for %.0fs: "
+                        "starting a new session", self.endpoint, self.silence_limit)
+            self.hello()
+            return
         if self.welcomed and now - self.last_heartbeat >= self.heartbeat:
             self.last_heartbeat = now
             self.link.post(encode(Command.HEARTBEAT, self.hooks.heartbeat_header()))
@@ -199,7 +208,10 @@ class Session:
     def _on_error(self, msg: Message, now: float) -> None:
         code = msg.header.get("code")
         if code == ErrorCode.NO_SESSION.value:
-            self.hello()  # the coordinator restarted or forgot us: a new session
+            if self.welcomed:  # the coordinator restarted or forgot us: a new session
+                self.hello()
+            # Otherwise our HELLO is on its way (or the silence timer catches it if lost):
+            # another would only have the coordinator forget what this one started.
         elif code == ErrorCode.VERSION.value:
             version = coordinator_version(msg.header)
             advice = "" if version is None else \

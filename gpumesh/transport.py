@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +43,7 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 # An ERROR version header is a few short fields; a bigger frame of another major is not read.
 MAX_VERSION_ERROR_HEADER = 4096
 _COORDINATOR = b""  # the outflow's key for the one peer a DEALER has
+_HEARTBEAT = bytes([Command.HEARTBEAT])
 AUTH_FAILED_MESSAGE = "authentication failed: the token does not match this coordinator"
 
 
@@ -127,6 +129,7 @@ class DealerLink:
         self._assembler = Assembler(limits)
         # Big messages to the coordinator in pieces, once its WELCOME said it reads them.
         self._outflow = Outflow(limits)
+        self._pieces_broken = False
         self.sends_pieces = False
 
     @property
@@ -182,11 +185,26 @@ class DealerLink:
 
     def send(self, frames: Sequence[Any]) -> bool:
         """Send at once, or in pieces behind what already goes in pieces (a big SUBMIT or
-        RESULT to a coordinator whose WELCOME said it reads them). False when it could not go."""
-        if self.sends_pieces and (self._outflow.busy(_COORDINATOR) or streams(frames)):
-            self._outflow.add(_COORDINATOR, [list(frames)], 0.0)
-            return self._send_pieces()
+        RESULT to a coordinator whose WELCOME said it reads them): True then, as it goes
+        unless the session ends (and a new session sends again what matters). A HEARTBEAT
+        never waits behind pieces: it only says we are here, and earlier is no harm. False
+        when it could not go."""
+        if self.sends_pieces and frames[1] != _HEARTBEAT \
+                and (self._outflow.busy(_COORDINATOR) or streams(frames)):
+            self._outflow.add(_COORDINATOR, [list(frames)], time.time())
+            self._send_pieces()
+            return True
         return self._send_now(frames)
+
+    @property
+    def sending_pieces(self) -> bool:
+        """A message is still going to the coordinator in pieces (or waits behind one)."""
+        return self._outflow.busy(_COORDINATOR)
+
+    def pieces_stalled(self, now: float, limit: float) -> bool:
+        """The coordinator acknowledged none of our pieces for ``limit`` seconds, or one could
+        not be sent: the transfer cannot finish in this session."""
+        return self._pieces_broken or bool(self._outflow.stalled(now, limit))
 
     def forget_pieces(self) -> None:
         """A new session: what was coming or going in pieces belongs to the old one (the
@@ -194,15 +212,16 @@ class DealerLink:
         again in the new one."""
         self._assembler.reset()
         self._outflow = Outflow(self.limits)
+        self._pieces_broken = False
 
     def _send_now(self, frames: Sequence[Any]) -> bool:
         return self.sock is not None and send_frames(self.sock, frames)
 
-    def _send_pieces(self) -> bool:
-        sent = True
+    def _send_pieces(self) -> None:
         for frames in self._outflow.take(_COORDINATOR):
-            sent = self._send_now(frames) and sent
-        return sent
+            if not self._send_now(frames):
+                self._pieces_broken = True  # a piece is missing: the session starts over
+                return
 
     @property
     def posted(self) -> int:
@@ -218,6 +237,10 @@ class DealerLink:
         if not self._outbox:
             return True
         out, self._outbox = self._outbox, []
+        if self.sending_pieces:  # heartbeats go now; the rest waits its turn behind the pieces
+            for frames in [f for f in out if f[1] == _HEARTBEAT]:
+                self._send_now(frames)
+            out = [f for f in out if f[1] != _HEARTBEAT]
         if len(out) > 1 and self.batching:
             out = batches(out, self.limits)
         sent = True
@@ -266,7 +289,8 @@ class DealerLink:
 
     def _with_pieces(self, msg: Message) -> Message:
         if msg.command is Command.PIECE_ACK:
-            if self._outflow.acked(_COORDINATOR, msg.header.get("x"), msg.header.get("got"), 0.0):
+            if self._outflow.acked(_COORDINATOR, msg.header.get("x"), msg.header.get("got"),
+                                   time.time()):
                 self._send_pieces()
             return msg
         if msg.command is not Command.PIECE:

@@ -847,7 +847,10 @@ class Engine:
         if now - self._last_resend_check >= RESEND_AFTER / 4:
             # A scan of everything outstanding: a few times per RESEND_AFTER, not per turn.
             self._last_resend_check = now
-            quiet = now - max(self._last_accepted, self._welcomed_at) > RESEND_AFTER
+            # Not while a SUBMIT still goes in pieces: the coordinator cannot answer one it
+            # has not had whole, and sent again it would go whole again behind it.
+            quiet = now - max(self._last_accepted, self._welcomed_at) > RESEND_AFTER \
+                and not self._link.sending_pieces
             stale = [s for s in self._outstanding.values()
                      if quiet and not s.task_id and not s.busy
                      and now - s.sent_at > RESEND_AFTER]

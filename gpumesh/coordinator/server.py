@@ -218,8 +218,9 @@ class Coordinator:
         the message itself once its last piece is in."""
         broker = self.broker
         if not broker.heard_piece(routing, now):
-            broker.handle(routing, msg, now)  # no session: answered as any message would be
-            return None
+            if msg.header.get("at") == 0:
+                broker.handle(routing, msg, now)  # no session: answered NO_SESSION, once
+            return None  # the rest of that message: one answer is enough (each makes a HELLO)
         try:
             ack, whole = self._inflow.feed(routing, msg.header, msg.payload)
         except Exception:  # a bug of ours, or a mapping that failed: this message only

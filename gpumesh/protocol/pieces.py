@@ -208,10 +208,10 @@ class Outflow:
             self.sending -= 1
         return [frames for frames in peer.queue if not streams(frames)]
 
-    def stalled(self, now: float) -> list[bytes]:
-        """Peers that acknowledged nothing for STALL_SECONDS while pieces waited on them."""
+    def stalled(self, now: float, limit: float = STALL_SECONDS) -> list[bytes]:
+        """Peers that acknowledged nothing for ``limit`` seconds while pieces waited on them."""
         return [routing for routing, peer in self._peers.items()
-                if peer.open and now - peer.progress_at > STALL_SECONDS]
+                if peer.open and now - peer.progress_at > limit]
 
 
 def memory_buffer(size: int) -> memoryview:

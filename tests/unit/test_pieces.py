@@ -239,3 +239,24 @@ def test_a_transfer_cut_off_by_a_new_session_is_forgotten():
     assert inflow.routings() == [PEER]
     inflow.drop(PEER)
     assert inflow.routings() == []
+
+
+def test_a_full_disk_makes_the_coordinator_receive_in_memory_not_die(tmp_path, monkeypatch):
+    import errno
+
+    from gpumesh.store import Store
+
+    store = Store(tmp_path / "journal.db")
+    try:
+        assert not isinstance(store.scratch_buffer(4096).obj, bytearray)  # a mapped file
+
+        def full(fd: int, offset: int, size: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        # A sparse file would map, then kill the process (SIGBUS) at the first write past
+        # the disk's end: the space is allocated first, and a full disk says so at once.
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        buffer = store.scratch_buffer(4096)
+        assert isinstance(buffer.obj, bytearray) and len(buffer) == 4096
+    finally:
+        store.close()

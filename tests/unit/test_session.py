@@ -23,6 +23,7 @@ class FakeLink:
     def __init__(self) -> None:
         self.batching = False
         self.sends_pieces = False
+        self.stalled = False
         self.forgotten = 0
         self.posted: list[list[Any]] = []
         self.sent: list[Message] = []
@@ -43,6 +44,10 @@ class FakeLink:
 
     def forget_pieces(self) -> None:
         self.forgotten += 1
+        self.stalled = False
+
+    def pieces_stalled(self, now: float, limit: float) -> bool:
+        return self.stalled
 
     def commands(self) -> list[Command]:
         self.flush()
@@ -217,3 +222,25 @@ def test_what_was_posted_before_hello_goes_out_before_it(session):
     s.hello()
     assert link.commands()[-2:] == [Command.RESULT, Command.HELLO]
     assert not link.batching  # until the next WELCOME says so
+
+
+def test_a_no_session_answer_while_our_hello_is_on_its_way_makes_no_other(session):
+    # Each piece of a big message still on its way when the coordinator restarted could be
+    # answered NO_SESSION: a HELLO for each would make it forget what the first one started.
+    s, link, role = session
+    s.start(0.0)
+    for at in (0.1, 0.2, 0.3):
+        s.on_message(message(Command.ERROR, {"code": ErrorCode.NO_SESSION.value}), at)
+    assert link.commands() == [Command.HELLO]
+
+
+def test_pieces_the_coordinator_takes_no_more_of_start_a_new_session(session):
+    s, link, role = session
+    s.start(0.0)
+    s.on_message(message(Command.WELCOME), 0.0)
+    s.tick(0.5)
+    assert link.commands() == [Command.HELLO]
+    link.stalled = True  # nothing of a big message acknowledged for the silence limit
+    s.tick(1.0)
+    assert link.commands() == [Command.HELLO, Command.HELLO] and not s.welcomed
+    assert link.forgotten == 2 and not link.stalled
