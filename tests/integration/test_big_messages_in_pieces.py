@@ -17,6 +17,10 @@ from gpumesh import GPUMesh
 
 MiB = 1024 * 1024
 NO_SHARING = {"GPUMESH_SHARED_MEMORY": "0"}  # as a worker on another machine
+# The default heartbeat, not the tests' fast one: a worker handing a task of hundreds of MiB to
+# its runner (one copy into a memfd, on the agent's loop) can pass the fast silence limit of
+# one second on a loaded 2-core machine, and then loses the lease it is running.
+BIG_TIMING = {"GPUMESH_HEARTBEAT": "1", "GPUMESH_LEASE_TTL": "10"}
 
 
 def status_mib(pid: int, field: str) -> float:
@@ -86,7 +90,7 @@ def mid_transfer(worker_pid: int, idle: float, what: str) -> None:
 
 
 def test_a_worker_killed_mid_transfer_loses_nothing(mesh_env):
-    mesh_env.env["GPUMESH_QUEUE_MEMORY_MB"] = "1"
+    mesh_env.env.update(BIG_TIMING, GPUMESH_QUEUE_MEMORY_MB="1")
     mesh_env.start_coordinator()
     client = remote_client(mesh_env)
     item = np.random.default_rng(6).integers(0, 255, 512 * MiB, dtype=np.uint8)
@@ -102,7 +106,7 @@ def test_a_worker_killed_mid_transfer_loses_nothing(mesh_env):
 
 
 def test_a_coordinator_killed_mid_transfer_loses_nothing(mesh_env):
-    mesh_env.env["GPUMESH_QUEUE_MEMORY_MB"] = "1"
+    mesh_env.env.update(BIG_TIMING, GPUMESH_QUEUE_MEMORY_MB="1")
     coordinator = mesh_env.start_coordinator()
     client = remote_client(mesh_env)
     item = np.random.default_rng(7).integers(0, 255, 512 * MiB, dtype=np.uint8)
@@ -152,6 +156,7 @@ def echo(array: np.ndarray) -> np.ndarray:
 def test_a_big_input_and_result_go_to_the_coordinator_in_pieces_into_files(mesh_env):
     """The other way: a client elsewhere sends a big input, a worker elsewhere a big result,
     each in pieces the coordinator writes into a file it maps (page cache, not its memory)."""
+    mesh_env.env.update(BIG_TIMING)
     coordinator = mesh_env.start_coordinator()
     client = remote_client(mesh_env)
     mesh_env.add_worker(slots=1, env=NO_SHARING)
@@ -169,6 +174,7 @@ def test_a_big_input_and_result_go_to_the_coordinator_in_pieces_into_files(mesh_
 
 
 def test_a_coordinator_killed_mid_upload_loses_nothing(mesh_env):
+    mesh_env.env.update(BIG_TIMING)
     coordinator = mesh_env.start_coordinator()
     client = remote_client(mesh_env)
     item = np.random.default_rng(9).integers(0, 255, 768 * MiB, dtype=np.uint8)
