@@ -110,15 +110,9 @@ class BlobFolder:
         Raises ValueError when the name is not one this folder makes, or the file is missing or
         not exactly as long as the frames: its bytes are gone. Raises OSError for a failure that
         may pass (too many open files, no memory, an I/O error): try again later."""
-        total = _checked_total(name, lengths)
+        fd = self.open(name, lengths)
         try:
-            fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ValueError(f"its payload file {name} is missing") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != total:
-                raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
+            total = sum(lengths)
             view = memoryview(bytearray(total))
             got = read_into(fd, view)
             if got < total:
@@ -132,8 +126,8 @@ class BlobFolder:
         return frames
 
     def open(self, name: str, lengths: Sequence[int]) -> int:
-        """A read-only descriptor of a blob, checked as ``read`` checks it, for reading its
-        frames a piece at a time (protocol/pieces.py). Raises as ``read`` does."""
+        """A read-only descriptor of a blob, checked as ``read`` checks it (``read`` reads
+        through it; protocol/pieces.py reads a piece at a time). Raises as ``read`` does."""
         total = _checked_total(name, lengths)
         try:
             fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
@@ -141,12 +135,11 @@ class BlobFolder:
             raise ValueError(f"its payload file {name} is missing") from None
         try:
             size = os.fstat(fd).st_size
-        except OSError:
+            if size != total:
+                raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
+        except BaseException:
             os.close(fd)
             raise
-        if size != total:
-            os.close(fd)
-            raise ValueError(f"its payload file {name} has {size} bytes, not {total}")
         return fd
 
     def scratch(self, size: int) -> memoryview:

@@ -89,33 +89,30 @@ def mid_transfer(worker_pid: int, idle: float, what: str) -> None:
              what=f"{what} to be receiving the task's input")
 
 
-def test_a_worker_killed_mid_transfer_loses_nothing(mesh_env):
-    mesh_env.env.update(BIG_TIMING, GPUMESH_QUEUE_MEMORY_MB="1")
-    mesh_env.start_coordinator()
-    client = remote_client(mesh_env)
-    item = np.random.default_rng(6).integers(0, 255, 512 * MiB, dtype=np.uint8)
-    [future] = queued(client, [item])
-    first = mesh_env.add_worker(slots=1, env=NO_SHARING)
-    wait_for(lambda: first.pid and status_mib(first.pid, "VmRSS") > 0, what="the worker up")
-    idle = status_mib(first.pid, "VmRSS")
-    mid_transfer(first.pid, idle, "the first worker")
-    assert not future.done()
-    first.kill()
-    mesh_env.add_worker(slots=1, env=NO_SHARING)
-    assert future.result(timeout=120) == digest(item)
-
-
-def test_a_coordinator_killed_mid_transfer_loses_nothing(mesh_env):
+def task_going_to_a_worker(mesh_env, seed: int) -> tuple:
+    """A 512 MiB task queued on disk, and a worker that has started to receive it."""
     mesh_env.env.update(BIG_TIMING, GPUMESH_QUEUE_MEMORY_MB="1")
     coordinator = mesh_env.start_coordinator()
     client = remote_client(mesh_env)
-    item = np.random.default_rng(7).integers(0, 255, 512 * MiB, dtype=np.uint8)
+    item = np.random.default_rng(seed).integers(0, 255, 512 * MiB, dtype=np.uint8)
     [future] = queued(client, [item])
     worker = mesh_env.add_worker(slots=1, env=NO_SHARING)
     wait_for(lambda: worker.pid and status_mib(worker.pid, "VmRSS") > 0, what="the worker up")
     idle = status_mib(worker.pid, "VmRSS")
     mid_transfer(worker.pid, idle, "the worker")
     assert not future.done()
+    return coordinator, worker, future, item
+
+
+def test_a_worker_killed_mid_transfer_loses_nothing(mesh_env):
+    _, first, future, item = task_going_to_a_worker(mesh_env, 6)
+    first.kill()
+    mesh_env.add_worker(slots=1, env=NO_SHARING)
+    assert future.result(timeout=120) == digest(item)
+
+
+def test_a_coordinator_killed_mid_transfer_loses_nothing(mesh_env):
+    coordinator, _, future, item = task_going_to_a_worker(mesh_env, 7)
     coordinator.kill()
     mesh_env.start_coordinator(port=coordinator.port)  # the same journal
     assert future.result(timeout=120) == digest(item)
