@@ -121,7 +121,11 @@ class Outflow:
         self.window = WINDOW_PIECES * self.piece_bytes
         self._peers: dict[bytes, _Peer] = {}
         self._next_xid = 0
-        self.sending = 0  # transfers under way, all peers
+
+    @property
+    def sending(self) -> int:
+        """Transfers under way, all peers."""
+        return sum(peer.transfer is not None for peer in self._peers.values())
 
     def busy(self, routing: bytes) -> bool:
         """Whether messages to this peer wait behind one in pieces (so a new one must too)."""
@@ -157,7 +161,6 @@ class Outflow:
                     continue
                 transfer = peer.transfer = self._start(frames)
                 peer.open[transfer.xid] = (peer.sent, transfer.total)
-                self.sending += 1
             while transfer.sent < transfer.total and peer.sent - peer.acked < self.window:
                 header: dict[str, Any] = {"x": transfer.xid, "at": transfer.sent}
                 if transfer.sent == 0:
@@ -168,7 +171,6 @@ class Outflow:
             if transfer.sent < transfer.total:
                 return out  # the window is full: an acknowledgement lets more go
             peer.transfer = None  # its frames go: a file it read is closed with the last
-            self.sending -= 1
 
     def _start(self, frames: list[Any]) -> _Transfer:
         self._next_xid += 1
@@ -204,8 +206,6 @@ class Outflow:
         peer = self._peers.pop(routing, None)
         if peer is None:
             return []
-        if peer.transfer is not None:
-            self.sending -= 1
         return [frames for frames in peer.queue if not streams(frames)]
 
     def stalled(self, now: float, limit: float = STALL_SECONDS) -> list[bytes]:
