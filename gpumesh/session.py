@@ -197,6 +197,9 @@ class Session:
 
     def _on_welcome(self, header: dict[str, Any], now: float) -> None:
         self.welcomed = True
+        # A HELLO from before a silence can be answered while we wait out the backoff: this
+        # session stands, and the backoff's end must not start another over it.
+        self.reconnect_at = None
         self.link.batching = header.get("batch") is True
         self.link.sends_pieces = header.get("pieces") is True
         self.heartbeat = _bounded(header.get("heartbeat"), HEARTBEAT_RANGE, self.heartbeat)
@@ -208,7 +211,12 @@ class Session:
     def _on_error(self, msg: Message, now: float) -> None:
         code = msg.header.get("code")
         if code == ErrorCode.NO_SESSION.value:
-            if self.welcomed:  # the coordinator restarted or forgot us: a new session
+            if self.welcomed or self.reconnect_at is not None:
+                # The coordinator restarted or forgot us; or, while we wait out the backoff
+                # after its silence, it answers what we had sent before: it is back, and a new
+                # session starts now. Waiting out the backoff could cost what a worker holds (a
+                # restarted coordinator re-queues unclaimed work after its restore grace).
+                self.reconnect_at = None
                 self.hello()
             # Otherwise our HELLO is on its way (or the silence timer catches it if lost):
             # another would only have the coordinator forget what this one started.

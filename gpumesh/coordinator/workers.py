@@ -93,14 +93,12 @@ class WorkerSide:
         claimed: dict[int, str] = {}
         for task_id, lease_id in hello.held:
             task = ledger.tasks.get(task_id)
+            # At most what it can run and queue: a held task beyond that is a finished one
+            # (its result comes right after WELCOME and is taken then, see `result`) or a
+            # claim on work this worker never had.
             if task is not None and self._may_claim(task, lease_id, worker_id) \
                     and len(claimed) < worker.slots + worker.prefetch:
-                if task.state is TaskState.RESTORED:
-                    task.move(TaskState.LEASED)
-                    task.attempts = max(task.attempts, 1)
-                    task.grant(lease_id, worker_id)
-                task.lease_id, task.worker_id = lease_id, worker_id
-                task.lease_expires = now + ledger.timing.lease_ttl
+                self._claim(task, lease_id, worker_id, now)
                 claimed[lease_id] = task_id
             else:
                 abort.append(lease_id)
@@ -122,6 +120,15 @@ class WorkerSide:
                   lambda w: w.state is WorkerState.LOST,
                   f"this coordinator already has {MAX_WORKER_RECORDS} workers connected")
 
+    def _claim(self, task: Task, lease_id: int, worker_id: str, now: float) -> None:
+        """The worker keeps the task under the lease it holds (restored: granted it now)."""
+        if task.state is TaskState.RESTORED:
+            task.move(TaskState.LEASED)
+            task.attempts = max(task.attempts, 1)
+            task.grant(lease_id, worker_id)
+        task.lease_id, task.worker_id = lease_id, worker_id
+        task.lease_expires = now + self.ledger.timing.lease_ttl
+
     def _may_claim(self, task: Task, lease_id: int, worker_id: str) -> bool:
         """A worker keeps a task across a reconnect only under the lease it was granted; after
         a coordinator restart (nothing granted yet) only under a lease of an earlier run."""
@@ -130,7 +137,7 @@ class WorkerSide:
         if task.state is TaskState.LEASED:
             return task.lease_id == lease_id and task.worker_id == worker_id \
                 and task.granted_to(lease_id, worker_id)
-        return task.state is TaskState.RESTORED and lease_id >> 40 < self.ledger.epoch \
+        return task.state is TaskState.RESTORED and 0 < lease_id >> 40 < self.ledger.epoch \
             and lease_id >= task.lease_floor
 
     def _release(self, worker: WorkerSession, leases: tuple[int, ...], now: float) -> None:
@@ -183,6 +190,14 @@ class WorkerSide:
             worker.granted = max(worker.granted, res.granted)
         task = ledger.tasks.get(res.task)
         ack = {"task": res.task, "lease": res.lease}
+        if task is not None and task.state is TaskState.RESTORED \
+                and res.status in (ResultStatus.OK, ResultStatus.ERROR) \
+                and self._may_claim(task, res.lease, worker.worker_id):
+            # Finished before the restart and not claimed in the HELLO (which claims no more
+            # than the worker's slots): its result is the claim, so the work is not done twice.
+            # Only a result of the task's own: a crash or a cancellation decides nothing here.
+            self._claim(task, res.lease, worker.worker_id, now)
+            worker.leases[res.lease] = task.task_id
         if task is not None and not task.granted_to(res.lease, worker.worker_id):
             # Not a lease this coordinator run gave this worker: forged, or from before a
             # restart and never re-claimed. Either way it must not decide the task.

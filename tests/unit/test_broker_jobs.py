@@ -321,6 +321,40 @@ def test_a_malformed_held_list_moves_nothing(broker):
     assert sent(restarted, Command.ERROR)[-1]["code"] == "malformed"
 
 
+def test_results_finished_before_a_restart_count_beyond_what_the_hello_may_claim(broker):
+    # A worker that ran on while the coordinator was down holds more finished results than
+    # its slots; its HELLO claims only as many, and each result it then sends is the claim.
+    store = broker.store
+    *tasks, other = submit(broker, 5)
+    store.commit()
+    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    restarted.restore(10.0)
+    leases = {task_id: (1 << 40) + i for i, task_id in enumerate(tasks)}
+    hello_worker(restarted, W, "w1", now=11.0, held=[[t, lease] for t, lease in leases.items()])
+    (welcome,) = sent(restarted, Command.WELCOME, W)
+    assert 0 < len(welcome["abort"]) < len(tasks)  # the HELLO claimed its slots' worth
+
+    def result_under(task_id: str, lease: int, now: float) -> str:
+        restarted.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease,
+                                                 "status": "ok", "encoding": "json",
+                                                 "elapsed": 0.5}, [b'{"v": 1}']), now)
+        restarted.tick(now)
+        return sent(restarted, Command.RESULT_ACK, W)[-1]["disposition"]
+
+    # A lease no earlier run could have granted decides nothing, nor does a crash.
+    assert result_under(other, (2 << 40) + 1, 11.1) == "rejected"
+    assert result_under(other, 7, 11.1) == "rejected"  # epoch 0: no coordinator ever ran one
+    crashed = {"task": other, "lease": (1 << 40) + 9, "status": "crashed", "elapsed": 0.5}
+    restarted.handle(W, msg(Command.RESULT, crashed), 11.1)
+    assert sent(restarted, Command.RESULT_ACK, W)[-1]["disposition"] == "rejected"
+    assert restarted.tasks[other].state is TaskState.RESTORED
+    assert {result_under(t, lease, 11.2) for t, lease in leases.items()} == {"accepted"}
+    assert restarted.workers["w1"].leases == {}  # nothing held that the results did not end
+    restarted.tick(20.0)  # past the restore grace: only the task nobody held is queued again
+    assert [restarted.tasks[t].state for t in tasks] == [TaskState.DONE] * len(tasks)
+    assert restarted.tasks[other].state is TaskState.PENDING
+
+
 def test_finish_times_and_outcomes_survive_a_restart():
     store = Store(":memory:")
     first = Broker(store, Timing(), Limits(), epoch=1, now=0.0)

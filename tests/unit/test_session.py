@@ -244,3 +244,39 @@ def test_pieces_the_coordinator_takes_no_more_of_start_a_new_session(session):
     s.tick(1.0)
     assert link.commands() == [Command.HELLO, Command.HELLO] and not s.welcomed
     assert link.forgotten == 2 and not link.stalled
+
+
+def test_a_coordinator_back_while_we_wait_out_the_backoff_gets_our_hello_at_once(session):
+    # Restarted after a kill -9: what the worker held comes back only if its HELLO claims it
+    # within the restore grace; the backoff (up to its maximum) would let that pass.
+    s, link, role = session
+    s.start(0.0)
+    s.on_message(message(Command.WELCOME), 0.0)
+    s.tick(5.01)  # silence: a HELLO is due after the backoff, on a new socket
+    assert s.reconnect_at is not None
+    link.commands()
+    link.sent.clear()
+    for at in (5.2, 5.21, 5.22):  # the old socket's queued messages reach the new coordinator
+        s.on_message(message(Command.ERROR, {"code": ErrorCode.NO_SESSION.value}), at)
+    assert link.commands() == [Command.HELLO]  # one, now, on the socket that answered
+    assert s.reconnect_at is None and link.resets == 0
+    s.tick(7.0)  # the backoff's end makes no second session
+    assert link.commands() == [Command.HELLO] and link.resets == 0
+
+
+def test_a_welcome_while_we_wait_out_the_backoff_keeps_that_session(session, monkeypatch):
+    # The HELLO said on the new socket after the first backoff is answered during the next
+    # one: that session stands, with heartbeats, and the backoff's end starts no other.
+    monkeypatch.setattr("gpumesh.session._jitter.uniform", lambda a, b: 1.0)  # no jitter
+    s, link, role = session
+    s.start(0.0)
+    s.tick(5.01)  # no answer: a backoff, then a HELLO on a new socket
+    s.tick(6.01)
+    s.tick(11.02)  # none again: another backoff
+    assert s.reconnect_at is not None and link.resets == 1
+    s.on_message(message(Command.WELCOME), 11.5)
+    assert s.welcomed and s.reconnect_at is None
+    link.commands()
+    link.sent.clear()
+    s.tick(13.1)
+    assert link.commands() == [Command.HEARTBEAT] and link.resets == 1
