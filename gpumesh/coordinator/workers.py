@@ -140,6 +140,17 @@ class WorkerSide:
         return task.state is TaskState.RESTORED and 0 < lease_id >> 40 < self.ledger.epoch \
             and lease_id >= task.lease_floor
 
+    def _result_claims(self, task: Task, lease_id: int, worker_id: str) -> bool:
+        """A result under a lease of an earlier run claims a task still restored (its HELLO
+        claimed no more than its slots), or one another worker claimed under another attempt
+        of an earlier run (two were running at the restart: the first to finish counts)."""
+        if task.state is TaskState.RESTORED:
+            return self._may_claim(task, lease_id, worker_id)
+        epoch = self.ledger.epoch
+        return task.state is TaskState.LEASED and task.lease_id >> 40 < epoch \
+            and lease_id != task.lease_id and 0 < lease_id >> 40 < epoch \
+            and lease_id >= task.lease_floor and not task.cancel_requested
+
     def _release(self, worker: WorkerSession, leases: tuple[int, ...], now: float) -> None:
         """Tasks the worker hands back unstarted (its owner paused it): no attempt is spent."""
         for lease_id in leases:
@@ -190,14 +201,16 @@ class WorkerSide:
             worker.granted = max(worker.granted, res.granted)
         task = ledger.tasks.get(res.task)
         ack = {"task": res.task, "lease": res.lease}
-        if task is not None and task.state is TaskState.RESTORED \
-                and res.status in (ResultStatus.OK, ResultStatus.ERROR) \
-                and self._may_claim(task, res.lease, worker.worker_id):
-            # Finished before the restart and not claimed in the HELLO (which claims no more
-            # than the worker's slots): its result is the claim, so the work is not done twice.
-            # Only a result of the task's own: a crash or a cancellation decides nothing here.
-            self._claim(task, res.lease, worker.worker_id, now)
-            worker.leases[res.lease] = task.task_id
+        if task is not None and res.status in (ResultStatus.OK, ResultStatus.ERROR) \
+                and self._result_claims(task, res.lease, worker.worker_id):
+            # Finished before the restart and not claimed in the HELLO: its result is the
+            # claim, so the work is not done twice. Only a result of the task's own: a crash
+            # or a cancellation decides nothing here.
+            if task.state is TaskState.RESTORED:
+                self._claim(task, res.lease, worker.worker_id, now)
+                worker.leases[res.lease] = task.task_id
+            else:  # an attempt as good as the one another worker claimed (stopped below)
+                task.grant(res.lease, worker.worker_id)
         if task is not None and not task.granted_to(res.lease, worker.worker_id):
             # Not a lease this coordinator run gave this worker: forged, or from before a
             # restart and never re-claimed. Either way it must not decide the task.

@@ -412,3 +412,27 @@ def test_inputs_kept_for_retry_count_against_the_byte_cap(broker, monkeypatch):
     broker.handle(C, msg(Command.DISCONNECT, {}), 5.0)
     broker.sweep(6.0)
     assert [t for t in tasks if t in broker.tasks] == tasks[1:]  # 3 x 100+ over 250: one went
+
+
+def test_of_two_attempts_running_at_a_restart_the_first_result_counts(broker):
+    # Attempt 1 on w1 and attempt 2 (a re-queue) on w2 when the coordinator died: w2's HELLO
+    # claims the task first, then w1 sends the result it had finished. It is as good: taken,
+    # and w2 told to stop, as the coordinator before the restart would have done.
+    store = broker.store
+    (task_id,) = submit(broker, 1)
+    store.commit()
+    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    restarted.restore(10.0)
+    first, second = (1 << 40) + 1, (1 << 40) + 2
+    hello_worker(restarted, W2, "w2", now=11.0, held=[[task_id, second]])
+    hello_worker(restarted, W, "w1", now=11.0, held=[[task_id, first]])
+    assert sent(restarted, Command.WELCOME, W)[-1]["abort"] == [first]  # the task is w2's
+    done = {"task": task_id, "lease": first, "status": "ok", "encoding": "json", "elapsed": 0.5}
+    restarted.handle(W, msg(Command.RESULT, done, [b'{"v": 1}']), 11.1)
+    assert restarted.tasks[task_id].state is TaskState.DONE
+    assert sent(restarted, Command.CANCEL, W2)[-1]["leases"] == [second]
+    # w2's answer to the CANCEL decides nothing more.
+    restarted.handle(W2, msg(Command.RESULT, {"task": task_id, "lease": second,
+                                              "status": "cancelled", "elapsed": 0.1}), 11.2)
+    assert restarted.tasks[task_id].state is TaskState.DONE
+    assert restarted.workers["w1"].leases == {} and restarted.workers["w2"].leases == {}
