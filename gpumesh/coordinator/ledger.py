@@ -70,9 +70,9 @@ MAX_PEER_COUNTERS = 10_000
 # A function task's input from a socket is moved into the shared-memory folder for a worker on
 # this machine from this size (_share_input).
 MOVE_INTO_FOLDER_BYTES = 1024 * 1024
-# Journaled inputs held open to be sent a piece at a time (protocol/pieces.py): one descriptor
-# each until sent, however long it waits behind another; beyond this many, an input is read
-# back whole as before, so the coordinator never runs short of descriptors for its sockets.
+# Journaled inputs and results held open to be sent a piece at a time (protocol/pieces.py): one
+# descriptor each until sent, however long it waits behind another; beyond this many, one is
+# read back whole as before, so the coordinator never runs short of descriptors for its sockets.
 MAX_SPAN_FILES = 64
 FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
@@ -270,14 +270,15 @@ class Ledger:
         frames = self._read_back(task.input_file, InputUnreadable)
         return [*task.payload, *frames]
 
-    def _input_spans(self, blob: BlobRef) -> list[FileSpan]:
-        """A big input on disk, for a worker that reads a message in pieces: its frames as
-        spans of its file, read a piece at a time as they are sent (protocol/pieces.py)
-        instead of whole now. Raises InputUnreadable or ReadLater as ``input_frames``."""
+    def _file_spans(self, blob: BlobRef, gone: type[ValueError]) -> list[FileSpan]:
+        """A big input or result on disk, for a peer that reads a message in pieces: its
+        frames as spans of its file, read a piece at a time as they are sent
+        (protocol/pieces.py) instead of whole now. Raises ``gone`` (the file is gone) or
+        ReadLater."""
         try:
             fd = SharedFd(self.store.open_blob(blob))
         except ValueError as exc:
-            raise InputUnreadable(str(exc)) from None
+            raise gone(str(exc)) from None
         except OSError as exc:
             raise ReadLater(exc.strerror or str(exc)) from None
         spans, offset = [], 0
@@ -305,8 +306,8 @@ class Ledger:
     def lease(self, task: Task, worker: WorkerSession, now: float) -> None:
         # Raises InputUnreadable (and the task fails, saying why) when its blob file is gone.
         if worker.pieces and not worker.maps_shared and task.input_file is not None \
-                and task.input_file.nbytes >= STREAM_BYTES and SharedFd.opened < MAX_SPAN_FILES:
-            frames = [*task.payload, *self._input_spans(task.input_file)]
+                and _spans_pay(task.input_file):
+            frames = [*task.payload, *self._file_spans(task.input_file, InputUnreadable)]
         else:
             frames = self.input_frames(task)
         if worker.maps_shared and self.shm is not None and "shm" not in task.spec:
@@ -517,11 +518,14 @@ class Ledger:
         task.input_file = None
         self.inputs.release(task)
 
-    def result_frames(self, task: Task) -> list[Any]:
-        """``task``'s result frames, read back from its blob file if it left memory.
+    def result_frames(self, task: Task, in_pieces: bool = False) -> list[Any]:
+        """``task``'s result frames, read back from its blob file if it left memory (a big
+        one for a peer that reads pieces: as spans of the file, read as they are sent).
         Raises ValueError (the file is gone: the result is lost) or ReadLater."""
         if task.result_file is None:
             return task.result_payload
+        if in_pieces and _spans_pay(task.result_file):
+            return self._file_spans(task.result_file, ValueError)
         return self._read_back(task.result_file, ValueError)
 
     def acknowledge_result(self, routing: bytes | None, task: Task, header: dict[str, Any]
@@ -585,7 +589,9 @@ class Ledger:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         try:
-            payload = self.outgoing(header, self.result_frames(task), client.maps_shared)
+            in_pieces = client.pieces and not client.maps_shared and "shm" not in header
+            frames = self.result_frames(task, in_pieces)
+            payload = self.outgoing(header, frames, client.maps_shared)
         except ReadLater as exc:
             self.warn_read_later(f"the result of task {task.task_id}", exc, now)
             self.deferred_deliveries[task.task_id] = now + READ_AGAIN_AFTER
@@ -723,3 +729,8 @@ class Ledger:
 def _cancelled_result(task: Task) -> dict[str, Any]:
     return {"status": ResultStatus.CANCELLED.value, "attempts": task.attempts,
             "diagnosis": "cancelled"}
+
+
+def _spans_pay(blob: BlobRef) -> bool:
+    """A file big enough to send a piece at a time from disk, and a descriptor to spare."""
+    return blob.nbytes >= STREAM_BYTES and SharedFd.opened < MAX_SPAN_FILES

@@ -3,11 +3,16 @@ does not share the coordinator's memory) in pieces read from its file as they ar
 whole: before, the coordinator read it back whole and handed it to ZeroMQ, which held it until
 the network had taken the last byte (1 GiB for nine seconds on a gigabit LAN). And a worker or
 coordinator killed with SIGKILL in the middle of such a transfer loses nothing: the task runs
-again from the journal. docs/protocol.md, "Big messages in pieces"."""
+again from the journal. A big result waiting on disk for a client elsewhere goes to it the same
+way. docs/protocol.md, "Big messages in pieces"."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -185,3 +190,62 @@ def test_a_coordinator_killed_mid_upload_loses_nothing(mesh_env):
     mesh_env.start_coordinator(port=coordinator.port)
     mesh_env.add_worker(slots=1, env=NO_SHARING)
     assert future.result(timeout=180) == digest(item)
+
+
+AWAY_CLIENT = """
+import hashlib, os, sys
+import numpy as np
+from gpumesh import GPUMesh
+
+def filled(n):
+    return np.full(n, 7, dtype=np.uint8)
+
+with GPUMesh(os.environ["GPUMESH_URL"], os.environ["GPUMESH_TOKEN"], quiet=True) as mesh:
+    future = mesh.submit(filled, int(sys.argv[1]))
+    print("submitted", flush=True)
+    result = future.result(timeout=180)
+print(hashlib.sha256(result.tobytes()).hexdigest(), flush=True)
+"""
+
+
+def test_a_big_result_waiting_on_disk_goes_to_its_client_in_pieces_not_whole(mesh_env, tmp_path):
+    """A client elsewhere that was away when its big result came (a laptop asleep) gets it
+    from the journal file a piece at a time: before, the coordinator read it back whole."""
+    mesh_env.env.update(BIG_TIMING)
+    coordinator = mesh_env.start_coordinator()
+    monitor = mesh_env.client()
+    script = tmp_path / "away.py"
+    script.write_text(AWAY_CLIENT)
+    size = 128 * MiB
+    env = {**os.environ, **mesh_env.env, **NO_SHARING, "GPUMESH_URL": coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token}
+    away = subprocess.Popen([sys.executable, str(script), str(size)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert away.stdout is not None and away.stdout.readline().strip() == "submitted"
+        wait_for(lambda: monitor.health()["queue"].get("pending") == 1,
+                 what="the task to be queued")
+        os.killpg(away.pid, signal.SIGSTOP)
+        wait_for(lambda: monitor.health()["clients"] == 1, timeout=30,
+                 what="the coordinator to notice the client is away")
+        idle = status_mib(coordinator.pid, "VmRSS")
+        mesh_env.add_worker(slots=1, env=NO_SHARING)
+        wait_for(lambda: monitor.health()["finished_total"] == 1, timeout=120,
+                 what="the task to finish while its client is away")
+        wait_for(lambda: status_mib(coordinator.pid, "VmRSS") < idle + size / MiB / 4,
+                 timeout=30, what="the result to leave the coordinator's memory for its file")
+        before = status_mib(coordinator.pid, "VmRSS")
+        reset_peak(coordinator.pid)
+        os.killpg(away.pid, signal.SIGCONT)
+        out, err = away.communicate(timeout=180)
+    finally:
+        if away.poll() is None:
+            os.killpg(away.pid, signal.SIGKILL)
+            away.communicate()
+    assert away.returncode == 0, err
+    assert out.strip() == hashlib.sha256(np.full(size, 7, dtype=np.uint8).tobytes()).hexdigest()
+    peak = status_mib(coordinator.pid, "VmHWM")
+    assert peak < before + size / MiB / 4, (
+        f"the coordinator peaked at {peak:.0f} MiB sending a {size // MiB} MiB result from its "
+        f"file, from {before:.0f} MiB before: more than a quarter of it")

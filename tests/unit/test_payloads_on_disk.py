@@ -443,3 +443,36 @@ def submit_split(b: Broker, seq: int, data: bytes) -> str:
     spec = {"seq": seq, "nf": len(wire), "kind": "fn", "fn": digest, "split": layout}
     b.handle(C, msg(Command.SUBMIT, {"tasks": [spec]}, wire), 0.0)
     return next(t.task_id for t in b.tasks.values() if t.seq == seq)
+
+
+def test_a_big_result_on_disk_goes_to_a_client_that_reads_pieces_as_spans_of_its_file(
+        tmp_path, monkeypatch):
+    from gpumesh.fileio import FileSpan
+    from gpumesh.protocol.pieces import STREAM_BYTES
+
+    result = bytes(range(256)) * (STREAM_BYTES // 256)
+    b = make(tmp_path / "journal.db", worker=True)
+    task_id = submit(b, 1, b"small input")
+    b.dispatch(0.0)
+    b.handle(C, msg(Command.DISCONNECT, {}), 1.0)  # the laptop closes
+    wire, layout = serialize.split_frames([result], Limits().chunk_bytes)  # as a worker sends
+    b.handle(W, msg(Command.RESULT, {"task": task_id, "lease": b.tasks[task_id].lease_id,
+                                     "status": "ok", "granted": 1, "split": layout}, wire), 2.0)
+    assert b.tasks[task_id].result_file is not None
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1],
+                                    "pieces": True}), 3.0)
+
+    def no_reads(blob):
+        raise AssertionError("read a big result back whole for a client that reads pieces")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(b.store, "read_blob", no_reads)
+        b.outbox.clear()
+        b.handle(C, msg(Command.FETCH, {"qid": 7, "tasks": [task_id]}), 3.0)
+    [(_, frames)] = [(r, f) for r, f in b.outbox if f[1] == bytes([Command.RESULT])]
+    assert frames[3:] and all(isinstance(f, FileSpan) for f in frames[3:])
+    assert b"".join(f.read(0, f.length) for f in frames[3:]) == result
+    assert b.tasks[task_id].result_payload == []  # nothing of it came back into memory
+    # A client that reads no pieces gets it whole, read back, as before.
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 5.0)
+    assert b"".join(fetched(b, task_id, 5.0)) == result
