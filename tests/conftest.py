@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,6 +86,22 @@ def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str =
         if time.time() >= deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def user_script(script: Path, args: list[str], env: dict[str, str]
+                ) -> Iterator[subprocess.Popen[str]]:
+    """A user's script run as ``python SCRIPT ARGS`` in a process group of its own, its output
+    piped as text; killed with whatever it started if it is still running at the end."""
+    proc = subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 class Mesh:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
-from conftest import wait_for
+from conftest import user_script, wait_for
 from faultlab import Executions, assert_one_correct_result_each, signal_tree
 from faulttasks import record_square_long_first
 
@@ -40,21 +38,14 @@ def test_kill_9_of_the_coordinator_mid_map_then_restart_on_the_same_journal(mesh
     script.write_text(SCRIPT)
     env = {**os.environ, **mesh_env.env, "GPUMESH_URL": coordinator.url,
            "GPUMESH_TOKEN": mesh_env.token}
-    user = subprocess.Popen([sys.executable, str(script), str(log_dir), str(n)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
     runs = Executions(log_dir)
-    try:
+    with user_script(script, [str(log_dir), str(n)], env) as user:
         wait_for(lambda: len(runs.ended(n)) >= n // 3, timeout=60, what="a third of the map")
         coordinator.kill()
         finished_before = runs.ended(n)
         assert len(finished_before) < n, "the map finished before the kill: make tasks slower"
         mesh_env.start_coordinator(port=coordinator.port)
         out, err = user.communicate(timeout=120)
-    finally:
-        if user.poll() is None:
-            os.killpg(user.pid, signal.SIGKILL)
-            user.communicate()
     assert user.returncode == 0, err
     assert json.loads(out) == [i * i for i in range(n)]
     counts = runs.runs(n)

@@ -11,12 +11,10 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
-from conftest import wait_for
+from conftest import user_script, wait_for
 
 from gpumesh import GPUMesh
 
@@ -219,10 +217,7 @@ def test_a_big_result_waiting_on_disk_goes_to_its_client_in_pieces_not_whole(mes
     size = 128 * MiB
     env = {**os.environ, **mesh_env.env, **NO_SHARING, "GPUMESH_URL": coordinator.url,
            "GPUMESH_TOKEN": mesh_env.token}
-    away = subprocess.Popen([sys.executable, str(script), str(size)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
+    with user_script(script, [str(size)], env) as away:
         assert away.stdout is not None and away.stdout.readline().strip() == "submitted"
         wait_for(lambda: monitor.health()["queue"].get("pending") == 1,
                  what="the task to be queued")
@@ -239,10 +234,6 @@ def test_a_big_result_waiting_on_disk_goes_to_its_client_in_pieces_not_whole(mes
         reset_peak(coordinator.pid)
         os.killpg(away.pid, signal.SIGCONT)
         out, err = away.communicate(timeout=180)
-    finally:
-        if away.poll() is None:
-            os.killpg(away.pid, signal.SIGKILL)
-            away.communicate()
     assert away.returncode == 0, err
     assert out.strip() == hashlib.sha256(np.full(size, 7, dtype=np.uint8).tobytes()).hexdigest()
     peak = status_mib(coordinator.pid, "VmHWM")
