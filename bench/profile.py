@@ -1,7 +1,8 @@
 """Where the per-task microseconds go: py-spy on gpumesh's processes during a ``.map`` of no-op
-tasks (coordinator, one worker agent, its runner, the client).
+tasks, or during single calls one after another (coordinator, one worker agent, its runner, the
+client).
 
-    python -m bench.profile [--tasks 20000] [--out DIR]
+    python -m bench.profile [--tasks 20000 | --calls 3000] [--out DIR]
 
 Each sample is charged to the innermost gpumesh function on its stack (the library it was in
 at the leaf is kept beside it), and turned into µs per task: samples / rate / tasks. py-spy
@@ -67,8 +68,11 @@ def summarize(raw: Path, tasks: int, top: int = 8) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--calls", type=int, default=0,
+                        help="profile this many single calls, one after another, instead of a map")
+    parser.add_argument("--top", type=int, default=8, help="components shown per process")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args()
     if shutil.which("py-spy") is None:
@@ -93,7 +97,11 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for role, pid in targets.items()}
             time.sleep(1.0)  # py-spy attaches
             started = time.perf_counter()
-            client.map(noop, list(range(args.tasks)), timeout=600)
+            if args.calls:
+                for i in range(args.calls):
+                    client.submit(noop, i).result(timeout=60)
+            else:
+                client.map(noop, list(range(args.tasks)), timeout=600)
             elapsed = time.perf_counter() - started
             for spy in spies.values():
                 spy.send_signal(signal.SIGINT)
@@ -101,10 +109,12 @@ def main() -> None:
                 spy.wait(30)
     finally:
         mesh.stop()
-    print(f"{args.tasks} tasks in {elapsed:.1f}s ({args.tasks / elapsed:.0f}/s, under py-spy)\n")
+    count, unit = (args.calls, "call") if args.calls else (args.tasks, "task")
+    what = "single calls one after another" if args.calls else "tasks of a map"
+    print(f"{count} {what} in {elapsed:.1f}s ({count / elapsed:.0f}/s, under py-spy)\n")
     for role in targets:
-        print(f"### {role}\n\n| component [library at the leaf] | µs per task |\n| --- | ---: |")
-        for name, micros in summarize(args.out / f"profile-{role}.txt", args.tasks):
+        print(f"### {role}\n\n| component [library at the leaf] | µs per {unit} |\n| --- | ---: |")
+        for name, micros in summarize(args.out / f"profile-{role}.txt", count, args.top):
             print(f"| {name} | {micros:.0f} |")
         print()
 
