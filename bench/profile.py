@@ -2,7 +2,7 @@
 tasks, or during single calls one after another (coordinator, one worker agent, its runner, the
 client).
 
-    python -m bench.profile [--tasks 20000 | --calls 3000] [--out DIR]
+    python -m bench.profile [--tasks 20000 | --calls 3000] [--top 8] [--out DIR]
 
 Each sample is charged to the innermost gpumesh function on its stack (the library it was in
 at the leaf is kept beside it), and turned into µs per task: samples / rate / tasks. py-spy
@@ -52,8 +52,8 @@ def component(stack: str) -> tuple[str, str]:
     return f"{thread}: {leaf} (outside gpumesh)", leaf_library
 
 
-def summarize(raw: Path, tasks: int, top: int = 8) -> list[tuple[str, float]]:
-    """Top components of a py-spy raw (collapsed) file, in µs per task."""
+def summarize(raw: Path, count: int, top: int = 8) -> list[tuple[str, float]]:
+    """Top components of a py-spy raw (collapsed) file, in µs per task (or call) of ``count``."""
     counts: Counter[str] = Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -61,7 +61,7 @@ def summarize(raw: Path, tasks: int, top: int = 8) -> list[tuple[str, float]]:
             continue
         func, library = component(stack)
         counts[f"{func} [{library}]"] += int(count)
-    per_task = 1e6 / RATE / tasks
+    per_task = 1e6 / RATE / count
     total = sum(counts.values()) * per_task
     return [("total (sampled, not idle)", total)] + [
         (name, n * per_task) for name, n in counts.most_common(top)]
@@ -69,9 +69,10 @@ def summarize(raw: Path, tasks: int, top: int = 8) -> list[tuple[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--tasks", type=int, default=20_000)
-    parser.add_argument("--calls", type=int, default=0,
-                        help="profile this many single calls, one after another, instead of a map")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--tasks", type=int, default=20_000, help="the map's no-op tasks")
+    what.add_argument("--calls", type=int, default=0,
+                      help="profile this many single calls, one after another, instead of a map")
     parser.add_argument("--top", type=int, default=8, help="components shown per process")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args()

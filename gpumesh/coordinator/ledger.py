@@ -589,6 +589,9 @@ class Ledger:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         try:
+            # From its file a piece at a time only where the frames go as they are, in pieces:
+            # outgoing() joins and reads back shared frames (a header with shm), and a client
+            # on this machine gets the result whole, as before (as a worker's input, `lease`).
             in_pieces = client.pieces and not client.maps_shared and "shm" not in header
             frames = self.result_frames(task, in_pieces)
             payload = self.outgoing(header, frames, client.maps_shared)

@@ -336,8 +336,9 @@ class Coordinator:
                 self._send_pieces(routing, now)
                 return
             if size >= STREAM_BYTES and any(isinstance(f, FileSpan) for f in frames):
-                # A task read from its file a piece at a time, for a worker whose session ended
-                # in this turn (its lease went back to the queue with it): nobody to send it to.
+                # A task or result read from its file a piece at a time, for a peer whose
+                # session ended in this turn: nobody to send it to (the task's lease went back
+                # to the queue with it; the client's next FETCH asks for the result again).
                 continue
             if not send_frames(self._router, [routing, *frames]):
                 broker.unreachable(routing, now)

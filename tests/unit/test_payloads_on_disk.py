@@ -447,7 +447,7 @@ def submit_split(b: Broker, seq: int, data: bytes) -> str:
 
 def test_a_big_result_on_disk_goes_to_a_client_that_reads_pieces_as_spans_of_its_file(
         tmp_path, monkeypatch):
-    from gpumesh.fileio import FileSpan
+    from gpumesh.fileio import FileSpan, SharedFd
     from gpumesh.protocol.pieces import STREAM_BYTES
 
     result = bytes(range(256)) * (STREAM_BYTES // 256)
@@ -465,6 +465,7 @@ def test_a_big_result_on_disk_goes_to_a_client_that_reads_pieces_as_spans_of_its
     def no_reads(blob):
         raise AssertionError("read a big result back whole for a client that reads pieces")
 
+    opened = SharedFd.opened
     with monkeypatch.context() as patched:
         patched.setattr(b.store, "read_blob", no_reads)
         b.outbox.clear()
@@ -473,6 +474,14 @@ def test_a_big_result_on_disk_goes_to_a_client_that_reads_pieces_as_spans_of_its
     assert frames[3:] and all(isinstance(f, FileSpan) for f in frames[3:])
     assert b"".join(f.read(0, f.length) for f in frames[3:]) == result
     assert b.tasks[task_id].result_payload == []  # nothing of it came back into memory
-    # A client that reads no pieces gets it whole, read back, as before.
-    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 5.0)
-    assert b"".join(fetched(b, task_id, 5.0)) == result
+    assert SharedFd.opened == opened + 1
+    b.outbox.clear()
+    del frames
+    assert SharedFd.opened == opened  # the descriptor goes with the last span
+    # Beyond MAX_SPAN_FILES descriptors held, it is read back whole, as before; and so for a
+    # client that reads no pieces.
+    with monkeypatch.context() as patched:
+        patched.setattr(SharedFd, "opened", 10_000)
+        assert b"".join(fetched(b, task_id, 5.0)) == result
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 7.0)
+    assert b"".join(fetched(b, task_id, 7.0)) == result
