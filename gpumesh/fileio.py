@@ -65,7 +65,7 @@ class SharedFd:
     the message they make up has gone, or was dropped). Opened before the file may be
     unlinked, it keeps the bytes readable until then."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("fd", "__weakref__")  # a weak reference tells whether a message still reads it
     opened = 0  # how many are open in this process: the coordinator keeps it bounded
 
     def __init__(self, fd: int) -> None:

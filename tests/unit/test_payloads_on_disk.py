@@ -476,6 +476,9 @@ def test_a_big_result_on_disk_goes_to_a_client_that_reads_pieces_as_spans_of_its
     assert b.tasks[task_id].result_payload == []  # nothing of it came back into memory
     assert SharedFd.opened == opened + 1
     b.outbox.clear()
+    b.handle(C, msg(Command.FETCH, {"qid": 8, "tasks": [task_id]}), 4.5)
+    assert sent(b, Command.RESULT) == []  # not a second copy while the first still goes
+    assert SharedFd.opened == opened + 1
     del frames
     assert SharedFd.opened == opened  # the descriptor goes with the last span
     # Beyond MAX_SPAN_FILES descriptors held, it is read back whole, as before; and so for a
