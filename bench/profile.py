@@ -52,16 +52,16 @@ def component(stack: str) -> tuple[str, str]:
     return f"{thread}: {leaf} (outside gpumesh)", leaf_library
 
 
-def summarize(raw: Path, count: int, top: int = 8) -> list[tuple[str, float]]:
-    """Top components of a py-spy raw (collapsed) file, in µs per task (or call) of ``count``."""
+def summarize(raw: Path, runs: int, top: int = 8) -> list[tuple[str, float]]:
+    """Top components of a py-spy raw (collapsed) file, in µs per task (or call) of ``runs``."""
     counts: Counter[str] = Counter()
     for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
+        stack, _, samples = line.rpartition(" ")
         if not stack:
             continue
         func, library = component(stack)
-        counts[f"{func} [{library}]"] += int(count)
-    per_task = 1e6 / RATE / count
+        counts[f"{func} [{library}]"] += int(samples)
+    per_task = 1e6 / RATE / runs
     total = sum(counts.values()) * per_task
     return [("total (sampled, not idle)", total)] + [
         (name, n * per_task) for name, n in counts.most_common(top)]
