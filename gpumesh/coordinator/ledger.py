@@ -149,8 +149,6 @@ class Ledger:
         # Results delivered and not journaled yet, oldest first (task id -> HeldResult).
         self.held_results: dict[str, HeldResult] = {}
         self.deferred_deliveries: dict[str, float] = {}  # task id -> when to deliver it again
-        # task id -> (connection, its result's file while a message still reads it in pieces)
-        self._sending_from_file: dict[str, tuple[bytes, weakref.ref[SharedFd]]] = {}
         # The inputs that are in blob files and also in memory, within a budget (inputs.py).
         self.inputs = JournaledInputs(limits.queue_memory_bytes)
         # Bytes of inputs and results let go of, or read back from blob files (and sent), since
@@ -591,6 +589,7 @@ class Ledger:
                 or task.collected:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
+        reading: weakref.ref[SharedFd] | None = None
         try:
             # From its file a piece at a time only where the frames go as they are, in pieces:
             # outgoing() joins and reads back shared frames (a header with shm), and a client
@@ -599,7 +598,7 @@ class Ledger:
             frames = self.result_frames(task, in_pieces)
             payload = self.outgoing(header, frames, client.maps_shared)
             if frames and isinstance(frames[0], FileSpan):
-                self._note_sending_from_file(task.task_id, client.routing, frames[0].fd)
+                reading = weakref.ref(frames[0].fd)
         except ReadLater as exc:
             self.warn_read_later(f"the result of task {task.task_id}", exc, now)
             self.deferred_deliveries[task.task_id] = now + READ_AGAIN_AFTER
@@ -624,7 +623,7 @@ class Ledger:
                       "error": {"type": "gpumesh.ResultLost", "traceback": "",
                                 "message": f"the task finished, but its result is lost: {exc}"}}
             payload = []
-        task.delivered = (client.routing, now)
+        task.delivered = (client.routing, now, reading)
         self.send(client.routing, Command.RESULT, header, payload)
 
     def deliver_deferred(self, now: float) -> None:
@@ -640,31 +639,14 @@ class Ledger:
 
     def redeliver(self, task: Task, now: float) -> None:
         """Send a finished task's result again (FETCH, a re-sent SUBMIT), at most once a second
-        to one connection: asking again and again must not multiply what we queue for it."""
+        to one connection, and not while it still goes there from its file (a second copy would
+        hold another of the MAX_SPAN_FILES descriptors): asking again and again must not
+        multiply what we queue for it."""
         client = self.clients.get(task.client_id)
-        if client is None or task.delivered is None or task.delivered[0] != client.routing \
-                or now - task.delivered[1] >= REDELIVER_AFTER \
-                and not self._still_sending_from_file(task.task_id, client.routing):
+        last = task.delivered
+        if client is None or last is None or last[0] != client.routing \
+                or now - last[1] >= REDELIVER_AFTER and (last[2] is None or last[2]() is None):
             self.deliver(task, now)
-
-    def _note_sending_from_file(self, task_id: str, routing: bytes, fd: SharedFd) -> None:
-        """A result goes to ``routing`` from its file, a piece at a time: sent again on that
-        connection while the first still goes, it would hold a second descriptor (of the
-        MAX_SPAN_FILES that inputs share) and send the bytes twice."""
-        sending = self._sending_from_file
-        if len(sending) >= 2 * MAX_SPAN_FILES:  # the finished ones go (at most that many go on)
-            for done in [t for t, (_, ref) in sending.items() if ref() is None]:
-                del sending[done]
-        sending[task_id] = (routing, weakref.ref(fd))
-
-    def _still_sending_from_file(self, task_id: str, routing: bytes) -> bool:
-        entry = self._sending_from_file.get(task_id)
-        if entry is None:
-            return False
-        if entry[0] == routing and entry[1]() is not None:
-            return True
-        del self._sending_from_file[task_id]
-        return False
 
     def requeue(self, task: Task | None, worker: WorkerSession | None, now: float, why: str,
                 *, infra: bool) -> None:

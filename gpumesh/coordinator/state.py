@@ -11,12 +11,14 @@ Worker: ALIVE -> LOST (silent past the liveness limit, or left) -> ALIVE (HELLO 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from ..blobs import BlobRef
+from ..fileio import SharedFd
 from ..protocol import ClientInfo, ErrorCode, ProtocolError, Requirements, WorkerInfo, WorkerMode
 from ..protocol.refs import refs_of, shared_bytes
 from ..protocol.serialize import function_digest, payload_nbytes
@@ -106,7 +108,9 @@ class Task:
     # the coordinator reads them back only to send them (Ledger.input_frames).
     input_file: BlobRef | None = None
     result_file: BlobRef | None = None  # the same for its result, once journaled there
-    delivered: tuple[bytes, float] | None = None  # (routing, when) of the last RESULT sent
+    # (routing, when) of the last RESULT sent, and its file while that RESULT still reads it a
+    # piece at a time (a weak reference: dead once the message has gone or was dropped).
+    delivered: tuple[bytes, float, weakref.ref[SharedFd] | None] | None = None
     # Told of every state change: its job keeps its counts without scanning its tasks.
     observer: Callable[[TaskState, TaskState], None] | None = field(
         default=None, repr=False, compare=False)

@@ -137,8 +137,12 @@ class WorkerSide:
         if task.state is TaskState.LEASED:
             return task.lease_id == lease_id and task.worker_id == worker_id \
                 and task.granted_to(lease_id, worker_id)
-        return task.state is TaskState.RESTORED and 0 < lease_id >> 40 < self.ledger.epoch \
-            and lease_id >= task.lease_floor
+        return task.state is TaskState.RESTORED and self._of_an_earlier_run(task, lease_id)
+
+    def _of_an_earlier_run(self, task: Task, lease_id: int) -> bool:
+        """A lease a coordinator before this one could have granted (epochs start at 1), for
+        an attempt since the task's last retry."""
+        return 0 < lease_id >> 40 < self.ledger.epoch and lease_id >= task.lease_floor
 
     def _result_claims(self, task: Task, lease_id: int, worker_id: str) -> bool:
         """A result under a lease of an earlier run claims a task still restored (its HELLO
@@ -146,10 +150,9 @@ class WorkerSide:
         of an earlier run (two were running at the restart: the first to finish counts)."""
         if task.state is TaskState.RESTORED:
             return self._may_claim(task, lease_id, worker_id)
-        epoch = self.ledger.epoch
-        return task.state is TaskState.LEASED and task.lease_id >> 40 < epoch \
-            and lease_id != task.lease_id and 0 < lease_id >> 40 < epoch \
-            and lease_id >= task.lease_floor and not task.cancel_requested
+        return task.state is TaskState.LEASED and task.lease_id >> 40 < self.ledger.epoch \
+            and lease_id != task.lease_id and self._of_an_earlier_run(task, lease_id) \
+            and not task.cancel_requested
 
     def _release(self, worker: WorkerSession, leases: tuple[int, ...], now: float) -> None:
         """Tasks the worker hands back unstarted (its owner paused it): no attempt is spent."""
