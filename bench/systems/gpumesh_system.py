@@ -78,9 +78,10 @@ class Mesh:
         finally:
             os.close(self._ready_read)
 
-    def add_worker(self, prefetch: str | None = None, prefix: tuple[str, ...] = ()) -> None:
+    def add_worker(self, prefetch: str | None = None, prefix: tuple[str, ...] = (),
+                   join_args: tuple[str, ...] = ()) -> None:
         """Launch ``gpumesh join --slots 1``, with join's own ``--prefetch`` unless given."""
-        extra = ["--prefetch", prefetch] if prefetch is not None else []
+        extra = [*(["--prefetch", prefetch] if prefetch is not None else []), *join_args]
         self.workers.append(spawn(
             [*prefix, python_exe(), "-m", "gpumesh", "join", self.url, "--slots", "1", *extra,
              "--no-benchmark", "--no-save", "--no-color", "--exit-with-parent"],
