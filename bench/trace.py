@@ -1,0 +1,174 @@
+"""Message events of gpumesh's processes, for ``python -m bench.timeline``: nothing in gpumesh
+knows of it.
+
+``install(folder)`` wraps, as each module is imported, the functions every message passes
+through: ``gpumesh.transport.send_frames`` and ``receive`` (the ZeroMQ sockets of the client,
+the coordinator and the worker agent) and ``gpumesh.runner.pipe.send_message`` and
+``recv_message`` (between an agent and its runner), and ``zmq.Poller.poll``, where their loops
+wait (a ``wake`` event when it returns with a socket ready). It wraps each module's functions
+before any other module binds their names, so the coordinator's ``from ..transport import
+send_frames`` gets the wrapper too.
+While the file ``folder/on`` exists, each call appends one line to ``folder/events``:
+
+    wall-clock ns, pid, thread name, that thread's CPU ns, event, command
+
+Only command names go in: no header, no payload, no key. With ``on`` absent a call costs one
+``stat``; the bench measures untraced calls first.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EVENTS = "events"
+SWITCH = "on"
+_WRAPPED = {"gpumesh.transport": ("send_frames", "receive"),
+            "gpumesh.runner.pipe": ("send_message", "recv_message")}
+
+
+class _Recorder:
+    def __init__(self, folder: str) -> None:
+        self.switch = os.path.join(folder, SWITCH)
+        self.path = os.path.join(folder, EVENTS)
+        self.fd: int | None = None
+
+    def on(self) -> bool:
+        return os.path.exists(self.switch)
+
+    def write(self, event: str, command: str) -> None:
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        line = (f"{time.time_ns()} {os.getpid()} {threading.current_thread().name.replace(' ', '_')} "
+                f"{time.thread_time_ns()} {event} {command}\n")
+        os.write(self.fd, line.encode())  # one write(2) of one line: lines never interleave
+
+
+def command_name(frames: Sequence[Any]) -> str:
+    """The command of a message as ``encode`` made it (after a ROUTER's routing frame, if
+    any); a BATCH names what it carries: ``BATCH[TASK,RESULT_ACK]``."""
+    import msgpack
+
+    from gpumesh.protocol.messages import SIGNATURE, Command
+
+    for index in range(min(2, len(frames) - 1)):
+        if bytes(frames[index]) == SIGNATURE:
+            command = Command(bytes(frames[index + 1])[0])
+            if command is Command.BATCH:
+                return batch_name(msgpack.unpackb(bytes(frames[index + 2]), raw=False)["m"])
+            return command.name
+    return "?"
+
+
+def batch_name(items: Sequence[Any]) -> str:
+    from gpumesh.protocol.messages import Command
+
+    return f"BATCH[{','.join(Command(item[0]).name for item in items)}]"
+
+
+def _recording(name: str, original: Callable[..., Any], recorder: _Recorder) -> Callable[..., Any]:
+    """``original`` recording each call while ``recorder`` is on."""
+    if name == "send_frames":
+        def send_frames(sock: Any, frames: Sequence[Any]) -> Any:
+            if recorder.on():
+                recorder.write("send", command_name(frames))
+            return original(sock, frames)
+        return send_frames
+    if name == "receive":
+        def receive(frames: Any, limits: Any, offset: int = 0) -> Any:
+            msg = original(frames, limits, offset)
+            if recorder.on():
+                recorder.write("recv", batch_name(msg.header["m"]) if msg.command.name == "BATCH"
+                               else msg.command.name)
+            return msg
+        return receive
+    if name == "send_message":
+        def send_message(sock: Any, frames: Sequence[Any]) -> Any:
+            if recorder.on():
+                recorder.write("pipe-send", "-")
+            return original(sock, frames)
+        return send_message
+
+    def recv_message(sock: Any, max_bytes: int) -> Any:  # recorded once in: the call waits
+        frames = original(sock, max_bytes)
+        if recorder.on():
+            recorder.write("pipe-recv", "-")
+        return frames
+    return recv_message
+
+
+def _wrap(module: Any, name: str, recorder: _Recorder) -> None:
+    original = getattr(module, name)
+    wrapper = _recording(name, original, recorder)
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(module, name, wrapper)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds the modules to wrap as the path would, and wraps them once they have run."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _WRAPPED:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, recorder = spec.loader, self.recorder
+        exec_module = loader.exec_module
+
+        def exec_and_wrap(module: Any) -> None:
+            exec_module(module)
+            for name in _WRAPPED[fullname]:
+                _wrap(module, name, recorder)
+
+        loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
+        return spec
+
+
+def _record_wakeups(recorder: _Recorder) -> None:
+    """A ``wake`` event each time a ``zmq.Poller.poll`` of the process returns with a socket
+    ready (the loops of the client's engine, the coordinator and the agent sleep there), so a
+    hop splits into the way there and what the woken thread does before its ``recv``."""
+    import zmq
+
+    original = zmq.Poller.poll
+
+    def poll(self: Any, timeout: Any = None) -> Any:
+        ready = original(self, timeout)
+        if ready and recorder.on():
+            recorder.write("wake", "-")
+        return ready
+
+    poll.__wrapped__ = original  # type: ignore[attr-defined]
+    zmq.Poller.poll = poll  # type: ignore[method-assign]
+
+
+def install(folder: str) -> None:
+    """Record this process's message events into ``folder`` (see the module's text). In a
+    process that already imported gpumesh, what binds the names by value keeps the originals:
+    call this first."""
+    recorder = _Recorder(folder)
+    _record_wakeups(recorder)
+    for fullname, names in _WRAPPED.items():
+        module = sys.modules.get(fullname)
+        if module is not None:
+            for name in names:
+                _wrap(module, name, recorder)
+    sys.meta_path.insert(0, _Finder(recorder))
+
+
+def mark(folder: str, event: str) -> None:
+    """An event of the bench's own (a call starts, its result is in) into the same file."""
+    recorder = _Recorder(folder)
+    recorder.write(event, "-")
+    if recorder.fd is not None:
+        os.close(recorder.fd)
