@@ -3,29 +3,33 @@
     python -m bench.timeline [--calls 400] [--out DIR]
 
 It starts a mesh as ``python -m bench`` does (``serve --no-self-worker``, 2 x ``join --slots
-1``, a client in this process) with bench/trace.py loaded into every process, times calls one
-after another untraced, then records each message sent and received, by whom and with how much
-of that thread's CPU, over the same number of traced calls. The table lists, in order, what
-happens in a median call: when (µs since the call began), in which process and thread, and the
-wall and CPU time that thread spent since its previous event of the call (for its first event:
-the wake-up, so nothing). py-spy cannot tell these apart: it charges a thread's wake-up to the
-poll it woke in.
+1``, a client in this process) with bench/trace.py loaded into every process, warms it up with
+300 calls, times calls one after another untraced, then records each message sent and
+received, by whom and with how much of that thread's CPU, over the same number of traced calls.
+The table lists the calls' stages in order: when (µs since the call began), in which process
+and thread, the wall and CPU time that thread spent since its previous event of the call (for
+its first event: nothing), and the share of calls that had it. Each figure is a median of its
+own, over the calls with that stage: a row's times need not add up to the next row's. py-spy
+cannot tell these apart: it charges a thread's wake-up to the poll it woke in.
 
-A ``wake`` is a loop's ``zmq.Poller.poll`` returning with a socket ready, so each ZeroMQ hop
-splits into the way there (a send to the other side's wake: both sides' ZeroMQ I/O threads,
-CURVE, the kernel) and what the woken thread does before its ``recv`` event is recorded.
+A ``wake`` is a loop's ``zmq.Poller.poll`` returning with a socket ready, named by what its
+thread did next, so each ZeroMQ hop splits into the way there (a send to the other side's wake:
+both sides' ZeroMQ I/O threads, CURVE, the kernel) and what the woken thread does before its
+``recv`` event is recorded.
 
-Beside it go two references measured in the same sitting: what a wake-up costs on this machine
-(two processes passing a byte back and forth through pipes, each sleeping in ``select`` until
-it comes; the floor's single call is twelve such wake-ups, four ZeroMQ hops of three threads
-each), and a bare pyzmq round trip over CURVE, two hops with nothing else on them.
-"""
+Beside it go three references measured in the same sitting: what a wake-up costs on this
+machine (two processes passing a byte back and forth through pipes, each sleeping in
+``select`` until it comes; the floor's single call is twelve such wake-ups, four ZeroMQ hops of
+three threads each), a bare pyzmq round trip over CURVE (two hops with nothing else on them),
+and the coordinator's own work for a call back to back, after a sleep and spinning
+(``broker_cycle``)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import select
+import shutil
 import signal
 import statistics
 import sys
@@ -50,7 +54,8 @@ class Event:
     at_ns: int
     pid: int
     role: str
-    thread: str
+    thread: str  # its name, as shown
+    tid: int  # its id: two threads of a process may share a name
     cpu_ns: int
     what: str
 
@@ -69,9 +74,10 @@ def read_events(path: Path, roles: Mapping[int, str]) -> list[Event]:
     ``roles`` keep their number)."""
     events = []
     for line in path.read_text().splitlines():
-        at, pid, thread, cpu, event, command = line.split(" ")
+        at, pid, tid, thread, cpu, event, command = line.split(" ")
         what = event if command == "-" else f"{event} {command}"
-        events.append(Event(int(at), int(pid), roles.get(int(pid), pid), thread, int(cpu), what))
+        events.append(Event(int(at), int(pid), roles.get(int(pid), pid), thread, int(tid),
+                            int(cpu), what))
     events.sort(key=lambda e: e.at_ns)
     return events
 
@@ -91,15 +97,17 @@ def split_calls(events: Iterable[Event]) -> list[list[Event]]:
 
 
 def stages(calls: list[list[Event]]) -> list[Stage]:
-    """The median call, stage by stage: a stage is one event of one process and thread (the
-    n-th of its kind in a call counted apart), shown if at least SHOWN_IN of the calls had it."""
+    """The calls' stages in order: a stage is one event of one process and thread (the n-th of
+    its kind in a call counted apart), shown if at least SHOWN_IN of the calls had it. Each
+    figure is its own median over the calls that had the stage, so a row's times need not add
+    up to the next row's."""
     at: dict[str, list[float]] = defaultdict(list)
     wall: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
     for call in calls:
         start = call[0].at_ns
         seen: Counter[str] = Counter()
-        previous: dict[tuple[int, str], Event] = {}  # by process: both agents are "agent"
+        previous: dict[tuple[int, int], Event] = {}  # by process: both agents are "agent"
         following = _next_of_thread(call)
         for index, event in enumerate(call):
             what = event.what
@@ -110,11 +118,11 @@ def stages(calls: list[list[Event]]) -> list[Stage]:
             if seen[label] > 1:
                 label += f" (#{seen[label]})"
             at[label].append((event.at_ns - start) / 1000)
-            before = previous.get((event.pid, event.thread))
+            before = previous.get((event.pid, event.tid))
             if before is not None:
                 wall[label].append((event.at_ns - before.at_ns) / 1000)
                 cpu[label].append((event.cpu_ns - before.cpu_ns) / 1000)
-            previous[(event.pid, event.thread)] = event
+            previous[(event.pid, event.tid)] = event
     def median_if_usual(samples: list[float], times: list[float]) -> float | None:
         # A thread's first event of a call has no time since its previous one, except in the
         # odd call where a straggler of the call before came first: those are not its stage.
@@ -129,13 +137,24 @@ def stages(calls: list[list[Event]]) -> list[Stage]:
 def _next_of_thread(call: list[Event]) -> dict[int, int]:
     """For each event of the call, the index of the next event of the same process and
     thread, where there is one."""
-    following, last = {}, {}
+    following: dict[int, int] = {}
+    last: dict[tuple[int, int], int] = {}
     for index, event in enumerate(call):
-        key = (event.pid, event.thread)
+        key = (event.pid, event.tid)
         if key in last:
             following[last[key]] = index
         last[key] = index
     return following
+
+
+REFERENCE_TIMEOUT = 10.0  # s a reference's other process may take to answer before we give up
+
+
+def _stop_child(pid: int, failed: bool) -> None:
+    """Reap a reference's forked child; on a failure first kill it (it may wait forever)."""
+    if failed:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 def wakeup_cost(rounds: int = 5000) -> tuple[float, float]:
@@ -145,27 +164,32 @@ def wakeup_cost(rounds: int = 5000) -> tuple[float, float]:
     from_child, to_parent = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        try:
+        try:  # only its own ends open: a parent gone is an end of file, not a wait forever
+            os.close(to_child)
+            os.close(from_child)
             for _ in range(rounds):
-                select.select([from_parent], [], [])
-                os.read(from_parent, 1)
+                if os.read(from_parent, 1) != b"x":
+                    break
                 os.write(to_parent, b"x")
         finally:
             os._exit(0)
+    os.close(from_parent)
+    os.close(to_parent)
+    failed = True
     try:
         started, cpu = time.perf_counter(), time.thread_time()
         for _ in range(rounds):
             os.write(to_child, b"x")
-            select.select([from_child], [], [])
-            os.read(from_child, 1)
+            # Asleep in select, as a loop is; bounded, so a child gone cannot hang the bench.
+            ready, _, _ = select.select([from_child], [], [], REFERENCE_TIMEOUT)
+            if not ready or os.read(from_child, 1) != b"x":
+                raise RuntimeError("the pipe reference's other process stopped answering")
         wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
-    except BaseException:
-        os.kill(pid, signal.SIGKILL)  # it would wait for a byte forever
-        raise
+        failed = False
     finally:
-        os.waitpid(pid, 0)
-        for fd in (to_child, from_parent, from_child, to_parent):
-            os.close(fd)
+        os.close(to_child)
+        os.close(from_child)
+        _stop_child(pid, failed)
     return wall / rounds * 1e6, cpu / rounds * 1e6
 
 
@@ -181,36 +205,40 @@ def zmq_round_trip(rounds: int = 3000) -> float:
     router = context.socket(zmq.ROUTER)
     router.curve_server, router.curve_secretkey = True, server_secret
     port = router.bind_to_random_port("tcp://127.0.0.1")
+    wait_ms = int(REFERENCE_TIMEOUT * 1000)
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child: echo until told to stop
+    if pid == 0:  # pragma: no cover - the child: echo until told to stop or left alone
         try:
             dealer = zmq.Context().socket(zmq.DEALER)
             dealer.curve_serverkey, dealer.curve_publickey = server_public, client_public
             dealer.curve_secretkey = client_secret
             dealer.connect(f"tcp://127.0.0.1:{port}")
             dealer.send(b"hello")
-            while dealer.poll(10_000):
+            while dealer.poll(wait_ms):
                 frames = dealer.recv_multipart(copy=False)
                 if len(frames) == 1:
                     break
                 dealer.send_multipart(frames)
         finally:
             os._exit(0)
+    failed = True
     try:
-        if not router.poll(10_000):
-            raise RuntimeError("the echo process did not connect in 10 s")
+        if not router.poll(wait_ms):
+            raise RuntimeError("the ZeroMQ reference's other process did not connect")
         identity, _ = router.recv_multipart()
         message = [identity, b"GM", b"\x04", b"x" * 40]
         times = []
         for _ in range(rounds):
             started = time.perf_counter()
             router.send_multipart(message)
-            router.poll(10_000)
+            if not router.poll(wait_ms):
+                raise RuntimeError("the ZeroMQ reference's other process stopped answering")
             router.recv_multipart(copy=False)
             times.append(time.perf_counter() - started)
         router.send_multipart([identity, b"stop"])
+        failed = False
     finally:
-        os.waitpid(pid, 0)
+        _stop_child(pid, failed)
         context.destroy(linger=0)
     return statistics.median(times[rounds // 10:]) * 1e6
 
@@ -268,72 +296,44 @@ def broker_cycle(gap_s: float, cycles: int = 1500, spin: bool = False) -> float:
     return statistics.median(times[cycles // 10:]) * 1e6
 
 
-def table(rows: list[Stage]) -> str:
-    lines = ["| µs since the call began | process thread: event | wall µs since its previous "
-             "event | its CPU µs in that time |", "| ---: | --- | ---: | ---: |"]
+def table(rows: list[Stage], calls: int) -> str:
+    lines = ["| µs since the call began | process thread: event | wall µs since that thread's "
+             "previous event | its CPU µs in that time | calls with it |",
+             "| ---: | --- | ---: | ---: | ---: |"]
     for row in rows:
         wall = "" if row.wall_us is None else f"{row.wall_us:.0f}"
         cpu = "" if row.cpu_us is None else f"{row.cpu_us:.0f}"
-        lines.append(f"| {row.at_us:.0f} | {row.label} | {wall} | {cpu} |")
+        lines.append(f"| {row.at_us:.0f} | {row.label} | {wall} | {cpu} | "
+                     f"{row.calls * 100 // calls}% |")
     return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--calls", type=int, default=400, help="calls timed, then traced")
+    parser.add_argument("--calls", type=_positive, default=400, help="calls timed, then traced")
     parser.add_argument("--out", type=Path, default=None,
-                        help="also write the table to DIR/timeline.md")
+                        help="also write the report to DIR/timeline.md")
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="gpumesh-timeline-"))
-    # Before gpumesh is imported here, and into every process the mesh starts.
-    install(str(folder))
-    os.environ["GPUMESH_BENCH_TRACE"] = str(folder)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(TRACEHOOK), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-    from .procs import descendants, install_teardown
-    from .systems.gpumesh_system import CALL_TIMEOUT, Mesh, wait_for_workers
-    from .tasks import noop
-
-    install_teardown()
+    # The references first, before the hook wraps zmq.Poller.poll in this process.
     round_trip, side_cpu = wakeup_cost()
     zmq_hops = zmq_round_trip()
+    folder = Path(tempfile.mkdtemp(prefix="gpumesh-timeline-"))
+    try:
+        report = _traced_run(folder, args.calls)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    # Its gpumesh imports come after install(): nothing here binds a wrapped name early.
     back_to_back, sleeping = broker_cycle(0.0), broker_cycle(GAP)
     spinning = broker_cycle(GAP, spin=True)
-    mesh = Mesh.fresh()
-    try:
-        mesh.start_coordinator()
-        for _ in range(2):  # each runner needs the hook too: join hands tasks only what it names
-            mesh.add_worker(join_args=("--pass-env", "GPUMESH_BENCH_TRACE",
-                                       "--pass-env", "PYTHONPATH"))
-        mesh.wait_listening()
-        with mesh.client() as client:
-            wait_for_workers(client, 2)
-            for i in range(WARM_CALLS):
-                client.submit(noop, i).result(timeout=CALL_TIMEOUT)
-            untraced = []
-            for i in range(args.calls):
-                started = time.perf_counter()
-                client.submit(noop, i).result(timeout=CALL_TIMEOUT)
-                untraced.append((time.perf_counter() - started) * 1e6)
-            (folder / SWITCH).touch()
-            for i in range(args.calls):
-                mark(str(folder), "call")
-                client.submit(noop, i).result(timeout=CALL_TIMEOUT)
-                mark(str(folder), "done")
-            (folder / SWITCH).unlink()
-            roles = {mesh.coordinator.pid: "coordinator", os.getpid(): "client"}
-            for worker in mesh.workers:
-                roles[worker.pid] = "agent"
-                roles.update({pid: "runner" for pid in descendants(worker.pid)})
-    finally:
-        mesh.stop()
-    calls = split_calls(read_events(folder / EVENTS, roles))
-    traced = statistics.median((c[-1].at_ns - c[0].at_ns) / 1000 for c in calls)
-    report = "\n".join([
-        f"{len(calls)} single calls of a no-op, one after another: median {traced:.0f} µs "
-        f"traced, {statistics.median(untraced):.0f} µs untraced (p50 of {args.calls} calls "
-        "just before). Each recorded event costs its thread about 10 µs.",
-        "", table(stages(calls)), "",
+    report += "\n".join([
+        "", "",
         f"This machine: a pipe round trip between two processes that sleep until the byte "
         f"comes takes {round_trip:.0f} µs and {side_cpu:.0f} µs of each side's CPU (two "
         "wake-ups). A small message's round trip between a ROUTER and a DEALER of two "
@@ -351,9 +351,66 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "timeline.md").write_text(report + "\n")
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
+
+
+def _traced_run(folder: Path, calls: int) -> str:
+    """The mesh's calls, untraced then traced into ``folder``: the report's table and the
+    lines above it."""
+    # Before gpumesh is imported here, and into every process the mesh starts.
+    install(str(folder))
+    os.environ["GPUMESH_BENCH_TRACE"] = str(folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(TRACEHOOK), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    from .procs import descendants, install_teardown
+    from .systems.gpumesh_system import CALL_TIMEOUT, Mesh, wait_for_workers
+    from .tasks import noop
+
+    install_teardown()
+    mesh = Mesh.fresh()
+    try:
+        mesh.start_coordinator()
+        for _ in range(2):  # runners get PYTHON* (so the hook loads) and what join passes them
+            mesh.add_worker(join_args=("--pass-env", "GPUMESH_BENCH_TRACE"))
+        mesh.wait_listening()
+        with mesh.client() as client:
+            wait_for_workers(client, 2)
+            for i in range(WARM_CALLS):
+                client.submit(noop, i).result(timeout=CALL_TIMEOUT)
+            untraced = []
+            for i in range(calls):
+                started = time.perf_counter()
+                client.submit(noop, i).result(timeout=CALL_TIMEOUT)
+                untraced.append((time.perf_counter() - started) * 1e6)
+            (folder / SWITCH).touch()
+            for i in range(calls):
+                mark(str(folder), "call")
+                client.submit(noop, i).result(timeout=CALL_TIMEOUT)
+                mark(str(folder), "done")
+            (folder / SWITCH).unlink()
+            roles = {mesh.coordinator.pid: "coordinator", os.getpid(): "client"}
+            for worker in mesh.workers:
+                roles[worker.pid] = "agent"
+                roles.update({pid: "runner" for pid in descendants(worker.pid)})
+    finally:
+        mesh.stop()
+    traced_calls = split_calls(read_events(folder / EVENTS, roles))
+    heard = {event.role for call in traced_calls for event in call}
+    missing = sorted(set(roles.values()) - heard)
+    if missing or not traced_calls:
+        # A sitecustomize that fails to import is only a line on the child's stderr.
+        raise SystemExit(f"bench.timeline: no events from the {', '.join(missing) or 'mesh'}: "
+                         "its trace hook did not load (run this from the repository's root)")
+    traced = statistics.median((c[-1].at_ns - c[0].at_ns) / 1000 for c in traced_calls)
+    untraced_p50 = statistics.median(untraced)
+    per_call = statistics.median(len(c) - 2 for c in traced_calls)  # less the two marks
+    return "\n".join([
+        f"{len(traced_calls)} single calls of a no-op, one after another (after "
+        f"{WARM_CALLS} to warm up): median {traced:.0f} µs traced, {untraced_p50:.0f} µs "
+        f"untraced (the p50 of {calls} calls just before). A call records {per_call:.0f} "
+        f"events, so each costs the call about {(traced - untraced_p50) / per_call:.0f} µs; "
+        "the CPU figures include each thread's own.",
+        "", table(stages(traced_calls), len(traced_calls)),
+    ])
 
 
 if __name__ == "__main__":

@@ -1,19 +1,20 @@
 """Message events of gpumesh's processes, for ``python -m bench.timeline``: nothing in gpumesh
 knows of it.
 
-``install(folder)`` wraps, as each module is imported, the functions every message passes
-through: ``gpumesh.transport.send_frames`` and ``receive`` (the ZeroMQ sockets of the client,
+``install(folder)`` wraps, as each module is imported, the functions a single call's messages
+pass through: ``gpumesh.transport.send_frames`` and ``receive`` (the ZeroMQ sockets of the client,
 the coordinator and the worker agent) and ``gpumesh.runner.pipe.send_message`` and
-``recv_message`` (between an agent and its runner), and ``zmq.Poller.poll``, where their loops
-wait (a ``wake`` event when it returns with a socket ready). It wraps each module's functions
-before any other module binds their names, so the coordinator's ``from ..transport import
-send_frames`` gets the wrapper too.
-While the file ``folder/on`` exists, each call appends one line to ``folder/events``:
+``recv_message`` (between an agent and its runner; tasks an agent hands ahead to a busy runner
+go by ``Runner.flush`` instead, unrecorded), and ``zmq.Poller.poll``, where their loops wait
+(a ``wake`` event when it returns with a socket ready). It wraps each module's functions before
+any other module binds their names, so the coordinator's ``from ..transport import
+send_frames`` gets the wrapper too. While the file ``folder/on`` exists, each call appends one
+line to ``folder/events``:
 
-    wall-clock ns, pid, thread name, that thread's CPU ns, event, command
+    wall-clock ns, pid, thread id, thread name, that thread's CPU ns, event, command
 
 Only command names go in: no header, no payload, no key. With ``on`` absent a call costs one
-``stat``; the bench measures untraced calls first.
+``stat``: the bench's untraced calls pay that, and nothing else of the hook.
 """
 
 from __future__ import annotations
@@ -45,31 +46,41 @@ class _Recorder:
     def write(self, event: str, command: str) -> None:
         if self.fd is None:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        line = (f"{time.time_ns()} {os.getpid()} {threading.current_thread().name.replace(' ', '_')} "
+        name = threading.current_thread().name.replace(" ", "_")
+        line = (f"{time.time_ns()} {os.getpid()} {threading.get_native_id()} {name} "
                 f"{time.thread_time_ns()} {event} {command}\n")
         os.write(self.fd, line.encode())  # one write(2) of one line: lines never interleave
 
 
 def command_name(frames: Sequence[Any]) -> str:
     """The command of a message as ``encode`` made it (after a ROUTER's routing frame, if
-    any); a BATCH names what it carries: ``BATCH[TASK,RESULT_ACK]``."""
+    any); a BATCH names what it carries: ``BATCH[TASK,RESULT_ACK]``. ``?`` for anything else:
+    this runs inside gpumesh's send path and must not raise there."""
     import msgpack
 
     from gpumesh.protocol.messages import SIGNATURE, Command
 
-    for index in range(min(2, len(frames) - 1)):
-        if bytes(frames[index]) == SIGNATURE:
-            command = Command(bytes(frames[index + 1])[0])
-            if command is Command.BATCH:
-                return batch_name(msgpack.unpackb(bytes(frames[index + 2]), raw=False)["m"])
-            return command.name
+    try:
+        for index in range(min(2, len(frames) - 1)):
+            if bytes(frames[index]) == SIGNATURE:
+                command = Command(bytes(frames[index + 1])[0])
+                if command is Command.BATCH:
+                    return batch_name(msgpack.unpackb(bytes(frames[index + 2]), raw=False).get("m"))
+                return command.name
+    except Exception:
+        pass
     return "?"
 
 
-def batch_name(items: Sequence[Any]) -> str:
+def batch_name(items: Any) -> str:
+    """``BATCH[...]`` of a BATCH header's ``m``; ``BATCH[?]`` for one that is not well formed
+    (gpumesh's ``unbundle`` skips what it cannot read; so does this)."""
     from gpumesh.protocol.messages import Command
 
-    return f"BATCH[{','.join(Command(item[0]).name for item in items)}]"
+    try:
+        return f"BATCH[{','.join(Command(item[0]).name for item in items)}]"
+    except Exception:
+        return "BATCH[?]"
 
 
 def _recording(name: str, original: Callable[..., Any], recorder: _Recorder) -> Callable[..., Any]:
@@ -84,8 +95,8 @@ def _recording(name: str, original: Callable[..., Any], recorder: _Recorder) -> 
         def receive(frames: Any, limits: Any, offset: int = 0) -> Any:
             msg = original(frames, limits, offset)
             if recorder.on():
-                recorder.write("recv", batch_name(msg.header["m"]) if msg.command.name == "BATCH"
-                               else msg.command.name)
+                recorder.write("recv", batch_name(msg.header.get("m"))
+                               if msg.command.name == "BATCH" else msg.command.name)
             return msg
         return receive
     if name == "send_message":
@@ -135,16 +146,18 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _record_wakeups(recorder: _Recorder) -> None:
-    """A ``wake`` event each time a ``zmq.Poller.poll`` of the process returns with a socket
-    ready (the loops of the client's engine, the coordinator and the agent sleep there), so a
-    hop splits into the way there and what the woken thread does before its ``recv``."""
+    """A ``wake`` event each time a ``zmq.Poller.poll`` of the process that may have slept (a
+    timeout other than 0) returns with a socket ready: the loops of the client's engine, the
+    coordinator and the agent sleep there, so a hop splits into the way there and what the
+    woken thread does before its ``recv``. (``Socket.poll`` goes through it too: the agent's
+    wait for its first WELCOME, not on a call's path.)"""
     import zmq
 
     original = zmq.Poller.poll
 
     def poll(self: Any, timeout: Any = None) -> Any:
         ready = original(self, timeout)
-        if ready and recorder.on():
+        if ready and timeout != 0 and recorder.on():
             recorder.write("wake", "-")
         return ready
 

@@ -1,4 +1,4 @@
-"""Loaded at start-up by every process ``python -m bench.timeline`` starts (this folder leads
+"""Loaded at start-up by every process ``python -m bench.timeline`` starts (this folder is on
 their PYTHONPATH): records when each gpumesh message is sent and received (bench/trace.py)."""
 
 import os
