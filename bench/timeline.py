@@ -158,7 +158,7 @@ def _stop_child(pid: int, failed: bool) -> None:
 
 
 def wakeup_cost(rounds: int = 5000) -> tuple[float, float]:
-    """(µs a round trip, µs of one side's CPU per round trip) of two processes passing a byte
+    """(µs a round trip, µs of this side's CPU per round trip) of two processes passing a byte
     through pipes, each sleeping in ``select`` until it comes: two wake-ups a round trip."""
     from_parent, to_child = os.pipe()
     from_child, to_parent = os.pipe()
@@ -168,7 +168,8 @@ def wakeup_cost(rounds: int = 5000) -> tuple[float, float]:
             os.close(to_child)
             os.close(from_child)
             for _ in range(rounds):
-                if os.read(from_parent, 1) != b"x":
+                ready, _, _ = select.select([from_parent], [], [], REFERENCE_TIMEOUT)
+                if not ready or os.read(from_parent, 1) != b"x":
                     break
                 os.write(to_parent, b"x")
         finally:
@@ -308,6 +309,18 @@ def table(rows: list[Stage], calls: int) -> str:
     return "\n".join(lines)
 
 
+ROLES = ("client", "coordinator", "agent", "runner")
+
+
+def missing_roles(calls: list[list[Event]]) -> list[str]:
+    """The processes of a call that recorded nothing in any call: ``mesh`` for no call at all.
+    A process whose hook did not load would leave its rows out of the table without a word."""
+    if not calls:
+        return ["mesh"]
+    heard = {event.role for call in calls for event in call}
+    return [role for role in ROLES if role not in heard]
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -335,7 +348,7 @@ def main() -> None:
     report += "\n".join([
         "", "",
         f"This machine: a pipe round trip between two processes that sleep until the byte "
-        f"comes takes {round_trip:.0f} µs and {side_cpu:.0f} µs of each side's CPU (two "
+        f"comes takes {round_trip:.0f} µs and {side_cpu:.0f} µs of one side's CPU (two "
         "wake-ups). A small message's round trip between a ROUTER and a DEALER of two "
         f"processes over CURVE on loopback TCP, each waiting in poll: {zmq_hops:.0f} µs (two "
         "hops, each from a send to the other side's recv).",
@@ -381,25 +394,26 @@ def _traced_run(folder: Path, calls: int) -> str:
                 started = time.perf_counter()
                 client.submit(noop, i).result(timeout=CALL_TIMEOUT)
                 untraced.append((time.perf_counter() - started) * 1e6)
-            (folder / SWITCH).touch()
-            for i in range(calls):
-                mark(str(folder), "call")
-                client.submit(noop, i).result(timeout=CALL_TIMEOUT)
-                mark(str(folder), "done")
-            (folder / SWITCH).unlink()
             roles = {mesh.coordinator.pid: "coordinator", os.getpid(): "client"}
-            for worker in mesh.workers:
+            (folder / SWITCH).touch()
+            try:
+                for i in range(calls):
+                    mark(str(folder), "call")
+                    client.submit(noop, i).result(timeout=CALL_TIMEOUT)
+                    mark(str(folder), "done")
+            finally:
+                (folder / SWITCH).unlink()
+            for worker in mesh.workers:  # runners as they are now (a crashed one is replaced)
                 roles[worker.pid] = "agent"
                 roles.update({pid: "runner" for pid in descendants(worker.pid)})
     finally:
         mesh.stop()
     traced_calls = split_calls(read_events(folder / EVENTS, roles))
-    heard = {event.role for call in traced_calls for event in call}
-    missing = sorted(set(roles.values()) - heard)
-    if missing or not traced_calls:
-        # A sitecustomize that fails to import is only a line on the child's stderr.
-        raise SystemExit(f"bench.timeline: no events from the {', '.join(missing) or 'mesh'}: "
-                         "its trace hook did not load (run this from the repository's root)")
+    missing = missing_roles(traced_calls)
+    if missing:
+        # A sitecustomize that fails to import is only a line on that process's stderr.
+        raise SystemExit(f"bench.timeline: no events from the {', '.join(missing)}: its trace "
+                         "hook did not load, or its process was not found")
     traced = statistics.median((c[-1].at_ns - c[0].at_ns) / 1000 for c in traced_calls)
     untraced_p50 = statistics.median(untraced)
     per_call = statistics.median(len(c) - 2 for c in traced_calls)  # less the two marks

@@ -44,12 +44,16 @@ class _Recorder:
         return os.path.exists(self.switch)
 
     def write(self, event: str, command: str) -> None:
-        if self.fd is None:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        # The time first: what follows is the recording's own cost.
+        at, cpu = time.time_ns(), time.thread_time_ns()
         name = threading.current_thread().name.replace(" ", "_")
-        line = (f"{time.time_ns()} {os.getpid()} {threading.get_native_id()} {name} "
-                f"{time.thread_time_ns()} {event} {command}\n")
-        os.write(self.fd, line.encode())  # one write(2) of one line: lines never interleave
+        line = f"{at} {os.getpid()} {threading.get_native_id()} {name} {cpu} {event} {command}\n"
+        try:  # inside gpumesh's send path: a full disk or a folder gone must not fail it
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.write(self.fd, line.encode())  # one write(2) of one line: lines never interleave
+        except OSError:
+            pass
 
 
 def command_name(frames: Sequence[Any]) -> str:

@@ -3,15 +3,20 @@ turned into a call's stages."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.timeline import (
     TRACEHOOK,
     Event,
+    _positive,
     broker_cycle,
+    missing_roles,
     read_events,
     split_calls,
     stages,
@@ -92,6 +97,21 @@ def test_a_wake_is_named_by_what_its_thread_did_next() -> None:
     assert "agent MainThread: wake, then recv TASK" in labels
     assert "client io: wake, then recv RESULT" in labels
     assert not any(label.endswith(": wake") for label in labels)
+
+
+def test_a_process_that_recorded_nothing_is_named_so_the_run_can_fail() -> None:
+    calls = [_call(0, 10, 0)]
+    assert missing_roles(calls) == ["coordinator", "runner"]
+    calls[0].insert(1, ev(1, 5, "coordinator", "loop", 0, "recv SUBMIT"))
+    calls[0].insert(1, ev(2, 6, "runner", "MainThread", 0, "pipe-recv"))
+    assert missing_roles(calls) == []
+    assert missing_roles([]) == ["mesh"]
+
+
+def test_calls_must_be_at_least_one() -> None:
+    assert _positive("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError):
+        _positive("0")
 
 
 def test_events_are_read_in_time_order_and_split_into_calls(tmp_path: Path) -> None:
