@@ -34,7 +34,7 @@ _WRAPPED = {"gpumesh.transport": ("send_frames", "receive"),
             "gpumesh.runner.pipe": ("send_message", "recv_message")}
 
 
-class _Recorder:
+class Recorder:
     def __init__(self, folder: str) -> None:
         self.switch = os.path.join(folder, SWITCH)
         self.path = os.path.join(folder, EVENTS)
@@ -87,7 +87,7 @@ def batch_name(items: Any) -> str:
         return "BATCH[?]"
 
 
-def _recording(name: str, original: Callable[..., Any], recorder: _Recorder) -> Callable[..., Any]:
+def _recording(name: str, original: Callable[..., Any], recorder: Recorder) -> Callable[..., Any]:
     """``original`` recording each call while ``recorder`` is on."""
     if name == "send_frames":
         def send_frames(sock: Any, frames: Sequence[Any]) -> Any:
@@ -118,7 +118,7 @@ def _recording(name: str, original: Callable[..., Any], recorder: _Recorder) -> 
     return recv_message
 
 
-def _wrap(module: Any, name: str, recorder: _Recorder) -> None:
+def _wrap(module: Any, name: str, recorder: Recorder) -> None:
     original = getattr(module, name)
     wrapper = _recording(name, original, recorder)
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
@@ -128,7 +128,7 @@ def _wrap(module: Any, name: str, recorder: _Recorder) -> None:
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds the modules to wrap as the path would, and wraps them once they have run."""
 
-    def __init__(self, recorder: _Recorder) -> None:
+    def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
@@ -149,7 +149,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _record_wakeups(recorder: _Recorder) -> None:
+def _record_wakeups(recorder: Recorder) -> None:
     """A ``wake`` event each time a ``zmq.Poller.poll`` of the process that may have slept (a
     timeout other than 0) returns with a socket ready: the loops of the client's engine, the
     coordinator and the agent sleep there, so a hop splits into the way there and what the
@@ -169,11 +169,12 @@ def _record_wakeups(recorder: _Recorder) -> None:
     zmq.Poller.poll = poll  # type: ignore[method-assign]
 
 
-def install(folder: str) -> None:
-    """Record this process's message events into ``folder`` (see the module's text). In a
-    process that already imported gpumesh, what binds the names by value keeps the originals:
-    call this first."""
-    recorder = _Recorder(folder)
+def install(folder: str) -> Recorder:
+    """Record this process's message events into ``folder`` (see the module's text), and
+    return the recorder, for events of the caller's own (``write``) into the same open file. In
+    a process that already imported gpumesh, what binds the names by value keeps the
+    originals: call this first."""
+    recorder = Recorder(folder)
     _record_wakeups(recorder)
     for fullname, names in _WRAPPED.items():
         module = sys.modules.get(fullname)
@@ -181,11 +182,4 @@ def install(folder: str) -> None:
             for name in names:
                 _wrap(module, name, recorder)
     sys.meta_path.insert(0, _Finder(recorder))
-
-
-def mark(folder: str, event: str) -> None:
-    """An event of the bench's own (a call starts, its result is in) into the same file."""
-    recorder = _Recorder(folder)
-    recorder.write(event, "-")
-    if recorder.fd is not None:
-        os.close(recorder.fd)
+    return recorder
