@@ -69,9 +69,9 @@ def summarize(raw: Path, runs: int, top: int = 8) -> list[tuple[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--tasks", type=int, default=20_000, help="the map's no-op tasks")
-    what.add_argument("--calls", type=int, default=0,
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--tasks", type=int, default=20_000, help="the map's no-op tasks")
+    mode.add_argument("--calls", type=int, default=0,
                       help="profile this many single calls, one after another, instead of a map")
     parser.add_argument("--top", type=int, default=8, help="components shown per process")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")

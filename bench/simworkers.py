@@ -53,7 +53,7 @@ def run(url: str, count: int, name: str) -> None:
     try:
         while True:
             timeout = max(next_beat - time.monotonic(), 0)
-            for sock, _ in poller.poll(timeout * 1000):
+            for sock, _ in poller.poll(int(timeout * 1000)):
                 while sock.poll(0):
                     frames = sock.recv_multipart()
                     if frames[1][0] == Command.WELCOME and sock not in welcomed:

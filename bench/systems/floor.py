@@ -130,8 +130,8 @@ class FloorSystem(System):
             self._sock.send_multipart([_INDEX.pack(index), *dumps((fn, args))], copy=False)
         results: list[Any] = [None] * len(calls)
         for _ in calls:
-            index, *frames = self._sock.recv_multipart(copy=False)
-            results[_INDEX.unpack(index.bytes)[0]] = loads(frames)
+            tag, *frames = self._sock.recv_multipart(copy=False)
+            results[_INDEX.unpack(tag.bytes)[0]] = loads(frames)
         return results
 
     def stop(self) -> None:

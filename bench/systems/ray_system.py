@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ class RaySystem(System):
         import ray
 
         ray.init(num_cpus=self.params.workers, include_dashboard=False, log_to_driver=False,
-                 logging_level="error", configure_logging=True)
+                 logging_level=logging.ERROR, configure_logging=True)
         self._remotes: dict[Callable[..., Any], Any] = {}
 
     def _remote(self, fn: Callable[..., Any]) -> Any:
