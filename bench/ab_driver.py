@@ -29,6 +29,11 @@ from .tasks import noop
 
 def side_mesh(tree: Path) -> type[Mesh]:
     class SideMesh(Mesh):
+        # Started in TREE: ``python -m gpumesh`` puts the folder it starts in ahead of
+        # PYTHONPATH, so from this checkout every side's coordinator, agents and runners ran
+        # this checkout's gpumesh, whatever the tree (only the client differed).
+        cwd = tree
+
         def env(self) -> dict[str, str]:
             # TREE first: the processes import its gpumesh (and its bench.tasks, for noop).
             env = super().env()

@@ -16,7 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from ..procs import descendants, free_port, python_env, python_exe, spawn, stop_group, wait_for
+from ..procs import (
+    REPO_ROOT,
+    descendants,
+    free_port,
+    python_env,
+    python_exe,
+    spawn,
+    stop_group,
+    wait_for,
+)
 from .base import System
 
 CALL_TIMEOUT = 120.0  # seconds: a broken mesh fails the measurement instead of hanging it
@@ -24,6 +33,10 @@ CALL_TIMEOUT = 120.0  # seconds: a broken mesh fails the measurement instead of 
 
 class Mesh:
     """A coordinator and its workers in process groups of their own, and the paths they use."""
+
+    # Where its processes start. ``python -m`` puts this folder first on sys.path, ahead of
+    # PYTHONPATH: the gpumesh it holds is the one they import (bench.ab's other tree).
+    cwd: Path = REPO_ROOT
 
     def __init__(self, token: str, home: Path, port: int, host: str = "127.0.0.1",
                  journal: bool = True) -> None:
@@ -56,7 +69,7 @@ class Mesh:
                  "--port", str(self.port), "--no-self-worker", "--no-save", "--no-color",
                  "--exit-with-parent", "--ready-fd", str(ready_write),
                  *(() if self.journal else ("--db", ":memory:"))],
-                env=self.env(), log=self.log, pass_fds=[ready_write])
+                env=self.env(), log=self.log, pass_fds=[ready_write], cwd=self.cwd)
         finally:
             os.close(ready_write)
 
@@ -85,7 +98,7 @@ class Mesh:
         self.workers.append(spawn(
             [*prefix, python_exe(), "-m", "gpumesh", "join", self.url, "--slots", "1", *extra,
              "--no-benchmark", "--no-save", "--no-color", "--exit-with-parent"],
-            env=self.env(), log=self.log))
+            env=self.env(), log=self.log, cwd=self.cwd))
 
     def client(self) -> Any:
         from gpumesh import GPUMesh

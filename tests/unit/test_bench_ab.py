@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.ab import markdown, summarize
 
 
@@ -67,3 +69,33 @@ def test_a_negative_payload_is_refused_before_anything_starts(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--payload", "-1"])
     assert "not a byte count" in capsys.readouterr().err
+
+
+def test_each_side_s_coordinator_and_workers_import_its_own_tree(tmp_path) -> None:
+    # They are started with ``python -m gpumesh``, which puts the folder it starts in ahead of
+    # PYTHONPATH: started in this checkout, the base side ran this checkout's coordinator and
+    # workers (only its client was the base's). A stand-in gpumesh in a tree of its own says
+    # where it was imported from, as the coordinator and as a worker.
+    from bench.ab_driver import side_mesh
+
+    tree = tmp_path / "tree"
+    (tree / "gpumesh").mkdir(parents=True)
+    (tree / "gpumesh" / "__init__.py").write_text("")
+    (tree / "gpumesh" / "__main__.py").write_text(
+        "import os, sys, gpumesh\n"
+        "home = os.environ['GPUMESH_HOME']\n"
+        "with open(os.path.join(home, sys.argv[1] + '.txt'), 'w') as f:\n"
+        "    f.write(gpumesh.__file__)\n"
+        "if '--ready-fd' in sys.argv:\n"
+        "    os.write(int(sys.argv[sys.argv.index('--ready-fd') + 1]), b'ready')\n")
+    mesh = side_mesh(tree).fresh()
+    try:
+        mesh.start_coordinator()
+        mesh.wait_listening(timeout=30)
+        mesh.add_worker()
+        mesh.workers[0].wait(30)
+        for role in ("serve", "join"):
+            imported = Path((mesh.home / f"{role}.txt").read_text())
+            assert imported.resolve() == (tree / "gpumesh" / "__init__.py").resolve(), role
+    finally:
+        mesh.stop()
