@@ -106,6 +106,26 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+BUSY_POLL = 0.001  # seconds (GPUMESH_BUSY_POLL_US)
+MAX_BUSY_POLL_US = 100_000
+
+
+def _env_busy_poll(env: Mapping[str, str]) -> float:
+    """GPUMESH_BUSY_POLL_US in seconds; 0 turns busy polling off."""
+    raw = env.get("GPUMESH_BUSY_POLL_US")
+    if raw is None or raw == "":
+        return BUSY_POLL
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"GPUMESH_BUSY_POLL_US={raw!r} is not a number of microseconds "
+                          "(0 turns busy polling off)") from None
+    if not math.isfinite(value) or not 0 <= value <= MAX_BUSY_POLL_US:
+        raise ConfigError(f"GPUMESH_BUSY_POLL_US={raw!r} must be 0 to {MAX_BUSY_POLL_US} "
+                          "microseconds (0 turns busy polling off)")
+    return value / 1e6
+
+
 @dataclass(frozen=True)
 class Timing:
     """Heartbeat, lease and timeout figures, shared by every role so they agree.
@@ -201,6 +221,10 @@ class Settings:
     discovery: bool = True
     discovery_interfaces: tuple[str, ...] = ()
     discovery_timeout: float = 3.0
+    # Seconds the coordinator's loop polls for its next message, instead of sleeping, after a
+    # turn that handed out a task or a result (gpumesh/coordinator/waiting.py).
+    # GPUMESH_BUSY_POLL_US=0 turns it off.
+    busy_poll: float = BUSY_POLL
     timing: Timing = field(default_factory=Timing)
     limits: Limits = field(default_factory=Limits)
 
@@ -230,6 +254,7 @@ class Settings:
             discovery=_env_bool(env.get("GPUMESH_DISCOVERY", "1")),
             discovery_interfaces=_addresses(env, "GPUMESH_DISCOVERY_INTERFACES"),
             discovery_timeout=_env_float(env, "GPUMESH_DISCOVERY_TIMEOUT", 3.0),
+            busy_poll=_env_busy_poll(env),
             timing=timing,
             limits=Limits(
                 max_queued_bytes=int(2**30 * _env_float(

@@ -144,6 +144,7 @@ class Ledger:
         self._order = itertools.count()
         self.released = 0  # tasks finished or forgotten since memory was last given back
         self.finished_total = 0  # tasks finished in this run: monitors derive throughput from it
+        self.leased_total = 0  # tasks handed to workers in this run (the loop's busy polling)
         self._lease_counter = itertools.count(1)
         self._event_seq = itertools.count(1)
         # Results delivered and not journaled yet, oldest first (task id -> HeldResult).
@@ -334,6 +335,7 @@ class Ledger:
             # shared memory or in slices was not) may be kept and named by that digest.
             payload = self._by_reference(header, payload, worker)
         self.send(worker.routing, Command.TASK, header, payload)
+        self.leased_total += 1
 
     def _share_input(self, task: Task, payload: list[Any], folder: SharedFolder) -> list[Any]:
         """Before a function task goes to a worker that maps this machine's shared memory, its

@@ -40,6 +40,7 @@ from ..sharedmem import SharedFolder
 from ..store import Store
 from ..transport import apply_common_options, receive, send_frames
 from .broker import Broker
+from .waiting import Waiter
 
 log = logging.getLogger("gpumesh.coordinator")
 
@@ -138,11 +139,14 @@ class Coordinator:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        waiter = Waiter(poller.poll, self.settings.busy_poll)
+        ledger = self.ledger
         tick_ms = max(10, int(self.settings.timing.heartbeat * 1000 / 4))
         next_tick = 0.0
         try:
             while not self._stop.is_set():
-                poller.poll(self._poll_timeout(tick_ms))
+                waiter.wait(self._poll_timeout(tick_ms))
+                moved = (ledger.leased_total, ledger.finished_total)
                 now = time.time()
                 self._drain(now)
                 if now >= next_tick:
@@ -152,6 +156,8 @@ class Coordinator:
                 self._contained("let go of journaled inputs", self.broker.spill_inputs, now)
                 self._contained("journal held results", self.ledger.journal_held_results, now)
                 self._end_turn(now)
+                if (ledger.leased_total, ledger.finished_total) != moved:
+                    waiter.work_moved()  # a task or a result went out: its answer comes soon
             # What already arrived is read once more (a worker's goodbye sent as serve stopped,
             # a last result); then what was held goes before it closes: results into the
             # journal, then messages.

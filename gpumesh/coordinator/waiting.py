@@ -1,0 +1,62 @@
+"""How the coordinator's loop waits for its next message: while work is moving, it polls for a
+short while before it sleeps (busy polling).
+
+A single call crosses the coordinator twice (its task out, its result back), and each time the
+loop had gone to sleep in between: the wake-up, and the code after it run on cold caches (on a
+VM, on a vCPU that halted), cost a call more than the work did. For ``busy_poll`` seconds after a
+turn that handed out a task or a result, the loop asks its socket again and again instead,
+yielding the core between looks to any other thread that wants it, and sleeps when that time is
+up. On the 2-core test VM (``python -m bench.ab``, 16 interleaved rounds) back-to-back single
+calls took 0.78x the time at p50 (1.43 -> 1.13 ms), a map ran as fast as before (1.00x), and a
+call cost 383 µs more CPU in all (the coordinator 496 more, the rest less). An idle
+coordinator, or one that only hears heartbeats (1,000 workers' of them move no work), never
+spins.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _no_yield() -> None:
+    """Where the system has no ``sched_yield``: the spin goes on without yielding."""
+
+
+class Waiter:
+    """``wait(timeout_ms)`` returns True when the polled sockets have something to read;
+    ``work_moved()`` says the turn just handed out a task or a result."""
+
+    def __init__(self, poll: Callable[[int], Any], busy_poll: float,
+                 clock: Callable[[], float] = time.perf_counter,
+                 yield_core: Callable[[], None] | None = None) -> None:
+        self._poll = poll  # zmq.Poller.poll: a timeout in ms, a list of what is ready
+        self.busy_poll = busy_poll
+        self._clock = clock
+        system_yield: Callable[[], None] = getattr(os, "sched_yield", _no_yield)
+        self._yield = yield_core if yield_core is not None else system_yield
+        self._busy_until = 0.0
+
+    def work_moved(self) -> None:
+        """The next message of a call (its result, the client's next call) is likely to come
+        within ``busy_poll``: poll for it until then rather than sleep."""
+        if self.busy_poll > 0:
+            self._busy_until = self._clock() + self.busy_poll
+
+    def wait(self, timeout_ms: int) -> bool:
+        """Whether something is ready, within ``timeout_ms`` (0: only look)."""
+        started = self._clock()
+        if started < self._busy_until and timeout_ms > 0:
+            until = min(self._busy_until, started + timeout_ms / 1000)
+            while True:
+                if self._poll(0):
+                    return True
+                if self._clock() >= until:
+                    break
+                self._yield()
+            # Nothing came while it spun: sleep, and spin again only once work moves again.
+            self._busy_until = 0.0
+            timeout_ms = max(0, timeout_ms - int((self._clock() - started) * 1000))
+        return bool(self._poll(timeout_ms))

@@ -1,0 +1,151 @@
+"""The coordinator's loop waits by polling for a while after work moved, and sleeps otherwise
+(gpumesh/coordinator/waiting.py): what it spins for, for how long, and when it stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumesh.config import BUSY_POLL, Limits, Settings, Timing
+from gpumesh.coordinator.broker import Broker
+from gpumesh.coordinator.waiting import Waiter
+from gpumesh.errors import ConfigError
+from gpumesh.protocol import Command, decode, encode
+from gpumesh.store import Store
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Sockets:
+    """A poller whose socket becomes readable at ``ready_at``; each look costs ``step`` s."""
+
+    def __init__(self, clock: Clock, ready_at: float | None, step: float = 0.0001) -> None:
+        self.clock, self.ready_at, self.step = clock, ready_at, step
+        self.looks: list[int] = []  # the timeout of each poll, ms
+
+    def poll(self, timeout_ms: int) -> list[tuple[str, int]]:
+        self.looks.append(timeout_ms)
+        if self.ready_at is not None and self.clock.now >= self.ready_at:
+            return [("router", 1)]
+        if timeout_ms == 0:
+            self.clock.now += self.step
+            return []
+        # A blocking poll: sleeps until the socket is ready or the timeout passes.
+        until = self.clock.now + timeout_ms / 1000
+        if self.ready_at is not None and self.ready_at <= until:
+            self.clock.now = self.ready_at
+            return [("router", 1)]
+        self.clock.now = until
+        return []
+
+
+def make(ready_in: float | None, busy_poll: float = 0.001):
+    clock = Clock()
+    sockets = Sockets(clock, None if ready_in is None else clock.now + ready_in)
+    yields: list[float] = []
+    waiter = Waiter(sockets.poll, busy_poll, clock=clock,
+                    yield_core=lambda: yields.append(clock.now))
+    return waiter, sockets, clock, yields
+
+
+def test_without_work_moving_it_sleeps_in_one_poll():
+    # Heartbeats and idle time: never a spin, whatever arrives.
+    waiter, sockets, _, yields = make(ready_in=0.0005)
+    assert waiter.wait(250) is True
+    assert sockets.looks == [250]
+    assert yields == []
+
+
+def test_after_work_moved_it_polls_until_the_message_comes():
+    waiter, sockets, clock, yields = make(ready_in=0.0005)
+    waiter.work_moved()
+    assert waiter.wait(250) is True
+    assert set(sockets.looks) == {0}  # never went to sleep
+    assert len(sockets.looks) == 6  # looked every 0.1 ms until it came at 0.5 ms
+    assert len(yields) == 5  # and gave the core up between looks
+    assert clock.now == pytest.approx(100.0005)
+
+
+def test_it_sleeps_once_the_busy_time_is_up_and_spins_no_more_until_work_moves():
+    waiter, sockets, clock, _ = make(ready_in=0.005)
+    waiter.work_moved()
+    assert waiter.wait(250) is True
+    looks, blocking = sockets.looks[:-1], sockets.looks[-1]
+    assert set(looks) == {0} and len(looks) == 10  # 1 ms of looks, then ...
+    assert blocking == 249  # ... a sleep for what was left of the timeout
+    assert clock.now == pytest.approx(100.005)
+    sockets.looks.clear()
+    sockets.ready_at = clock.now + 0.0002
+    assert waiter.wait(250) is True
+    assert sockets.looks == [250]  # the spin found nothing last time: it sleeps at once
+    waiter.work_moved()
+    sockets.looks.clear()
+    sockets.ready_at = clock.now + 0.0002
+    assert waiter.wait(250) is True
+    assert set(sockets.looks) == {0}
+
+
+def test_a_timer_due_sooner_than_the_busy_time_ends_the_spin_on_time():
+    waiter, sockets, _, _ = make(ready_in=None)
+    waiter.work_moved()
+    assert waiter.wait(0) is False  # a timer due now: one look, no spin
+    assert sockets.looks == [0]
+    waiter, sockets, clock, _ = make(ready_in=None, busy_poll=0.05)
+    waiter.work_moved()
+    assert waiter.wait(2) is False  # 2 ms to the next timer, 50 ms of busy time
+    assert clock.now == pytest.approx(100.002, abs=0.0002)
+    assert sockets.looks[-1] == 0  # the spin used the whole timeout: the last poll only looks
+
+
+def test_busy_poll_zero_never_spins():
+    waiter, sockets, _, yields = make(ready_in=0.0005, busy_poll=0.0)
+    waiter.work_moved()
+    assert waiter.wait(250) is True
+    assert sockets.looks == [250]
+    assert yields == []
+
+
+def test_busy_poll_is_set_in_microseconds_and_checked(tmp_path):
+    assert Settings.from_env({"GPUMESH_HOME": str(tmp_path)}).busy_poll == BUSY_POLL == 0.001
+    assert Settings.from_env({"GPUMESH_HOME": str(tmp_path),
+                              "GPUMESH_BUSY_POLL_US": "250"}).busy_poll == pytest.approx(0.00025)
+    assert Settings.from_env({"GPUMESH_HOME": str(tmp_path),
+                              "GPUMESH_BUSY_POLL_US": "0"}).busy_poll == 0.0
+    for bad in ("-1", "nan", "1e9", "fast"):
+        with pytest.raises(ConfigError, match="GPUMESH_BUSY_POLL_US.*0 turns busy polling off"):
+            Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_BUSY_POLL_US": bad})
+
+
+def test_the_loop_sees_a_task_handed_out_and_a_result_coming_back(tmp_path):
+    # What server.run compares to tell a turn that moved work (it then polls for the answer)
+    # from one that only heard heartbeats.
+    def message(command, header, payload=()):
+        return decode(encode(command, header, payload), Limits())
+
+    store = Store(tmp_path / "journal.db")
+    try:
+        broker = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+        broker.handle(b"w", message(Command.HELLO, {
+            "role": "worker", "id": "w1", "slots": 1, "credit": 1, "proto": [1, 1],
+            "info": {"python": "3.11"}}), 0.0)
+        broker.handle(b"c", message(Command.HELLO, {"role": "client", "id": "c1",
+                                                    "proto": [1, 1]}), 0.0)
+        ledger = broker.ledger
+        broker.handle(b"w", message(Command.HEARTBEAT, {}), 0.5)
+        assert (ledger.leased_total, ledger.finished_total) == (0, 0)
+        broker.handle(b"c", message(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]},
+                                    [b"f" * 300, b"a" * 60]), 1.0)
+        broker.dispatch(1.0)
+        assert (ledger.leased_total, ledger.finished_total) == (1, 0)
+        ((lease, task),) = broker.workers["w1"].leases.items()
+        broker.handle(b"w", message(Command.RESULT, {
+            "task": task, "lease": lease, "status": "ok", "encoding": "pickle", "granted": 2},
+            [b"r" * 40]), 1.1)
+        assert (ledger.leased_total, ledger.finished_total) == (1, 1)
+    finally:
+        store.close()
