@@ -6,7 +6,7 @@ loop had gone to sleep in between: the wake-up, and the code after it run on col
 VM, on a vCPU that halted), cost a call more than the work did. For ``busy_poll`` seconds after a
 turn that handed out a task or a result, the loop asks its socket again and again instead,
 yielding the core between looks to any other thread that wants it, and sleeps when that time is
-up. On the 2-core test VM (``python -m bench.ab``, 16 interleaved rounds) back-to-back single
+up; it does so only while messages have been coming that quickly (``SHORT_WAITS``). On the 2-core test VM (``python -m bench.ab``, 16 interleaved rounds) back-to-back single
 calls took 0.78x the time at p50 (1.43 -> 1.13 ms), a map ran as fast as before (1.00x), and a
 call cost 383 µs more CPU in all (the coordinator 496 more, the rest less). An idle
 coordinator, or one that only hears heartbeats (1,000 workers' of them move no work), never
@@ -19,6 +19,11 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+# Waits in a row that a message ended within ``busy_poll`` before a spin is worth its CPU. Over
+# a LAN a result takes longer than that to come back, and the next call may not: with one short
+# wait in two, a spin would miss every other time, a millisecond of a core each.
+SHORT_WAITS = 2
 
 
 def _no_yield() -> None:
@@ -38,11 +43,12 @@ class Waiter:
         system_yield: Callable[[], None] = getattr(os, "sched_yield", _no_yield)
         self._yield = yield_core if yield_core is not None else system_yield
         self._busy_until = 0.0
+        self._short_waits = 0  # the last waits a message ended within busy_poll, up to SHORT_WAITS
 
     def work_moved(self) -> None:
         """The next message of a call (its result, the client's next call) is likely to come
-        within ``busy_poll``: poll for it until then rather than sleep."""
-        if self.busy_poll > 0:
+        within ``busy_poll`` if the last ones did: poll for it until then rather than sleep."""
+        if self.busy_poll > 0 and self._short_waits >= SHORT_WAITS:
             self._busy_until = self._clock() + self.busy_poll
 
     def wait(self, timeout_ms: int) -> bool:
@@ -52,11 +58,25 @@ class Waiter:
             until = min(self._busy_until, started + timeout_ms / 1000)
             while True:
                 if self._poll(0):
+                    self._note(True, started)
                     return True
                 if self._clock() >= until:
                     break
                 self._yield()
-            # Nothing came while it spun: sleep, and spin again only once work moves again.
+            # Nothing came while it spun: sleep, and spin again only once messages come
+            # quickly again.
             self._busy_until = 0.0
+            self._short_waits = 0
             timeout_ms = max(0, timeout_ms - int((self._clock() - started) * 1000))
-        return bool(self._poll(timeout_ms))
+        ready = bool(self._poll(timeout_ms))
+        self._note(ready, started)
+        return ready
+
+    def _note(self, ready: bool, started: float) -> None:
+        """Count a wait a message ended within busy_poll; one that lasted longer ends the
+        count. A timer that ended a short wait says nothing either way."""
+        waited = self._clock() - started
+        if waited >= self.busy_poll:
+            self._short_waits = 0
+        elif ready:
+            self._short_waits = min(self._short_waits + 1, SHORT_WAITS)

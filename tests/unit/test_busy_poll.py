@@ -7,7 +7,7 @@ import pytest
 
 from gpumesh.config import BUSY_POLL, Limits, Settings, Timing
 from gpumesh.coordinator.broker import Broker
-from gpumesh.coordinator.waiting import Waiter
+from gpumesh.coordinator.waiting import SHORT_WAITS, Waiter
 from gpumesh.errors import ConfigError
 from gpumesh.protocol import Command, decode, encode
 from gpumesh.store import Store
@@ -44,13 +44,25 @@ class Sockets:
         return []
 
 
-def make(ready_in: float | None, busy_poll: float = 0.001):
+def make(ready_in: float | None, busy_poll: float = 0.001, primed: bool = True):
+    """A Waiter on a socket that becomes ready ``ready_in`` s from now; ``primed``: the last
+    two messages came within busy_poll (as in a loop of single calls), so it may spin."""
     clock = Clock()
-    sockets = Sockets(clock, None if ready_in is None else clock.now + ready_in)
+    sockets = Sockets(clock, None)
     yields: list[float] = []
     waiter = Waiter(sockets.poll, busy_poll, clock=clock,
                     yield_core=lambda: yields.append(clock.now))
+    if primed:
+        for _ in range(SHORT_WAITS):
+            arrive(sockets, clock, 0.0002)
+            assert waiter.wait(250) is True
+    sockets.looks.clear()
+    sockets.ready_at = None if ready_in is None else clock.now + ready_in
     return waiter, sockets, clock, yields
+
+
+def arrive(sockets: Sockets, clock: Clock, after: float) -> None:
+    sockets.ready_at = clock.now + after
 
 
 def test_without_work_moving_it_sleeps_in_one_poll():
@@ -68,26 +80,39 @@ def test_after_work_moved_it_polls_until_the_message_comes():
     assert set(sockets.looks) == {0}  # never went to sleep
     assert len(sockets.looks) == 6  # looked every 0.1 ms until it came at 0.5 ms
     assert len(yields) == 5  # and gave the core up between looks
-    assert clock.now == pytest.approx(100.0005)
+    assert clock.now == pytest.approx(sockets.ready_at)
 
 
-def test_it_sleeps_once_the_busy_time_is_up_and_spins_no_more_until_work_moves():
+def test_it_sleeps_once_the_busy_time_is_up_and_spins_no_more_until_messages_come_quickly():
     waiter, sockets, clock, _ = make(ready_in=0.005)
     waiter.work_moved()
     assert waiter.wait(250) is True
     looks, blocking = sockets.looks[:-1], sockets.looks[-1]
     assert set(looks) == {0} and len(looks) == 10  # 1 ms of looks, then ...
     assert blocking == 249  # ... a sleep for what was left of the timeout
-    assert clock.now == pytest.approx(100.005)
-    sockets.looks.clear()
-    sockets.ready_at = clock.now + 0.0002
-    assert waiter.wait(250) is True
-    assert sockets.looks == [250]  # the spin found nothing last time: it sleeps at once
+    for count in range(SHORT_WAITS):  # messages come quickly again, one after another:
+        waiter.work_moved()
+        sockets.looks.clear()
+        arrive(sockets, clock, 0.0002)
+        assert waiter.wait(250) is True
+        assert sockets.looks == [250], count  # not yet: it sleeps
     waiter.work_moved()
     sockets.looks.clear()
-    sockets.ready_at = clock.now + 0.0002
+    arrive(sockets, clock, 0.0002)
     assert waiter.wait(250) is True
-    assert set(sockets.looks) == {0}
+    assert set(sockets.looks) == {0}  # now it spins again
+
+
+def test_results_slower_than_the_busy_time_never_start_a_spin():
+    # Over a LAN: each result takes 3 ms to come back, each next call 0.3 ms. A spin would miss
+    # every other time; none starts.
+    waiter, sockets, clock, yields = make(ready_in=None, primed=False)
+    for _ in range(10):
+        for after in (0.003, 0.0003):
+            waiter.work_moved()
+            arrive(sockets, clock, after)
+            assert waiter.wait(250) is True
+    assert yields == [] and 0 not in sockets.looks
 
 
 def test_a_timer_due_sooner_than_the_busy_time_ends_the_spin_on_time():
@@ -97,8 +122,9 @@ def test_a_timer_due_sooner_than_the_busy_time_ends_the_spin_on_time():
     assert sockets.looks == [0]
     waiter, sockets, clock, _ = make(ready_in=None, busy_poll=0.05)
     waiter.work_moved()
+    started = clock.now
     assert waiter.wait(2) is False  # 2 ms to the next timer, 50 ms of busy time
-    assert clock.now == pytest.approx(100.002, abs=0.0002)
+    assert clock.now - started == pytest.approx(0.002, abs=0.0002)
     assert sockets.looks[-1] == 0  # the spin used the whole timeout: the last poll only looks
 
 
