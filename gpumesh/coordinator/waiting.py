@@ -6,15 +6,16 @@ loop had gone to sleep in between: the wake-up, and the code after it run on col
 VM, on a vCPU that halted), cost a call more than the work did. For ``busy_poll`` seconds after a
 turn that handed out a task or a result, the loop asks its socket again and again instead,
 yielding the core between looks to any other thread that wants it, and sleeps when that time is
-up; it does so only while messages have been coming that quickly (``SHORT_WAITS``). On the 2-core test VM (``python -m bench.ab``, 16 interleaved rounds) back-to-back single
-calls took 0.78x the time at p50 (1.43 -> 1.13 ms), a map ran as fast as before (1.00x), and a
-call cost 383 µs more CPU in all (the coordinator 496 more, the rest less). An idle
-coordinator, or one that only hears heartbeats (1,000 workers' of them move no work), never
-spins.
+up. It does so only while messages have been coming that quickly (``SHORT_WAITS``): an idle
+coordinator, one that only hears heartbeats (1,000 workers' of them move no work), or one whose
+results come back over a slower LAN never spins. On the 2-core test VM (``python -m bench.ab``,
+16 interleaved rounds) back-to-back single calls took 0.71x the time at p50, a map ran as fast
+as before (0.99x), and a call cost 11% more CPU in all (bench/README.md).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -63,11 +64,14 @@ class Waiter:
                 if self._clock() >= until:
                     break
                 self._yield()
-            # Nothing came while it spun: sleep, and spin again only once messages come
-            # quickly again.
-            self._busy_until = 0.0
-            self._short_waits = 0
-            timeout_ms = max(0, timeout_ms - int((self._clock() - started) * 1000))
+            if until >= self._busy_until:
+                # The whole busy time passed and nothing came: sleep, and spin again only
+                # once messages come quickly again. (A timer due sooner only interrupts the
+                # spin, which goes on at the next wait.)
+                self._busy_until = 0.0
+                self._short_waits = 0
+            spent_ms = math.ceil((self._clock() - started) * 1000)
+            timeout_ms = max(0, timeout_ms - spent_ms)
         ready = bool(self._poll(timeout_ms))
         self._note(ready, started)
         return ready
