@@ -33,6 +33,9 @@ from typing import Any
 
 from .params import Params
 from .procs import install_teardown
+from .systems.base import System
+from .systems.floor import FloorSystem
+from .systems.gpumesh_system import GpumeshSystem
 from .tasks import noop
 
 WARM_CALLS = 300
@@ -168,28 +171,14 @@ def _stderr(proc: subprocess.Popen[bytes]) -> str:
     return proc.stderr.read().decode(errors="replace").strip() or f"exit {proc.returncode}"
 
 
-def _floor_round(calls: int, folder: Path) -> Sitting:
-    from .systems.floor import FloorSystem
-
-    floor = FloorSystem(Params())
+def _round(system: System, calls: int, folder: Path) -> Sitting:
+    """Start ``system``, time its single calls under perf, stop it."""
     try:
-        floor.start()
-        floor.wait_ready()
-        return _recorded("floor", lambda: floor.call(noop, 1), calls, folder)
+        system.start()
+        system.wait_ready()
+        return _recorded(system.key, lambda: system.call(noop, 1), calls, folder)
     finally:
-        floor.stop()
-
-
-def _gpumesh_round(calls: int, folder: Path) -> Sitting:
-    from .systems.gpumesh_system import GpumeshSystem
-
-    mesh = GpumeshSystem(Params())
-    try:
-        mesh.start()
-        mesh.wait_ready()
-        return _recorded("gpumesh", lambda: mesh.call(noop, 1), calls, folder)
-    finally:
-        mesh.stop()
+        system.stop()
 
 
 def _positive(text: str) -> int:
@@ -215,10 +204,11 @@ def main() -> None:
     try:
         sittings = []
         for number in range(1, args.rounds + 1):
-            for system in (_floor_round(args.calls * 3, folder),
-                           _gpumesh_round(args.calls, folder)):
-                sittings.append(system)
-                print(f"[stalls] round {number}/{args.rounds}: {progress(system)}", flush=True)
+            for system, calls in ((FloorSystem(Params()), args.calls * 3),
+                                  (GpumeshSystem(Params()), args.calls)):
+                sittings.append(_round(system, calls, folder))
+                print(f"[stalls] round {number}/{args.rounds}: {progress(sittings[-1])}",
+                      flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     report = (f"Single calls of a no-op, one after another ({os.cpu_count()} cores); an idle "
