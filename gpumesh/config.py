@@ -120,8 +120,8 @@ def _env_busy_poll(env: Mapping[str, str]) -> float:
     except ValueError:
         raise ConfigError(f"GPUMESH_BUSY_POLL_US={raw!r} is not a number of microseconds "
                           "(0 turns busy polling off)") from None
-    if not math.isfinite(value) or not 0 <= value <= MAX_BUSY_POLL_US:
-        raise ConfigError(f"GPUMESH_BUSY_POLL_US={raw!r} must be 0 to {MAX_BUSY_POLL_US} "
+    if not (value == 0 or 1 <= value <= MAX_BUSY_POLL_US):  # also refuses nan and inf
+        raise ConfigError(f"GPUMESH_BUSY_POLL_US={raw!r} must be 0, or 1 to {MAX_BUSY_POLL_US} "
                           "microseconds (0 turns busy polling off)")
     return value / 1e6
 
@@ -222,7 +222,7 @@ class Settings:
     discovery_interfaces: tuple[str, ...] = ()
     discovery_timeout: float = 3.0
     # Seconds the coordinator's loop polls for its next message, instead of sleeping, after a
-    # turn that handed out a task or a result (gpumesh/coordinator/waiting.py).
+    # turn that handed out a task or finished one (gpumesh/coordinator/waiting.py).
     # GPUMESH_BUSY_POLL_US=0 turns it off.
     busy_poll: float = BUSY_POLL
     timing: Timing = field(default_factory=Timing)

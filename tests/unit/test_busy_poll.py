@@ -7,7 +7,7 @@ import pytest
 
 from gpumesh.config import BUSY_POLL, Limits, Settings, Timing
 from gpumesh.coordinator.broker import Broker
-from gpumesh.coordinator.waiting import SHORT_WAITS, Waiter
+from gpumesh.coordinator.waiting import MAX_BUSY_POLL, SHORT_GAPS, Waiter
 from gpumesh.errors import ConfigError
 from gpumesh.protocol import Command, decode, encode
 from gpumesh.store import Store
@@ -45,17 +45,18 @@ class Sockets:
 
 
 def make(ready_in: float | None, busy_poll: float = 0.001, primed: bool = True):
-    """A Waiter on a socket that becomes ready ``ready_in`` s from now; ``primed``: the last
-    two messages came within busy_poll (as in a loop of single calls), so it may spin."""
+    """A Waiter on a socket that becomes ready ``ready_in`` s from now; ``primed``: work has
+    been moving every 0.5 ms (as in a loop of single calls), so its next move arms a spin."""
     clock = Clock()
     sockets = Sockets(clock, None)
     yields: list[float] = []
     waiter = Waiter(sockets.poll, busy_poll, clock=clock,
                     yield_core=lambda: yields.append(clock.now))
     if primed:
-        for _ in range(SHORT_WAITS):
-            arrive(sockets, clock, 0.0002)
-            assert waiter.wait(250) is True
+        for _ in range(SHORT_GAPS):
+            waiter.work_moved()
+            clock.now += 0.0005
+        assert waiter._busy_until == 0.0  # the priming itself armed nothing lasting
     sockets.looks.clear()
     sockets.ready_at = None if ready_in is None else clock.now + ready_in
     return waiter, sockets, clock, yields
@@ -83,14 +84,14 @@ def test_after_work_moved_it_polls_until_the_message_comes():
     assert clock.now == pytest.approx(sockets.ready_at)
 
 
-def test_it_sleeps_once_the_busy_time_is_up_and_spins_no_more_until_messages_come_quickly():
+def test_it_sleeps_once_the_busy_time_is_up_and_spins_no_more_until_work_moves_quickly():
     waiter, sockets, clock, _ = make(ready_in=0.005)
     waiter.work_moved()
     assert waiter.wait(250) is True
     looks, blocking = sockets.looks[:-1], sockets.looks[-1]
     assert set(looks) == {0} and len(looks) == 10  # 1 ms of looks, then ...
     assert 248 <= blocking <= 249  # ... a sleep for what was left of the timeout, no more
-    for count in range(SHORT_WAITS):  # messages come quickly again, one after another:
+    for count in range(SHORT_GAPS):  # work moves quickly again, turn after turn:
         waiter.work_moved()
         sockets.looks.clear()
         arrive(sockets, clock, 0.0002)
@@ -103,15 +104,20 @@ def test_it_sleeps_once_the_busy_time_is_up_and_spins_no_more_until_messages_com
     assert set(sockets.looks) == {0}  # now it spins again
 
 
-def test_results_slower_than_the_busy_time_never_start_a_spin():
-    # Over a LAN: each result takes 3 ms to come back, each next call 0.3 ms. A spin would miss
-    # every other time; none starts.
+def test_results_slower_than_the_busy_time_never_start_a_spin_whatever_else_comes():
+    # Over a LAN: each result takes 3 ms to come back, each next call 0.3 ms, and heartbeats of
+    # many workers arrive every 0.4 ms in between. A spin would miss every other time; none
+    # starts, since only the turns that move work count.
     waiter, sockets, clock, yields = make(ready_in=None, primed=False)
     for _ in range(10):
         for after in (0.003, 0.0003):
             waiter.work_moved()
-            arrive(sockets, clock, after)
-            assert waiter.wait(250) is True
+            answer = clock.now + after
+            while True:
+                arrive(sockets, clock, min(0.0004, answer - clock.now))
+                assert waiter.wait(250) is True
+                if clock.now >= answer - 1e-9:
+                    break  # the answer; before it, a heartbeat: no work moved
     assert yields == [] and 0 not in sockets.looks
 
 
@@ -132,12 +138,21 @@ def test_a_timer_due_sooner_than_the_busy_time_ends_the_spin_on_time():
     assert set(sockets.looks) == {0}
 
 
-def test_busy_poll_zero_never_spins():
-    waiter, sockets, _, yields = make(ready_in=0.0005, busy_poll=0.0)
+def test_busy_poll_zero_or_nonsense_never_spins_and_a_huge_one_is_capped():
+    for off in (0.0, -1.0, float("nan"), float("inf")):
+        waiter, sockets, clock, yields = make(ready_in=None, busy_poll=off, primed=False)
+        for _ in range(5):  # work moving as quickly as it can
+            waiter.work_moved()
+            arrive(sockets, clock, 0.0001)
+            assert waiter.wait(250) is True
+        assert yields == [] and 0 not in sockets.looks, off
+    waiter, sockets, clock, _ = make(ready_in=None, busy_poll=5.0)
+    assert waiter.busy_poll == MAX_BUSY_POLL
     waiter.work_moved()
-    assert waiter.wait(250) is True
-    assert sockets.looks == [250]
-    assert yields == []
+    started = clock.now
+    assert waiter.wait(60_000) is False
+    assert clock.now - started == pytest.approx(60.0, abs=0.002)  # a 0.1 s spin, then a sleep
+    assert sockets.looks.count(0) == pytest.approx(MAX_BUSY_POLL / sockets.step, abs=2)
 
 
 def test_busy_poll_is_set_in_microseconds_and_checked(tmp_path):
@@ -146,7 +161,7 @@ def test_busy_poll_is_set_in_microseconds_and_checked(tmp_path):
                               "GPUMESH_BUSY_POLL_US": "250"}).busy_poll == pytest.approx(0.00025)
     assert Settings.from_env({"GPUMESH_HOME": str(tmp_path),
                               "GPUMESH_BUSY_POLL_US": "0"}).busy_poll == 0.0
-    for bad in ("-1", "nan", "1e9", "fast"):
+    for bad in ("-1", "nan", "inf", "1e9", "0.5", "fast"):
         with pytest.raises(ConfigError, match="GPUMESH_BUSY_POLL_US.*0 turns busy polling off"):
             Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_BUSY_POLL_US": bad})
 
