@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
@@ -30,3 +31,11 @@ class Params:
         """Perfect packing of the sleep tasks onto the workers."""
         rounds = -(-self.sleep_tasks // self.workers)
         return rounds * self.sleep_seconds
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a count of calls, tasks or rounds: at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value

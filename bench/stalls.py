@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .params import Params
+from .params import Params, positive_int
 from .procs import install_teardown
 from .systems.base import System
 from .systems.floor import FloorSystem
@@ -181,19 +181,12 @@ def _round(system: System, calls: int, folder: Path) -> Sitting:
         system.stop()
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--calls", type=_positive, default=2000,
+    parser.add_argument("--calls", type=positive_int, default=2000,
                         help="single calls per system per round (the floor runs 3x as many: "
                              "its calls are about 3x shorter, so both run a similar time)")
-    parser.add_argument("--rounds", type=_positive, default=2, help="floor then gpumesh, each")
+    parser.add_argument("--rounds", type=positive_int, default=2, help="floor then gpumesh, each")
     parser.add_argument("--out", type=Path, default=None,
                         help="also write stalls.md and stalls.json into DIR")
     args = parser.parse_args()

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .params import positive_int
 from .trace import EVENTS, SWITCH, install
 
 TRACEHOOK = Path(__file__).resolve().parent / "tracehook"
@@ -321,16 +322,9 @@ def missing_roles(calls: list[list[Event]]) -> list[str]:
     return [role for role in ROLES if role not in heard]
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: at least 1")
-    return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--calls", type=_positive, default=400, help="calls timed, then traced")
+    parser.add_argument("--calls", type=positive_int, default=400, help="calls timed, then traced")
     parser.add_argument("--out", type=Path, default=None,
                         help="also write the report to DIR/timeline.md")
     args = parser.parse_args()

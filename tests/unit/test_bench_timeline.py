@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.params import positive_int as _positive
 from bench.timeline import (
     TRACEHOOK,
     Event,
-    _positive,
     broker_cycle,
     missing_roles,
     read_events,
