@@ -131,6 +131,8 @@ class Coordinator:
         self._version_errors: set[bytes] = set()
         # peer -> (when the first was held, messages held for it), in order
         self._deferred: dict[bytes, tuple[float, list[list[Any]]]] = {}
+        self._tick_ms = max(10, int(settings.timing.heartbeat * 1000 / 4))
+        self._next_tick = 0.0  # when the turn runs the timers next
 
     def stop(self) -> None:
         """Ask the loop to end; it notices within one tick (a quarter heartbeat)."""
@@ -140,24 +142,9 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         waiter = Waiter(poller.poll, self.settings.busy_poll)
-        ledger = self.ledger
-        tick_ms = max(10, int(self.settings.timing.heartbeat * 1000 / 4))
-        next_tick = 0.0
         try:
             while not self._stop.is_set():
-                waiter.wait(self._poll_timeout(tick_ms))
-                moved = (ledger.leased_total, ledger.finished_total)
-                now = time.time()
-                self._drain(now)
-                if now >= next_tick:
-                    next_tick = now + tick_ms / 1000
-                    self._contained("run its timers", self._tick, now)
-                self._contained("hand out tasks", self.broker.dispatch, now)
-                self._contained("let go of journaled inputs", self.broker.spill_inputs, now)
-                self._contained("journal held results", self.ledger.journal_held_results, now)
-                self._end_turn(now)
-                if (ledger.leased_total, ledger.finished_total) != moved:
-                    waiter.work_moved()  # a task or a result went out: its answer comes soon
+                self._turn(waiter)
             # What already arrived is read once more (a worker's goodbye sent as serve stopped,
             # a last result); then what was held goes before it closes: results into the
             # journal, then messages.
@@ -168,6 +155,25 @@ class Coordinator:
             self.ledger.remove_unneeded_files()
         finally:
             self.close()
+
+    def _turn(self, waiter: Waiter) -> None:
+        """One turn of the loop: wait for messages (busy or asleep: ``waiter``), read them, run
+        the timers when due, hand out work, send. A turn that leased a task or finished one
+        tells the waiter, whose answer then comes soon."""
+        ledger = self.ledger
+        waiter.wait(self._poll_timeout(self._tick_ms))
+        moved = (ledger.leased_total, ledger.finished_total)
+        now = time.time()
+        self._drain(now)
+        if now >= self._next_tick:
+            self._next_tick = now + self._tick_ms / 1000
+            self._contained("run its timers", self._tick, now)
+        self._contained("hand out tasks", self.broker.dispatch, now)
+        self._contained("let go of journaled inputs", self.broker.spill_inputs, now)
+        self._contained("journal held results", self.ledger.journal_held_results, now)
+        self._end_turn(now)
+        if (ledger.leased_total, ledger.finished_total) != moved:
+            waiter.work_moved()
 
     def _poll_timeout(self, tick_ms: int) -> int:
         """Until the next tick, the end of a held message's window, or a held result's journal

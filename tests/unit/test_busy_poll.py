@@ -7,10 +7,12 @@ import pytest
 
 from gpumesh.config import BUSY_POLL, Limits, Settings, Timing
 from gpumesh.coordinator.broker import Broker
+from gpumesh.coordinator.server import Coordinator
 from gpumesh.coordinator.waiting import MAX_BUSY_POLL, SHORT_GAPS, Waiter
 from gpumesh.errors import ConfigError
 from gpumesh.protocol import Command, decode, encode
 from gpumesh.store import Store
+from gpumesh.tokens import new_token
 
 
 class Clock:
@@ -194,3 +196,61 @@ def test_the_loop_sees_a_task_handed_out_and_a_result_coming_back(tmp_path):
         assert (ledger.leased_total, ledger.finished_total) == (1, 1)
     finally:
         store.close()
+
+
+class RecordingWaiter:
+    """Stands in for the Waiter in a turn of the coordinator's loop: what the turn told it."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[int] = []
+        self.moves = 0
+
+    def wait(self, timeout_ms: int) -> None:
+        self.timeouts.append(timeout_ms)
+
+    def work_moved(self) -> None:
+        self.moves += 1
+
+
+def test_a_turn_of_the_loop_tells_the_waiter_when_work_moved_and_only_then(tmp_path):
+    # Coordinator._turn, as run() calls it, with the messages a turn reads handed in directly
+    # (no CURVE peers): a turn that only hears heartbeats must not arm a spin; one that hands
+    # out a task, or takes a result, must.
+    coordinator = Coordinator(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}), new_token(),
+                              host="127.0.0.1", port=0, db_path=tmp_path / "journal.db")
+    arriving: list[tuple[bytes, Command, dict, list]] = []
+
+    def drain(now):
+        while arriving:
+            routing, command, header, payload = arriving.pop(0)
+            coordinator.broker.handle(routing, decode(encode(command, header, payload),
+                                                      Limits()), now)
+
+    coordinator._drain = drain  # type: ignore[method-assign]
+    coordinator._send = lambda routing, messages, now: None  # type: ignore[method-assign]
+    waiter = RecordingWaiter()
+    try:
+        arriving += [
+            (b"w", Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "credit": 1,
+                                   "proto": [1, 1], "info": {"python": "3.11"}}, []),
+            (b"c", Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}, []),
+            (b"w", Command.HEARTBEAT, {}, [])]
+        coordinator._turn(waiter)
+        assert waiter.moves == 0
+        assert waiter.timeouts and 0 < waiter.timeouts[-1] <= coordinator._tick_ms
+        arriving.append((b"c", Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]},
+                         [b"f" * 300, b"a" * 60]))
+        coordinator._turn(waiter)
+        assert waiter.moves == 1  # the task went to w1 in this turn
+        arriving.append((b"w", Command.HEARTBEAT, {}, []))
+        coordinator._turn(waiter)
+        assert waiter.moves == 1
+        ((lease, task),) = coordinator.broker.workers["w1"].leases.items()
+        arriving.append((b"w", Command.RESULT, {"task": task, "lease": lease, "status": "ok",
+                                                "encoding": "pickle", "granted": 2}, [b"r" * 40]))
+        coordinator._turn(waiter)
+        assert waiter.moves == 2
+        coordinator._turn(waiter)  # nothing arrived
+        assert waiter.moves == 2
+    finally:
+        coordinator.close()
