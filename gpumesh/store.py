@@ -30,8 +30,9 @@ from .errors import MeshError
 
 log = logging.getLogger("gpumesh.store")
 
-# v2: payload_ref/result_ref columns (blob files) and incremental auto-vacuum; v1 is migrated.
-SCHEMA_VERSION = 3
+# v2: payload_ref/result_ref columns (blob files) and incremental auto-vacuum; v3: functions
+# journaled once (fn, functions); v4: a retried task's lease_floor. Older ones are migrated.
+SCHEMA_VERSION = 4
 # Freed rows after which commit() gives space back by itself; idle_maintenance() does it sooner.
 MAINTENANCE_AFTER = 20_000
 # ... and idle_maintenance() once this many were freed.
@@ -58,6 +59,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     payload_ref    BLOB,
     result_ref     BLOB,
     fn             TEXT,
+    lease_floor    INTEGER NOT NULL DEFAULT 0,
     UNIQUE (client_id, seq)
 );
 CREATE TABLE IF NOT EXISTS functions (digest TEXT PRIMARY KEY, data BLOB NOT NULL);
@@ -94,6 +96,7 @@ class StoredTask:
     # holds this in place of them (``payload`` then holds only its function, if any).
     payload_file: BlobRef | None = None
     result_file: BlobRef | None = None  # likewise for the result (``result_payload`` is None)
+    lease_floor: int = 0  # results of leases below it are from attempts before a retry
 
 
 def _frame_view(frame: Any) -> memoryview:
@@ -161,7 +164,7 @@ class Store:
             version = self._meta("schema_version")
             if version is None:
                 self._set_meta("schema_version", SCHEMA_VERSION)
-            elif version in (1, 2):
+            elif version in (1, 2, 3):
                 self._migrate(path, version)
             elif version != SCHEMA_VERSION:
                 raise StoreError(
@@ -182,13 +185,17 @@ class Store:
         """Older journals in place. v1 → v2: two columns for blob files (v1 rows have none),
         then one VACUUM to turn on incremental auto-vacuum, which also gives back what the v1
         file had grown to. v2 → v3: the ``fn`` column (older rows keep their function among
-        their frames, and say so with NULL) beside the ``functions`` table."""
+        their frames, and say so with NULL) beside the ``functions`` table. v3 → v4: the
+        ``lease_floor`` column (0, as every task that was never retried has)."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
             if version == 1:
                 self._db.execute("ALTER TABLE tasks ADD COLUMN payload_ref BLOB")
                 self._db.execute("ALTER TABLE tasks ADD COLUMN result_ref BLOB")
-            self._db.execute("ALTER TABLE tasks ADD COLUMN fn TEXT")
+            if version <= 2:
+                self._db.execute("ALTER TABLE tasks ADD COLUMN fn TEXT")
+            self._db.execute(
+                "ALTER TABLE tasks ADD COLUMN lease_floor INTEGER NOT NULL DEFAULT 0")
             self._set_meta("schema_version", SCHEMA_VERSION)
             self._db.execute("COMMIT")
         except BaseException:
@@ -400,12 +407,14 @@ class Store:
         )
         return blob
 
-    def reopen_task(self, task_id: str) -> None:
-        """A failed task goes back to the queue (``gpumesh retry``)."""
+    def reopen_task(self, task_id: str, lease_floor: int) -> None:
+        """A failed task goes back to the queue (``gpumesh retry``). Results of leases below
+        ``lease_floor`` belong to attempts before the retry, a restart or not."""
         self._drop_blob(task_id, 1)
         self._write(
             "UPDATE tasks SET state = 'pending', attempts = 0, result_header = NULL, "
-            "result_payload = NULL, result_ref = NULL WHERE task_id = ?", (task_id,),
+            "result_payload = NULL, result_ref = NULL, lease_floor = ? WHERE task_id = ?",
+            (lease_floor, task_id),
         )
 
     def add_job(self, job_id: str, name: str, client_id: str, created: float) -> None:
@@ -519,8 +528,8 @@ class Store:
         self._flush()
         rows = self._db.execute(
             "SELECT task_id, client_id, seq, job_id, spec, payload, state, attempts, "
-            "result_header, result_payload, submitted_at, payload_ref, result_ref, fn "
-            "FROM tasks ORDER BY rowid"
+            "result_header, result_payload, submitted_at, payload_ref, result_ref, fn, "
+            "lease_floor FROM tasks ORDER BY rowid"
         )
         functions: dict[str, bytes] = {}
         for row in rows:
@@ -546,6 +555,7 @@ class Store:
                     submitted_at=row[10],
                     payload_file=payload_file,
                     result_file=result_file,
+                    lease_floor=int(row[14] or 0),
                 )
             except Exception as exc:  # msgpack raises several unrelated types on garbage
                 # A row that no longer decodes still names its task: the restore fails that

@@ -219,6 +219,7 @@ class Broker:
             task_id=row.task_id, client_id=row.client_id, seq=row.seq, job_id=row.job_id,
             spec=spec.to_spec(), payload=payload, submitted_at=row.submitted_at,
             attempts=row.attempts, requirements=spec.requirements, input_file=payload_file,
+            lease_floor=row.lease_floor,
         )
         if row.result_header is not None:
             task.state = TaskState(row.state)

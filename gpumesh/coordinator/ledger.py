@@ -714,7 +714,7 @@ class Ledger:
         task.result_header, task.result_payload, task.result_file = None, [], None
         task.cancel_requested = task.collected = False
         task.worker_id = ""
-        self.store.reopen_task(task.task_id)
+        self.store.reopen_task(task.task_id, task.lease_floor)
         owner = self.clients.get(task.client_id)
         if owner is not None:
             owner.queue(task)

@@ -436,3 +436,38 @@ def test_of_two_attempts_running_at_a_restart_the_first_result_counts(broker):
                                               "status": "cancelled", "elapsed": 0.1}), 11.2)
     assert restarted.tasks[task_id].state is TaskState.DONE
     assert restarted.workers["w1"].leases == {} and restarted.workers["w2"].leases == {}
+
+
+def test_a_result_from_before_a_retry_cannot_claim_the_task_after_a_restart():
+    # The retry's lease floor is journaled: a worker that was still running the attempt from
+    # before `gpumesh retry` when the coordinator restarted cannot claim the retried task.
+    store = Store(":memory:")
+    first = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+    hello_worker(first, W, "w1")
+    first.handle(C2, msg(Command.HELLO, {"role": "client", "id": "c2", "proto": [1, 1],
+                                         "info": {"user": "ana", "host": "lab"}}), 0.0)
+    first.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1],
+                                        "info": {"user": "ana", "host": "lab"}}), 0.0)
+    (task_id,) = submit(first, 1)
+    first.dispatch(0.0)
+    old_lease = first.tasks[task_id].lease_id
+    first.unreachable(W, 1.0)  # w1 goes quiet, still running it
+    control(first, "cancel", "job1", now=1.5)
+    control(first, "retry", "job1", now=2.0)
+    store.commit()
+    second = Broker(store, Timing(), Limits(), epoch=2, now=10.0)
+    assert second.restore(10.0) == 1
+    hello_worker(second, W, "w1", now=11.0)
+    second.outbox.clear()
+    second.handle(W, msg(Command.RESULT, {"task": task_id, "lease": old_lease, "status": "ok",
+                                          "encoding": "json"}, [b'"stale"']), 11.5)
+    # Not a claim (before the fix it was: the floor came back as 0 and the old result won).
+    assert sent(second, Command.RESULT_ACK, W)[-1]["disposition"] == "rejected"
+    assert second.tasks[task_id].state is TaskState.RESTORED
+    assert second.tasks[task_id].lease_floor == first.tasks[task_id].lease_floor > old_lease
+    # A result of the retried attempt (a lease of the first run at or over the floor) claims it.
+    retried_lease = first.ledger.new_lease_id()
+    second.handle(W, msg(Command.RESULT, {"task": task_id, "lease": retried_lease,
+                                          "status": "ok", "encoding": "json"}, [b'"fresh"']), 12.0)
+    assert sent(second, Command.RESULT_ACK, W)[-1]["disposition"] == "accepted"
+    assert second.tasks[task_id].state is TaskState.DONE

@@ -485,7 +485,7 @@ def test_the_result_blob_replaces_the_input_blob_when_the_task_is_done(db_path: 
     s.commit()
     (result_blob,) = _blob_files(db_path)
     assert result_blob != input_blob
-    s.reopen_task("t1")
+    s.reopen_task("t1", 1 << 40)
     s.commit()
     assert _blob_files(db_path) == []
     s.close()
@@ -677,6 +677,7 @@ def test_a_v2_journal_keeps_its_tasks_with_their_functions_inline(db_path: Path)
     with raw:
         raw.execute("DROP TABLE functions")
         raw.execute("ALTER TABLE tasks DROP COLUMN fn")
+        raw.execute("ALTER TABLE tasks DROP COLUMN lease_floor")
         raw.execute("UPDATE meta SET value = 2 WHERE key = 'schema_version'")
     raw.close()
     (task,) = _reopen_and_load(db_path)
@@ -782,3 +783,39 @@ def test_idle_maintenance_truncates_the_wal_between_the_checkpointers_checkpoint
         assert "maintenance failed" not in caplog.text
     finally:
         store.close()
+
+
+def test_a_retried_tasks_lease_floor_survives_a_restart(db_path: Path) -> None:
+    s = Store(db_path)
+    try:
+        _add(s, task_id="retried", seq=1)
+        _add(s, task_id="plain", seq=2)
+        s.finish_task("retried", "failed", 1, {"status": "error"}, [], keep_input=True)
+        s.commit()
+        s.reopen_task("retried", (3 << 40) + 7)
+        s.commit()
+    finally:
+        s.close()
+    loaded = {t.task_id: t for t in _reopen_and_load(db_path)}
+    assert loaded["retried"].state == "pending" and loaded["retried"].lease_floor == (3 << 40) + 7
+    assert loaded["plain"].lease_floor == 0
+
+
+def test_a_v3_journal_gets_the_lease_floor_column_and_keeps_its_tasks(db_path: Path) -> None:
+    s = Store(db_path)
+    try:
+        _add(s, task_id="old", seq=1)
+        s.commit()
+    finally:
+        s.close()
+    raw = sqlite3.connect(db_path)  # back to what a v3 journal was: no lease_floor column
+    with raw:
+        raw.execute("ALTER TABLE tasks DROP COLUMN lease_floor")
+        raw.execute("UPDATE meta SET value = 3 WHERE key = 'schema_version'")
+    raw.close()
+    (task,) = _reopen_and_load(db_path)
+    assert task.task_id == "old" and task.payload == PAYLOAD and task.lease_floor == 0
+    raw = sqlite3.connect(db_path)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+        SCHEMA_VERSION,)
+    raw.close()
