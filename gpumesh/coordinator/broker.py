@@ -78,6 +78,10 @@ LOOSE_TRIM_BYTES = 1 << 20
 # Idle, memory is given back once this many tasks finished or left since the last time...
 MEMORY_AFTER = 1000
 MEMORY_INTERVAL = 5.0  # ... and at most once in this many seconds (it costs O(tasks))
+# After a restart the restore grace stays open while workers send big messages in pieces (a
+# result that may claim a restored task): until their pieces have been quiet this long...
+PIECES_QUIET = 2.0
+MAX_GRACE_FOR_PIECES = 60.0  # ... or this long past restore_grace, whichever comes first
 
 
 class Broker:
@@ -96,6 +100,9 @@ class Broker:
         self._last_sweep = now
         self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
         self._restoring = True
+        # When a worker last sent a piece of a big message (a RESULT that may claim a restored
+        # task) while the restore grace was open: it stays open for that result to arrive.
+        self._worker_piece_at: float | None = None
         self._pythons_told: list[str] = []  # the worker Pythons last pushed to clients
         self._memory_given_at = now
         self._trimmed_at = now  # when spill_inputs last trimmed the C heap
@@ -384,6 +391,8 @@ class Broker:
         session.last_seen = now
         if isinstance(session, WorkerSession):
             self._renew_leases(session, now)
+            if self._restoring:
+                self._worker_piece_at = now
         return True
 
     def _renew_leases(self, worker: WorkerSession, now: float) -> None:
@@ -515,7 +524,7 @@ class Broker:
             if client.routing is not None and now - client.last_seen > silence:
                 ledger.peers.pop(client.routing, None)
                 client.routing = None
-        if self._restoring and now - ledger.started_at >= ledger.timing.restore_grace:
+        if self._restoring and self._grace_over(now):
             # Restored leases nobody re-claimed in the grace window go back to the queue.
             self._restoring = False
             for task in ledger.tasks.values():
@@ -539,6 +548,20 @@ class Broker:
         if now - self._last_sweep >= RETENTION_SWEEP:
             self._last_sweep = now
             _guarded("sweep retained results", self.retention.sweep, now)
+
+    def _grace_over(self, now: float) -> bool:
+        """``restore_grace`` after the start, or later while a worker is sending a big message
+        in pieces: a result finished before the restart claims its task only once it is whole
+        (a 1 GiB result takes nine seconds on a gigabit LAN), and a task run again for want of
+        it is work done twice. Pieces quiet for ``PIECES_QUIET``, or ``MAX_GRACE_FOR_PIECES``
+        after the start, end the wait however busy the workers are."""
+        grace = self.ledger.timing.restore_grace
+        since_start = now - self.ledger.started_at
+        if since_start < grace:
+            return False
+        piece_at = self._worker_piece_at
+        return (piece_at is None or now - piece_at >= PIECES_QUIET
+                or since_start >= grace + MAX_GRACE_FOR_PIECES)
 
     def _drop_stalled_pieces(self, now: float) -> None:
         """What was going in pieces to a session that ended goes; a peer that acknowledged

@@ -471,3 +471,45 @@ def test_a_result_from_before_a_retry_cannot_claim_the_task_after_a_restart():
                                           "status": "ok", "encoding": "json"}, [b'"fresh"']), 12.0)
     assert sent(second, Command.RESULT_ACK, W)[-1]["disposition"] == "accepted"
     assert second.tasks[task_id].state is TaskState.DONE
+
+
+def test_the_restore_grace_waits_for_a_result_a_worker_is_sending_in_pieces(broker):
+    # A big result finished before the restart claims its task only once whole: while the
+    # worker's pieces keep coming, the restored tasks wait for it instead of running again.
+    from gpumesh.coordinator.broker import MAX_GRACE_FOR_PIECES, PIECES_QUIET
+
+    store = broker.store
+    (task_id,) = submit(broker, 1)
+    store.commit()
+
+    def restarted_with_pieces(every: float, until: float) -> Broker:
+        again = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+        again.restore(10.0)
+        hello_worker(again, W, "w1", now=10.5)
+        now = 11.0
+        while now <= until:
+            assert again.heard_piece(W, now)
+            again.tick(now)
+            now += every
+        return again
+
+    # Pieces every second up to 25 s after the start: still restored 1 s after the last one,
+    # pending once they have been quiet for PIECES_QUIET.
+    again = restarted_with_pieces(1.0, 35.0)
+    assert again.tasks[task_id].state is TaskState.RESTORED
+    again.tick(35.0 + PIECES_QUIET / 2)
+    assert again.tasks[task_id].state is TaskState.RESTORED
+    again.tick(35.0 + PIECES_QUIET)
+    assert again.tasks[task_id].state is TaskState.PENDING
+    # A worker that never stops sending holds the grace open no longer than the cap.
+    end = 10.0 + 5.0 + MAX_GRACE_FOR_PIECES
+    again = restarted_with_pieces(0.5, end - 0.5)
+    assert again.tasks[task_id].state is TaskState.RESTORED
+    again.heard_piece(W, end)
+    again.tick(end)
+    assert again.tasks[task_id].state is TaskState.PENDING
+    # Without pieces the grace ends on time, and pieces after it change nothing.
+    again = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    again.restore(10.0)
+    again.tick(15.0)
+    assert again.tasks[task_id].state is TaskState.PENDING
