@@ -560,8 +560,12 @@ class Broker:
         if since_start < grace:
             return False
         piece_at = self._worker_piece_at
-        return (piece_at is None or now - piece_at >= PIECES_QUIET
-                or since_start >= grace + MAX_GRACE_FOR_PIECES)
+        if (piece_at is None or now - piece_at >= PIECES_QUIET
+                or since_start >= grace + MAX_GRACE_FOR_PIECES):
+            return True
+        # Pieces are coming: worth waiting for only while a task is left to claim (a scan, but
+        # only in this window after a restart, a tick at a time).
+        return not any(task.state is TaskState.RESTORED for task in self.ledger.tasks.values())
 
     def _drop_stalled_pieces(self, now: float) -> None:
         """What was going in pieces to a session that ended goes; a peer that acknowledged

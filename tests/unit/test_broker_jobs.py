@@ -465,6 +465,10 @@ def test_a_result_from_before_a_retry_cannot_claim_the_task_after_a_restart():
     assert sent(second, Command.RESULT_ACK, W)[-1]["disposition"] == "rejected"
     assert second.tasks[task_id].state is TaskState.RESTORED
     assert second.tasks[task_id].lease_floor == first.tasks[task_id].lease_floor > old_lease
+    # Nor can a HELLO that lists the old lease among the tasks it holds.
+    hello_worker(second, W2, "w2", now=11.6, held=[[task_id, old_lease]])
+    assert second.tasks[task_id].state is TaskState.RESTORED
+    assert sent(second, Command.WELCOME, W2)[-1]["abort"] == [old_lease]
     # A result of the retried attempt (a lease of the first run at or over the floor) claims it.
     retried_lease = first.ledger.new_lease_id()
     second.handle(W, msg(Command.RESULT, {"task": task_id, "lease": retried_lease,
@@ -511,5 +515,31 @@ def test_the_restore_grace_waits_for_a_result_a_worker_is_sending_in_pieces(brok
     # Without pieces the grace ends on time, and pieces after it change nothing.
     again = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
     again.restore(10.0)
+    hello_worker(again, W, "w1", now=10.5)
     again.tick(15.0)
     assert again.tasks[task_id].state is TaskState.PENDING
+    assert again.heard_piece(W, 15.5)
+    again.tick(15.5)
+    assert again.tasks[task_id].state is TaskState.PENDING
+    assert again._worker_piece_at is None
+    # (Last: it journals the result.) The result the pieces made up, whole at last, claims its task 25 s after the grace.
+    again = restarted_with_pieces(1.0, 35.0)
+    again.handle(W, msg(Command.RESULT, {"task": task_id, "lease": (1 << 40) + 1,
+                                         "status": "ok", "encoding": "json", "elapsed": 9.0},
+                        [b'{"v": 1}']), 35.5)
+    assert sent(again, Command.RESULT_ACK, W)[-1]["disposition"] == "accepted"
+    assert again.tasks[task_id].state is TaskState.DONE
+
+
+def test_pieces_hold_the_restore_grace_only_while_a_task_is_left_to_claim(broker):
+    store = broker.store
+    first, second = submit(broker, 2)
+    store.commit()
+    again = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    again.restore(10.0)
+    hello_worker(again, W, "w1", slots=2, now=10.5,
+                 held=[[first, (1 << 40) + 1], [second, (1 << 40) + 2]])
+    assert {again.tasks[t].state for t in (first, second)} == {TaskState.LEASED}
+    assert again.heard_piece(W, 14.9)  # a result of this run's lease, in pieces
+    again.tick(15.0)
+    assert again._restoring is False  # nothing restored is left: the grace ends on time
