@@ -457,12 +457,15 @@ class WorkerAgent:
             return []
 
     def _follow_move(self) -> None:
-        """Dial the coordinator's new address from the next reconnect on."""
+        """Dial the coordinator's new address: at once when the session is waiting out its
+        back-off (up to 32 s between tries), else from the next reconnect on."""
         moved, self._moved_to = self._moved_to, None
         if moved is None or self.welcomed:
             return
         self.say(f"[worker] found the coordinator again on the LAN, now at {moved}")
         self.endpoint = self.link.endpoint = self.session.endpoint = moved
+        if self.session.reconnect_at is not None:
+            self.session.reconnect_at = time.time()  # this turn's tick dials it
 
     def on_disconnect(self, header: dict[str, Any], now: float) -> bool:
         if header.get("reason") != "kill":

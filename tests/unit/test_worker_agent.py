@@ -5,6 +5,8 @@ The agent is built for real (its runners are never started); what it would send 
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 import zmq
@@ -192,8 +194,10 @@ def test_a_discovered_worker_dials_its_coordinators_new_address(tmp_path):
         a.on_lost(1.0, 1.0, was_welcomed=True)
         assert a._browsing is not None
         a._browsing.join(5)
+        a.session.reconnect_at = time.time() + 30  # waiting out a long back-off
         a._follow_move()
         assert a.endpoint == a.link.endpoint == a.session.endpoint == parse_url("tcp://127.0.0.1:19")
+        assert a.session.reconnect_at <= time.time()  # it dials the new address at once
         assert lines[-1] == "[worker] found the coordinator again on the LAN, now at tcp://127.0.0.1:19"
         a.on_lost(2.0, 2.0, was_welcomed=False)
         a._browsing.join(5)
