@@ -71,6 +71,10 @@ CHUNK = 500  # tasks per SUBMIT
 FIRST_CHUNK = 16  # tasks in a batch's first SUBMIT
 ACK_BATCH = 1000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
+# A query the coordinator refused as over its request rate (20 a second per client) is asked
+# again after this long, doubling to QUERY_RETRY_MAX, until the caller's own timeout.
+QUERY_RETRY = 0.1
+QUERY_RETRY_MAX = 1.0
 OutputHandler = Callable[[str, str, bytes, str], None]  # (worker short id, stream, data, task)
 
 
@@ -195,6 +199,8 @@ class _Query:
     sent: bool = False
     command: Command = Command.QUERY  # or CONTROL
     parts: list[Any] = field(default_factory=list)  # earlier pages of a paged answer
+    retry_at: float = 0.0  # refused as busy: asked again then
+    busy_tries: int = 0
 
 
 @dataclass
@@ -323,6 +329,7 @@ class Engine:
         try:
             return query.future.result(timeout)
         except concurrent.futures.TimeoutError:
+            query.future.cancel()  # the engine asks no more (a busy retry, a reconnect)
             raise MeshError(
                 f"the coordinator at {self.endpoint} did not answer a {what} request within "
                 f"{timeout:g}s: check that it is running ('gpumesh workers')"
@@ -431,6 +438,10 @@ class Engine:
         wait = min(self._session.next_timer(now), self._session.heartbeat / 4)
         if self._acks and self._connected.is_set():
             wait = min(wait, max(self._acks_since + ACK_DELAY - now, 0.0))
+        if self._queries:
+            retry = self._next_query_retry()
+            if retry is not None:
+                wait = min(wait, max(retry - now, 0.0))
         ready = dict(poller.poll(0 if self._link.backlog else max(1, int(wait * 1000))))
         now = time.time()
         # Only what poll named is read: each read that finds nothing costs an exception.
@@ -712,7 +723,11 @@ class Engine:
         if cancelled:
             self._send_ids(Command.CANCEL, cancelled)
         self._send_submissions([s for s in self._outstanding.values() if not s.task_id], now)
-        for q in self._queries.values():
+        for qid, q in list(self._queries.items()):
+            if q.future.done():  # its caller gave up waiting
+                del self._queries[qid]
+                continue
+            q.retry_at = 0.0
             q.sent = self._link.send(encode(q.command, q.header))
 
     def _on_accepted(self, msg: Message, now: float) -> None:
@@ -820,6 +835,14 @@ class Engine:
         qid = msg.header.get("qid")
         query = self._queries.pop(qid, None) if isinstance(qid, int) else None
         if query is not None:
+            if code == ErrorCode.BUSY.value and not query.future.done():
+                # Over the coordinator's request rate: "ask again later", so this side does,
+                # shortly; the caller's timeout still bounds the wait.
+                query.retry_at = now + min(QUERY_RETRY * 2 ** query.busy_tries, QUERY_RETRY_MAX)
+                query.busy_tries += 1
+                query.sent = False
+                self._queries[int(query.header["qid"])] = query
+                return
             if not query.future.done():
                 query.future.set_exception(MeshError(f"the coordinator refused the request: {text}"))
             return
@@ -844,6 +867,8 @@ class Engine:
         """While a session is up: send again what was refused as busy, or never answered."""
         if self._parked and now - self._last_unpark >= BUSY_RETRY:
             self._unpark(now, len(self._parked))
+        if self._queries:
+            self._retry_queries(now)
         if now - self._last_resend_check >= RESEND_AFTER / 4:
             # A scan of everything outstanding: a few times per RESEND_AFTER, not per turn.
             self._last_resend_check = now
@@ -856,6 +881,23 @@ class Engine:
                      and now - s.sent_at > RESEND_AFTER]
             if stale:
                 self._send_submissions(stale, now)
+
+    def _retry_queries(self, now: float) -> None:
+        """Ask again the queries refused as busy whose wait is over; forget those whose caller
+        stopped waiting."""
+        for qid, q in list(self._queries.items()):
+            if not q.retry_at or now < q.retry_at:
+                continue
+            if q.future.done():
+                del self._queries[qid]
+                continue
+            q.retry_at = 0.0
+            q.sent = self._link.send(encode(q.command, q.header))
+
+    def _next_query_retry(self) -> float | None:
+        """When the first query refused as busy is to be asked again, if any is."""
+        due = [q.retry_at for q in self._queries.values() if q.retry_at]
+        return min(due) if due else None
 
 
 _HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
