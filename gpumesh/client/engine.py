@@ -329,7 +329,10 @@ class Engine:
         try:
             return query.future.result(timeout)
         except concurrent.futures.TimeoutError:
-            query.future.cancel()  # the engine asks no more (a busy retry, a reconnect)
+            # Cancelled, the engine asks no more (a busy retry, a reconnect); it settles a
+            # future with _settle, so this cannot break it. Answered meanwhile: the answer.
+            if not query.future.cancel():
+                return query.future.result(0)
             raise MeshError(
                 f"the coordinator at {self.endpoint} did not answer a {what} request within "
                 f"{timeout:g}s: check that it is running ('gpumesh workers')"
@@ -827,7 +830,7 @@ class Engine:
             self._queries[qid] = query
             query.sent = self._link.send(encode(query.command, query.header))
             return
-        query.future.set_result(_joined(query.parts, data))
+        _settle(query.future.set_result, _joined(query.parts, data))
 
     def _on_error(self, msg: Message, now: float) -> None:
         code = msg.header.get("code")
@@ -844,12 +847,14 @@ class Engine:
                 self._queries[int(query.header["qid"])] = query
                 return
             if not query.future.done():
-                query.future.set_exception(MeshError(f"the coordinator refused the request: {text}"))
+                _settle(query.future.set_exception,
+                        MeshError(f"the coordinator refused the request: {text}"))
             return
         log.warning("coordinator error (%s): %s", code, text)
         for q in list(self._queries.values()):
             if code == ErrorCode.UNSUPPORTED.value and not q.future.done():
-                q.future.set_exception(MeshError(f"the coordinator does not support this: {text}"))
+                _settle(q.future.set_exception,
+                        MeshError(f"the coordinator does not support this: {text}"))
 
     def _send_ids(self, command: Command, task_ids: list[str], **extra: Any) -> None:
         """CANCEL, FETCH or RESULT_ACK in messages of at most IDS_PER_MESSAGE task ids, so a
