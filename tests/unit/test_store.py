@@ -666,22 +666,24 @@ def test_a_task_whose_journaled_function_is_gone_restores_as_corrupt(db_path: Pa
     assert "missing from the journal" in task.spec[CORRUPT] and task.payload == []
 
 
-def test_a_v2_journal_keeps_its_tasks_with_their_functions_inline(db_path: Path) -> None:
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_v2_or_v3_journal_is_migrated_and_keeps_its_tasks(db_path: Path, version: int) -> None:
     s = Store(db_path)
     try:
         _add(s, task_id="old", seq=1)
         s.commit()
     finally:
         s.close()
-    raw = sqlite3.connect(db_path)  # back to what a v2 journal was: no fn column, no table
+    raw = sqlite3.connect(db_path)  # back to what that schema was
     with raw:
-        raw.execute("DROP TABLE functions")
-        raw.execute("ALTER TABLE tasks DROP COLUMN fn")
-        raw.execute("ALTER TABLE tasks DROP COLUMN lease_floor")
-        raw.execute("UPDATE meta SET value = 2 WHERE key = 'schema_version'")
+        if version == 2:  # no fn column, no functions table: functions inline in the payload
+            raw.execute("DROP TABLE functions")
+            raw.execute("ALTER TABLE tasks DROP COLUMN fn")
+        raw.execute("ALTER TABLE tasks DROP COLUMN lease_floor")  # v3 had no lease floor
+        raw.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (version,))
     raw.close()
     (task,) = _reopen_and_load(db_path)
-    assert task.task_id == "old" and task.payload == PAYLOAD
+    assert task.task_id == "old" and task.payload == PAYLOAD and task.lease_floor == 0
     raw = sqlite3.connect(db_path)
     assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
         SCHEMA_VERSION,)
@@ -799,23 +801,3 @@ def test_a_retried_tasks_lease_floor_survives_a_restart(db_path: Path) -> None:
     loaded = {t.task_id: t for t in _reopen_and_load(db_path)}
     assert loaded["retried"].state == "pending" and loaded["retried"].lease_floor == (3 << 40) + 7
     assert loaded["plain"].lease_floor == 0
-
-
-def test_a_v3_journal_gets_the_lease_floor_column_and_keeps_its_tasks(db_path: Path) -> None:
-    s = Store(db_path)
-    try:
-        _add(s, task_id="old", seq=1)
-        s.commit()
-    finally:
-        s.close()
-    raw = sqlite3.connect(db_path)  # back to what a v3 journal was: no lease_floor column
-    with raw:
-        raw.execute("ALTER TABLE tasks DROP COLUMN lease_floor")
-        raw.execute("UPDATE meta SET value = 3 WHERE key = 'schema_version'")
-    raw.close()
-    (task,) = _reopen_and_load(db_path)
-    assert task.task_id == "old" and task.payload == PAYLOAD and task.lease_floor == 0
-    raw = sqlite3.connect(db_path)
-    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
-        SCHEMA_VERSION,)
-    raw.close()
