@@ -727,11 +727,7 @@ class Engine:
             self._send_ids(Command.CANCEL, cancelled)
         self._send_submissions([s for s in self._outstanding.values() if not s.task_id], now)
         for qid, q in list(self._queries.items()):
-            if q.future.done():  # its caller gave up waiting
-                del self._queries[qid]
-                continue
-            q.retry_at = 0.0
-            q.sent = self._link.send(encode(q.command, q.header))
+            self._ask_again(qid, q)
 
     def _on_accepted(self, msg: Message, now: float) -> None:
         self._last_accepted = now
@@ -891,13 +887,17 @@ class Engine:
         """Ask again the queries refused as busy whose wait is over; forget those whose caller
         stopped waiting."""
         for qid, q in list(self._queries.items()):
-            if not q.retry_at or now < q.retry_at:
-                continue
-            if q.future.done():
-                del self._queries[qid]
-                continue
-            q.retry_at = 0.0
-            q.sent = self._link.send(encode(q.command, q.header))
+            if q.retry_at and now >= q.retry_at:
+                self._ask_again(qid, q)
+
+    def _ask_again(self, qid: int, q: _Query) -> None:
+        """Send a query again (a new session, or its busy wait is over), unless its caller
+        stopped waiting: then it is forgotten."""
+        if q.future.done():
+            del self._queries[qid]
+            return
+        q.retry_at = 0.0
+        q.sent = self._link.send(encode(q.command, q.header))
 
     def _next_query_retry(self) -> float | None:
         """When the first query refused as busy is to be asked again, if any is."""
