@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,7 +205,7 @@ def summarize(task: Task) -> dict[str, Any]:
     return summary
 
 
-def _preview(encoding: Any, payload: list[Any]) -> Any:
+def _preview(encoding: Any, payload: Sequence[Any]) -> Any:
     """A script's JSON or text output, when small: pickled values stay opaque to the coordinator."""
     if encoding not in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value) or len(payload) != 1:
         return None

@@ -526,7 +526,7 @@ class Ledger:
         one for a peer that reads pieces: as spans of the file, read as they are sent).
         Raises ValueError (the file is gone: the result is lost) or ReadLater."""
         if task.result_file is None:
-            return task.result_payload
+            return list(task.result_payload)  # the frames' references, not their bytes
         if in_pieces and _spans_pay(task.result_file):
             return self._file_spans(task.result_file, ValueError)
         return self._read_back(task.result_file, ValueError)
@@ -660,8 +660,7 @@ class Ledger:
             self.finish(task, TaskState.CANCELLED, _cancelled_result(task), [], now)
             return
         if infra:
-            task.failures.append(why)
-            del task.failures[:-3]  # only the last three are ever shown
+            task.failures = (*task.failures, why)[-3:]  # only the last three are ever shown
             if worker is not None:
                 task.excluded = task.excluded | {worker.worker_id}
             if task.attempts >= task.max_attempts:
@@ -709,7 +708,7 @@ class Ledger:
         # A fresh start: a new pending clock, and the old attempts' results no longer count.
         task.pending_since = now
         task.lease_floor = self.new_lease_id()
-        task.attempts, task.failures, task.excluded = 0, [], frozenset()
+        task.attempts, task.failures, task.excluded = 0, (), frozenset()
         self.drop_shared(task.result_header)
         task.result_header, task.result_payload, task.result_file = None, [], None
         task.cancel_requested = task.collected = False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -87,11 +87,12 @@ class Task:
     lease_id: int = 0
     worker_id: str = ""
     lease_expires: float = 0.0
-    # Workers that failed it: an immutable set, so the common case (none) costs no set per task.
+    # Workers that failed it, why it failed, its result, the leases it was granted: immutable
+    # or absent until needed, so a queued task (100,000 may wait) costs no empty containers.
     excluded: frozenset[str] = frozenset()
-    failures: list[str] = field(default_factory=list)
+    failures: tuple[str, ...] = ()  # the last three reasons, shown when it gives up
     result_header: dict[str, Any] | None = None
-    result_payload: list[Any] = field(default_factory=list)
+    result_payload: Sequence[Any] = ()
     finished_at: float = 0.0
     pending_since: float = 0.0  # when the pending timeout's clock started: submit, or retry
     lease_floor: int = 0  # results of leases below this belong to attempts before a retry
@@ -99,7 +100,7 @@ class Task:
     collected: bool = False  # the owner has its (failed) result; kept only so it can be retried
     # Leases this coordinator run granted for the task, and to which worker: a RESULT counts
     # only under one of them, from that worker (an earlier attempt's late result still wins).
-    granted: dict[int, str] = field(default_factory=dict)
+    granted: dict[int, str] | None = None
     charged: int = 0  # bytes counted against its owner's quota (0: not counted, e.g. restored)
     # Its input is in this machine's shared memory and too big for one message: only a worker
     # that maps that memory may take it (set when it is queued: Ledger.enqueue).
@@ -123,12 +124,14 @@ class Task:
             self.observer(old, new)
 
     def grant(self, lease_id: int, worker_id: str) -> None:
+        if self.granted is None:
+            self.granted = {}
         self.granted[lease_id] = worker_id
         if len(self.granted) > MAX_GRANTS:
             del self.granted[next(iter(self.granted))]  # the oldest attempt's
 
     def granted_to(self, lease_id: int, worker_id: str) -> bool:
-        return self.granted.get(lease_id) == worker_id
+        return self.granted is not None and self.granted.get(lease_id) == worker_id
 
     @property
     def kind(self) -> str:
