@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import stat
 import struct
@@ -172,14 +173,18 @@ def _shared_file(views: Sequence[memoryview]) -> int | None:
     return fd
 
 
-def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
+def recv_message(sock: socket.socket, max_bytes: int, stall: float | None = None) -> list[Any]:
     """One message's frames: bytearrays, or writable memoryviews of a private mapping of the
     shared file, which stays mapped while any of them is referenced. Both are what
     ``pickle.loads(frames[0], buffers=frames[1:])`` takes.
 
+    ``stall``: once it has begun, each further part of the message must come within this
+    many seconds (the agent's reads: a runner that wrote half a message and stopped must not
+    hold its loop); None waits as long as it takes (the runner, waiting for its next task).
+
     Raises PipeClosed at end of stream, ValueError for a message that breaks the format or
-    the limits (the stream is then out of step: drop the pipe)."""
-    head, fds = _recv_head(sock)
+    the limits, or stalls (the stream is then out of step: drop the pipe)."""
+    head, fds = _recv_head(sock, stall)
     try:
         count, flags, rest = _HEAD.unpack(head)
         if count > MAX_FRAMES:
@@ -193,7 +198,7 @@ def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
         if rest < lengths_size or rest > lengths_size + (_ONE_WRITE if flags & _PACKED else 0):
             raise ValueError(f"a message on the runner pipe announces {rest} bytes for "
                              f"{count} frames")
-        data = memoryview(_recv_exact(sock, rest))
+        data = memoryview(_recv_exact(sock, rest, stall))
         words = struct.unpack_from(f"<{count}Q", data)
         lengths = [w & ~_IN_FILE for w in words]
         in_file = [bool(w & _IN_FILE) for w in words]
@@ -223,29 +228,54 @@ def recv_message(sock: socket.socket, max_bytes: int) -> list[Any]:
                 out.append(bytearray(data[at:at + n]))
                 at += n
         return out
-    return [next(files) if f else _recv_exact(sock, n)
+    return [next(files) if f else _recv_exact(sock, n, stall)
             for n, f in zip(lengths, in_file, strict=True)]
 
 
-def _recv_head(sock: socket.socket) -> tuple[bytes, list[int]]:
+# A read that must not wait, where the system has the flag (elsewhere: select, then read).
+_NO_WAIT = getattr(socket, "MSG_DONTWAIT", 0)
+
+
+def _read_flags(sock: socket.socket, stall: float | None) -> int:
+    """recv flags for one read of a message: with ``stall`` set, a read that cannot wait
+    (then ``_wait_readable``), else a plain blocking one."""
+    if stall is None:
+        return 0
+    if not _NO_WAIT:
+        _wait_readable(sock, stall)
+    return _NO_WAIT
+
+
+def _wait_readable(sock: socket.socket, stall: float | None) -> None:
+    if stall is not None and not select.select([sock], [], [], stall)[0]:
+        raise ValueError(f"the runner pipe stopped for {stall:g} s in the middle of a message")
+
+
+def _recv_head(sock: socket.socket, stall: float | None = None) -> tuple[bytes, list[int]]:
     """The fixed head of a message, and any descriptors that came with it."""
     data = b""
     fds: list[int] = []
     space = socket.CMSG_SPACE(_MAX_FDS * 4) if _FD_PASSING else 0
     try:
         while len(data) < _HEAD.size:
-            if space:
-                chunk, ancdata, msg_flags, _ = sock.recvmsg(_HEAD.size - len(data), space)
-                for level, kind, payload in ancdata:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        whole = len(payload) - len(payload) % 4
-                        fds.extend(struct.unpack(f"{whole // 4}i", payload[:whole]))
-                    else:
-                        raise ValueError("unexpected ancillary data on the runner pipe")
-                if msg_flags & socket.MSG_CTRUNC:
-                    raise ValueError("too many file descriptors on the runner pipe")
-            else:
-                chunk = sock.recv(_HEAD.size - len(data))
+            flags = _read_flags(sock, stall)
+            try:
+                if space:
+                    chunk, ancdata, msg_flags, _ = sock.recvmsg(_HEAD.size - len(data), space,
+                                                               flags)
+                else:
+                    chunk, ancdata, msg_flags = sock.recv(_HEAD.size - len(data), flags), [], 0
+            except BlockingIOError:
+                _wait_readable(sock, stall)
+                continue
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    whole = len(payload) - len(payload) % 4
+                    fds.extend(struct.unpack(f"{whole // 4}i", payload[:whole]))
+                else:
+                    raise ValueError("unexpected ancillary data on the runner pipe")
+            if space and msg_flags & socket.MSG_CTRUNC:
+                raise ValueError("too many file descriptors on the runner pipe")
             if not chunk:
                 raise PipeClosed("the other end of the runner pipe closed")
             data += chunk
@@ -282,12 +312,17 @@ def _map_shared(fd: int, lengths: Sequence[int]) -> list[memoryview]:
     return [whole[start:start + n] for start, n in zip(offsets, lengths, strict=True)]
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+def _recv_exact(sock: socket.socket, size: int, stall: float | None = None) -> bytearray:
     buf = bytearray(size)
     view = memoryview(buf)
     got = 0
     while got < size:
-        n = sock.recv_into(view[got:], size - got)
+        flags = _read_flags(sock, stall)
+        try:
+            n = sock.recv_into(view[got:], size - got, flags)
+        except BlockingIOError:
+            _wait_readable(sock, stall)
+            continue
         if n == 0:
             raise PipeClosed("the other end of the runner pipe closed")
         got += n

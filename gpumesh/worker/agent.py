@@ -52,7 +52,7 @@ from ..sharedmem import SharedFolder
 from ..transport import DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
-from .runners import QueuedTask, Runner, RunningTask
+from .runners import BadRunnerMessage, QueuedTask, Runner, RunningTask, checked_result
 from .telemetry import Sampler
 
 log = logging.getLogger("gpumesh.worker")
@@ -760,16 +760,22 @@ class WorkerAgent:
         runner.read_at = now
         written: list[tuple[dict[str, Any], list[Any]]] = []
         closed = False
+        broken = ""
         for _ in range(RUNNER_READS):
             try:
                 written.append(runner.receive())
             except PipeClosed:
                 closed = True
                 break
+            except BadRunnerMessage as exc:
+                broken = str(exc)
+                break
             if not runner.has_message():
                 break
         self._handle_written(runner, written, now)
-        if closed and runner.proc is proc:
+        if broken and runner.proc is proc:
+            self._runner_broke(runner, broken, now)
+        elif closed and runner.proc is proc:
             self._runner_died(runner, now)
 
     def _handle_written(self, runner: Runner, written: list[tuple[dict[str, Any], list[Any]]],
@@ -799,7 +805,7 @@ class WorkerAgent:
         if following is not None:
             _started(following.task, now)  # it began as the runner wrote this result
         if task is not None:
-            self._report(task, header, frames, now)
+            self._report(task, checked_result(header), frames, now)
         if runner.restart_after_task:
             self._restart(runner)  # the task handed ahead was dropped: it must not run on
 
@@ -839,14 +845,30 @@ class WorkerAgent:
         """Handle the messages a runner wrote before it died or ran late, without waiting
         (until a message makes the agent restart it: the new runner is not the one read)."""
         written: list[tuple[dict[str, Any], list[Any]]] = []
+        broken = ""
+        proc = runner.proc
         while runner.control is not None and runner.has_message():
             try:
                 written.append(runner.receive())
             except PipeClosed:
                 break  # the rest is the death, which the caller handles
+            except BadRunnerMessage as exc:
+                broken = str(exc)
+                break
         self._handle_written(runner, written, now)
+        if broken and runner.proc is proc:
+            self._runner_broke(runner, broken, now)
 
-    def _runner_died(self, runner: Runner, now: float) -> None:
+    def _runner_broke(self, runner: Runner, why: str, now: float) -> None:
+        """The runner wrote what cannot be read: it is alive but out of step, so it is killed,
+        its task reported crashed (and retried elsewhere), and a new one started."""
+        log.warning("runner %d wrote an unreadable message (%s): restarting it", runner.slot, why)
+        runner.kill()
+        self._runner_died(runner, now, what=(
+            f"the runner wrote an unreadable message on its control socket ({why}); the "
+            "task's code may have written to that socket"))
+
+    def _runner_died(self, runner: Runner, now: float, what: str = "") -> None:
         # Drain what it printed last: the diagnosis needs its final words.
         for stream in ("out", "err"):
             if runner.proc is not None:
@@ -855,7 +877,7 @@ class WorkerAgent:
         task, runner.task = runner.task, None
         self.queue.extendleft(reversed(runner.take_back()))  # handed ahead, never started
         code = runner.reap()
-        diagnosis = runner.diagnosis(code)
+        diagnosis = runner.diagnosis(code, what)
         if task is not None:
             log.warning("task %s: %s", task.task_id, diagnosis)
             self._report(task, {"status": ResultStatus.CRASHED.value, "diagnosis": diagnosis}, [], now)

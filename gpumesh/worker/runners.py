@@ -32,11 +32,13 @@ from typing import Any
 
 import msgpack
 
-from ..protocol import serialize
+from ..protocol import ResultEncoding, ResultStatus, serialize
+from ..protocol.headers import MAX_DIAGNOSIS, MAX_ERROR_MESSAGE, MAX_ERROR_TYPE, MAX_TRACEBACK
 from ..protocol.ids import HexIds
 from ..runner.environment import runner_process_environment
 from ..runner.pipe import (
     MARKER,
+    MAX_FRAMES,
     SHARED_THRESHOLD,
     PipeClosed,
     encode_small,
@@ -50,6 +52,16 @@ TAIL_LINES = 20
 # runner's current task runs (it reads only between tasks). Frames of SHARED_THRESHOLD bytes or
 # more go through a memfd and count only as their descriptor.
 AHEAD_BYTES = 64 * 1024
+# Once a runner's message has begun, each further part of it must come within this long: a
+# runner stopped halfway must not hold the agent's loop past a few heartbeats (the coordinator
+# loses a worker silent for 5 s).
+READ_STALL = 2.0
+
+
+class BadRunnerMessage(ValueError):
+    """The runner wrote what is not a message of its protocol, or stopped in the middle of one:
+    the stream is out of step and the runner cannot be read any more. (It runs the task's
+    code, which can write to the socket as well.)"""
 
 
 @dataclass
@@ -275,13 +287,24 @@ class Runner:
         return bool(select.select([self.control], [], [], 0)[0])
 
     def receive(self) -> tuple[dict[str, Any], list[bytearray | memoryview]]:
-        """Read one message from the runner; PipeClosed when it died."""
+        """Read one message from the runner; PipeClosed when it died, BadRunnerMessage when
+        what it wrote cannot be read."""
         assert self.control is not None
         try:
-            frames = recv_message(self.control, self._max_bytes)
-        except (OSError, ValueError) as exc:
+            frames = recv_message(self.control, self._max_bytes, stall=READ_STALL)
+        except OSError as exc:
             raise PipeClosed(str(exc)) from None
-        return msgpack.unpackb(frames[0], raw=False, strict_map_key=False), frames[1:]
+        except ValueError as exc:
+            raise BadRunnerMessage(str(exc)) from None
+        if not frames:
+            raise BadRunnerMessage("a message without frames")
+        try:
+            header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise BadRunnerMessage(f"a header that is not msgpack ({type(exc).__name__})") from None
+        if type(header) is not dict:
+            raise BadRunnerMessage(f"a header that is a {type(header).__name__}, not a map")
+        return header, frames[1:]
 
     def read_stream(self, stream: str) -> list[tuple[Owner, bytes]] | None:
         """What the runner printed on ``stream`` since the last read, each piece with the task
@@ -363,26 +386,83 @@ class Runner:
         self._unsent = []
         return code
 
-    def diagnosis(self, code: int | None) -> str:
-        """What killed the runner, in words, with the last lines it printed."""
-        if code is None:
-            what = "the runner process stopped responding"
-        elif code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            what = f"the runner process was killed by {name}"
-            if -code == signal.SIGKILL:
-                what += " (out of memory, or killed by the system)"
-            elif -code == signal.SIGSEGV:
-                what += " (a segmentation fault in native code)"
-        else:
-            what = f"the runner process exited with code {code}"
+    def diagnosis(self, code: int | None, what: str = "") -> str:
+        """What killed the runner (``what``, or read from its exit ``code``), in words, with
+        the last lines it printed."""
+        what = what or _exit_reason(code)
         lines = [line for line in self.tail if line.strip()][-5:]
         if lines:
             what += "; last output:\n    " + "\n    ".join(lines)
         return what
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "the runner process stopped responding"
+    if code >= 0:
+        return f"the runner process exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    what = f"the runner process was killed by {name}"
+    if -code == signal.SIGKILL:
+        what += " (out of memory, or killed by the system)"
+    elif -code == signal.SIGSEGV:
+        what += " (a segmentation fault in native code)"
+    return what
+
+
+def checked_result(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a runner's result that a RESULT carries, checked, and its free text cut
+    to the protocol's limits. The runner runs the task's code, so nothing it wrote is taken as
+    it is: an exception with a 600 KB message once made a RESULT header the coordinator had to
+    refuse (over 1 MiB), and the task ran again and again. Anything unreadable makes the task
+    crashed, with the reason."""
+    status = header.get("status")
+    if not (type(status) is str and status in _WORKER_STATUSES):
+        return _unreadable(f"its status is {_shown(status)}")
+    result: dict[str, Any] = {"status": status}
+    error = header.get("error")
+    if isinstance(error, Mapping):
+        result["error"] = {"type": _text(error.get("type"), MAX_ERROR_TYPE) or "Exception",
+                           "message": _text(error.get("message"), MAX_ERROR_MESSAGE),
+                           "traceback": _text(error.get("traceback"), MAX_TRACEBACK)}
+    elif error is not None:
+        return _unreadable(f"its error is {_shown(error)}")
+    if "diagnosis" in header:
+        result["diagnosis"] = _text(header["diagnosis"], MAX_DIAGNOSIS)
+    if "encoding" in header:
+        encoding = header["encoding"]
+        if not (type(encoding) is str and encoding in _ENCODINGS):
+            return _unreadable(f"its encoding is {_shown(encoding)}")
+        result["encoding"] = encoding
+    if "shm" in header:  # checked against the frames where they are read (parse_refs)
+        refs = header["shm"]
+        if not (type(refs) is list and len(refs) <= MAX_FRAMES):
+            return _unreadable(f"its shared frames are {_shown(refs)}")
+        result["shm"] = refs
+    ran = header.get("ran")
+    if type(ran) is float and 0.0 <= ran < float("inf"):  # NaN fails too
+        result["ran"] = ran
+    return result
+
+
+_WORKER_STATUSES = frozenset(s.value for s in ResultStatus if s.from_worker)
+_ENCODINGS = frozenset(e.value for e in ResultEncoding)
+
+
+def _text(value: Any, limit: int) -> str:
+    return value[:limit] if type(value) is str else ""
+
+
+def _shown(value: Any) -> str:
+    return repr(value)[:100]
+
+
+def _unreadable(why: str) -> dict[str, Any]:
+    return {"status": ResultStatus.CRASHED.value,
+            "diagnosis": f"the runner reported a result the worker cannot read: {why}"}
 
 
 _READ_SIZE = 65536

@@ -32,6 +32,10 @@ def whoami(i):
     return {"i": i, "pid": os.getpid()}
 
 
+def raise_huge(size):
+    raise ValueError("x" * size)
+
+
 def test_values_come_back_unchanged(mesh_env):
     mesh_env.start_coordinator()
     mesh_env.add_worker()
@@ -104,6 +108,22 @@ def test_script_task_reads_json_and_returns_stdout(mesh_env, tmp_path):
     results = [f.result(timeout=30) for f in client.job_futures(job)]
     assert results == [{"lr": 0.1, "double": 0.2, "sees_secret": False},
                        {"lr": 0.3, "double": 0.6, "sees_secret": False}]
+
+
+def test_an_exception_with_a_huge_message_comes_back_once_its_text_cut_to_the_limits(mesh_env):
+    # Its message and traceback (600 KB each) once made a RESULT header over the 1 MiB limit:
+    # the coordinator refused it, the worker sent it again on every reconnect, and the caller
+    # waited forever. The worker now cuts the text to the protocol's limits; the exception
+    # itself (pickled, in the frames) comes back whole.
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    future = client.submit(raise_huge, 600_000)
+    with pytest.raises(ValueError) as info:
+        future.result(timeout=30)
+    assert str(info.value) == "x" * 600_000
+    assert 1000 < len(info.value.remote_traceback) <= 256 * 1024
+    assert client.submit(echo, 5).result(timeout=30) == 5  # the worker is still there
 
 
 def test_script_failure_is_an_error_with_output(mesh_env, tmp_path):

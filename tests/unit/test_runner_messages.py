@@ -1,0 +1,140 @@
+"""What a runner writes is not trusted (gpumesh/worker/runners.py): it runs the task's code,
+which can write to the runner's control socket too. A message the agent cannot read, or one
+that stops halfway, costs that task its runner (reported crashed, with the reason), never the
+agent's loop; and a result's fields are checked and cut to the protocol's limits before they
+go into a RESULT.
+
+The agent tests run real runner processes under an agent that is never connected. Their
+``live_agent`` fixture is imported: pytest finds it here, and ruff takes the parameters of
+that name for redefinitions (F811)."""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+
+import pytest
+from test_runner_hand_ahead import _give, _pump, _results, live_agent  # noqa: F401 (fixture)
+
+from gpumesh.protocol import Command
+from gpumesh.protocol.headers import MAX_DIAGNOSIS, MAX_ERROR_MESSAGE, MAX_TRACEBACK
+from gpumesh.runner.pipe import recv_message, send_message
+from gpumesh.worker import runners
+from gpumesh.worker.runners import checked_result
+
+
+def writing_on_the_runners_socket(raw: bytes):
+    """A task that writes ``raw`` on its runner's control socket (the runner's first
+    argument is its descriptor), then returns."""
+    def task(i):
+        import os as system
+        import socket as sockets
+        import sys as interpreter
+        sock = sockets.socket(fileno=system.dup(int(interpreter.argv[1])))
+        sock.sendall(raw)
+        sock.close()
+        return i
+    return task
+
+
+def framed(*frames: bytes) -> bytes:
+    """``frames`` as one message of the runner pipe's format."""
+    a, b = socket.socketpair()
+    with a, b:
+        send_message(a, list(frames))
+        a.shutdown(socket.SHUT_WR)
+        return b.recv(1 << 20)
+
+
+GARBAGE = {
+    "no frames": framed(),
+    "a header that is not msgpack": framed(b"\xc1"),
+    "a header that is not a map": framed(b"\x05"),
+    "a head announcing frames it cannot have": b"\xff\xff\xff\xff" + b"\x00" * 8,
+}
+
+
+@pytest.mark.parametrize("what", list(GARBAGE))
+def test_garbage_on_the_runners_socket_crashes_its_task_and_the_next_task_runs(
+        live_agent, what):  # noqa: F811
+    agent, runner = live_agent, live_agent.runners[0]
+    first_pid = runner.proc.pid
+    _give(agent, 1, fn=writing_on_the_runners_socket(GARBAGE[what]))
+    _pump(agent, lambda: "task-1" in _results(agent), "the first task's result")
+    assert _results(agent) == {"task-1": "crashed"}
+    result = next(m.header for m in agent.sent if m.command is Command.RESULT)
+    assert "unreadable message on its control socket" in result["diagnosis"]
+    assert runner.proc.pid != first_pid and runner.proc.poll() is None  # a new one, running
+    _pump(agent, lambda: runner.ready, "the new runner")
+    _give(agent, 2)
+    _pump(agent, lambda: "task-2" in _results(agent), "the next task's result")
+    assert _results(agent)["task-2"] == "ok"
+
+
+def test_a_runner_that_stops_in_the_middle_of_a_message_does_not_hold_the_agent(
+        live_agent, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(runners, "READ_STALL", 0.3)
+    agent = live_agent
+    half = GARBAGE["a header that is not a map"][:7]  # 7 of the head's 12 bytes
+
+    write = writing_on_the_runners_socket(half)  # a closure: it travels with the task
+
+    def stall(i):
+        write(i)
+        import time as clock
+        clock.sleep(60)  # the rest never comes
+        return i
+
+    _give(agent, 1, fn=stall)
+    started = time.monotonic()
+    _pump(agent, lambda: "task-1" in _results(agent), "the stalled task's result", timeout=10)
+    assert time.monotonic() - started < 5  # the stall, not the task's minute
+    result = next(m.header for m in agent.sent if m.command is Command.RESULT)
+    assert result["status"] == "crashed"
+    assert "stopped for 0.3 s in the middle of a message" in result["diagnosis"]
+
+
+def test_a_read_with_a_stall_limit_takes_a_whole_message_and_refuses_half_of_one():
+    a, b = socket.socketpair()
+    with a, b:
+        send_message(a, [b"header", b"x" * 100_000])  # more than one read's worth
+        assert [bytes(f) for f in recv_message(b, 1 << 20, stall=0.2)] == [b"header", b"x" * 100_000]
+        whole = framed(b"header", b"frame")
+        a.sendall(whole[:-3])
+        with pytest.raises(ValueError, match="stopped for 0.2 s in the middle of a message"):
+            recv_message(b, 1 << 20, stall=0.2)
+
+
+def test_a_result_keeps_only_the_fields_a_result_carries_with_its_text_cut():
+    header = {"status": "error", "ran": 0.5, "granted": 10**6, "task": "someone else's",
+              "error": {"type": "ValueError", "message": "m" * 600_000, "traceback": "t" * 600_000,
+                        "extra": 1}}
+    result = checked_result(header)
+    assert result == {"status": "error", "ran": 0.5, "error": {
+        "type": "ValueError", "message": "m" * MAX_ERROR_MESSAGE, "traceback": "t" * MAX_TRACEBACK}}
+    assert checked_result({"status": "crashed", "diagnosis": "d" * 100_000}) == {
+        "status": "crashed", "diagnosis": "d" * MAX_DIAGNOSIS}
+    assert checked_result({"status": "ok", "encoding": "json", "shm": [[0, "ab", 3]]}) == {
+        "status": "ok", "encoding": "json", "shm": [[0, "ab", 3]]}
+    for ran in (math.nan, -1.0, math.inf, "0.5", 1):
+        assert "ran" not in checked_result({"status": "ok", "ran": ran})
+    assert checked_result({"status": "error", "error": {"message": 5}})["error"] == {
+        "type": "Exception", "message": "", "traceback": ""}
+
+
+@pytest.mark.parametrize("header, why", [
+    ({}, "its status is None"),
+    ({"status": "unschedulable"}, "its status is 'unschedulable'"),
+    ({"status": ["ok"]}, "its status is ['ok']"),
+    ({"status": "ok", "encoding": "yaml"}, "its encoding is 'yaml'"),
+    ({"status": "error", "error": "boom"}, "its error is 'boom'"),
+    ({"status": "ok", "shm": "a file"}, "its shared frames are 'a file'"),
+    ({"status": "ok", "shm": [[0]] * 5000}, "its shared frames are"),
+])
+def test_a_result_the_worker_cannot_read_makes_its_task_crashed_with_the_reason(header, why):
+    result = checked_result(header)
+    assert result["status"] == "crashed" and set(result) == {"status", "diagnosis"}
+    assert result["diagnosis"].startswith("the runner reported a result the worker cannot read: "
+                                          + why)
+    assert len(result["diagnosis"]) < 300
