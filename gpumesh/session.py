@@ -16,6 +16,7 @@ list standing in for the socket, as the coordinator's broker is.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from typing import Any, Protocol
@@ -254,7 +255,9 @@ def install_advice(version: str) -> str:
 
 
 def _bounded(value: Any, limits: tuple[float, float], default: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A number the coordinator sent, brought within ``limits``; ``default`` for anything
+    else, NaN and infinity included (min and max pass NaN through)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return default
     low, high = limits
     return min(max(float(value), low), high)

@@ -31,6 +31,7 @@ import zmq
 
 from ..config import Endpoint, Settings, sizes_over_room
 from ..errors import (
+    ConfigError,
     MeshError,
     RemoteError,
     RunnerCrashed,
@@ -49,6 +50,7 @@ from ..protocol import (
     encode,
     serialize,
 )
+from ..protocol.headers import ID_CHARS
 from ..protocol.refs import Ref, parse_refs, ref_names, shared_bytes
 from ..security import derive_keys
 from ..session import Session
@@ -287,6 +289,10 @@ class Engine:
                ) -> list[TaskFuture]:
         """Queue tasks (spec, payload frames) as one job; returns their futures in order."""
         self._check_usable()
+        if len(job) > ID_CHARS or not job.isprintable():
+            # The coordinator would refuse the whole SUBMIT, again at every re-send.
+            raise ConfigError(f"the job id {job[:80]!r} must be printable text of at most "
+                              f"{ID_CHARS} characters")
         batch = _Batch(job, name)
         futures = []
         for spec, frames in items:
@@ -778,7 +784,8 @@ class Engine:
         future = sub.future
         future.task_id = task_id
         future.worker = str(msg.header.get("worker", ""))
-        future.attempts = int(msg.header.get("attempts", 0) or 0)
+        attempts = msg.header.get("attempts")  # nothing read here may raise: the future waits
+        future.attempts = attempts if type(attempts) is int and attempts >= 0 else 0
         if future.cancel_requested:
             return  # only the engine thread settles a task's future, and only once
         try:
@@ -940,8 +947,10 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
                             "or text; it was not read", task_id=task_id)
         return serialize.loads(serialize.writable(payload))
     diagnosis = str(header.get("diagnosis", ""))
+    error = header.get("error")
+    if not isinstance(error, dict):
+        error = {}
     if status == ResultStatus.ERROR.value:
-        error = header.get("error") or {}
         remote_tb = str(error.get("traceback", ""))
         message = str(error.get("message", "the task raised an exception"))
         if payload and not script:
@@ -957,7 +966,6 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
         raise RemoteError(message, remote_type=str(error.get("type", "Exception")),
                           remote_traceback=remote_tb, task_id=task_id, worker=worker)
     if status == ResultStatus.TIMEOUT.value:
-        error = header.get("error") or {}
         raise TaskTimeout(str(error.get("message", "the task timed out")), task_id=task_id,
                           worker=worker)
     if status == ResultStatus.CRASHED.value:

@@ -102,9 +102,15 @@ class ClientSide:
         frames = frames[len(sub.functions):]
         entries: list[tuple[int, int, TaskSpec | str | tuple[ErrorCode, str]]] = []
         needed = 0
+        seen: set[int] = set()
         for raw in sub.specs:
             seq, nf = _seq_and_frames(raw)
             needed += nf
+            if seq in seen:  # two tasks would share one journal row: the second is refused
+                entries.append((seq, nf, (ErrorCode.MALFORMED, f"seq {seq} is used twice in "
+                                          "one SUBMIT: each task needs a seq of its own")))
+                continue
+            seen.add(seq)
             existing = ledger.by_seq.get((client.client_id, seq))
             if existing is not None:
                 entries.append((seq, nf, existing))

@@ -134,6 +134,14 @@ def _shown(data: Mapping[str, Any], name: str, max_len: int = NAME_CHARS) -> str
     return value
 
 
+def _printable(label: str) -> str:
+    """A label other users will see in a terminal, each character that is not printable (an
+    escape code's ESC, a newline) shown as "?": kept, as a long name is cut, not refused."""
+    if label.isprintable():
+        return label
+    return "".join(c if c.isprintable() else "?" for c in label)
+
+
 def _size(data: Mapping[str, Any], name: str) -> int:
     value = data.get(name)
     if value is None:
@@ -524,8 +532,8 @@ class Submit:
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Submit:
         return cls(
-            job=f.text(h, "job", max_len=ID_CHARS, default=""),
-            name=_clip(f.text(h, "name", max_len=f.INT64, default=""), NAME_CHARS),
+            job=_shown(h, "job", max_len=ID_CHARS),
+            name=_printable(_clip(f.text(h, "name", max_len=f.INT64, default=""), NAME_CHARS)),
             specs=tuple(f.items(h, "tasks", max_items=MAX_SPECS)),
             functions=tuple(f.text_list(h, "fns", max_items=MAX_FUNCTIONS, max_len=ID_CHARS,
                                         default=())),

@@ -43,6 +43,7 @@ from ..protocol import (
     gpu_satisfies,
     serialize,
 )
+from ..protocol.fields import INT64
 from ..protocol.refs import parse_refs
 from ..protocol.requirements import parse_size
 from ..runner.pipe import PipeClosed
@@ -529,10 +530,11 @@ class WorkerAgent:
             self.received += 1
             self._on_task(msg, now)
         elif command is Command.RESULT_ACK:
-            self.unacked.pop(int(msg.header.get("lease", 0)), None)
+            for lease_id in _lease_ids([msg.header.get("lease")]):
+                self.unacked.pop(lease_id, None)
         elif command is Command.CANCEL:
-            for lease_id in msg.header.get("leases", []):
-                self._cancel(int(lease_id), now, report=True)
+            for lease_id in _lease_ids(msg.header.get("leases")):
+                self._cancel(lease_id, now, report=True)
         elif command is Command.CONTROL:
             # A client of the mesh asked (the coordinator says who): as the owner's own
             # command would, except that it never overrides what the owner chose here.
@@ -558,8 +560,8 @@ class WorkerAgent:
             # Before anything that names a shared file: the coordinator reads in order.
             self.link.post(encode(Command.HEARTBEAT, {"leases": self._held_leases(),
                                                       "shm": self.shm.proof}))
-        dropped = sum(self._cancel(int(lease_id), now, report=False)
-                      for lease_id in h.get("abort", []))
+        dropped = sum(self._cancel(lease_id, now, report=False)
+                      for lease_id in _lease_ids(h.get("abort")))
         self._pending_release = []  # HELLO carried them; the coordinator has them back
         if dropped and not self.draining:
             # HELLO counted those slots as busy; they are free again. (A lease whose task
@@ -589,6 +591,9 @@ class WorkerAgent:
         self._mean_bytes += RUN_TIME_WEIGHT * (size - self._mean_bytes)
         payload = self._with_function(h, msg.payload)
         if payload is None:
+            return
+        if not _lease_ids([h.get("lease")]) or type(h.get("task")) is not str:
+            log.warning("dropped a task without a task id and lease this worker can read")
             return
         if self.draining:
             # Sent before the coordinator heard we stopped taking work: hand it straight back.
@@ -939,6 +944,14 @@ class WorkerAgent:
 
     def _held_leases(self) -> list[int]:
         return [task.lease_id for task in self._held_tasks()]
+
+
+def _lease_ids(value: Any) -> list[int]:
+    """The lease ids of a list the coordinator sent; anything else in it is left out, so one
+    bad item cannot stop the rest of a WELCOME or a CANCEL."""
+    if type(value) is not list:
+        return []
+    return [item for item in value if type(item) is int and 0 <= item <= INT64]
 
 
 def _running_for(runner: Runner, now: float) -> float:

@@ -280,3 +280,15 @@ def test_a_welcome_while_we_wait_out_the_backoff_keeps_that_session(session, mon
     link.sent.clear()
     s.tick(13.1)
     assert link.commands() == [Command.HEARTBEAT] and link.resets == 1
+
+
+@pytest.mark.parametrize("field, value", [("heartbeat", float("nan")), ("heartbeat", float("inf")),
+                                          ("heartbeat", float("-inf")), ("liveness", float("nan"))])
+def test_a_welcome_whose_timing_is_not_a_number_keeps_the_defaults(session, field, value):
+    # min(max(nan, low), high) is nan: a NaN heartbeat once went through the clamp, and the
+    # loops' int(wait * 1000) raised (the worker exited), or silence was never noticed.
+    s, link, role = session
+    s.start(0.0)
+    s.on_message(message(Command.WELCOME, {field: value}), 0.5)
+    assert s.welcomed and ("welcome", 0.5) in role.calls
+    assert s.heartbeat == 1.0 and s.silence_limit == 5.0

@@ -334,3 +334,24 @@ def test_a_result_whose_shared_files_went_with_their_folder_makes_the_task_run_a
     results = {r["task"]: r for r in sent(agent, Command.RESULT)}
     assert results["T1"]["status"] == "crashed" and "lost" in results["T1"]["diagnosis"]
     assert "shm" not in results["T1"] and results["T2"]["status"] == "ok"
+
+
+def test_lease_ids_that_are_not_numbers_are_left_out_and_the_rest_of_the_message_is_done(agent):
+    # One bad item once raised out of on_welcome, after the session was welcomed: results
+    # waiting for acknowledgement were not sent again, and the worker never said it joined.
+    agent.unacked[5] = ({"task": "old", "lease": 5, "status": "ok"}, [])
+    agent.session.hello()
+    agent.session.on_message(decode(encode(Command.WELCOME, {
+        "abort": ["x", None, True, -1, 1.0, [3]]}), Limits()), 1.0)
+    assert agent.joined_once and agent.welcomed
+    assert [h["task"] for h in sent(agent, Command.RESULT)] == ["old"]
+    agent.session.on_message(decode(encode(Command.CANCEL, {"leases": ["x", 9]}), Limits()), 2.0)
+    agent.session.on_message(decode(encode(Command.RESULT_ACK, {"lease": "5"}), Limits()), 2.0)
+    assert 5 in agent.unacked  # not a lease id: acknowledges nothing
+    agent.session.on_message(decode(encode(Command.RESULT_ACK, {"lease": 5}), Limits()), 2.0)
+    assert agent.unacked == {}
+    agent.session.on_message(decode(encode(Command.TASK, {"task": "T", "lease": "seven",
+                                                          "kind": "fn"}), Limits()), 3.0)
+    agent.session.on_message(decode(encode(Command.TASK, {"task": 7, "lease": 7,
+                                                          "kind": "fn"}), Limits()), 3.0)
+    assert not agent.queue and agent.runners[0].task is None  # neither could be reported

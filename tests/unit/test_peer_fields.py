@@ -1,0 +1,97 @@
+"""Fields a peer sends, checked where they are read (a hostile-input review of 2026-12-06): a
+repeated seq in one SUBMIT, a job's id and name with escape codes, a RESULT's attempts the
+client cannot read, lease ids that are not numbers (a WELCOME's NaN heartbeat: test_session). None may stop a
+loop, leave a caller waiting, journal one thing and keep another, or reach a terminal."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from gpumesh.config import Endpoint, Limits, Settings, Timing
+from gpumesh.coordinator.broker import Broker
+from gpumesh.errors import ConfigError
+from gpumesh.protocol import Command, Message, decode, encode, serialize
+from gpumesh.store import Store
+
+C = b"c1-routing"
+
+
+def msg(command: Command, header: dict, payload: list | None = None) -> Message:
+    return decode(encode(command, header, payload or []), Limits())
+
+
+def sent(b: Broker, command: Command) -> list[dict]:
+    return [m.header for m in (decode(f, Limits()) for _, f in b.outbox) if m.command is command]
+
+
+@pytest.fixture
+def broker() -> Broker:
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1],
+                                    "info": {"user": "ana", "host": "lab"}}), 0.0)
+    b.outbox.clear()
+    return b
+
+
+def test_a_seq_used_twice_in_one_submit_is_refused_the_second_time_not_half_journaled(broker):
+    tasks = [{"seq": 7, "nf": 1, "kind": "script"}, {"seq": 7, "nf": 1, "kind": "script"},
+             {"seq": 8, "nf": 1, "kind": "script"}]
+    broker.handle(C, msg(Command.SUBMIT, {"tasks": tasks, "job": "j1"}, [b"a", b"b", b"c"]), 0.0)
+    answer = sent(broker, Command.ACCEPTED)[-1]
+    assert [seq for seq, _ in answer["accepted"]] == [7, 8]
+    assert [(seq, code) for seq, code, _ in answer["rejected"]] == [(7, "malformed")]
+    assert "seq 7 is used twice in one SUBMIT" in answer["rejected"][0][2]
+    broker.store.commit()
+    journaled = sorted(row.task_id for row in broker.store.load())
+    assert journaled == sorted(broker.tasks) == sorted(task_id for _, task_id in answer["accepted"])
+
+
+def test_a_job_name_with_escape_codes_is_kept_printable_and_such_a_job_id_refused(broker):
+    broker.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}],
+                                          "job": "j1", "name": "\x1b]0;owned\x07\x1b[31mred\n"},
+                         [b"a"]), 0.0)
+    assert broker.jobs["j1"].name == "?]0;owned??[31mred?"
+    assert [name for _, name, *_ in broker.store.load_jobs()] == ["?]0;owned??[31mred?"]
+    broker.outbox.clear()
+    broker.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 2, "nf": 1, "kind": "script"}],
+                                          "job": "\x1b[2Jj2"}, [b"b"]), 0.0)
+    error = sent(broker, Command.ERROR)[-1]
+    assert error["code"] == "malformed" and "'job' must be printable text" in error["message"]
+    assert "\x1b[2Jj2" not in broker.jobs and sent(broker, Command.ACCEPTED) == []
+
+
+def test_the_client_refuses_a_job_id_the_coordinator_would_refuse_before_it_sends(engine):
+    for job in ("\x1b[2Jnightly", "j" * 65):
+        with pytest.raises(ConfigError, match="must be printable text of at most 64 characters"):
+            engine.submit([({"kind": "fn"}, [b"x"])], job)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """A client engine whose coordinator never answers (a loopback port nobody listens on):
+    its I/O thread files what is submitted and, unconnected, leaves it alone."""
+    from gpumesh.client.engine import Engine
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    made = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                  Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("attempts", ["two", -1, 2.5, None, [3]])
+def test_a_result_whose_attempts_the_client_cannot_read_still_settles_its_future(engine,
+                                                                                attempts):
+    future, = engine.submit([({"kind": "fn"}, [b"x"])], "j1")
+    for _ in range(500):  # the engine's thread files the submission
+        if engine._outstanding:
+            break
+        engine._closing.wait(0.01)
+    seq, = engine._outstanding
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
+                                           "attempts": attempts}, serialize.dumps(42)), 1.0)
+    assert future.result(timeout=5) == 42 and future.attempts == 0
