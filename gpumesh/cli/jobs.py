@@ -13,7 +13,7 @@ from ..client import GPUMesh
 from ..client.api import new_job_id
 from ..client.tasks import TaskOptions
 from ..errors import MeshError
-from .output import color_enabled, fail, ok
+from .output import color_enabled, fail, for_terminal, ok
 
 BAR_WIDTH = 20
 WAIT_LISTING = 20  # --wait lists every task of a job up to this size, else only the failures
@@ -85,18 +85,19 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
         result = task.get("result")
         if result is None and results is not None:
             result = results.get(task["id"])
+        # Another user's task wrote these: nothing in them may act on this terminal.
         if "error" in task and state != "done":
-            lines.append(f"    error: {task['error']}")
+            lines.append(f"    error: {for_terminal(str(task['error']))}")
         elif result is not None:
             text = result if isinstance(result, str) else json.dumps(result, default=repr)
-            lines.append(f"    result: {text}")
+            lines.append(f"    result: {for_terminal(text)}")
     if status.get("tasks_not_shown"):
         lines.append(f"  ... and {status['tasks_not_shown']} more task(s), counted above")
     return "\n".join(lines)
 
 
 def print_job(status: dict[str, Any], results: dict[str, Any] | None = None) -> None:
-    click.echo(f"Job: {status['name']} ({status['job']})")
+    click.echo(f"Job: {for_terminal(str(status['name']))} ({for_terminal(str(status['job']))})")
     click.echo("")
     click.echo(progress_line(status))
     click.echo("")
@@ -226,7 +227,7 @@ def mesh_summary(answer: dict[str, Any]) -> str:
         counts = job["counts"]
         tally = f"{counts.get('done', 0)}/{job['total']} done" + "".join(
             f", {counts[s]} {s}" for s in ("failed", "cancelled") if counts.get(s))
-        lines.append(f"  {job['job']:<14}{_clip(job['name'], 30):<32}{job['status']:<10}"
+        lines.append(f"  {job['job']:<14}{_clip(for_terminal(str(job['name'])), 30):<32}{job['status']:<10}"
                      f"{tally}  {float(job['elapsed']):.0f}s")
     return "\n".join(lines) + "\n"
 

@@ -95,3 +95,20 @@ def test_a_result_whose_attempts_the_client_cannot_read_still_settles_its_future
     engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
                                            "attempts": attempts}, serialize.dumps(42)), 1.0)
     assert future.result(timeout=5) == 42 and future.attempts == 0
+
+
+def test_another_users_task_error_and_output_cannot_act_on_the_terminal_that_shows_them():
+    from gpumesh.cli.jobs import job_summary
+    from gpumesh.cli.output import for_terminal
+
+    tasks = [{"id": "t1", "state": "failed", "cost": 1.0, "worker": "w",
+              "error": "boom\x1b]0;owned\x07\x1b[2J"},
+             {"id": "t2", "state": "done", "cost": 1.0, "worker": "w",
+              "result": "line 1\n\x1b[31mred\tcell\r"}]
+    status = {"job": "j1", "name": "n", "status": "finished", "counts": {"done": 1, "failed": 1},
+              "total": 2, "tasks": tasks}
+    summary = job_summary(status)
+    assert "\x1b" not in summary and "\x07" not in summary and "\r" not in summary
+    assert "error: boom\\x1b]0;owned\\x07\\x1b[2J" in summary
+    assert "result: line 1\n\\x1b[31mred\tcell\\r" in summary  # newlines and tabs stay
+    assert for_terminal("plain text, ünïcode") == "plain text, ünïcode"
