@@ -234,7 +234,7 @@ class Coordinator:
                 broker.handle(routing, msg, now)  # no session: answered NO_SESSION, once
             return None  # the rest of that message: one answer is enough (each makes a HELLO)
         try:
-            ack, whole = self._inflow.feed(routing, msg.header, msg.payload)
+            ack, whole = self._inflow.feed(routing, msg.header, msg.payload, now)
         except Exception:  # a bug of ours, or a mapping that failed: this message only
             log.exception("failed to take in a piece of a big message")
             self._inflow.drop(routing)
@@ -249,6 +249,7 @@ class Coordinator:
         for routing in self._inflow.routings():
             if routing not in peers:
                 self._inflow.drop(routing)  # its session ended mid-way: what came goes
+        self._inflow.expire(now)
 
     def _contained(self, duty: str, action: Callable[[float], object], now: float) -> None:
         """A bug in one turn's timers or dispatch is logged; the next turn runs as usual."""

@@ -293,34 +293,78 @@ class Assembler:
     def receiving(self) -> bool:
         return self._buffer is not None
 
+    @property
+    def reserved(self) -> int:
+        """Bytes of the buffer the message under way fills (0 when none is)."""
+        return 0 if self._buffer is None else len(self._buffer)
+
 
 class Inflow:
     """The coordinator's side of messages its peers send in pieces: an assembler per peer,
     whose buffers ``make_buffer`` gives (files it maps, so a big SUBMIT or RESULT waits in the
-    page cache, which the kernel may write out, instead of in the process's memory)."""
+    page cache, which the kernel may write out, instead of in the process's memory).
 
-    def __init__(self, limits: Limits, make_buffer: Callable[[int], memoryview]) -> None:
+    A buffer is the whole message's size from its first piece on (disk space, or memory when
+    the disk is full), so what all peers may have on the way at once is bounded: ``budget``
+    bytes (two of the biggest messages by default). A message begun beyond it is dropped
+    unacknowledged; its sender starts a new session and sends it again (gpumesh/session.py).
+    One that takes no piece for STALL_SECONDS is dropped, so a peer that stops halfway does
+    not hold its share."""
+
+    def __init__(self, limits: Limits, make_buffer: Callable[[int], memoryview],
+                 budget: int | None = None) -> None:
         self.limits = limits
         self._make_buffer = make_buffer
+        self.budget = 2 * limits.max_message_bytes if budget is None else budget
         self._by_peer: dict[bytes, Assembler] = {}
+        self._moved_at: dict[bytes, float] = {}
+        self.reserved = 0  # bytes of the buffers held, all peers together
 
-    def feed(self, routing: bytes, header: dict[str, Any], payload: list[Any]
+    def feed(self, routing: bytes, header: dict[str, Any], payload: list[Any], now: float
              ) -> tuple[dict[str, Any] | None, Message | None]:
         assembler = self._by_peer.get(routing)
+        held = 0 if assembler is None else assembler.reserved
+        total = header.get("total")
+        if header.get("at") == 0 and type(total) is int \
+                and self.reserved - held + total > self.budget:
+            log.warning("dropped a big message a peer began (%s): %s of big messages are on "
+                        "their way in already, and at most %s may be; it comes again later",
+                        _size(total), _size(self.reserved - held), _size(self.budget))
+            self.drop(routing)
+            return None, None
         if assembler is None:
             assembler = self._by_peer[routing] = Assembler(self.limits, self._make_buffer,
                                                            source="a peer", join_split=False)
         ack, whole = assembler.feed(header, payload)
+        self.reserved += assembler.reserved - held
+        self._moved_at[routing] = now
         if not assembler.receiving:
-            del self._by_peer[routing]  # done, or dropped: nothing held for this peer
+            self.drop(routing)  # done, or dropped: nothing held for this peer
         return ack, whole
 
     def routings(self) -> list[bytes]:
         return list(self._by_peer)
 
     def drop(self, routing: bytes) -> None:
-        """The peer's session ended: what it was sending goes."""
-        self._by_peer.pop(routing, None)
+        """The peer's session ended (or its message was dropped): what it was sending goes."""
+        assembler = self._by_peer.pop(routing, None)
+        self._moved_at.pop(routing, None)
+        if assembler is not None:
+            self.reserved -= assembler.reserved
+            assembler.reset()
+
+    def expire(self, now: float, limit: float = STALL_SECONDS) -> list[bytes]:
+        """Drop the messages that took no piece for ``limit`` seconds; their peers."""
+        idle = [routing for routing, at in self._moved_at.items() if now - at > limit]
+        for routing in idle:
+            log.warning("dropped a big message a peer stopped sending %.0f s ago", now -
+                        self._moved_at[routing])
+            self.drop(routing)
+        return idle
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.0f} MiB"
 
 
 def _decoded(buffer: memoryview, lengths: list[int], limits: Limits, join_split: bool

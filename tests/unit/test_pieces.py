@@ -12,6 +12,7 @@ from gpumesh.config import Limits
 from gpumesh.fileio import SharedFd
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.protocol.pieces import (
+    STALL_SECONDS,
     STREAM_BYTES,
     WINDOW_PIECES,
     Assembler,
@@ -223,7 +224,7 @@ def test_the_coordinators_inflow_fills_a_mapped_file_and_passes_split_frames_on_
     whole = None
     while (pieces := messages(outflow.take(PEER))):
         for piece in pieces:
-            ack, done = inflow.feed(PEER, piece.header, piece.payload)
+            ack, done = inflow.feed(PEER, piece.header, piece.payload, 0.0)
             outflow.acked(PEER, ack["x"], ack["got"], 0.0)
             whole = done or whole
     assert whole is not None and whole.header == {"split": layout}  # not joined: forwarded
@@ -235,10 +236,33 @@ def test_the_coordinators_inflow_fills_a_mapped_file_and_passes_split_frames_on_
 def test_a_transfer_cut_off_by_a_new_session_is_forgotten():
     inflow = Inflow(LIMITS, lambda size: memoryview(bytearray(size)))
     first = pieces_of(frames_of(ENOUGH))[0]
-    assert inflow.feed(PEER, first.header, first.payload)[0] is not None
+    assert inflow.feed(PEER, first.header, first.payload, 0.0)[0] is not None
     assert inflow.routings() == [PEER]
     inflow.drop(PEER)
     assert inflow.routings() == []
+
+
+def test_big_messages_on_their_way_in_are_bounded_all_peers_together():
+    # Each message in pieces holds a buffer of its whole size from its first piece: disk, or
+    # memory when the disk is full. Many peers each beginning a 1 GiB message could fill
+    # both; what is beyond the budget is dropped unacknowledged, and comes again later.
+    pieces = pieces_of(frames_of(ENOUGH))
+    total = pieces[0].header["total"]
+    inflow = Inflow(LIMITS, lambda size: memoryview(bytearray(size)), budget=total * 3 // 2)
+    assert inflow.feed(b"a", pieces[0].header, pieces[0].payload, 0.0)[0] is not None
+    assert inflow.reserved == total
+    assert inflow.feed(b"b", pieces[0].header, pieces[0].payload, 0.0) == (None, None)
+    assert inflow.routings() == [b"a"]
+    whole = None
+    for piece in pieces[1:]:
+        whole = inflow.feed(b"a", piece.header, piece.payload, 1.0)[1] or whole
+    assert whole is not None and inflow.reserved == 0 and inflow.routings() == []
+    # The room is back; a peer that then stops sending gives it back after STALL_SECONDS.
+    assert inflow.feed(b"b", pieces[0].header, pieces[0].payload, 2.0)[0] is not None
+    assert inflow.expire(2.0 + STALL_SECONDS - 1) == [] and inflow.reserved == total
+    assert inflow.expire(2.0 + STALL_SECONDS + 1) == [b"b"]
+    assert inflow.reserved == 0 and inflow.routings() == []
+    assert Inflow(LIMITS, bytearray).budget == 2 * LIMITS.max_message_bytes  # the default
 
 
 def test_a_full_disk_makes_the_coordinator_receive_in_memory_not_die(tmp_path, monkeypatch):
