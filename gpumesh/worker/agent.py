@@ -86,6 +86,9 @@ RUNNER_NAP = 0.001
 # from a coordinator that does not answer (before protocol 1.6), lingers for it to go out (ms).
 GOODBYE_LINGER_MS = 1000
 RUNNER_READS = 256  # messages read from one runner in one turn, at most
+# A runner whose socket closed has this long to finish exiting (its descriptors close before
+# it can be reaped) before it is taken for one that runs on, and killed.
+DYING_GRACE = 1.0
 
 
 
@@ -881,7 +884,12 @@ class WorkerAgent:
                     pass
         task, runner.task = runner.task, None
         self.queue.extendleft(reversed(runner.take_back()))  # handed ahead, never started
-        code = runner.reap()
+        code = runner.reap(timeout=DYING_GRACE)
+        if code is None and runner.proc is not None:
+            # Its socket closed (its task's code closed it?) but it runs on: it can take no
+            # more work, and must not keep running beside its replacement, holding a GPU.
+            runner.kill()
+            what = what or "the runner's control socket closed while the runner ran on"
         diagnosis = runner.diagnosis(code, what)
         if task is not None:
             log.warning("task %s: %s", task.task_id, diagnosis)

@@ -365,11 +365,13 @@ class Runner:
                 self.proc.kill()
         self.reap()
 
-    def reap(self) -> int | None:
+    def reap(self, timeout: float = 5.0) -> int | None:
+        """Wait up to ``timeout`` for the runner to exit, then close its pipes and socket: its
+        exit status, or None if it is still running (nothing is closed then)."""
         if self.proc is None:
             return None
         try:
-            code = self.proc.wait(timeout=5)
+            code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
         for pipe in (self.proc.stdout, self.proc.stderr):

@@ -138,3 +138,30 @@ def test_a_result_the_worker_cannot_read_makes_its_task_crashed_with_the_reason(
     assert result["diagnosis"].startswith("the runner reported a result the worker cannot read: "
                                           + why)
     assert len(result["diagnosis"]) < 300
+
+
+def test_a_task_that_closes_its_runners_socket_costs_that_runner_not_the_agents_loop(
+        live_agent):  # noqa: F811
+    # Its end of the socket closed, the runner ran on: the agent waited 5 s to reap it, then
+    # started a new runner and left this one running beside it.
+    agent, runner = live_agent, live_agent.runners[0]
+    old = runner.proc
+
+    def close_and_linger(i):
+        import os as system
+        import sys as interpreter
+        import time as clock
+        system.close(int(interpreter.argv[1]))
+        clock.sleep(60)
+        return i
+
+    _give(agent, 1, fn=close_and_linger)
+    started = time.monotonic()
+    _pump(agent, lambda: "task-1" in _results(agent), "the task's result", timeout=10)
+    assert time.monotonic() - started < 4
+    result = next(m.header for m in agent.sent if m.command is Command.RESULT)
+    assert result["status"] == "crashed"
+    assert result["diagnosis"].startswith("the runner's control socket closed while the runner "
+                                          "ran on")
+    assert old.poll() is not None  # killed, not left running
+    assert runner.proc is not old and runner.proc.poll() is None
