@@ -29,6 +29,7 @@ from typing import Any
 
 from ._version import __version__
 from .protocol import MAJOR
+from .protocol.fields import VERSION_TEXT
 
 log = logging.getLogger("gpumesh.discovery")
 
@@ -158,6 +159,12 @@ def _text(props: dict[bytes, bytes | None], key: str, limit: int = 64) -> str:
     return text if text.isprintable() else ""
 
 
+def _version(text: str) -> str:
+    """An advertised version, only if it looks like one: it is quoted in the advice to
+    install it, and any host on the LAN may advertise."""
+    return text if VERSION_TEXT.fullmatch(text) else "?"
+
+
 def parse_advertisement(name: str, port: Any, addresses: Iterable[str],
                         props: dict[bytes, bytes | None]) -> Found | None:
     """A Found from raw records, or None when they do not describe a gpumesh coordinator."""
@@ -181,7 +188,7 @@ def parse_advertisement(name: str, port: Any, addresses: Iterable[str],
         return None
     return Found(name=name[:255], host=_text(props, "host") or "?",
                  addresses=tuple(dict.fromkeys(kept))[:MAX_ADDRESSES], port=port, mesh=mesh,
-                 proto=int(proto), version=_text(props, "ver", 32) or "?",
+                 proto=int(proto), version=_version(_text(props, "ver", 32)),
                  python=_text(props, "py", 16) or "?")
 
 
@@ -299,10 +306,14 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
                 name = names.get(timeout=min(deadline - now, 0.1))
             except queue.Empty:
                 continue
-            if len(found) >= MAX_FOUND:
-                continue
-            info = ServiceInfo(SERVICE_TYPE, name)
-            if not info.request(zc, RESOLVE_MS):
+            if len(found) >= MAX_FOUND or not name.endswith("." + SERVICE_TYPE):
+                continue  # any host on the LAN can send a record naming another type
+            try:
+                info = ServiceInfo(SERVICE_TYPE, name)
+                if not info.request(zc, RESOLVE_MS):
+                    continue
+            except Exception as exc:  # a record zeroconf cannot make sense of: the next one
+                log.debug("skipped an advertisement that does not resolve (%s)", exc)
                 continue
             entry = parse_advertisement(name, info.port, info.parsed_addresses(),
                                         dict(info.properties or {}))
@@ -349,10 +360,13 @@ def find_coordinator(token: str, interfaces: Sequence[str], timeout: float) -> t
     compatible = [f for f in ours if f.proto == MAJOR]
     if not compatible:
         other = ours[0]
+        advice = ("install the gpumesh version it runs here" if other.version == "?" else
+                  f"install gpumesh {other.version} here ('pip install "
+                  f"gpumesh=={other.version}')")
         raise ProtocolMismatch(
             f"the coordinator of this mesh on {other.host} runs gpumesh {other.version} "
             f"(protocol {other.proto}); this is gpumesh {__version__} (protocol {MAJOR}): "
-            f"install gpumesh {other.version} here ('pip install gpumesh=={other.version}')")
+            f"{advice}")
     if len(compatible) > 1:
         listed = "; ".join(f"{f.host} at {f.url}" for f in compatible)
         raise ConfigError(f"several coordinators of this mesh answered ({listed}): pass the "

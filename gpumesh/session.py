@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 from typing import Any, Protocol
 
 from ._version import __version__
 from .config import Endpoint, Timing
 from .errors import MeshError, ProtocolMismatch
 from .protocol import MAJOR, Command, ErrorCode, Message, Role, encode
+from .protocol.fields import VERSION_TEXT, for_terminal
 
 log = logging.getLogger("gpumesh.session")
 
@@ -39,8 +39,6 @@ _jitter = random.SystemRandom()
 # loop, one too slow would leave a lost coordinator unnoticed for hours.
 HEARTBEAT_RANGE = (0.05, 60.0)
 LIVENESS_RANGE = (1, 100)
-# A version as pip takes it (epoch, local part and all), short: it is quoted in a message.
-VERSION_TEXT = re.compile(r"[0-9][0-9A-Za-z.!+_-]{0,31}")
 
 
 class Link(Protocol):
@@ -226,7 +224,8 @@ class Session:
             advice = "" if version is None else \
                 f"; this is gpumesh {__version__}: {install_advice(version)}"
             raise ProtocolMismatch(f"the coordinator at {self.endpoint} refused this "
-                                   f"{self.role.value}: {str(msg.header.get('message', ''))[:500]}"
+                                   f"{self.role.value}: "
+                                   f"{for_terminal(str(msg.header.get('message', ''))[:500])}"
                                    f"{advice}")
         else:
             self.hooks.on_message(msg, now)

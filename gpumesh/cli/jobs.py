@@ -13,7 +13,8 @@ from ..client import GPUMesh
 from ..client.api import new_job_id
 from ..client.tasks import TaskOptions
 from ..errors import MeshError
-from .output import color_enabled, fail, for_terminal, ok
+from ..protocol.fields import for_terminal
+from .output import color_enabled, fail, ok
 
 BAR_WIDTH = 20
 WAIT_LISTING = 20  # --wait lists every task of a job up to this size, else only the failures

@@ -37,15 +37,6 @@ def fail(text: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
-def for_terminal(text: str) -> str:
-    """Text from the mesh (another user's task error or script output) made safe for this
-    terminal: control characters other than newline and tab, an escape code's ESC among them,
-    are written out as ``\\x1b`` rather than sent to the terminal to act on."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
-
-
 def worker_table(workers: list[dict[str, Any]]) -> str:
     lines = ["", "  WORKERS", "  " + "-" * 54]
     if not workers:

@@ -50,6 +50,7 @@ from ..protocol import (
     encode,
     serialize,
 )
+from ..protocol.fields import for_terminal
 from ..protocol.headers import ID_CHARS
 from ..protocol.refs import Ref, parse_refs, ref_names, shared_bytes
 from ..security import derive_keys
@@ -739,7 +740,9 @@ class Engine:
         self._last_accepted = now
         job = str(msg.header.get("job", ""))
         cancelled = []
-        for seq, task_id in msg.header.get("accepted", []):
+        for seq, task_id in _pairs(msg.header.get("accepted"), 2):
+            if type(seq) is not int or type(task_id) is not str or not 0 < len(task_id) <= ID_CHARS:
+                continue  # a pair this side cannot read: its task is asked for again later
             sub = self._outstanding.get(seq)
             if sub is not None and not sub.task_id:
                 sub.task_id = task_id
@@ -750,10 +753,11 @@ class Engine:
                     cancelled.append(task_id)  # cancelled while the SUBMIT was in flight
         if cancelled:
             self._send_ids(Command.CANCEL, cancelled)
-        for seq, code, text in msg.header.get("rejected", []):
-            sub = self._outstanding.get(seq)
+        for seq, code, text in _pairs(msg.header.get("rejected"), 3):
+            sub = self._outstanding.get(seq) if type(seq) is int else None
             if sub is None or sub.task_id:
                 continue
+            text = for_terminal(str(text)[:500])
             if code == ErrorCode.BUSY.value and not sub.future.done():
                 # Over this client's queue quota: it goes again as earlier tasks finish.
                 if not self._parked:
@@ -837,7 +841,7 @@ class Engine:
 
     def _on_error(self, msg: Message, now: float) -> None:
         code = msg.header.get("code")
-        text = str(msg.header.get("message", ""))[:500]
+        text = for_terminal(str(msg.header.get("message", ""))[:500])
         qid = msg.header.get("qid")
         query = self._queries.pop(qid, None) if isinstance(qid, int) else None
         if query is not None:
@@ -853,7 +857,7 @@ class Engine:
                 _settle(query.future.set_exception,
                         MeshError(f"the coordinator refused the request: {text}"))
             return
-        log.warning("coordinator error (%s): %s", code, text)
+        log.warning("coordinator error (%s): %s", for_terminal(str(code)[:32]), text)
         for q in list(self._queries.values()):
             if code == ErrorCode.UNSUPPORTED.value and not q.future.done():
                 _settle(q.future.set_exception,
@@ -975,6 +979,14 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     if status == ResultStatus.CANCELLED.value:
         raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
     raise TaskError(f"task {task_id} ended with status {status!r}: {diagnosis}", task_id=task_id)
+
+
+def _pairs(value: Any, size: int) -> list[list[Any]]:
+    """The items of an ACCEPTED list that are lists of ``size`` (seq, task id, ...); others
+    are left out, each alone, before any is acted on."""
+    if type(value) is not list:
+        return []
+    return [item for item in value if type(item) is list and len(item) == size]
 
 
 def _positive(value: Any, default: int) -> int:

@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..client import GPUMesh
 from ..errors import MeshError
+from ..protocol.fields import for_terminal
 from .guard import Guard
 from .monitor import Monitor
 
@@ -145,7 +146,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.request.close()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
-        log.debug("%s %s", self.address_string(), format % args)
+        # The request line is anybody's on the network, before any check: written out, not
+        # passed to the terminal that shows the log.
+        log.debug("%s %s", self.address_string(), for_terminal(format % args))
 
     # ----------------------------------------------------------------- plumbing
 

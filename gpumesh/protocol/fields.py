@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
@@ -23,6 +24,18 @@ D = TypeVar("D")
 _REQUIRED: Any = object()
 
 INT64 = 2**63 - 1
+# A version as pip takes it (epoch, local part and all), short: it is quoted in messages that
+# say what to install, so nothing else a peer or a LAN advertisement sends may pass for one.
+VERSION_TEXT = re.compile(r"[0-9][0-9A-Za-z.!+_-]{0,31}")
+
+
+def for_terminal(text: str) -> str:
+    """Text a peer sent (another user's task error or output, a coordinator's message) made
+    safe to print: control characters other than newline and tab, an escape code's ESC among
+    them, are written out as ``\\x1b`` rather than sent to the terminal to act on."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 def malformed(detail: str) -> ProtocolError:

@@ -205,6 +205,8 @@ class Hello:
     def from_header(cls, h: Mapping[str, Any]) -> Hello:
         role = f.choice(h, "role", Role)
         peer_id = f.text(h, "id", min_len=1, max_len=ID_CHARS)
+        if not peer_id.isprintable():  # shown in terminals: the workers table, task output
+            raise f.malformed("'id' must be printable text")
         raw_info = f.mapping(h, "info", max_items=64, default={})
         batch = bool(f.flag(h, "batch", default=False))
         shmlock = bool(f.flag(h, "shmlock", default=False))
@@ -227,7 +229,7 @@ class Hello:
             prefetch=prefetch,
             held=_held(f.items(h, "held", max_items=MAX_IDS, default=[])),
             release=f.int_list(h, "release", max_items=MAX_IDS, default=()),
-            incarnation=f.text(h, "incarnation", max_len=ID_CHARS, default=""),
+            incarnation=_shown(h, "incarnation", max_len=ID_CHARS),
             mode=_mode(h, WorkerMode.ACTIVE),
             batch=batch,
             shmlock=shmlock,

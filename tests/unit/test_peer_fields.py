@@ -99,7 +99,7 @@ def test_a_result_whose_attempts_the_client_cannot_read_still_settles_its_future
 
 def test_another_users_task_error_and_output_cannot_act_on_the_terminal_that_shows_them():
     from gpumesh.cli.jobs import job_summary
-    from gpumesh.cli.output import for_terminal
+    from gpumesh.protocol.fields import for_terminal
 
     tasks = [{"id": "t1", "state": "failed", "cost": 1.0, "worker": "w",
               "error": "boom\x1b]0;owned\x07\x1b[2J"},
@@ -112,3 +112,48 @@ def test_another_users_task_error_and_output_cannot_act_on_the_terminal_that_sho
     assert "error: boom\\x1b]0;owned\\x07\\x1b[2J" in summary
     assert "result: line 1\n\\x1b[31mred\tcell\\r" in summary  # newlines and tabs stay
     assert for_terminal("plain text, ünïcode") == "plain text, ünïcode"
+
+
+def test_a_worker_id_with_escape_codes_is_refused_at_hello(broker):
+    # Worker ids are printed: the coordinator's "[mesh] worker left" lines, the workers
+    # table, the "[worker]" prefix of every client's task output.
+    hello = {"role": "worker", "id": "\x1b]0;pwn\x07\x1b[2J", "slots": 1, "proto": [1, 1],
+             "info": {"python": "3.11", "cores": 4}}
+    broker.handle(b"w-routing", msg(Command.HELLO, hello), 0.0)
+    error = sent(broker, Command.ERROR)[-1]
+    assert error["code"] == "malformed" and "'id' must be printable text" in error["message"]
+    assert broker.workers == {}
+    broker.handle(b"w-routing", msg(Command.HELLO, {**hello, "id": "w1", "incarnation": "\x1b"}),
+                  0.0)
+    assert "'incarnation' must be printable text" in sent(broker, Command.ERROR)[-1]["message"]
+
+
+def test_an_accepted_pair_the_client_cannot_read_is_left_out_alone(engine):
+    # A pair whose task id was a list once set the future's task id, then raised: the
+    # task's real RESULT was then taken for a duplicate, and the caller waited forever.
+    future, = engine.submit([({"kind": "fn"}, [b"x"])], "j1")
+    for _ in range(500):
+        if engine._outstanding:
+            break
+        engine._closing.wait(0.01)
+    seq, = engine._outstanding
+    engine._on_accepted(msg(Command.ACCEPTED, {
+        "job": "j1", "accepted": [[seq, ["t1"]], "junk", [seq], [seq, "t1"]],
+        "rejected": [[seq], 5, [seq, "malformed", "\x1b[2J", "extra"]]}), 1.0)
+    assert future.task_id == "t1" and not future.done()
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok"},
+                          serialize.dumps(7)), 1.0)
+    assert future.result(timeout=5) == 7
+
+
+def test_the_dashboards_request_log_writes_out_control_characters(caplog):
+    # The request line is anybody's on the network, logged before any check (stderr, -v).
+    import logging
+
+    from gpumesh.dashboard.server import Handler
+
+    handler = object.__new__(Handler)
+    handler.client_address = ("127.0.0.1", 5)
+    with caplog.at_level(logging.DEBUG, logger="gpumesh"):
+        handler.log_message('"%s" %s', "GET /\x1b]0;pwned\x07\x1b[2J HTTP/1.1", "404")
+    assert "\x1b" not in caplog.text and "\\x1b]0;pwned\\x07\\x1b[2J" in caplog.text

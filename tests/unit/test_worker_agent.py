@@ -209,6 +209,28 @@ def test_a_discovered_worker_dials_its_coordinators_new_address(tmp_path):
         a._ctx.term()
 
 
+def test_a_worker_the_lan_sent_where_nobody_welcomes_it_alternates_with_the_address_that_did(
+        tmp_path):
+    # Anyone on the LAN can advertise the mesh's fingerprint at an address that accepts TCP
+    # and stays silent: a worker that followed it after an outage stayed there for good.
+    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=1, info={},
+                    local_control=False, rediscover=lambda: "127.0.0.1:19")
+    welcomed_at, suggested = parse_url("tcp://127.0.0.1:9"), parse_url("tcp://127.0.0.1:19")
+    try:
+        a.say = lambda line: None
+        a._trusted = welcomed_at  # its coordinator welcomed it there once
+        for now in (1.0, 3.0):
+            a.on_lost(now, 1.0, was_welcomed=False)
+            assert a.endpoint == a.link.endpoint == a.session.endpoint == welcomed_at
+            a._browsing.join(5)
+            a._follow_move()
+            assert a.endpoint == suggested  # the LAN's suggestion is still tried, in turn
+    finally:
+        a.link.close()
+        a._ctx.term()
+
+
 def test_a_joining_worker_hears_how_it_differs_from_its_coordinator():
     from gpumesh._version import __version__
     from gpumesh.worker.agent import version_notes
