@@ -820,7 +820,9 @@ class Engine:
         qid = msg.header.get("qid", 0)
         data = msg.header.get("data")
         if qid == 0 and isinstance(data, dict):  # the answer to a FETCH
-            missing = [self._by_task.pop(t) for t in data.get("missing", []) if t in self._by_task]
+            listed = data.get("missing")
+            missing = [self._by_task.pop(t) for t in (listed if type(listed) is list else [])
+                       if type(t) is str and t in self._by_task]
             for sub in missing:
                 sub.task_id = ""  # the coordinator lost it (new database?): submit it again
             if missing:
@@ -1006,10 +1008,11 @@ def _joined(parts: list[Any], last: Any) -> Any:
     """A paged answer put back together: lists end to end, or a status's ``tasks`` lists."""
     if not parts:
         return last
-    if isinstance(last, list):
-        return [item for part in parts for item in part] + last
+    if isinstance(last, list):  # a part of another shape is left out: the rest still answers
+        return [item for part in parts if isinstance(part, list) for item in part] + last
     if isinstance(last, dict) and isinstance(last.get("tasks"), list):
-        tasks = [t for part in parts if isinstance(part, dict) for t in part.get("tasks", [])]
+        tasks = [t for part in parts if isinstance(part, dict) and isinstance(part.get("tasks"), list)
+                 for t in part["tasks"]]
         return {**last, "tasks": tasks + last["tasks"]}
     return last
 

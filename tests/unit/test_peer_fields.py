@@ -157,3 +157,13 @@ def test_the_dashboards_request_log_writes_out_control_characters(caplog):
     with caplog.at_level(logging.DEBUG, logger="gpumesh"):
         handler.log_message('"%s" %s', "GET /\x1b]0;pwned\x07\x1b[2J HTTP/1.1", "404")
     assert "\x1b" not in caplog.text and "\\x1b]0;pwned\\x07\\x1b[2J" in caplog.text
+
+
+def test_a_reply_in_pages_or_a_fetch_answer_of_the_wrong_shape_is_read_as_far_as_it_goes(engine):
+    from gpumesh.client.engine import _joined
+
+    assert _joined([5, [1], {"x": 1}], [2]) == [1, 2]  # a page that is not a list: left out
+    assert _joined([[0], {"tasks": "no"}, {"tasks": [1]}], {"tasks": [2], "n": 3}) == {
+        "tasks": [1, 2], "n": 3}
+    engine._on_reply(msg(Command.REPLY, {"qid": 0, "data": {"missing": [["t1"], {}, "t2"]}}), 1.0)
+    engine._on_reply(msg(Command.REPLY, {"qid": 0, "data": {"missing": "t1"}}), 1.0)
