@@ -30,6 +30,9 @@ log = logging.getLogger("gpumesh.dashboard")
 DEFAULT_PORT = 8265
 MAX_BODY = 4096
 MAX_STREAMS = 32  # browsers watching at once; each holds a thread
+# Connections served at once, each a thread: beyond this a new one is closed before anything
+# of it is read (anybody on the network can open them, before any check).
+MAX_CONNECTIONS = 128
 KEEPALIVE = 15.0  # seconds between comments on an idle event stream
 HANDSHAKE_SECONDS = 10.0  # a TLS client that says nothing gives its thread back after this
 STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
@@ -57,6 +60,28 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     dashboard: Dashboard
     tls: ssl.SSLContext | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.connections.acquire(blocking=False):
+            log.debug("closed a connection from %s: %d are served already",
+                      client_address, MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.connections.release()  # its thread never started
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connections.release()
 
 
 class Dashboard:

@@ -167,3 +167,46 @@ def test_a_reply_in_pages_or_a_fetch_answer_of_the_wrong_shape_is_read_as_far_as
         "tasks": [1, 2], "n": 3}
     engine._on_reply(msg(Command.REPLY, {"qid": 0, "data": {"missing": [["t1"], {}, "t2"]}}), 1.0)
     engine._on_reply(msg(Command.REPLY, {"qid": 0, "data": {"missing": "t1"}}), 1.0)
+
+
+def test_the_dashboard_serves_so_many_connections_at_once_and_closes_the_next_unread(
+        monkeypatch):
+    # Each connection is a thread, and anybody on the network can open one before any check.
+    import threading
+    from http.server import BaseHTTPRequestHandler
+
+    from gpumesh.dashboard import server as dashboard
+
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 1)
+
+    class Answer(BaseHTTPRequestHandler):
+        timeout = 10
+
+        def do_GET(self):
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format, *args):
+            pass
+
+    httpd = dashboard._Server(("127.0.0.1", 0), Answer)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+    try:
+        address = httpd.server_address
+        silent = socket.create_connection(address)  # holds the one thread: says nothing
+        silent.settimeout(5)
+        extra = socket.create_connection(address)
+        extra.settimeout(5)
+        assert extra.recv(100) == b""  # closed at once, nothing read
+        extra.close()
+        silent.close()
+        assert httpd.connections.acquire(timeout=5)  # its thread gave the slot back
+        httpd.connections.release()
+        with socket.create_connection(address) as asking:
+            asking.settimeout(5)
+            asking.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert asking.recv(100).startswith(b"HTTP/1.0 204")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
