@@ -27,6 +27,9 @@ log = logging.getLogger("gpumesh.worker")
 
 ACTIONS = ("pause", "resume", "drain", "drain-now", "status")
 MAX_REQUEST_BYTES = 4096
+# Requests answered in one turn of the agent's loop, at most: any local user can send them,
+# and a flood must not keep the loop from its coordinator and its runners.
+MAX_REQUESTS_PER_TURN = 64
 REGISTRY = "workers"
 
 
@@ -54,12 +57,13 @@ class ControlServer:
             json.dump(entry, handle)
 
     def serve(self, handle: Callable[[str], dict[str, Any]]) -> None:
-        """Answer every request waiting on the socket with ``handle(action)``.
+        """Answer the requests waiting on the socket with ``handle(action)``, up to
+        MAX_REQUESTS_PER_TURN (the rest wait for the next turn).
 
         Anything may arrive here (any local user can connect), so every request gets exactly
         one reply, whatever it holds, and nothing it holds can raise out of here.
         """
-        while True:
+        for _ in range(MAX_REQUESTS_PER_TURN):
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

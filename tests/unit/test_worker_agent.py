@@ -100,6 +100,26 @@ def test_the_control_channel_answers_garbage_without_falling_over(control):
     assert oct(server.path.stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_flood_on_the_control_channel_is_answered_a_turn_at_a_time(control, monkeypatch):
+    # Any local user can send requests; the agent's loop answers a bounded number a turn and
+    # goes back to its coordinator and runners in between. Every request is still answered.
+    from gpumesh.worker import control as control_module
+
+    monkeypatch.setattr(control_module, "MAX_REQUESTS_PER_TURN", 5)
+    server, client = control
+    for _ in range(20):
+        client.send_multipart([b"", b"\xc1"])
+    per_turn: list[int] = []
+    while sum(per_turn) < 20 and server.sock.poll(2000):
+        server.serve(lambda action: {})
+        answered = 0
+        while client.poll(100):
+            client.recv_multipart()
+            answered += 1
+        per_turn.append(answered)
+    assert sum(per_turn) == 20 and max(per_turn) == 5
+
+
 def test_a_task_that_needs_a_gpu_model_starts_only_in_the_slot_pinned_to_it(tmp_path):
     gpus = [{"index": 0, "name": "NVIDIA T4", "vram": 16 * 10**9, "backend": "cuda"},
             {"index": 1, "name": "NVIDIA A100", "vram": 80 * 10**9, "backend": "cuda"}]
