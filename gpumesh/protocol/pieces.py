@@ -335,9 +335,11 @@ class Inflow:
         if assembler is None:
             assembler = self._by_peer[routing] = Assembler(self.limits, self._make_buffer,
                                                            source="a peer", join_split=False)
-        ack, whole = assembler.feed(header, payload)
-        self.reserved += assembler.reserved - held
-        self._moved_at[routing] = now
+        try:
+            ack, whole = assembler.feed(header, payload)
+        finally:  # counted whatever happened, or the budget would leak
+            self.reserved += assembler.reserved - held
+            self._moved_at[routing] = now
         if not assembler.receiving:
             self.drop(routing)  # done, or dropped: nothing held for this peer
         return ack, whole

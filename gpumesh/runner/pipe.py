@@ -23,6 +23,7 @@ import select
 import socket
 import stat
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,13 +179,16 @@ def recv_message(sock: socket.socket, max_bytes: int, stall: float | None = None
     shared file, which stays mapped while any of them is referenced. Both are what
     ``pickle.loads(frames[0], buffers=frames[1:])`` takes.
 
-    ``stall``: once it has begun, each further part of the message must come within this
-    many seconds (the agent's reads: a runner that wrote half a message and stopped must not
-    hold its loop); None waits as long as it takes (the runner, waiting for its next task).
+    ``stall``: the message must be whole this many seconds after its read began, plus the
+    time its socket bytes take at MIN_PIPE_RATE (the agent's reads: a runner that writes half
+    a message and stops, or trickles it, must not hold its loop); None waits as long as it
+    takes (the runner, waiting for its next task).
 
     Raises PipeClosed at end of stream, ValueError for a message that breaks the format or
-    the limits, or stalls (the stream is then out of step: drop the pipe)."""
-    head, fds = _recv_head(sock, stall)
+    the limits, or does not come whole in time (the stream is then out of step: drop the
+    pipe)."""
+    deadline = None if stall is None else _Deadline(stall)
+    head, fds = _recv_head(sock, deadline)
     try:
         count, flags, rest = _HEAD.unpack(head)
         if count > MAX_FRAMES:
@@ -198,7 +202,7 @@ def recv_message(sock: socket.socket, max_bytes: int, stall: float | None = None
         if rest < lengths_size or rest > lengths_size + (_ONE_WRITE if flags & _PACKED else 0):
             raise ValueError(f"a message on the runner pipe announces {rest} bytes for "
                              f"{count} frames")
-        data = memoryview(_recv_exact(sock, rest, stall))
+        data = memoryview(_recv_exact(sock, rest, deadline))
         words = struct.unpack_from(f"<{count}Q", data)
         lengths = [w & ~_IN_FILE for w in words]
         in_file = [bool(w & _IN_FILE) for w in words]
@@ -210,6 +214,8 @@ def recv_message(sock: socket.socket, max_bytes: int, stall: float | None = None
         inline = sum(n for n, f in zip(lengths, in_file, strict=True) if not f)
         if flags & _PACKED and inline != rest - lengths_size:
             raise ValueError("a small message on the runner pipe whose frames do not add up")
+        if deadline is not None and not flags & _PACKED:
+            deadline.extend(inline / MIN_PIPE_RATE)  # big frames on the socket (no memfd)
         shared: list[memoryview] = []
         if fds:
             shared = _map_shared(fds[0], [n for n, f in zip(lengths, in_file, strict=True) if f])
@@ -228,37 +234,57 @@ def recv_message(sock: socket.socket, max_bytes: int, stall: float | None = None
                 out.append(bytearray(data[at:at + n]))
                 at += n
         return out
-    return [next(files) if f else _recv_exact(sock, n, stall)
+    return [next(files) if f else _recv_exact(sock, n, deadline)
             for n, f in zip(lengths, in_file, strict=True)]
 
 
 # A read that must not wait, where the system has the flag (elsewhere: select, then read).
 _NO_WAIT = getattr(socket, "MSG_DONTWAIT", 0)
+# Bytes a second a message's socket frames must at least come at, on top of ``stall``: a local
+# socket pair moves over 1 GB/s.
+MIN_PIPE_RATE = 256 * 2**20
 
 
-def _read_flags(sock: socket.socket, stall: float | None) -> int:
-    """recv flags for one read of a message: with ``stall`` set, a read that cannot wait
-    (then ``_wait_readable``), else a plain blocking one."""
-    if stall is None:
+class _Deadline:
+    """When the message being read must be whole (monotonic clock), and how long that was."""
+
+    __slots__ = ("at", "allowed")
+
+    def __init__(self, seconds: float) -> None:
+        self.allowed = seconds
+        self.at = time.monotonic() + seconds
+
+    def extend(self, seconds: float) -> None:
+        self.allowed += seconds
+        self.at += seconds
+
+    def wait(self, sock: socket.socket) -> None:
+        """Until the socket has more to read, or raise ValueError if the time is up first."""
+        left = self.at - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            raise ValueError(f"a message on the runner pipe did not come whole within "
+                             f"{self.allowed:.3g} s")
+
+
+def _read_flags(sock: socket.socket, deadline: _Deadline | None) -> int:
+    """recv flags for one read of a message: with a deadline, a read that cannot wait (and
+    ``deadline.wait`` when nothing is there), else a plain blocking one."""
+    if deadline is None:
         return 0
     if not _NO_WAIT:
-        _wait_readable(sock, stall)
+        deadline.wait(sock)
     return _NO_WAIT
 
 
-def _wait_readable(sock: socket.socket, stall: float | None) -> None:
-    if stall is not None and not select.select([sock], [], [], stall)[0]:
-        raise ValueError(f"the runner pipe stopped for {stall:g} s in the middle of a message")
-
-
-def _recv_head(sock: socket.socket, stall: float | None = None) -> tuple[bytes, list[int]]:
+def _recv_head(sock: socket.socket, deadline: _Deadline | None = None
+               ) -> tuple[bytes, list[int]]:
     """The fixed head of a message, and any descriptors that came with it."""
     data = b""
     fds: list[int] = []
     space = socket.CMSG_SPACE(_MAX_FDS * 4) if _FD_PASSING else 0
     try:
         while len(data) < _HEAD.size:
-            flags = _read_flags(sock, stall)
+            flags = _read_flags(sock, deadline)
             try:
                 if space:
                     chunk, ancdata, msg_flags, _ = sock.recvmsg(_HEAD.size - len(data), space,
@@ -266,7 +292,8 @@ def _recv_head(sock: socket.socket, stall: float | None = None) -> tuple[bytes, 
                 else:
                     chunk, ancdata, msg_flags = sock.recv(_HEAD.size - len(data), flags), [], 0
             except BlockingIOError:
-                _wait_readable(sock, stall)
+                assert deadline is not None  # only a read that cannot wait raises it
+                deadline.wait(sock)
                 continue
             for level, kind, payload in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -312,16 +339,18 @@ def _map_shared(fd: int, lengths: Sequence[int]) -> list[memoryview]:
     return [whole[start:start + n] for start, n in zip(offsets, lengths, strict=True)]
 
 
-def _recv_exact(sock: socket.socket, size: int, stall: float | None = None) -> bytearray:
+def _recv_exact(sock: socket.socket, size: int, deadline: _Deadline | None = None
+                ) -> bytearray:
     buf = bytearray(size)
     view = memoryview(buf)
     got = 0
     while got < size:
-        flags = _read_flags(sock, stall)
+        flags = _read_flags(sock, deadline)
         try:
             n = sock.recv_into(view[got:], size - got, flags)
         except BlockingIOError:
-            _wait_readable(sock, stall)
+            assert deadline is not None  # only a read that cannot wait raises it
+            deadline.wait(sock)
             continue
         if n == 0:
             raise PipeClosed("the other end of the runner pipe closed")

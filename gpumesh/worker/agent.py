@@ -181,6 +181,7 @@ class WorkerAgent:
         self._browsing: threading.Thread | None = None
         self._moved_to: Endpoint | None = None
         self._trusted: Endpoint | None = None  # the last address whose coordinator welcomed us
+        self._dialled: Endpoint | None = None  # where the last HELLO went
         # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
         self.session = Session(Role.WORKER, self.worker_id, endpoint, settings.timing,
                                self.link, self)
@@ -325,6 +326,8 @@ class WorkerAgent:
             if isinstance(fd, int) and fd in fd_owner:
                 runner, what = fd_owner[fd]
                 if what == "control":
+                    if runner.control is None or runner.control.fileno() != fd:
+                        continue  # restarted earlier in this turn: the new one has its own turn
                     self._on_runner_message(runner, now)
                 else:
                     self._on_runner_output(runner, what)
@@ -380,6 +383,7 @@ class WorkerAgent:
 
     def on_hello(self) -> dict[str, Any]:
         """A new session: what this worker holds and grants, for the HELLO."""
+        self._dialled = self.endpoint  # a HELLO goes there: that address has its try
         held = [[task.task_id, task.lease_id] for task in self._held_tasks()]
         # Finished but not yet acknowledged: claimed too, so their results count after a
         # coordinator restart (only leases a coordinator granted or re-claimed are accepted).
@@ -406,10 +410,11 @@ class WorkerAgent:
         """One line when an outage starts (and one when it ends, in on_welcome), however many
         retries it takes; a hint if a worker never reached its coordinator for a minute."""
         trusted = self._trusted
-        if trusted is not None and self.endpoint != trusted:
-            # An address the LAN suggested did not welcome us, and anyone on the LAN can
-            # advertise the mesh's fingerprint at an address that stays silent: the next try
-            # goes back to the one that did, and a browse may suggest another after it.
+        if trusted is not None and self._dialled == self.endpoint != trusted:
+            # An address the LAN suggested was dialled and did not welcome us, and anyone on
+            # the LAN can advertise the mesh's fingerprint at an address that stays silent: the
+            # next try goes back to the one that did, and a browse may suggest another after
+            # it. (One suggested while a try at the old address was under way gets its own.)
             log.info("no welcome at %s, found on the LAN: trying %s again", self.endpoint,
                      trusted)
             self.endpoint = self.link.endpoint = self.session.endpoint = trusted
@@ -898,7 +903,8 @@ class WorkerAgent:
             # Its socket closed (its task's code closed it?) but it runs on: it can take no
             # more work, and must not keep running beside its replacement, holding a GPU.
             runner.kill()
-            what = what or "the runner's control socket closed while the runner ran on"
+            what = what or (f"the runner's control socket closed, and the runner had not exited "
+                            f"{DYING_GRACE:g} s later (killed)")
         diagnosis = runner.diagnosis(code, what)
         if task is not None:
             log.warning("task %s: %s", task.task_id, diagnosis)

@@ -419,8 +419,8 @@ def checked_result(header: Mapping[str, Any]) -> dict[str, Any]:
     """The fields of a runner's result that a RESULT carries, checked, and its free text cut
     to the protocol's limits. The runner runs the task's code, so nothing it wrote is taken as
     it is: an exception with a 600 KB message once made a RESULT header the coordinator had to
-    refuse (over 1 MiB), and the task ran again and again. Anything unreadable makes the task
-    crashed, with the reason."""
+    refuse (over 1 MiB), and the task ran again and again (also with 300,000 emoji: the limits
+    count bytes). Anything unreadable makes the task crashed, with the reason."""
     status = header.get("status")
     if not (type(status) is str and status in _WORKER_STATUSES):
         return _unreadable(f"its status is {_shown(status)}")
@@ -455,7 +455,13 @@ _ENCODINGS = frozenset(e.value for e in ResultEncoding)
 
 
 def _text(value: Any, limit: int) -> str:
-    return value[:limit] if type(value) is str else ""
+    """``value`` cut to ``limit`` bytes of UTF-8: the header's limit is in bytes, and a
+    character may take four."""
+    if type(value) is not str:
+        return ""
+    if len(value) <= limit // 4:
+        return value
+    return value.encode("utf-8", "replace")[:limit].decode("utf-8", "ignore")
 
 
 def _shown(value: Any) -> str:

@@ -32,8 +32,8 @@ def whoami(i):
     return {"i": i, "pid": os.getpid()}
 
 
-def raise_huge(size):
-    raise ValueError("x" * size)
+def raise_huge(size, text="x"):
+    raise ValueError(text * size)
 
 
 def test_values_come_back_unchanged(mesh_env):
@@ -118,11 +118,11 @@ def test_an_exception_with_a_huge_message_comes_back_once_its_text_cut_to_the_li
     mesh_env.start_coordinator()
     mesh_env.add_worker()
     client = mesh_env.client()
-    future = client.submit(raise_huge, 600_000)
-    with pytest.raises(ValueError) as info:
-        future.result(timeout=30)
-    assert str(info.value) == "x" * 600_000
-    assert 1000 < len(info.value.remote_traceback) <= 256 * 1024
+    for size, text in ((600_000, "x"), (300_000, "\U0001f525")):  # 4 bytes a character
+        with pytest.raises(ValueError) as info:
+            client.submit(raise_huge, size, text).result(timeout=30)
+        assert str(info.value) == text * size
+        assert 1000 < len(info.value.remote_traceback.encode()) <= 256 * 1024
     assert client.submit(echo, 5).result(timeout=30) == 5  # the worker is still there
 
 

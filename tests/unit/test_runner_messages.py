@@ -92,7 +92,7 @@ def test_a_runner_that_stops_in_the_middle_of_a_message_does_not_hold_the_agent(
     assert time.monotonic() - started < 5  # the stall, not the task's minute
     result = next(m.header for m in agent.sent if m.command is Command.RESULT)
     assert result["status"] == "crashed"
-    assert "stopped for 0.3 s in the middle of a message" in result["diagnosis"]
+    assert "did not come whole within 0.3 s" in result["diagnosis"]
 
 
 def test_a_read_with_a_stall_limit_takes_a_whole_message_and_refuses_half_of_one():
@@ -102,8 +102,34 @@ def test_a_read_with_a_stall_limit_takes_a_whole_message_and_refuses_half_of_one
         assert [bytes(f) for f in recv_message(b, 1 << 20, stall=0.2)] == [b"header", b"x" * 100_000]
         whole = framed(b"header", b"frame")
         a.sendall(whole[:-3])
-        with pytest.raises(ValueError, match="stopped for 0.2 s in the middle of a message"):
+        with pytest.raises(ValueError, match="did not come whole within 0.2 s"):
             recv_message(b, 1 << 20, stall=0.2)
+
+
+def test_a_message_trickled_a_byte_at_a_time_is_refused_when_its_time_is_up():
+    # The limit is the message's, not each read's: a byte every 0.1 s would otherwise hold
+    # the reader as long as the writer liked.
+    import threading
+
+    a, b = socket.socketpair()
+    whole = framed(b"header", b"frame")
+    stop = threading.Event()
+
+    def trickle():
+        for byte in whole:
+            if stop.wait(0.1):
+                return
+            a.send(bytes([byte]))
+
+    writer = threading.Thread(target=trickle, daemon=True)
+    with a, b:
+        writer.start()
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="did not come whole within 0.3 s"):
+            recv_message(b, 1 << 20, stall=0.3)
+        assert time.monotonic() - started < 1.5
+        stop.set()
+        writer.join(5)
 
 
 def test_a_result_keeps_only_the_fields_a_result_carries_with_its_text_cut():
@@ -117,6 +143,11 @@ def test_a_result_keeps_only_the_fields_a_result_carries_with_its_text_cut():
         "status": "crashed", "diagnosis": "d" * MAX_DIAGNOSIS}
     assert checked_result({"status": "ok", "encoding": "json", "shm": [[0, "ab", 3]]}) == {
         "status": "ok", "encoding": "json", "shm": [[0, "ab", 3]]}
+    wide = checked_result({"status": "error", "error": {"message": "\U0001f525" * 300_000,
+                                                        "traceback": "é" * 300_000}})
+    assert len(wide["error"]["message"].encode()) <= MAX_ERROR_MESSAGE  # bytes, not characters
+    assert wide["error"]["message"] == "\U0001f525" * (MAX_ERROR_MESSAGE // 4)
+    assert len(wide["error"]["traceback"].encode()) <= MAX_TRACEBACK
     for ran in (math.nan, -1.0, math.inf, "0.5", 1):
         assert "ran" not in checked_result({"status": "ok", "ran": ran})
     assert checked_result({"status": "error", "error": {"message": 5}})["error"] == {
@@ -161,7 +192,7 @@ def test_a_task_that_closes_its_runners_socket_costs_that_runner_not_the_agents_
     assert time.monotonic() - started < 4
     result = next(m.header for m in agent.sent if m.command is Command.RESULT)
     assert result["status"] == "crashed"
-    assert result["diagnosis"].startswith("the runner's control socket closed while the runner "
-                                          "ran on")
+    assert result["diagnosis"].startswith("the runner's control socket closed, and the runner "
+                                          "had not exited 1 s later (killed)")
     assert old.poll() is not None  # killed, not left running
     assert runner.proc is not old and runner.proc.poll() is None

@@ -107,17 +107,21 @@ def test_a_flood_on_the_control_channel_is_answered_a_turn_at_a_time(control, mo
 
     monkeypatch.setattr(control_module, "MAX_REQUESTS_PER_TURN", 5)
     server, client = control
+    request = msgpack.packb({"secret": server.secret, "action": "status"})
     for _ in range(20):
-        client.send_multipart([b"", b"\xc1"])
+        client.send_multipart([b"", request])
+    handled: list[str] = []
     per_turn: list[int] = []
-    while sum(per_turn) < 20 and server.sock.poll(2000):
-        server.serve(lambda action: {})
-        answered = 0
-        while client.poll(100):
-            client.recv_multipart()
-            answered += 1
-        per_turn.append(answered)
-    assert sum(per_turn) == 20 and max(per_turn) == 5
+    while len(handled) < 20 and server.sock.poll(2000):
+        before = len(handled)
+        server.serve(lambda action: handled.append(action) or {"done": action})
+        per_turn.append(len(handled) - before)
+    assert len(handled) == 20 and max(per_turn) <= 5 and len(per_turn) >= 4
+    answers = 0
+    while answers < 20 and client.poll(2000):
+        client.recv_multipart()
+        answers += 1
+    assert answers == 20  # each request its one reply
 
 
 def test_a_task_that_needs_a_gpu_model_starts_only_in_the_slot_pinned_to_it(tmp_path):
@@ -240,7 +244,15 @@ def test_a_worker_the_lan_sent_where_nobody_welcomes_it_alternates_with_the_addr
     try:
         a.say = lambda line: None
         a._trusted = welcomed_at  # its coordinator welcomed it there once
-        for now in (1.0, 3.0):
+        a.on_hello()  # a try at that address, under way when the LAN's suggestion comes
+        a.on_lost(1.0, 1.0, was_welcomed=False)
+        a._browsing.join(5)
+        a._follow_move()
+        assert a.endpoint == suggested
+        a.on_lost(2.0, 1.0, was_welcomed=False)  # never dialled: it keeps its turn
+        assert a.endpoint == suggested
+        for now in (3.0, 5.0):
+            a.on_hello()  # dialled, and silent
             a.on_lost(now, 1.0, was_welcomed=False)
             assert a.endpoint == a.link.endpoint == a.session.endpoint == welcomed_at
             a._browsing.join(5)
