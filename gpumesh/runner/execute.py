@@ -19,7 +19,7 @@ import tempfile
 import threading
 import traceback
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -56,7 +56,19 @@ def run_task(header: dict[str, Any], frames: Sequence[Any], base_env: dict[str, 
 
 def infrastructure_failure(what: str, exc: BaseException) -> tuple[dict[str, Any], list[Any]]:
     """The worker, not the task, failed: ``crashed`` makes the coordinator retry it elsewhere."""
-    return {"status": ResultStatus.CRASHED.value, "diagnosis": f"{what}: {type(exc).__name__}: {exc}"}, []
+    return {"status": ResultStatus.CRASHED.value,
+            "diagnosis": f"{what}: {type(exc).__name__}: {_text(lambda: str(exc))}"}, []
+
+
+def _text(make: Callable[[], str]) -> str:
+    """Text about a task's exception that the result header can carry: the user's ``__str__``
+    may raise, and its text may hold lone surrogates, which msgpack refuses (the runner could
+    then send no result at all). The exception itself travels pickled, as it is."""
+    try:
+        text = make()
+    except Exception as exc:
+        return f"(its text could not be made: {type(exc).__name__})"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -149,9 +161,10 @@ def fit_to_send(header: dict[str, Any], frames: Sequence[Any], room_bytes: int =
 
 
 def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[Any]]:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     error = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-             "message": prefix + str(exc), "traceback": text}
+             "message": prefix + _text(lambda: str(exc)),
+             "traceback": _text(lambda: "".join(
+                 traceback.format_exception(type(exc), exc, exc.__traceback__)))}
     try:
         frames = serialize.dumps(exc.with_traceback(None))
     except Exception:

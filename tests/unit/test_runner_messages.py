@@ -196,3 +196,25 @@ def test_a_task_that_closes_its_runners_socket_costs_that_runner_not_the_agents_
                                           "had not exited 1 s later (killed)")
     assert old.poll() is not None  # killed, not left running
     assert runner.proc is not old and runner.proc.poll() is None
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize("raised", [ValueError("bad \udc80 byte"), _Unprintable()])
+def test_an_exception_whose_text_msgpack_cannot_take_still_comes_back(raised):
+    # Lone surrogates in its text once made the runner's header unpackable (the runner
+    # exited and the task was reported crashed); a __str__ that raises did much the same.
+    import msgpack
+
+    from gpumesh.runner.execute import _error
+
+    header, frames = _error(raised)
+    msgpack.packb(header, use_bin_type=True)  # the runner can send it
+    assert header["status"] == "error" and frames  # and the exception itself, pickled
+    if isinstance(raised, ValueError):
+        assert header["error"]["message"] == "bad \\udc80 byte"
+    else:
+        assert header["error"]["message"] == "(its text could not be made: RuntimeError)"
