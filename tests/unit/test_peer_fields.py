@@ -6,6 +6,7 @@ loop, leave a caller waiting, journal one thing and keep another, or reach a ter
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -83,15 +84,20 @@ def engine(tmp_path):
     made.close()
 
 
+def submitted(engine):
+    """One task submitted, and its seq once the engine's thread has filed it (5 s at most)."""
+    future, = engine.submit([({"kind": "fn"}, [b"x"])], "j1")
+    deadline = time.monotonic() + 5
+    while not engine._outstanding and time.monotonic() < deadline:
+        engine._closing.wait(0.01)
+    seq, = engine._outstanding
+    return future, seq
+
+
 @pytest.mark.parametrize("attempts", ["two", -1, 2.5, None, [3]])
 def test_a_result_whose_attempts_the_client_cannot_read_still_settles_its_future(engine,
                                                                                 attempts):
-    future, = engine.submit([({"kind": "fn"}, [b"x"])], "j1")
-    for _ in range(500):  # the engine's thread files the submission
-        if engine._outstanding:
-            break
-        engine._closing.wait(0.01)
-    seq, = engine._outstanding
+    future, seq = submitted(engine)
     engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
                                            "attempts": attempts}, serialize.dumps(42)), 1.0)
     assert future.result(timeout=5) == 42 and future.attempts == 0
@@ -131,12 +137,7 @@ def test_a_worker_id_with_escape_codes_is_refused_at_hello(broker):
 def test_an_accepted_pair_the_client_cannot_read_is_left_out_alone(engine):
     # A pair whose task id was a list once set the future's task id, then raised: the
     # task's real RESULT was then taken for a duplicate, and the caller waited forever.
-    future, = engine.submit([({"kind": "fn"}, [b"x"])], "j1")
-    for _ in range(500):
-        if engine._outstanding:
-            break
-        engine._closing.wait(0.01)
-    seq, = engine._outstanding
+    future, seq = submitted(engine)
     engine._on_accepted(msg(Command.ACCEPTED, {
         "job": "j1", "accepted": [[seq, ["t1"]], "junk", [seq], [seq, "t1"]],
         "rejected": [[seq], 5, [seq, "malformed", "\x1b[2J", "extra"]]}), 1.0)

@@ -88,8 +88,8 @@ def test_a_runner_that_stops_in_the_middle_of_a_message_does_not_hold_the_agent(
 
     _give(agent, 1, fn=stall)
     started = time.monotonic()
-    _pump(agent, lambda: "task-1" in _results(agent), "the stalled task's result", timeout=10)
-    assert time.monotonic() - started < 5  # the stall, not the task's minute
+    _pump(agent, lambda: "task-1" in _results(agent), "the stalled task's result", timeout=50)
+    assert time.monotonic() - started < 20  # the stall, not the task's minute
     result = next(m.header for m in agent.sent if m.command is Command.RESULT)
     assert result["status"] == "crashed"
     assert "did not come whole within 0.3 s" in result["diagnosis"]
@@ -127,7 +127,7 @@ def test_a_message_trickled_a_byte_at_a_time_is_refused_when_its_time_is_up():
         started = time.monotonic()
         with pytest.raises(ValueError, match="did not come whole within 0.3 s"):
             recv_message(b, 1 << 20, stall=0.3)
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 3  # not the trickle's 4 s
         stop.set()
         writer.join(5)
 
