@@ -233,8 +233,12 @@ class Coordinator:
             if msg.header.get("at") == 0:
                 broker.handle(routing, msg, now)  # no session: answered NO_SESSION, once
             return None  # the rest of that message: one answer is enough (each makes a HELLO)
+        # Workers and clients draw on budgets of their own: a client uploading slowly must not
+        # keep a worker's big result out (nor the other way round).
+        peer = self.ledger.peers.get(routing)
+        pool = "" if peer is None else peer[0].value
         try:
-            ack, whole = self._inflow.feed(routing, msg.header, msg.payload, now)
+            ack, whole = self._inflow.feed(routing, msg.header, msg.payload, now, pool)
         except Exception:  # a bug of ours, or a mapping that failed: this message only
             log.exception("failed to take in a piece of a big message")
             self._inflow.drop(routing)

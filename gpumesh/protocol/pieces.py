@@ -305,11 +305,13 @@ class Inflow:
     page cache, which the kernel may write out, instead of in the process's memory).
 
     A buffer is the whole message's size from its first piece on (disk space, or memory when
-    the disk is full), so what all peers may have on the way at once is bounded: ``budget``
-    bytes (two of the biggest messages by default). A message begun beyond it is dropped
-    unacknowledged; its sender starts a new session and sends it again (gpumesh/session.py).
-    One that takes no piece for STALL_SECONDS is dropped, so a peer that stops halfway does
-    not hold its share."""
+    the disk is full), so what peers may have on the way at once is bounded: ``budget`` bytes
+    (two of the biggest messages by default) for each pool of peers. The coordinator puts its
+    workers in one pool and its clients in another, so clients uploading slowly never hold up
+    the workers' results, nor the other way round. A message begun beyond its pool's budget
+    is dropped unacknowledged; its sender starts a new session and sends it again
+    (gpumesh/session.py). One that takes no piece for STALL_SECONDS is dropped, so a peer that
+    stops halfway does not hold its share."""
 
     def __init__(self, limits: Limits, make_buffer: Callable[[int], memoryview],
                  budget: int | None = None) -> None:
@@ -317,28 +319,43 @@ class Inflow:
         self._make_buffer = make_buffer
         self.budget = 2 * limits.max_message_bytes if budget is None else budget
         self._by_peer: dict[bytes, Assembler] = {}
+        self._pool_of: dict[bytes, str] = {}
         self._moved_at: dict[bytes, float] = {}
-        self.reserved = 0  # bytes of the buffers held, all peers together
+        self._reserved: dict[str, int] = {}  # bytes of the buffers held, by pool
 
-    def feed(self, routing: bytes, header: dict[str, Any], payload: list[Any], now: float
-             ) -> tuple[dict[str, Any] | None, Message | None]:
+    @property
+    def reserved(self) -> int:
+        """Bytes of the buffers held, all pools together."""
+        return sum(self._reserved.values())
+
+    def reserved_by(self, pool: str) -> int:
+        return self._reserved.get(pool, 0)
+
+    def feed(self, routing: bytes, header: dict[str, Any], payload: list[Any], now: float,
+             pool: str = "") -> tuple[dict[str, Any] | None, Message | None]:
+        """A piece from ``routing``, a peer of ``pool``: the acknowledgement to send (or None)
+        and the whole message once its last piece is in (or None)."""
+        if routing in self._by_peer and self._pool_of[routing] != pool:
+            self.drop(routing)  # a new session's peer under an old routing: start afresh
         assembler = self._by_peer.get(routing)
         held = 0 if assembler is None else assembler.reserved
         total = header.get("total")
-        if header.get("at") == 0 and type(total) is int \
-                and self.reserved - held + total > self.budget:
-            log.warning("dropped a big message a peer began (%s): %s of big messages are on "
-                        "their way in already, and at most %s may be; it comes again later",
-                        _size(total), _size(self.reserved - held), _size(self.budget))
+        in_pool = self._reserved.get(pool, 0)
+        if header.get("at") == 0 and type(total) is int and in_pool - held + total > self.budget:
+            log.warning("dropped a big message a %s began (%s): %s of big messages from its "
+                        "kind of peer are on their way in already, and at most %s may be; it "
+                        "comes again later", pool or "peer", _size(total),
+                        _size(in_pool - held), _size(self.budget))
             self.drop(routing)
             return None, None
         if assembler is None:
             assembler = self._by_peer[routing] = Assembler(self.limits, self._make_buffer,
                                                            source="a peer", join_split=False)
+            self._pool_of[routing] = pool
         try:
             ack, whole = assembler.feed(header, payload)
         finally:  # counted whatever happened, or the budget would leak
-            self.reserved += assembler.reserved - held
+            self._reserved[pool] = in_pool + assembler.reserved - held
             self._moved_at[routing] = now
         if not assembler.receiving:
             self.drop(routing)  # done, or dropped: nothing held for this peer
@@ -350,9 +367,10 @@ class Inflow:
     def drop(self, routing: bytes) -> None:
         """The peer's session ended (or its message was dropped): what it was sending goes."""
         assembler = self._by_peer.pop(routing, None)
+        pool = self._pool_of.pop(routing, "")
         self._moved_at.pop(routing, None)
         if assembler is not None:
-            self.reserved -= assembler.reserved
+            self._reserved[pool] -= assembler.reserved
             assembler.reset()
 
     def expire(self, now: float, limit: float = STALL_SECONDS) -> list[bytes]:

@@ -265,6 +265,60 @@ def test_big_messages_on_their_way_in_are_bounded_all_peers_together():
     assert Inflow(LIMITS, bytearray).budget == 2 * LIMITS.max_message_bytes  # the default
 
 
+def test_clients_filling_their_budget_do_not_keep_a_workers_result_out():
+    # Two clients uploading big inputs slowly (a laptop on Wi-Fi) once held the one budget all
+    # peers shared, and a worker's big result was dropped each time it began, for as long as
+    # the uploads took. Each kind of peer has a budget of its own now.
+    pieces = pieces_of(frames_of(ENOUGH))
+    total = pieces[0].header["total"]
+    inflow = Inflow(LIMITS, lambda size: memoryview(bytearray(size)), budget=total * 3 // 2)
+    assert inflow.feed(b"c1", pieces[0].header, pieces[0].payload, 0.0, "client")[0] is not None
+    assert inflow.feed(b"c2", pieces[0].header, pieces[0].payload, 0.0, "client") == (None, None)
+    assert inflow.reserved_by("client") == total
+    assert inflow.feed(b"w1", pieces[0].header, pieces[0].payload, 0.0, "worker")[0] is not None
+    assert inflow.reserved_by("worker") == total and inflow.reserved == 2 * total
+    whole = None
+    for piece in pieces[1:]:
+        whole = inflow.feed(b"w1", piece.header, piece.payload, 1.0, "worker")[1] or whole
+    assert whole is not None and inflow.reserved_by("worker") == 0
+    assert inflow.reserved_by("client") == total and inflow.routings() == [b"c1"]
+    # A second worker is bounded by the workers' budget alone, as before.
+    assert inflow.feed(b"w2", pieces[0].header, pieces[0].payload, 2.0, "worker")[0] is not None
+    assert inflow.feed(b"w3", pieces[0].header, pieces[0].payload, 2.0, "worker") == (None, None)
+    inflow.drop(b"c1")
+    inflow.drop(b"w2")
+    assert inflow.reserved == 0 and inflow.routings() == []
+
+
+def test_the_coordinator_counts_a_piece_against_its_senders_kind_of_peer(tmp_path, monkeypatch):
+    from gpumesh.config import Settings
+    from gpumesh.coordinator import server
+    from gpumesh.tokens import new_token
+
+    acks: list[bytes] = []
+    monkeypatch.setattr(server, "send_frames", lambda socket, frames: acks.append(frames[0]))
+    coordinator = server.Coordinator(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                                     new_token(), host="127.0.0.1", port=0,
+                                     db_path=tmp_path / "journal.db")
+    try:
+        hello = {"proto": [1, 1], "pieces": True}
+        coordinator.broker.handle(b"w", decode(encode(Command.HELLO, {
+            **hello, "role": "worker", "id": "w1", "slots": 1, "credit": 1,
+            "info": {"python": "3.11"}}), LIMITS), 1.0)
+        for routing in (b"c1", b"c2"):
+            coordinator.broker.handle(routing, decode(encode(Command.HELLO, {
+                **hello, "role": "client", "id": routing.decode()}), LIMITS), 1.0)
+        first = pieces_of(frames_of(ENOUGH))[0]
+        coordinator._inflow.budget = first.header["total"] * 3 // 2
+        for routing in (b"c1", b"c2", b"w"):
+            coordinator._take_piece(routing, first, 2.0)
+        assert acks == [b"c1", b"w"]  # the second client's waits; the worker's does not
+        assert coordinator._inflow.reserved_by("client") == first.header["total"]
+        assert coordinator._inflow.reserved_by("worker") == first.header["total"]
+    finally:
+        coordinator.close()
+
+
 def test_a_full_disk_makes_the_coordinator_receive_in_memory_not_die(tmp_path, monkeypatch):
     import errno
 
