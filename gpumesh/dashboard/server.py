@@ -33,6 +33,10 @@ MAX_STREAMS = 32  # browsers watching at once; each holds a thread
 # Connections served at once, each a thread: beyond this a new one is closed before anything
 # of it is read (anybody on the network can open them, before any check).
 MAX_CONNECTIONS = 128
+# ... of which one address may hold this many: a browser opens six or so, and one host holding
+# every slot (a connection that trickles its request keeps one for the read timeout) would lock
+# the other browsers out.
+MAX_PER_ADDRESS = 32
 KEEPALIVE = 15.0  # seconds between comments on an idle event stream
 HANDSHAKE_SECONDS = 10.0  # a TLS client that says nothing gives its thread back after this
 STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
@@ -64,23 +68,45 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._by_address: dict[str, int] = {}  # connections served, by the peer's address
+        self._by_address_lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.connections.acquire(blocking=False):
-            log.debug("closed a connection from %s: %d are served already",
-                      client_address, MAX_CONNECTIONS)
+        address = str(client_address[0]) if isinstance(client_address, tuple) else ""
+        if not self._take_slot(address):
+            log.debug("closed a connection from %s: as many are served already",
+                      for_terminal(address))
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.connections.release()  # its thread never started
+            self._give_slot(address)  # its thread never started
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._give_slot(str(client_address[0]) if isinstance(client_address, tuple) else "")
+
+    def _take_slot(self, address: str) -> bool:
+        """A slot of the MAX_CONNECTIONS, and of the address's MAX_PER_ADDRESS; False when
+        either is full."""
+        with self._by_address_lock:
+            held = self._by_address.get(address, 0)
+            if held >= MAX_PER_ADDRESS or not self.connections.acquire(blocking=False):
+                return False
+            self._by_address[address] = held + 1
+            return True
+
+    def _give_slot(self, address: str) -> None:
+        with self._by_address_lock:
+            held = self._by_address.get(address, 0) - 1
+            if held > 0:
+                self._by_address[address] = held
+            else:
+                self._by_address.pop(address, None)
             self.connections.release()
 
 

@@ -9,6 +9,7 @@ import socket
 import time
 
 import pytest
+from conftest import wait_for
 
 from gpumesh.config import Endpoint, Limits, Settings, Timing
 from gpumesh.coordinator.broker import Broker
@@ -158,6 +159,57 @@ def test_the_dashboards_request_log_writes_out_control_characters(caplog):
     with caplog.at_level(logging.DEBUG, logger="gpumesh"):
         handler.log_message('"%s" %s', "GET /\x1b]0;pwned\x07\x1b[2J HTTP/1.1", "404")
     assert "\x1b" not in caplog.text and "\\x1b]0;pwned\\x07\\x1b[2J" in caplog.text
+
+
+def test_one_address_cannot_hold_every_dashboard_connection(monkeypatch):
+    # 128 trickling connections from one LAN host locked every browser out of the dashboard.
+    # Loopback is all of 127/8: a second source address stands in for a second host.
+    import threading
+    from http.server import BaseHTTPRequestHandler
+
+    from gpumesh.dashboard import server as dashboard
+
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(dashboard, "MAX_PER_ADDRESS", 2)
+
+    class Answer(BaseHTTPRequestHandler):
+        timeout = 10
+
+        def do_GET(self):
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format, *args):
+            pass
+
+    httpd = dashboard._Server(("127.0.0.1", 0), Answer)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+
+    def connect(source: str) -> socket.socket:
+        sock = socket.create_connection(httpd.server_address, timeout=5,
+                                        source_address=(source, 0))
+        sock.settimeout(5)
+        return sock
+
+    silent = [connect("127.0.0.1"), connect("127.0.0.1")]  # hold that address's two slots
+    try:
+        with connect("127.0.0.1") as extra:
+            assert extra.recv(100) == b""  # closed at once, nothing read
+        with connect("127.0.0.2") as other:  # another host still gets the slot left
+            other.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert other.recv(100).startswith(b"HTTP/1.0 204")
+        for sock in silent:
+            sock.close()
+        assert wait_for(lambda: httpd._by_address == {}, what="slots given back")
+        assert httpd.connections.acquire(blocking=False)  # all three free again
+        assert httpd.connections.acquire(blocking=False)
+        assert httpd.connections.acquire(blocking=False)
+    finally:
+        for sock in silent:
+            sock.close()
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_a_reply_in_pages_or_a_fetch_answer_of_the_wrong_shape_is_read_as_far_as_it_goes(engine):
