@@ -14,6 +14,7 @@ adapters skipped), or ``GPUMESH_DISCOVERY_INTERFACES``.
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 import queue
@@ -42,6 +43,7 @@ TXT_VERSION = "1"
 SETTLE = 1.2
 RESOLVE_MS = 1500  # how long to wait for one advertisement's SRV/TXT/A records
 MAX_FOUND = 64  # advertisements kept from one browse: a hostile LAN cannot grow it further
+MAX_ASKED = 256  # names one browse asks the network to resolve (not found in the cache)
 MAX_ADDRESSES = 8  # addresses kept per advertisement
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -294,8 +296,28 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
             names.put(name)
 
     found: dict[str, Found] = {}
+    # Names whose records were not in zeroconf's cache when they came, asked for one at a time
+    # (RESOLVE_MS each), after every name that has come has had its look in the cache. Any host
+    # on the LAN can send names that never resolve: taken in the order they came, 20 of them
+    # held the real coordinator's name back past the timeout. A coordinator's answer carries
+    # its records, so its name is found in the cache as it comes.
+    unresolved: collections.deque[str] = collections.deque()
+    asked: set[str] = set()
     zc = _zeroconf(interfaces)
     browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change])
+
+    def take(name: str, info: Any) -> bool:
+        """Keep the advertisement ``info`` resolved for ``name``; True once ``want`` is seen."""
+        entry = parse_advertisement(name, info.port, info.parsed_addresses(),
+                                    dict(info.properties or {}))
+        if entry is None:
+            return False
+        wanted = want is not None and entry.mesh == want
+        # Kept up to MAX_FOUND, the wanted mesh's always: other adverts cannot crowd it out.
+        if len(found) < MAX_FOUND or wanted or name in found:
+            found[name] = entry
+        return wanted
+
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -303,25 +325,33 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
             if now >= deadline:
                 break
             try:
-                name = names.get(timeout=min(deadline - now, 0.1))
+                name = (names.get_nowait() if unresolved
+                        else names.get(timeout=min(deadline - now, 0.1)))
             except queue.Empty:
+                if not unresolved:
+                    continue
+                name = unresolved.popleft()  # nothing new came: ask the network for one
+                try:
+                    info = ServiceInfo(SERVICE_TYPE, name)
+                    wait_ms = max(1, min(RESOLVE_MS, int((deadline - now) * 1000)))
+                    if info.request(zc, wait_ms) and take(name, info):
+                        deadline = min(deadline, time.monotonic() + settle)
+                except Exception as exc:  # a record zeroconf cannot make sense of: the next
+                    log.debug("skipped an advertisement that does not resolve (%s)", exc)
                 continue
-            if len(found) >= MAX_FOUND or not name.endswith("." + SERVICE_TYPE):
+            if not name.endswith("." + SERVICE_TYPE):
                 continue  # any host on the LAN can send a record naming another type
             try:
                 info = ServiceInfo(SERVICE_TYPE, name)
-                if not info.request(zc, RESOLVE_MS):
+                if not info.load_from_cache(zc):
+                    if name not in asked and len(asked) < MAX_ASKED:
+                        asked.add(name)
+                        unresolved.append(name)
                     continue
+                if take(name, info):
+                    deadline = min(deadline, time.monotonic() + settle)
             except Exception as exc:  # a record zeroconf cannot make sense of: the next one
                 log.debug("skipped an advertisement that does not resolve (%s)", exc)
-                continue
-            entry = parse_advertisement(name, info.port, info.parsed_addresses(),
-                                        dict(info.properties or {}))
-            if entry is None:
-                continue
-            found[name] = entry
-            if want is not None and entry.mesh == want:
-                deadline = min(deadline, time.monotonic() + settle)
     finally:
         browser.cancel()
         zc.close()

@@ -3,6 +3,8 @@ loopback only (TESTING.md: the root namespace never multicasts on a real interfa
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpumesh import discovery
@@ -138,3 +140,70 @@ def test_an_advertised_version_is_quoted_in_advice_only_when_it_is_a_version(mon
         discovery.find_coordinator("t" * 40, ["192.0.2.1"], 0.1)
     assert "curl" not in str(info.value) and "pip install" not in str(info.value)
     assert "install the gpumesh version it runs here" in str(info.value)
+
+
+def fake_lan(monkeypatch, names: list[str], adverts: dict[str, dict[bytes, bytes | None]]):
+    """zeroconf as a LAN would look to ``browse``: ``names`` announced in order; those in
+    ``adverts`` came with their records (in the cache), the rest never resolve, each ask
+    waiting out its time as zeroconf's does. Returns the names asked for."""
+    import threading
+
+    import zeroconf
+
+    asked: list[str] = []
+
+    class Browser:
+        def __init__(self, zc, service_type, handlers):
+            for name in names:
+                handlers[0](zeroconf=zc, service_type=service_type, name=name,
+                            state_change=zeroconf.ServiceStateChange.Added)
+
+        def cancel(self):
+            pass
+
+    class Info:
+        def __init__(self, service_type, name):
+            self.name, self.port, self.properties = name, 8000, {}
+
+        def load_from_cache(self, zc):
+            if self.name not in adverts:
+                return False
+            self.properties = adverts[self.name]
+            return True
+
+        def parsed_addresses(self):
+            return ["10.0.0.5"]
+
+        def request(self, zc, timeout):
+            asked.append(self.name)
+            threading.Event().wait(timeout / 1000)  # no answer comes
+            return False
+
+    monkeypatch.setattr(zeroconf, "ServiceBrowser", Browser)
+    monkeypatch.setattr(zeroconf, "ServiceInfo", Info)
+    monkeypatch.setattr(discovery, "_zeroconf", lambda interfaces: type("Z", (), {
+        "close": lambda self: None})())
+    return asked
+
+
+def test_names_that_never_resolve_do_not_hold_the_coordinator_back(monkeypatch):
+    # Names were resolved one by one in the order they came, RESOLVE_MS each: 20 names sent
+    # by any host on the LAN ahead of the coordinator's made every browse time out.
+    ours = "desk." + discovery.SERVICE_TYPE
+    bogus = [f"bogus-{n}.{discovery.SERVICE_TYPE}" for n in range(20)]
+    asked = fake_lan(monkeypatch, [*bogus, bogus[0], ours], {ours: GOOD})
+    started = time.monotonic()
+    found = discovery.browse(10.0, ["192.0.2.1"], want="0123456789ab", settle=0.2)
+    assert [f.name for f in found] == [ours]
+    assert time.monotonic() - started < discovery.RESOLVE_MS / 1000 + 1.0  # one ask at most
+    assert asked == bogus[:len(asked)]  # each asked once, in the order they came
+
+
+def test_other_meshes_adverts_cannot_crowd_out_the_one_wanted(monkeypatch):
+    others = {f"other-{n}.{discovery.SERVICE_TYPE}": {**GOOD, b"mesh": f"{n:012x}".encode()}
+              for n in range(1000, 1000 + discovery.MAX_FOUND + 10)}
+    ours = "desk." + discovery.SERVICE_TYPE
+    fake_lan(monkeypatch, [*others, ours], {**others, ours: GOOD})
+    found = discovery.browse(10.0, ["192.0.2.1"], want="0123456789ab", settle=0.2)
+    assert len(found) == discovery.MAX_FOUND + 1
+    assert [f.name for f in found if f.mesh == "0123456789ab"] == [ours]
