@@ -306,18 +306,22 @@ class Inflow:
 
     A buffer is the whole message's size from its first piece on (disk space, or memory when
     the disk is full), so what peers may have on the way at once is bounded: ``budget`` bytes
-    (two of the biggest messages by default) for each pool of peers. The coordinator puts its
-    workers in one pool and its clients in another, so clients uploading slowly never hold up
-    the workers' results, nor the other way round. A message begun beyond its pool's budget
-    is dropped unacknowledged; its sender starts a new session and sends it again
-    (gpumesh/session.py). One that takes no piece for STALL_SECONDS is dropped, so a peer that
-    stops halfway does not hold its share."""
+    (two of the biggest messages by default) for each pool of peers, and ``total_budget``
+    (three of them) for all pools together. The coordinator puts its workers in one pool and
+    its clients in another, so clients uploading slowly never keep out a worker's result of the
+    biggest size, nor the other way round. A message begun beyond either bound is dropped
+    unacknowledged; its sender starts a new session and sends it again (gpumesh/session.py).
+    One that takes no piece for STALL_SECONDS is dropped, so a peer that stops halfway does not
+    hold its share."""
 
     def __init__(self, limits: Limits, make_buffer: Callable[[int], memoryview],
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, total_budget: int | None = None) -> None:
         self.limits = limits
         self._make_buffer = make_buffer
         self.budget = 2 * limits.max_message_bytes if budget is None else budget
+        # Room for a pool holding its whole budget and one more message of the biggest size.
+        self.total_budget = (self.budget + limits.max_message_bytes if total_budget is None
+                             else total_budget)
         self._by_peer: dict[bytes, Assembler] = {}
         self._pool_of: dict[bytes, str] = {}
         self._moved_at: dict[bytes, float] = {}
@@ -341,11 +345,14 @@ class Inflow:
         held = 0 if assembler is None else assembler.reserved
         total = header.get("total")
         in_pool = self._reserved.get(pool, 0)
-        if header.get("at") == 0 and type(total) is int and in_pool - held + total > self.budget:
+        if header.get("at") == 0 and type(total) is int and (
+                in_pool - held + total > self.budget
+                or self.reserved - held + total > self.total_budget):
             log.warning("dropped a big message a %s began (%s): %s of big messages from its "
-                        "kind of peer are on their way in already, and at most %s may be; it "
-                        "comes again later", pool or "peer", _size(total),
-                        _size(in_pool - held), _size(self.budget))
+                        "kind of peer (%s in all) are on their way in already, and at most %s "
+                        "(%s) may be; it comes again later", pool or "peer", _size(total),
+                        _size(in_pool - held), _size(self.reserved - held),
+                        _size(self.budget), _size(self.total_budget))
             self.drop(routing)
             return None, None
         if assembler is None:

@@ -288,6 +288,14 @@ def test_clients_filling_their_budget_do_not_keep_a_workers_result_out():
     inflow.drop(b"c1")
     inflow.drop(b"w2")
     assert inflow.reserved == 0 and inflow.routings() == []
+    # All pools together hold at most a pool's budget and one biggest message more.
+    assert Inflow(LIMITS, bytearray).total_budget == 3 * LIMITS.max_message_bytes
+    inflow = Inflow(LIMITS, lambda size: memoryview(bytearray(size)), budget=total * 2,
+                    total_budget=total * 3)
+    for routing, pool in ((b"c1", "client"), (b"c2", "client"), (b"w1", "worker")):
+        assert inflow.feed(routing, pieces[0].header, pieces[0].payload, 3.0, pool)[0]
+    assert inflow.feed(b"w2", pieces[0].header, pieces[0].payload, 3.0, "worker") == (None, None)
+    assert inflow.reserved == 3 * total
 
 
 def test_the_coordinator_counts_a_piece_against_its_senders_kind_of_peer(tmp_path, monkeypatch):
