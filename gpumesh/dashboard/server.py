@@ -7,6 +7,7 @@ every response carries a Content-Security-Policy without inline script, ``nosnif
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import socket
@@ -33,9 +34,10 @@ MAX_STREAMS = 32  # browsers watching at once; each holds a thread
 # Connections served at once, each a thread: beyond this a new one is closed before anything
 # of it is read (anybody on the network can open them, before any check).
 MAX_CONNECTIONS = 128
-# ... of which one address may hold this many: a browser opens six or so, and one host holding
-# every slot (a connection that trickles its request keeps one for the read timeout) would lock
-# the other browsers out.
+# ... of which one address (an IPv6 /64: one host can hold many of its addresses) may hold this
+# many: a browser opens six or so, and one host holding every slot (a connection that trickles
+# its request keeps one for the read timeout) would lock the other browsers out. Loopback is
+# not held to it: every viewer through an SSH tunnel or a local proxy comes from there.
 MAX_PER_ADDRESS = 32
 KEEPALIVE = 15.0  # seconds between comments on an idle event stream
 HANDSHAKE_SECONDS = 10.0  # a TLS client that says nothing gives its thread back after this
@@ -72,7 +74,7 @@ class _Server(ThreadingHTTPServer):
         self._by_address_lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        address = str(client_address[0]) if isinstance(client_address, tuple) else ""
+        address = _address_key(client_address)
         if not self._take_slot(address):
             log.debug("closed a connection from %s: as many are served already",
                       for_terminal(address))
@@ -88,14 +90,15 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._give_slot(str(client_address[0]) if isinstance(client_address, tuple) else "")
+            self._give_slot(_address_key(client_address))
 
     def _take_slot(self, address: str) -> bool:
-        """A slot of the MAX_CONNECTIONS, and of the address's MAX_PER_ADDRESS; False when
-        either is full."""
+        """A slot of the MAX_CONNECTIONS, and of the address's MAX_PER_ADDRESS (none for
+        loopback, ``""``); False when either is full."""
         with self._by_address_lock:
             held = self._by_address.get(address, 0)
-            if held >= MAX_PER_ADDRESS or not self.connections.acquire(blocking=False):
+            if (held >= MAX_PER_ADDRESS and address) \
+                    or not self.connections.acquire(blocking=False):
                 return False
             self._by_address[address] = held + 1
             return True
@@ -108,6 +111,22 @@ class _Server(ThreadingHTTPServer):
             else:
                 self._by_address.pop(address, None)
             self.connections.release()
+
+
+def _address_key(client_address: Any) -> str:
+    """What a connection counts against for MAX_PER_ADDRESS: its IPv4 address, its IPv6 /64,
+    or ``""`` for loopback (not capped) and anything else."""
+    try:
+        ip = ipaddress.ip_address(str(client_address[0]).split("%", 1)[0])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return ""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # a dual-stack bind sees IPv4 peers so
+    if ip.is_loopback:
+        return ""
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class Dashboard:

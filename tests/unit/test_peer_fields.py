@@ -163,13 +163,13 @@ def test_the_dashboards_request_log_writes_out_control_characters(caplog):
 
 def test_one_address_cannot_hold_every_dashboard_connection(monkeypatch):
     # 128 trickling connections from one LAN host locked every browser out of the dashboard.
-    # Loopback is all of 127/8: a second source address stands in for a second host.
-    import threading
+    # Connections are handed to the server as it accepts them, with the peer's address as the
+    # kernel would give it (socket pairs: no other host's address is ever used).
     from http.server import BaseHTTPRequestHandler
 
     from gpumesh.dashboard import server as dashboard
 
-    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 8)
     monkeypatch.setattr(dashboard, "MAX_PER_ADDRESS", 2)
 
     class Answer(BaseHTTPRequestHandler):
@@ -183,32 +183,37 @@ def test_one_address_cannot_hold_every_dashboard_connection(monkeypatch):
             pass
 
     httpd = dashboard._Server(("127.0.0.1", 0), Answer)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                     daemon=True).start()
+    ours: list[socket.socket] = []
 
-    def connect(source: str) -> socket.socket:
-        sock = socket.create_connection(httpd.server_address, timeout=5,
-                                        source_address=(source, 0))
-        sock.settimeout(5)
-        return sock
+    def connect(address: tuple) -> socket.socket:
+        served, peer = socket.socketpair()
+        peer.settimeout(5)
+        ours.append(peer)
+        httpd.process_request(served, address)
+        return peer
 
-    silent = [connect("127.0.0.1"), connect("127.0.0.1")]  # hold that address's two slots
+    def answered(peer: socket.socket) -> bool:
+        peer.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        return peer.recv(100).startswith(b"HTTP/1.0 204")
+
     try:
-        with connect("127.0.0.1") as extra:
-            assert extra.recv(100) == b""  # closed at once, nothing read
-        with connect("127.0.0.2") as other:  # another host still gets the slot left
-            other.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            assert other.recv(100).startswith(b"HTTP/1.0 204")
-        for sock in silent:
-            sock.close()
+        connect(("192.0.2.7", 40001)), connect(("192.0.2.7", 40002))  # say nothing: held
+        assert connect(("192.0.2.7", 40003)).recv(100) == b""  # closed at once, nothing read
+        assert answered(connect(("192.0.2.8", 40001)))  # another host is served
+        # An IPv6 host has a /64 of addresses: it counts as one. A dual-stack bind's IPv4 peer
+        # counts as its IPv4 address.
+        connect(("2001:db8::1", 40001, 0, 0)), connect(("2001:db8::2", 40001, 0, 0))
+        assert connect(("2001:db8::3", 40001, 0, 0)).recv(100) == b""
+        assert connect(("::ffff:192.0.2.7", 40004, 0, 0)).recv(100) == b""
+        # Loopback (SSH tunnels, a local proxy) is held to the overall bound only.
+        assert all(answered(connect(("127.0.0.1", 40001 + n))) for n in range(3))
+        for peer in ours:
+            peer.close()
         assert wait_for(lambda: httpd._by_address == {}, what="slots given back")
-        assert httpd.connections.acquire(blocking=False)  # all three free again
-        assert httpd.connections.acquire(blocking=False)
-        assert httpd.connections.acquire(blocking=False)
+        assert all(httpd.connections.acquire(blocking=False) for _ in range(8))
     finally:
-        for sock in silent:
-            sock.close()
-        httpd.shutdown()
+        for peer in ours:
+            peer.close()
         httpd.server_close()
 
 
