@@ -14,7 +14,9 @@ adapters skipped), or ``GPUMESH_DISCOVERY_INTERFACES``.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import ipaddress
 import logging
 import queue
@@ -44,6 +46,7 @@ SETTLE = 1.2
 RESOLVE_MS = 1500  # how long to wait for one advertisement's SRV/TXT/A records
 MAX_FOUND = 64  # advertisements kept from one browse: a hostile LAN cannot grow it further
 MAX_ASKED = 256  # names one browse asks the network to resolve (not found in the cache)
+MAX_WANTED = 16  # advertisements of the wanted mesh kept besides MAX_FOUND (its fingerprint is public)
 MAX_ADDRESSES = 8  # addresses kept per advertisement
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -277,6 +280,44 @@ class Advertiser:
             zc.close()
 
 
+class _Ask:
+    """One name asked for on the network: zeroconf's request, run on its own event loop, so
+    the browse goes on reading names meanwhile. ``info`` is the resolved record once ``done``,
+    or None; ``cancel`` stops the request (a browse that ends first)."""
+
+    def __init__(self, info_type: Any, name: str, zc: Any, wait_ms: int,
+                 wake: queue.SimpleQueue[str]) -> None:
+        self.name = name
+        self.info: Any = None
+        self.done = False
+        self._future: concurrent.futures.Future[Any] | None = None
+        try:
+            info = info_type(SERVICE_TYPE, name)
+            self._future = asyncio.run_coroutine_threadsafe(info.async_request(zc, wait_ms),
+                                                            zc.loop)
+        except Exception as exc:  # a name zeroconf cannot make a record of
+            log.debug("skipped an advertisement that does not resolve (%s)", exc)
+            self.done = True
+            return
+        self._future.add_done_callback(lambda future: self._finished(future, info, wake))
+
+    def _finished(self, future: concurrent.futures.Future[Any], info: Any,
+                  wake: queue.SimpleQueue[str]) -> None:
+        try:
+            if not future.cancelled() and future.exception() is None and future.result():
+                self.info = info
+            elif not future.cancelled() and future.exception() is not None:
+                log.debug("skipped an advertisement that does not resolve (%s)",
+                          future.exception())
+        finally:
+            self.done = True
+            wake.put("")  # the browse loop looks at it now (no name is empty)
+
+    def cancel(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
+
+
 def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None,
            settle: float = SETTLE) -> list[Found]:
     """The gpumesh coordinators advertised on ``interfaces`` within ``timeout`` seconds.
@@ -284,7 +325,8 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
     With ``want`` (a mesh fingerprint), it returns ``settle`` seconds after the first
     advertisement of that mesh, instead of waiting out the timeout.
     """
-    from zeroconf import ServiceBrowser, ServiceInfo, ServiceStateChange
+    from zeroconf import ServiceBrowser, ServiceStateChange
+    from zeroconf.asyncio import AsyncServiceInfo as ServiceInfo
 
     if not interfaces:
         return []
@@ -296,27 +338,51 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
             names.put(name)
 
     found: dict[str, Found] = {}
-    # Names whose records were not in zeroconf's cache when they came, asked for one at a time
-    # (RESOLVE_MS each), after every name that has come has had its look in the cache. Any host
-    # on the LAN can send names that never resolve: taken in the order they came, 20 of them
-    # held the real coordinator's name back past the timeout. A coordinator's answer carries
-    # its records, so its name is found in the cache as it comes.
+    wanted_names: set[str] = set()
+    # Names whose records were not in zeroconf's cache when they came are asked for on the
+    # network, one at a time in a thread of its own (RESOLVE_MS each), while every name that
+    # comes meanwhile gets its look in the cache. Any host on the LAN can send names that never
+    # resolve: taken in the order they came, 20 of them held the real coordinator's name back
+    # past the timeout. A coordinator's answer carries its records, so its name is found in
+    # the cache as it comes.
     unresolved: collections.deque[str] = collections.deque()
     asked: set[str] = set()
+    ask: _Ask | None = None
     zc = _zeroconf(interfaces)
     browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change])
 
     def take(name: str, info: Any) -> bool:
-        """Keep the advertisement ``info`` resolved for ``name``; True once ``want`` is seen."""
+        """Keep the advertisement ``info`` resolved for ``name``; True when it is ``want``'s."""
         entry = parse_advertisement(name, info.port, info.parsed_addresses(),
                                     dict(info.properties or {}))
         if entry is None:
             return False
         wanted = want is not None and entry.mesh == want
-        # Kept up to MAX_FOUND, the wanted mesh's always: other adverts cannot crowd it out.
-        if len(found) < MAX_FOUND or wanted or name in found:
+        # Up to MAX_FOUND of any mesh, and up to MAX_WANTED of the wanted one besides: other
+        # meshes' adverts cannot crowd it out (its fingerprint is public: copies are bounded).
+        if name in found or (len(wanted_names) < MAX_WANTED if wanted
+                             else len(found) - len(wanted_names) < MAX_FOUND):
             found[name] = entry
+            if wanted:
+                wanted_names.add(name)
         return wanted
+
+    def look_up(name: str) -> bool:
+        """A name that came: from the cache, or queued to be asked for. True when it is an
+        advertisement of ``want``."""
+        if not name.endswith("." + SERVICE_TYPE):
+            return False  # any host on the LAN can send a record naming another type
+        try:
+            info = ServiceInfo(SERVICE_TYPE, name)
+            if info.load_from_cache(zc):
+                return take(name, info)
+        except Exception as exc:  # a record zeroconf cannot make sense of: the next one
+            log.debug("skipped an advertisement that does not resolve (%s)", exc)
+            return False
+        if name not in asked and len(asked) < MAX_ASKED:
+            asked.add(name)
+            unresolved.append(name)
+        return False
 
     try:
         deadline = time.monotonic() + timeout
@@ -324,35 +390,28 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
             now = time.monotonic()
             if now >= deadline:
                 break
-            try:
-                name = (names.get_nowait() if unresolved
-                        else names.get(timeout=min(deadline - now, 0.1)))
-            except queue.Empty:
-                if not unresolved:
-                    continue
-                name = unresolved.popleft()  # nothing new came: ask the network for one
-                try:
-                    info = ServiceInfo(SERVICE_TYPE, name)
-                    wait_ms = max(1, min(RESOLVE_MS, int((deadline - now) * 1000)))
-                    if info.request(zc, wait_ms) and take(name, info):
-                        deadline = min(deadline, time.monotonic() + settle)
-                except Exception as exc:  # a record zeroconf cannot make sense of: the next
-                    log.debug("skipped an advertisement that does not resolve (%s)", exc)
-                continue
-            if not name.endswith("." + SERVICE_TYPE):
-                continue  # any host on the LAN can send a record naming another type
-            try:
-                info = ServiceInfo(SERVICE_TYPE, name)
-                if not info.load_from_cache(zc):
-                    if name not in asked and len(asked) < MAX_ASKED:
-                        asked.add(name)
-                        unresolved.append(name)
-                    continue
-                if take(name, info):
+            if ask is not None and ask.done:
+                if ask.info is not None and take(ask.name, ask.info):
                     deadline = min(deadline, time.monotonic() + settle)
-            except Exception as exc:  # a record zeroconf cannot make sense of: the next one
-                log.debug("skipped an advertisement that does not resolve (%s)", exc)
+                ask = None
+            if ask is None and unresolved:
+                wait_ms = max(1, min(RESOLVE_MS, int((deadline - now) * 1000)))
+                ask = _Ask(ServiceInfo, unresolved.popleft(), zc, wait_ms, names)
+            try:
+                name = names.get(timeout=min(deadline - now, 0.1))
+            except queue.Empty:
+                continue
+            if look_up(name):
+                deadline = min(deadline, time.monotonic() + settle)
+        # What came in the last moments is still looked up in the cache (cheap; bounded).
+        for _ in range(MAX_ASKED):
+            try:
+                look_up(names.get_nowait())
+            except queue.Empty:
+                break
     finally:
+        if ask is not None:
+            ask.cancel()
         browser.cancel()
         zc.close()
     return sorted(found.values(), key=lambda f: (f.host, f.port))

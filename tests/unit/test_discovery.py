@@ -3,6 +3,8 @@ loopback only (TESTING.md: the root namespace never multicasts on a real interfa
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
@@ -95,11 +97,29 @@ def test_the_txt_record_is_small_and_holds_no_secret():
     assert token not in text and keys.server_public.decode() not in text
 
 
-def test_a_record_of_another_type_or_one_that_does_not_resolve_is_skipped(monkeypatch):
+@pytest.fixture
+def fake_zeroconf(monkeypatch):
+    """A Zeroconf of nothing but an event loop (asks for names run on it), for ``browse``."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    monkeypatch.setattr(discovery, "_zeroconf", lambda interfaces: type("Z", (), {
+        "loop": loop, "close": lambda self: None})())
+    try:
+        yield
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_record_of_another_type_or_one_that_does_not_resolve_is_skipped(monkeypatch,
+                                                                            fake_zeroconf):
     # Any host on the LAN can answer for the service type with a name of another type:
     # zeroconf hands it on, and ServiceInfo raised out of every browse (join, discover,
     # GPUMesh() looking for its coordinator) until it was skipped.
     import zeroconf
+    from zeroconf import asyncio as zeroconf_asyncio
 
     class Browser:
         def __init__(self, zc, service_type, handlers):
@@ -115,13 +135,14 @@ def test_a_record_of_another_type_or_one_that_does_not_resolve_is_skipped(monkey
             if not name.endswith("." + service_type):
                 raise zeroconf.BadTypeInNameException(name)
 
-        def request(self, zc, timeout):
+        def load_from_cache(self, zc):
+            return False
+
+        async def async_request(self, zc, timeout):
             raise zeroconf.BadTypeInNameException("a name zeroconf cannot resolve")
 
     monkeypatch.setattr(zeroconf, "ServiceBrowser", Browser)
-    monkeypatch.setattr(zeroconf, "ServiceInfo", Info)
-    monkeypatch.setattr(discovery, "_zeroconf", lambda interfaces: type("Z", (), {
-        "close": lambda self: None})())
+    monkeypatch.setattr(zeroconf_asyncio, "AsyncServiceInfo", Info)
     assert discovery.browse(0.3, ["192.0.2.1"]) == []
 
 
@@ -142,21 +163,31 @@ def test_an_advertised_version_is_quoted_in_advice_only_when_it_is_a_version(mon
     assert "install the gpumesh version it runs here" in str(info.value)
 
 
-def fake_lan(monkeypatch, names: list[str], adverts: dict[str, dict[bytes, bytes | None]]):
-    """zeroconf as a LAN would look to ``browse``: ``names`` announced in order; those in
+def fake_lan(monkeypatch, names: list, adverts: dict[str, dict[bytes, bytes | None]]):
+    """zeroconf as a LAN would look to ``browse``: ``names`` announced in order (a float: a
+    pause of that many seconds, the rest then coming from another thread); those in
     ``adverts`` came with their records (in the cache), the rest never resolve, each ask
     waiting out its time as zeroconf's does. Returns the names asked for."""
-    import threading
 
     import zeroconf
+    from zeroconf import asyncio as zeroconf_asyncio
 
     asked: list[str] = []
 
     class Browser:
         def __init__(self, zc, service_type, handlers):
-            for name in names:
-                handlers[0](zeroconf=zc, service_type=service_type, name=name,
-                            state_change=zeroconf.ServiceStateChange.Added)
+            def announce():
+                for name in names:
+                    if isinstance(name, float):  # a pause before the next names come
+                        threading.Event().wait(name)
+                        continue
+                    handlers[0](zeroconf=zc, service_type=service_type, name=name,
+                                state_change=zeroconf.ServiceStateChange.Added)
+
+            if any(isinstance(name, float) for name in names):
+                threading.Thread(target=announce, daemon=True).start()
+            else:
+                announce()
 
         def cancel(self):
             pass
@@ -174,19 +205,17 @@ def fake_lan(monkeypatch, names: list[str], adverts: dict[str, dict[bytes, bytes
         def parsed_addresses(self):
             return ["10.0.0.5"]
 
-        def request(self, zc, timeout):
+        async def async_request(self, zc, timeout):
             asked.append(self.name)
-            threading.Event().wait(timeout / 1000)  # no answer comes
+            await asyncio.sleep(timeout / 1000)  # no answer comes
             return False
 
     monkeypatch.setattr(zeroconf, "ServiceBrowser", Browser)
-    monkeypatch.setattr(zeroconf, "ServiceInfo", Info)
-    monkeypatch.setattr(discovery, "_zeroconf", lambda interfaces: type("Z", (), {
-        "close": lambda self: None})())
+    monkeypatch.setattr(zeroconf_asyncio, "AsyncServiceInfo", Info)
     return asked
 
 
-def test_names_that_never_resolve_do_not_hold_the_coordinator_back(monkeypatch):
+def test_names_that_never_resolve_do_not_hold_the_coordinator_back(monkeypatch, fake_zeroconf):
     # Names were resolved one by one in the order they came, RESOLVE_MS each: 20 names sent
     # by any host on the LAN ahead of the coordinator's made every browse time out.
     ours = "desk." + discovery.SERVICE_TYPE
@@ -199,7 +228,7 @@ def test_names_that_never_resolve_do_not_hold_the_coordinator_back(monkeypatch):
     assert asked == bogus[:len(asked)]  # each asked once, in the order they came
 
 
-def test_other_meshes_adverts_cannot_crowd_out_the_one_wanted(monkeypatch):
+def test_other_meshes_adverts_cannot_crowd_out_the_one_wanted(monkeypatch, fake_zeroconf):
     others = {f"other-{n}.{discovery.SERVICE_TYPE}": {**GOOD, b"mesh": f"{n:012x}".encode()}
               for n in range(1000, 1000 + discovery.MAX_FOUND + 10)}
     ours = "desk." + discovery.SERVICE_TYPE
@@ -207,3 +236,23 @@ def test_other_meshes_adverts_cannot_crowd_out_the_one_wanted(monkeypatch):
     found = discovery.browse(10.0, ["192.0.2.1"], want="0123456789ab", settle=0.2)
     assert len(found) == discovery.MAX_FOUND + 1
     assert [f.name for f in found if f.mesh == "0123456789ab"] == [ours]
+
+
+def test_a_name_that_comes_while_another_is_asked_for_is_found_at_once(monkeypatch, fake_zeroconf):
+    # The ask blocked the loop for its 1.5 s: a bogus name sent just ahead of the
+    # coordinator's answer held it back that long, or past the timeout near its end.
+    ours = "desk." + discovery.SERVICE_TYPE
+    bogus = "bogus." + discovery.SERVICE_TYPE
+    asked = fake_lan(monkeypatch, [bogus, 0.3, ours], {ours: GOOD})
+    started = time.monotonic()
+    found = discovery.browse(10.0, ["192.0.2.1"], want="0123456789ab", settle=0.1)
+    assert [f.name for f in found] == [ours] and asked == [bogus]
+    assert time.monotonic() - started < discovery.RESOLVE_MS / 1000  # not after the ask
+
+
+def test_copies_of_the_wanted_meshs_advert_are_bounded_too(monkeypatch, fake_zeroconf):
+    # Its fingerprint is in every advert: any LAN host can copy it.
+    copies = {f"copy-{n}.{discovery.SERVICE_TYPE}": GOOD for n in range(200)}
+    fake_lan(monkeypatch, list(copies), copies)
+    found = discovery.browse(10.0, ["192.0.2.1"], want="0123456789ab", settle=0.2)
+    assert len(found) == discovery.MAX_WANTED
