@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -33,6 +34,7 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,14 @@ MID_SIZE_FREE_MAX = 1 << 30
 # copy of at most 1 MiB): CPython's mmap keeps a descriptor open per mapping, and a client holding
 # thousands of mid-size results would run out of them.
 MIN_MAPPED_BYTES = 1024 * 1024
+# ... and at most this many at once in one process: past it, a frame is read into anonymous
+# memory (one copy) instead. A client holding 2,000 results of 1 MiB, or a coordinator sending
+# many to a peer that does not read them, ran out of descriptors (1,024 on many desktops) and
+# called the next frame "gone". Anonymous memory holds no descriptor.
+MAX_MAPPED = 256
+# Errors of opening or mapping a frame that is there: the process is short of descriptors or
+# memory for now. Never reported as the frame being gone (SharedFrameBusy).
+_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
 PROBE = "probe"
 JOURNAL = "journal"  # the path of the journal that names the folder's frames
 _NAME = NAME_PATTERN
@@ -89,9 +99,22 @@ def _base() -> Path:
     return Path(tempfile.gettempdir())
 
 
+class SharedFrameBusy(OSError):
+    """A shared frame that is there cannot be opened, mapped or read now: this process is short
+    of descriptors or memory. Try again later; the frame is not lost."""
+
+
+def _unmapped() -> None:
+    SharedFolder.mapped -= 1
+
+
 class SharedFolder:
     """One private folder of shared frames. Every method checks names: a peer's reference can
     only ever name a file inside this folder."""
+
+    # Frames ``open`` holds mapped in this process, all folders together (a soft bound: a
+    # mapping's end is counted by its finalizer, in whichever thread lets go of it last).
+    mapped = 0
 
     def __init__(self, path: Path, proof: str, lock: int | None = None) -> None:
         self.path = path
@@ -280,12 +303,20 @@ class SharedFolder:
         return out
 
     def open(self, name: str, size: int) -> Any:
+        """The frame ``name`` of ``size`` bytes: mapped copy-on-write, or read into memory of
+        its own under MIN_MAPPED_BYTES or past MAX_MAPPED mappings (a view of an anonymous
+        ``mmap`` then, whose end a weak reference can tell). Raises ValueError when it is gone
+        or not what it should be, SharedFrameBusy (an OSError) when this process is short of
+        descriptors or memory for now."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a shared frame's name")
         path = self.path / name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
+            if exc.errno in _SHORT_OF:
+                raise SharedFrameBusy(exc.errno, f"shared frame {name} cannot be opened now "
+                                                 f"({exc.strerror})") from None
             raise ValueError(f"shared frame {name} is gone ({exc.strerror}): was the machine "
                              "restarted, or the folder cleaned?") from None
         try:
@@ -297,16 +328,25 @@ class SharedFolder:
             if fcntl is not None and not (_lock_shared(fd) and _still_named(path, info)):
                 raise ValueError(f"shared frame {name} is gone: it was removed, or retired and "
                                  "written again, while this process opened it")
-            if size < MIN_MAPPED_BYTES:
+            if size < MIN_MAPPED_BYTES or SharedFolder.mapped >= MAX_MAPPED:
                 # Read under the lock, which goes with the descriptor: the producer may write
                 # into the file again at once.
-                view = memoryview(bytearray(size))
+                copy = bytearray(size) if size < MIN_MAPPED_BYTES else mmap.mmap(-1, size)
+                view = memoryview(copy)
                 if read_into(fd, view) < size:
                     raise ValueError(f"shared frame {name} is shorter than its {size} bytes")
                 return view
             # The lock lives as long as the mapping, which keeps a duplicate of this descriptor
             # (CPython's mmap does): the producer writes into the file only once it is let go.
-            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            SharedFolder.mapped += 1
+            weakref.finalize(mapping, _unmapped)
+            return memoryview(mapping)
+        except OSError as exc:
+            if exc.errno in _SHORT_OF:
+                raise SharedFrameBusy(exc.errno, f"shared frame {name} cannot be mapped or read "
+                                                 f"now ({exc.strerror})") from None
+            raise
         finally:
             os.close(fd)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import secrets
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from ..protocol import (
 from ..protocol.pieces import STREAM_BYTES
 from ..protocol.refs import ref_names, refs_of, shared_bytes
 from ..scheduler import placement_class
-from ..sharedmem import SharedFolder, materialize
+from ..sharedmem import SharedFolder, SharedFrameBusy, materialize
 from ..store import Store
 from .events import Event, EventLog
 from .inputs import JournaledInputs
@@ -422,7 +423,10 @@ class Ledger:
             raise TooBigToSend(f"it is {shown} in this machine's shared memory, and one message "
                                f"to a peer on another machine carries at most {most}")
         frames = serialize.join_frames(payload, header.get("split"))
-        frames = materialize(frames, refs, self.shm)
+        try:
+            frames = materialize(frames, refs, self.shm)
+        except SharedFrameBusy as exc:  # short of descriptors or memory: not lost
+            raise ReadLater(str(exc)) from None
         wire, layout = serialize.split_frames(frames, self.limits.chunk_bytes)
         header.pop("shm")
         header.pop("split", None)
@@ -591,16 +595,19 @@ class Ledger:
                 or task.collected:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
-        reading: weakref.ref[SharedFd] | None = None
+        reading: weakref.ref[Any] | None = None
         try:
             # From its file a piece at a time only where the frames go as they are, in pieces:
             # outgoing() joins and reads back shared frames (a header with shm), and a client
             # on this machine gets the result whole, as before (as a worker's input, `lease`).
             in_pieces = client.pieces and not client.maps_shared and "shm" not in header
+            read_back = "shm" in header and not client.maps_shared
             frames = self.result_frames(task, in_pieces)
             payload = self.outgoing(header, frames, client.maps_shared)
             if frames and isinstance(frames[0], FileSpan):
                 reading = weakref.ref(frames[0].fd)
+            elif read_back:  # mapped (a descriptor) or copied until sent: one at a time
+                reading = _buffer_of(payload)
         except ReadLater as exc:
             self.warn_read_later(f"the result of task {task.task_id}", exc, now)
             self.deferred_deliveries[task.task_id] = now + READ_AGAIN_AFTER
@@ -641,9 +648,9 @@ class Ledger:
 
     def redeliver(self, task: Task, now: float) -> None:
         """Send a finished task's result again (FETCH, a re-sent SUBMIT), at most once a second
-        to one connection, and not while it still goes there from its file (a second copy would
-        hold another of the MAX_SPAN_FILES descriptors): asking again and again must not
-        multiply what we queue for it."""
+        to one connection, and not while it still goes there from its file or shared memory (a
+        second copy would hold another of the MAX_SPAN_FILES descriptors, another mapping or
+        copy): asking again and again must not multiply what we queue for it."""
         client = self.clients.get(task.client_id)
         last = task.delivered
         if client is None or last is None or last[0] != client.routing \
@@ -745,3 +752,13 @@ def _cancelled_result(task: Task) -> dict[str, Any]:
 def _spans_pay(blob: BlobRef) -> bool:
     """A file big enough to send a piece at a time from disk, and a descriptor to spare."""
     return blob.nbytes >= STREAM_BYTES and SharedFd.opened < MAX_SPAN_FILES
+
+
+def _buffer_of(frames: list[Any]) -> weakref.ref[Any] | None:
+    """A weak reference to the mapping (or anonymous copy) behind the first frame read back
+    from shared memory: it dies once ZeroMQ has sent every frame over it."""
+    for frame in frames:
+        owner = getattr(frame, "obj", None)
+        if isinstance(owner, mmap.mmap):
+            return weakref.ref(owner)
+    return None

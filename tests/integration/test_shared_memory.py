@@ -250,3 +250,29 @@ def test_a_frame_file_is_written_again_only_once_nobody_maps_it(mesh_env, monkey
         assert np.array_equal(client.submit(echo, item).result(timeout=60), item)
     assert all(np.array_equal(future.result(), item) for item, future in kept)
     assert client.submit(kept_values, 0).result(timeout=60) == list(range(50, 56))
+
+
+def filled(value):
+    return np.full(MIN_MAPPED_BYTES, value % 251, dtype=np.uint8)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd")
+def test_a_caller_holding_many_big_results_holds_a_bounded_number_of_descriptors(
+        mesh_env, monkeypatch):
+    # Each big result was mapped, and CPython's mmap keeps a descriptor per mapping: a caller
+    # holding 2,000 results of 1 MiB (a preprocessing .map on a laptop) ran out of them at
+    # 1,024 and got "shared frame ... is gone" for the rest. Past MAX_MAPPED they are copied.
+    from gpumesh import sharedmem
+
+    monkeypatch.setattr(sharedmem, "MAX_MAPPED", sharedmem.SharedFolder.mapped + 16)
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    client.map(filled, [0])  # sessions, runners and the folder open before counting
+    before = len(os.listdir("/proc/self/fd"))
+    results = client.map(filled, range(120), timeout=120)
+    assert len(os.listdir("/proc/self/fd")) - before < 40  # 120 mapped would hold 120
+    assert all(r.shape == (MIN_MAPPED_BYTES,) and r[0] == n % 251 and r[-1] == n % 251
+               for n, r in enumerate(results))
+    results[5][0] = 9  # writable, as a mapped result is

@@ -417,6 +417,90 @@ def test_a_result_for_a_client_that_does_not_share_is_read_back_in(broker, folde
     assert b"".join(bytes(f) for f in result.payload[1:]) == BIG
 
 
+def result_left_in_the_folder(b: Broker, folder: SharedFolder, now: float = 1.0,
+                              before=lambda: None) -> str:
+    """A worker on this machine leaves a task's result in the folder; the client is elsewhere
+    (it never proved access): the task's id. ``before`` runs as the RESULT comes."""
+    handle(b, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    handle(b, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]}, [b"fn", b"a"])
+    task_id = sent(b, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
+    b.dispatch(now)
+    lease = sent(b, W, Command.TASK)[-1].header["lease"]
+    frames, refs = folder.share([b"pickle", BIG])
+    before()
+    b.handle(W, decode(encode(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                               "shm": [list(r) for r in refs]}, frames),
+                       LIMITS), now)
+    return task_id
+
+
+def test_a_result_not_read_back_for_want_of_descriptors_waits_and_is_not_lost(broker, folder,
+                                                                             monkeypatch):
+    # "Too many open files" was taken for the frame being gone: the client got ResultLost for
+    # a result that was there (and a worker's input, the task failed for good).
+    import errno
+
+    real_open = os.open
+
+    def short_of_descriptors(path, flags, *args, **kwargs):
+        if str(path).startswith(str(folder.path)):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args, **kwargs)
+
+    task_id = result_left_in_the_folder(
+        broker, folder, before=lambda: monkeypatch.setattr(os, "open", short_of_descriptors))
+    with pytest.raises(sharedmem.SharedFrameBusy):
+        folder.open("0" * 32, 1)
+    assert sent(broker, C, Command.RESULT) == []  # it waits
+    monkeypatch.setattr(os, "open", real_open)
+    broker.ledger.deliver_deferred(5.0)
+    result = sent(broker, C, Command.RESULT)[-1]
+    assert result.header["task"] == task_id and result.header["status"] == "ok"
+    assert b"".join(bytes(f) for f in result.payload[1:]) == BIG
+
+
+def test_a_result_read_back_is_not_read_again_for_a_fetch_while_it_waits_to_go(broker, folder):
+    # A client that stops reading its socket but sends FETCH every second made the coordinator
+    # map (or copy) the result again each time, a descriptor each: it ran out of them.
+    import gc
+
+    task_id = result_left_in_the_folder(broker, folder)
+    first = [frames for routing, frames in broker.outbox if routing == C]  # not sent yet
+    broker.outbox.clear()
+    handle(broker, C, Command.FETCH, {"qid": 1, "tasks": [task_id]})
+    broker.handle(C, decode(encode(Command.FETCH, {"qid": 2, "tasks": [task_id]}), LIMITS), 3.0)
+    assert sent(broker, C, Command.RESULT) == []  # the first copy still waits in the outbox
+    del first
+    gc.collect()
+    broker.handle(C, decode(encode(Command.FETCH, {"qid": 3, "tasks": [task_id]}), LIMITS), 5.0)
+    assert len(sent(broker, C, Command.RESULT)) == 1
+
+
+def test_past_so_many_mappings_a_big_frame_is_read_into_memory_holding_no_descriptor(
+        folder, monkeypatch):
+    import gc
+
+    gc.collect()
+    start = SharedFolder.mapped
+    monkeypatch.setattr(sharedmem, "MAX_MAPPED", start + 4)
+    _, refs = folder.share([BIG])
+    name = refs[0][1]
+    held = [folder.open(name, len(BIG)) for _ in range(4)]
+    assert SharedFolder.mapped == start + 4
+    if os.path.isdir("/proc/self/fd"):
+        before = _open_descriptors()
+        held += [folder.open(name, len(BIG)) for _ in range(40)]
+        assert _open_descriptors() - before < 8  # not one each
+    else:
+        held += [folder.open(name, len(BIG)) for _ in range(40)]
+    assert all(bytes(h) == BIG for h in held) and SharedFolder.mapped == start + 4
+    held[-1][0] = 7  # its own copy: writable, and the file stays as it was
+    assert bytes(folder.open(name, len(BIG)))[0] == BIG[0]
+    del held
+    gc.collect()
+    assert SharedFolder.mapped == start
+
+
 def test_shared_result_frames_from_a_worker_without_access_are_malformed(broker, folder):
     frames, refs = folder.share([b"pickle", BIG])
     handle(broker, W, Command.RESULT, {"task": "t", "lease": 1, "status": "ok",
