@@ -282,7 +282,8 @@ def holds(path: Path) -> bool | None:
     if fcntl is None:
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Without blocking: a FIFO under the name would hold the caller for good.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return None
     try:

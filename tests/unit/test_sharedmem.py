@@ -164,6 +164,34 @@ def test_hostile_references_do_not_parse(value):
         parse_refs(value, 2)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+def test_a_fifo_under_a_frames_name_is_refused_without_blocking(folder):
+    # Opening it for reading waited for a writer: the coordinator's loop would have stopped.
+    import threading
+
+    name = "ab" * 16
+    os.mkfifo(folder.path / name, 0o600)
+    outcome: list[object] = []
+
+    def open_it() -> None:
+        try:
+            folder.open(name, 10)
+        except Exception as exc:
+            outcome.append(exc)
+
+    opener = threading.Thread(target=open_it, daemon=True)
+    opener.start()
+    opener.join(5)
+    assert not opener.is_alive() and isinstance(outcome[0], ValueError)
+    from gpumesh.shmpool import holds
+
+    asker = threading.Thread(target=lambda: outcome.append(holds(folder.path / name)),
+                             daemon=True)
+    asker.start()
+    asker.join(5)
+    assert not asker.is_alive()
+
+
 def test_orphans_are_swept_only_when_old_and_unreferenced(folder):
     _, refs = folder.share([BIG, BIG, BIG])
     kept, old, young = (name for _, name, _ in refs)
