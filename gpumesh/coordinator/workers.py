@@ -238,6 +238,7 @@ class WorkerSide:
             if held is not None and task.lease_id == res.lease:
                 ledger.requeue(task, worker, now, res.diagnosis or "runner crashed", infra=True)
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
+            self._drop_untaken(res, task)  # files it names are nobody's now (RAM, in /dev/shm)
             return
         if task.lease_id != res.lease and task.state is TaskState.LEASED:
             # An earlier attempt finished first: its result is as good; stop the current one.

@@ -389,6 +389,22 @@ def test_shared_files_are_removed_once_nobody_needs_them(broker, folder):
     assert committed(broker, folder) == set()
 
 
+def test_the_files_a_crashed_result_names_go_too(broker, folder):
+    # They stayed in /dev/shm (memory) for as long as the coordinator ran.
+    sharing_worker(broker, folder)
+    handle(broker, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]},
+           [b"fn", b"a"])
+    task_id = sent(broker, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
+    broker.dispatch(1.0)
+    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
+    frames, refs = folder.share([b"pickle", BIG])
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "crashed",
+                                       "diagnosis": "x", "shm": [list(r) for r in refs]},
+           frames)
+    assert broker.tasks[task_id].state.value == "pending"  # it runs again
+    assert committed(broker, folder) == set()
+
+
 def retired(folder: SharedFolder) -> set[str]:
     return {n[len(RETIRED):] for n in os.listdir(folder.path) if n.startswith(RETIRED)}
 
