@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from conftest import wait_for
@@ -161,28 +162,29 @@ def test_the_dashboards_request_log_writes_out_control_characters(caplog):
     assert "\x1b" not in caplog.text and "\\x1b]0;pwned\\x07\\x1b[2J" in caplog.text
 
 
+class _NoContent(BaseHTTPRequestHandler):
+    """Answers every GET with 204: the dashboard server's connection handling, alone."""
+
+    timeout = 10
+
+    def do_GET(self):
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, format, *args):
+        pass
+
+
 def test_one_address_cannot_hold_every_dashboard_connection(monkeypatch):
     # 128 trickling connections from one LAN host locked every browser out of the dashboard.
     # Connections are handed to the server as it accepts them, with the peer's address as the
     # kernel would give it (socket pairs: no other host's address is ever used).
-    from http.server import BaseHTTPRequestHandler
-
     from gpumesh.dashboard import server as dashboard
 
     monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 8)
     monkeypatch.setattr(dashboard, "MAX_PER_ADDRESS", 2)
 
-    class Answer(BaseHTTPRequestHandler):
-        timeout = 10
-
-        def do_GET(self):
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, format, *args):
-            pass
-
-    httpd = dashboard._Server(("127.0.0.1", 0), Answer)
+    httpd = dashboard._Server(("127.0.0.1", 0), _NoContent)
     ours: list[socket.socket] = []
 
     def connect(address: tuple) -> socket.socket:
@@ -231,23 +233,12 @@ def test_the_dashboard_serves_so_many_connections_at_once_and_closes_the_next_un
         monkeypatch):
     # Each connection is a thread, and anybody on the network can open one before any check.
     import threading
-    from http.server import BaseHTTPRequestHandler
 
     from gpumesh.dashboard import server as dashboard
 
     monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 1)
 
-    class Answer(BaseHTTPRequestHandler):
-        timeout = 10
-
-        def do_GET(self):
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, format, *args):
-            pass
-
-    httpd = dashboard._Server(("127.0.0.1", 0), Answer)
+    httpd = dashboard._Server(("127.0.0.1", 0), _NoContent)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
                      daemon=True).start()
     try:

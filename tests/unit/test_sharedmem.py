@@ -391,16 +391,7 @@ def test_shared_files_are_removed_once_nobody_needs_them(broker, folder):
 
 def test_the_files_a_crashed_result_names_go_too(broker, folder):
     # They stayed in /dev/shm (memory) for as long as the coordinator ran.
-    sharing_worker(broker, folder)
-    handle(broker, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]},
-           [b"fn", b"a"])
-    task_id = sent(broker, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
-    broker.dispatch(1.0)
-    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
-    frames, refs = folder.share([b"pickle", BIG])
-    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "crashed",
-                                       "diagnosis": "x", "shm": [list(r) for r in refs]},
-           frames)
+    task_id = result_left_in_the_folder(broker, folder, status="crashed", diagnosis="x")
     assert broker.tasks[task_id].state.value == "pending"  # it runs again
     assert committed(broker, folder) == set()
 
@@ -447,24 +438,17 @@ def test_removals_wait_for_the_folder_to_close(tmp_path, monkeypatch):
 
 
 def test_a_result_for_a_client_that_does_not_share_is_read_back_in(broker, folder):
-    handle(broker, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
-    handle(broker, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]},
-           [b"fn", b"args"])
-    task_id = sent(broker, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
-    broker.dispatch(1.0)
-    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
-    frames, refs = folder.share([b"pickle", BIG])
-    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
-                                       "shm": [list(r) for r in refs]}, frames)
+    result_left_in_the_folder(broker, folder)
     result = sent(broker, C, Command.RESULT)[-1]
     assert "shm" not in result.header
     assert b"".join(bytes(f) for f in result.payload[1:]) == BIG
 
 
 def result_left_in_the_folder(b: Broker, folder: SharedFolder, now: float = 1.0,
-                              before=lambda: None) -> str:
+                              before=lambda: None, **result) -> str:
     """A worker on this machine leaves a task's result in the folder; the client is elsewhere
-    (it never proved access): the task's id. ``before`` runs as the RESULT comes."""
+    (it never proved access): the task's id. ``before`` runs as the RESULT comes; ``result``
+    changes its header (``status="crashed"``)."""
     handle(b, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
     handle(b, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]}, [b"fn", b"a"])
     task_id = sent(b, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
@@ -472,9 +456,9 @@ def result_left_in_the_folder(b: Broker, folder: SharedFolder, now: float = 1.0,
     lease = sent(b, W, Command.TASK)[-1].header["lease"]
     frames, refs = folder.share([b"pickle", BIG])
     before()
-    b.handle(W, decode(encode(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
-                                               "shm": [list(r) for r in refs]}, frames),
-                       LIMITS), now)
+    header = {"task": task_id, "lease": lease, "status": "ok", **result,
+              "shm": [list(r) for r in refs]}
+    b.handle(W, decode(encode(Command.RESULT, header, frames), LIMITS), now)
     return task_id
 
 
