@@ -15,7 +15,8 @@ MAX_SHARED_BYTES = 2**40
 
 def parse_refs(value: Any, frame_count: int) -> tuple[Ref, ...]:
     """A peer's ``shm`` field: [[index, name, size], ...], each index a distinct frame of the
-    message's ``frame_count``, each placeholder empty. Raises ValueError otherwise."""
+    message's ``frame_count``. Raises ValueError otherwise. The frame at an index is a
+    placeholder (empty, from gpumesh): it is replaced by the file, whatever it holds."""
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > frame_count:
@@ -43,8 +44,6 @@ def ref_names(refs: Iterable[Ref]) -> list[str]:
 
 def _plain_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
 
 
 def shared_bytes(refs: Iterable[Ref]) -> int:
