@@ -108,17 +108,19 @@ class SharedFrameBusy(OSError):
     of descriptors or memory. Try again later; the frame is not lost."""
 
 
-def _unmapped() -> None:
-    SharedFolder.mapped -= 1
+# The mappings ``SharedFolder.open`` made that are alive, all folders together: a weak set, so
+# a mapping leaves it when its last user lets go, in whatever thread (no count to drift).
+_MAPPINGS: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
+
+
+def mapped() -> int:
+    """How many frames this process holds mapped (MAX_MAPPED at most)."""
+    return len(_MAPPINGS)
 
 
 class SharedFolder:
     """One private folder of shared frames. Every method checks names: a peer's reference can
     only ever name a file inside this folder."""
-
-    # Frames ``open`` holds mapped in this process, all folders together (a soft bound: a
-    # mapping's end is counted by its finalizer, in whichever thread lets go of it last).
-    mapped = 0
 
     def __init__(self, path: Path, proof: str, lock: int | None = None) -> None:
         self.path = path
@@ -332,7 +334,7 @@ class SharedFolder:
             if fcntl is not None and not (_lock_shared(fd) and _still_named(path, info)):
                 raise ValueError(f"shared frame {name} is gone: it was removed, or retired and "
                                  "written again, while this process opened it")
-            if size < MIN_MAPPED_BYTES or SharedFolder.mapped >= MAX_MAPPED:
+            if size < MIN_MAPPED_BYTES or len(_MAPPINGS) >= MAX_MAPPED:
                 # Read under the lock, which goes with the descriptor: the producer may write
                 # into the file again at once.
                 copy = bytearray(size) if size < MIN_MAPPED_BYTES else mmap.mmap(-1, size)
@@ -343,8 +345,7 @@ class SharedFolder:
             # The lock lives as long as the mapping, which keeps a duplicate of this descriptor
             # (CPython's mmap does): the producer writes into the file only once it is let go.
             mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-            SharedFolder.mapped += 1
-            weakref.finalize(mapping, _unmapped)
+            _MAPPINGS.add(mapping)
             return memoryview(mapping)
         except OSError as exc:
             if exc.errno in _SHORT_OF:

@@ -264,7 +264,7 @@ def test_a_caller_holding_many_big_results_holds_a_bounded_number_of_descriptors
     # 1,024 and got "shared frame ... is gone" for the rest. Past MAX_MAPPED they are copied.
     from gpumesh import sharedmem
 
-    monkeypatch.setattr(sharedmem, "MAX_MAPPED", sharedmem.SharedFolder.mapped + 16)
+    monkeypatch.setattr(sharedmem, "MAX_MAPPED", sharedmem.mapped() + 16)
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=2)
     client = mesh_env.client()

@@ -509,24 +509,24 @@ def test_past_so_many_mappings_a_big_frame_is_read_into_memory_holding_no_descri
     import gc
 
     gc.collect()
-    start = SharedFolder.mapped
+    start = sharedmem.mapped()
     monkeypatch.setattr(sharedmem, "MAX_MAPPED", start + 4)
     _, refs = folder.share([BIG])
     name = refs[0][1]
     held = [folder.open(name, len(BIG)) for _ in range(4)]
-    assert SharedFolder.mapped == start + 4
+    assert sharedmem.mapped() == start + 4
     if os.path.isdir("/proc/self/fd"):
         before = _open_descriptors()
         held += [folder.open(name, len(BIG)) for _ in range(40)]
         assert _open_descriptors() - before < 8  # not one each
     else:
         held += [folder.open(name, len(BIG)) for _ in range(40)]
-    assert all(bytes(h) == BIG for h in held) and SharedFolder.mapped == start + 4
+    assert all(bytes(h) == BIG for h in held) and sharedmem.mapped() == start + 4
     held[-1][0] = 7  # its own copy: writable, and the file stays as it was
     assert bytes(folder.open(name, len(BIG)))[0] == BIG[0]
     del held
     gc.collect()
-    assert SharedFolder.mapped == start
+    assert sharedmem.mapped() == start
 
 
 def test_shared_result_frames_from_a_worker_without_access_are_malformed(broker, folder):
