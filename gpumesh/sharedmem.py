@@ -334,10 +334,18 @@ class SharedFolder:
             if fcntl is not None and not (_lock_shared(fd) and _still_named(path, info)):
                 raise ValueError(f"shared frame {name} is gone: it was removed, or retired and "
                                  "written again, while this process opened it")
-            if size < MIN_MAPPED_BYTES or len(_MAPPINGS) >= MAX_MAPPED:
+            copy: bytearray | mmap.mmap | None = None
+            if size < MIN_MAPPED_BYTES:
+                copy = bytearray(size)
+            elif len(_MAPPINGS) >= MAX_MAPPED:
+                # Private, as a copy-on-write mapping is: a forked child's writes stay its own.
+                # No memory for a copy (a huge frame under a memory limit): mapped after all,
+                # past the bound, rather than waiting for memory that may never come.
+                with contextlib.suppress(OSError):
+                    copy = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+            if copy is not None:
                 # Read under the lock, which goes with the descriptor: the producer may write
                 # into the file again at once.
-                copy = bytearray(size) if size < MIN_MAPPED_BYTES else mmap.mmap(-1, size)
                 view = memoryview(copy)
                 if read_into(fd, view) < size:
                     raise ValueError(f"shared frame {name} is shorter than its {size} bytes")
