@@ -55,7 +55,7 @@ from ..protocol.headers import ID_CHARS
 from ..protocol.refs import Ref, parse_refs, ref_names, shared_bytes
 from ..security import derive_keys
 from ..session import Session
-from ..sharedmem import SharedFolder, big_enough_to_share, materialize
+from ..sharedmem import SharedFolder, SharedFrameBusy, big_enough_to_share, materialize
 from ..transport import DealerLink, LinkEvent
 
 log = logging.getLogger("gpumesh.client")
@@ -74,6 +74,9 @@ CHUNK = 500  # tasks per SUBMIT
 FIRST_CHUNK = 16  # tasks in a batch's first SUBMIT
 ACK_BATCH = 1000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
+# A result this process could not read for want of descriptors or memory is asked for again
+# after this long (the coordinator sends one again at most once a second anyway).
+REFETCH_AFTER = 2.0
 # A query the coordinator refused as over its request rate (20 a second per client) is asked
 # again after this long, doubling to QUERY_RETRY_MAX, until the caller's own timeout.
 QUERY_RETRY = 0.1
@@ -245,6 +248,7 @@ class Engine:
         self._qids = itertools.count(1)
         self._outstanding: dict[int, _Submission] = {}
         self._by_task: dict[str, _Submission] = {}
+        self._refetch: dict[str, float] = {}  # task id -> when to FETCH its result again
         self._queries: dict[int, _Query] = {}
         self._acks: list[str] = []  # results to acknowledge, sent together (ACK_DELAY)
         self._acks_since = 0.0  # when the oldest of them arrived
@@ -795,6 +799,16 @@ class Engine:
         try:
             value = decode_result(msg.header, msg.payload,
                                   script=sub.spec.get("kind") == "script", shm=self._shm)
+        except SharedFrameBusy as exc:
+            # Its frames are there, but this process is short of descriptors or memory now:
+            # not acknowledged (the coordinator keeps them), and asked for again shortly.
+            log.warning("cannot read the result of task %s yet (%s): asking for it again",
+                        task_id, exc)
+            if self._acks and self._acks[-1] == task_id:
+                self._acks.pop()
+            self._outstanding[sub.seq] = sub
+            self._by_task[task_id] = sub
+            self._refetch[task_id] = now + REFETCH_AFTER
         except BaseException as exc:  # the remote exception, rebuilt
             _settle(future.set_exception, exc)
         else:
@@ -881,6 +895,12 @@ class Engine:
         """While a session is up: send again what was refused as busy, or never answered."""
         if self._parked and now - self._last_unpark >= BUSY_RETRY:
             self._unpark(now, len(self._parked))
+        if self._refetch:
+            due = [task_id for task_id, when in self._refetch.items() if when <= now]
+            for task_id in due:
+                del self._refetch[task_id]
+            if due:
+                self._send_ids(Command.FETCH, due, qid=0)
         if self._queries:
             self._retry_queries(now)
         if now - self._last_resend_check >= RESEND_AFTER / 4:
