@@ -941,7 +941,9 @@ class WorkerAgent:
             try:
                 frames = SharedFolder(Path(str(shm_dir)), "").resolve(
                     frames, parse_refs(header.pop("shm"), len(frames)))
-            except ValueError as exc:  # gone with that folder: the task must run again
+            except (ValueError, OSError) as exc:
+                # Gone with that folder, or this process cannot read it now (SharedFrameBusy:
+                # short of descriptors or memory): either way the task must run again.
                 header = {key: header[key] for key in ("task", "lease", "granted", "elapsed")
                           if key in header}
                 header.update(status=ResultStatus.CRASHED.value,
