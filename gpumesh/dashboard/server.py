@@ -34,10 +34,11 @@ MAX_STREAMS = 32  # browsers watching at once; each holds a thread
 # Connections served at once, each a thread: beyond this a new one is closed before anything
 # of it is read (anybody on the network can open them, before any check).
 MAX_CONNECTIONS = 128
-# ... of which one address (an IPv6 /64: one host can hold many of its addresses) may hold this
-# many: a browser opens six or so, and one host holding every slot (a connection that trickles
-# its request keeps one for the read timeout) would lock the other browsers out. Loopback is
-# not held to it: every viewer through an SSH tunnel or a local proxy comes from there.
+# ... of which one address may hold this many: a browser opens six or so, and one host holding
+# every slot (a connection that trickles its request keeps one for the read timeout) would lock
+# the other browsers out. Per address, not per IPv6 /64: on a SLAAC LAN every host shares one,
+# and a host using many addresses is a limit this does not reach. Loopback is not held to it:
+# every viewer through an SSH tunnel or a local proxy comes from there.
 MAX_PER_ADDRESS = 32
 KEEPALIVE = 15.0  # seconds between comments on an idle event stream
 HANDSHAKE_SECONDS = 10.0  # a TLS client that says nothing gives its thread back after this
@@ -114,19 +115,16 @@ class _Server(ThreadingHTTPServer):
 
 
 def _address_key(client_address: Any) -> str:
-    """What a connection counts against for MAX_PER_ADDRESS: its IPv4 address, its IPv6 /64,
-    or ``""`` for loopback (not capped) and anything else."""
+    """What a connection counts against for MAX_PER_ADDRESS: its address (an IPv4 peer of a
+    dual-stack bind as IPv4, without an IPv6 scope), or ``""`` for loopback (not capped) and
+    anything that is not an address."""
     try:
         ip = ipaddress.ip_address(str(client_address[0]).split("%", 1)[0])
     except (TypeError, ValueError, IndexError, KeyError):
         return ""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped  # a dual-stack bind sees IPv4 peers so
-    if ip.is_loopback:
-        return ""
-    if isinstance(ip, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
+    return "" if ip.is_loopback else str(ip)
 
 
 class Dashboard:

@@ -202,10 +202,11 @@ def test_one_address_cannot_hold_every_dashboard_connection(monkeypatch):
         connect(("192.0.2.7", 40001)), connect(("192.0.2.7", 40002))  # say nothing: held
         assert connect(("192.0.2.7", 40003)).recv(100) == b""  # closed at once, nothing read
         assert answered(connect(("192.0.2.8", 40001)))  # another host is served
-        # An IPv6 host has a /64 of addresses: it counts as one. A dual-stack bind's IPv4 peer
-        # counts as its IPv4 address.
-        connect(("2001:db8::1", 40001, 0, 0)), connect(("2001:db8::2", 40001, 0, 0))
-        assert connect(("2001:db8::3", 40001, 0, 0)).recv(100) == b""
+        # An IPv6 address counts alone (a SLAAC LAN shares one /64); a dual-stack bind's IPv4
+        # peer counts as its IPv4 address.
+        connect(("2001:db8::1", 40001, 0, 0)), connect(("2001:db8::1", 40002, 0, 0))
+        assert connect(("2001:db8::1", 40003, 0, 0)).recv(100) == b""
+        assert answered(connect(("2001:db8::2", 40001, 0, 0)))
         assert connect(("::ffff:192.0.2.7", 40004, 0, 0)).recv(100) == b""
         # Loopback (SSH tunnels, a local proxy) is held to the overall bound only.
         assert all(answered(connect(("127.0.0.1", 40001 + n))) for n in range(3))
