@@ -504,6 +504,87 @@ def test_a_result_read_back_is_not_read_again_for_a_fetch_while_it_waits_to_go(b
     assert len(sent(broker, C, Command.RESULT)) == 1
 
 
+def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_asked_for_again(
+        folder, tmp_path, monkeypatch):
+    # It became the caller's error while its acknowledgement told the coordinator to drop it.
+    import errno
+    import socket
+
+    from gpumesh.client.engine import REFETCH_AFTER, Engine
+    from gpumesh.config import Endpoint, Settings
+    from gpumesh.protocol import serialize
+
+    with socket.socket() as probe:  # a coordinator that never answers
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    try:
+        future, = engine.submit([({"kind": "fn"}, [b"x"])], "j1")
+        wait_for(lambda: engine._outstanding, what="the submission filed")
+        seq, = engine._outstanding
+        engine._shm = folder
+        value = bytearray(BIG)
+        frames, refs = folder.share(serialize.dumps(value))
+        assert refs
+        result = encode(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
+                                         "shm": [list(r) for r in refs]}, frames)
+        real_open = os.open
+
+        def short_of_descriptors(path, flags, *args, **kwargs):
+            if str(path).startswith(str(folder.path)):
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", short_of_descriptors)
+        engine._on_result(decode(result, LIMITS), 1.0)
+        assert not future.done() and "t1" not in engine._acks
+        fetched: list[list[str]] = []
+        monkeypatch.setattr(engine, "_send_ids", lambda command, ids, **extra: fetched.append(
+            [command.name, *ids]))
+        engine._timers(1.0 + REFETCH_AFTER)
+        assert fetched == [["FETCH", "t1"]] and engine._refetch == {}
+        monkeypatch.setattr(os, "open", real_open)
+        engine._on_result(decode(result, LIMITS), 1.0 + REFETCH_AFTER + 0.1)  # sent again
+        assert future.result(timeout=5) == value and engine._acks[-1] == "t1"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("failure", ["gone", "short of descriptors"])
+def test_a_worker_whose_result_it_cannot_read_back_reports_a_crash_and_stays_up(
+        folder, monkeypatch, failure):
+    # The coordinator moved to another folder: the agent reads its result's frames back to
+    # send them. Short of descriptors, SharedFrameBusy came out of the agent's loop and the
+    # worker exited with its runners.
+    import errno
+    import types
+
+    from gpumesh.worker import agent
+
+    frames, refs = folder.share([b"pickle", BIG])
+    if failure == "gone":
+        folder.remove([refs[0][1]])
+    else:
+        real_open = os.open
+
+        def short_of_descriptors(path, flags, *args, **kwargs):
+            if str(path).startswith(str(folder.path)):
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", short_of_descriptors)
+    posted: list[list] = []
+    moved = types.SimpleNamespace(shm=None, granted=1, settings=types.SimpleNamespace(
+        limits=LIMITS), link=types.SimpleNamespace(post=posted.append))
+    header = {"task": "t1", "lease": 7, "status": "ok", "elapsed": 0.1,
+              "shm": [list(r) for r in refs], agent._SHM_DIR: str(folder.path)}
+    agent.WorkerAgent._send_result(moved, header, list(frames))
+    sent = decode(posted[0], LIMITS)
+    assert sent.header["status"] == "crashed" and sent.header["task"] == "t1"
+    assert "lost before it was sent" in sent.header["diagnosis"] and sent.payload == []
+
+
 def test_past_so_many_mappings_a_big_frame_is_read_into_memory_holding_no_descriptor(
         folder, monkeypatch):
     import gc
@@ -527,6 +608,58 @@ def test_past_so_many_mappings_a_big_frame_is_read_into_memory_holding_no_descri
     del held
     gc.collect()
     assert sharedmem.mapped() == start
+
+
+def test_a_frame_with_no_memory_for_its_copy_is_mapped_past_the_bound(folder, monkeypatch):
+    # ENOMEM for the copy would have made the frame "busy" for good: a task queued forever.
+    import errno
+    import mmap as real_mmap
+
+    class NoAnonymousMemory:  # stands in for the mmap module
+        MAP_PRIVATE, ACCESS_COPY = real_mmap.MAP_PRIVATE, real_mmap.ACCESS_COPY
+
+        @staticmethod
+        def mmap(fileno, length, **options):
+            if fileno == -1:
+                raise OSError(errno.ENOMEM, "Cannot allocate memory")
+            return real_mmap.mmap(fileno, length, **options)
+
+    monkeypatch.setattr(sharedmem, "MAX_MAPPED", 0)
+    monkeypatch.setattr(sharedmem, "mmap", NoAnonymousMemory)
+    _, refs = folder.share([BIG])
+    view = folder.open(refs[0][1], len(BIG))
+    assert bytes(view) == BIG and isinstance(view.obj, real_mmap.mmap)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_copy_past_the_mapping_bound_is_private_to_its_process_across_a_fork(tmp_path):
+    # An anonymous mmap is MAP_SHARED by default: a child forked after the result came (a
+    # DataLoader, a fork pool) wrote into the parent's array. A mapping of the file is
+    # copy-on-write, so the copy must be private too. (In a child process: forking pytest,
+    # which runs threads, warns.)
+    import subprocess
+    import sys
+
+    script = f"""
+import os, pathlib
+from gpumesh import sharedmem
+sharedmem._base = lambda: pathlib.Path({str(tmp_path)!r})
+folder = sharedmem.SharedFolder.create("fork")
+_, refs = folder.share([bytes({len(BIG)})])
+sharedmem.MAX_MAPPED = 0
+view = folder.open(refs[0][1], {len(BIG)})
+assert not isinstance(view.obj, bytearray)
+pid = os.fork()
+if pid == 0:
+    view[0] = 1
+    os._exit(0)
+os.waitpid(pid, 0)
+print("private" if view[0] == 0 else "shared")
+folder.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "private", out.stderr
 
 
 def test_shared_result_frames_from_a_worker_without_access_are_malformed(broker, folder):
