@@ -14,6 +14,29 @@ try:
     IOV_MAX = min(int(os.sysconf("SC_IOV_MAX")), 1024)
 except (AttributeError, ValueError, OSError):
     IOV_MAX = 16
+# Open descriptors a long-running gpumesh process asks for (its soft limit, up to the hard one).
+DESCRIPTORS_WANTED = 65536
+
+
+def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int:
+    """Raise this process's soft limit on open descriptors toward ``wanted``, within its hard
+    limit; the limit it has after. For ``serve`` and ``join``: a coordinator holds a socket per
+    peer and a descriptor per mapped or streamed frame, and many desktops start every process
+    at 1,024 with a hard limit far above it. Nothing is lowered; where it cannot be raised
+    (another OS's ceiling), it stays."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # macOS: above OPEN_MAX
+            pass
+    return soft
 
 
 def write_all(fd: int, views: Sequence[memoryview]) -> None:

@@ -14,6 +14,7 @@ import click
 from ..config import SavedConnection, Settings, ensure_home, parse_url, save_connection
 from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, MeshError
+from ..fileio import raise_descriptor_limit
 from ..protocol.taskenv import check_env_name
 from ..security import stretch_in_background
 from ..worker import WorkerAgent, benchcache, devices
@@ -180,6 +181,7 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
     if identity.copied:
         click.echo(f"[worker] {settings.home} was copied from another machine or folder: this "
                    f"worker takes a new id ({identity.worker_id}) so the two stay apart")
+    raise_descriptor_limit()  # its runners inherit it: big results map a descriptor each
     try:
         agent = WorkerAgent(settings, endpoint, token, slots=slots, info=inventory,
                             worker_id=identity.worker_id,

@@ -28,6 +28,7 @@ from ..coordinator import Coordinator, Event
 from ..coordinator.server import tune_garbage_collector
 from ..discovery import Advertiser, advertised_addresses, binds_everywhere
 from ..errors import ConfigError, MeshError
+from ..fileio import raise_descriptor_limit
 from ..firewall import firewall_step
 from ..security import derive_keys, note_weak
 from ..tokens import (
@@ -356,6 +357,7 @@ def serve(
     click.echo("   Ctrl+C to stop")
 
     tune_garbage_collector()
+    raise_descriptor_limit()
     loop = threading.Thread(target=coordinator.run, name="gpumesh-coordinator", daemon=True)
     loop.start()
     stop = threading.Event()

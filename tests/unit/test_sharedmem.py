@@ -875,3 +875,27 @@ def test_a_system_that_cannot_name_a_spare_writes_new_files(folder, monkeypatch)
     assert bytes(folder.open(refs[0][1], len(BIG))) == BIG
     folder.share([BIG])
     assert not spare_ready(folder, len(BIG), timeout=0.3)  # spares are off from then on
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX limits")
+def test_serve_and_join_raise_their_descriptor_limit_within_the_hard_one():
+    # Many desktops start every process at 1,024 descriptors; a coordinator with hundreds of
+    # peers and mapped frames needs more, and the hard limit is usually far above.
+    import subprocess
+    import sys
+
+    script = """
+import resource
+from gpumesh.fileio import raise_descriptor_limit
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+got = raise_descriptor_limit(4096)
+want = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+print(got == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+higher = 8192 if hard == resource.RLIM_INFINITY else min(8192, hard)
+resource.setrlimit(resource.RLIMIT_NOFILE, (higher, hard))
+print(raise_descriptor_limit(4096) == higher)  # never lowered
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["True", "True"], out.stderr
