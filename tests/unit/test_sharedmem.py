@@ -462,10 +462,9 @@ def result_left_in_the_folder(b: Broker, folder: SharedFolder, now: float = 1.0,
     return task_id
 
 
-def test_a_result_not_read_back_for_want_of_descriptors_waits_and_is_not_lost(broker, folder,
-                                                                             monkeypatch):
-    # "Too many open files" was taken for the frame being gone: the client got ResultLost for
-    # a result that was there (and a worker's input, the task failed for good).
+def descriptors_run_out(monkeypatch, folder: SharedFolder):
+    """From now on, opening a file of ``folder`` fails with "Too many open files" (EMFILE);
+    returns what undoes it."""
     import errno
 
     real_open = os.open
@@ -475,12 +474,21 @@ def test_a_result_not_read_back_for_want_of_descriptors_waits_and_is_not_lost(br
             raise OSError(errno.EMFILE, "Too many open files")
         return real_open(path, flags, *args, **kwargs)
 
+    monkeypatch.setattr(os, "open", short_of_descriptors)
+    return lambda: monkeypatch.setattr(os, "open", real_open)
+
+
+def test_a_result_not_read_back_for_want_of_descriptors_waits_and_is_not_lost(broker, folder,
+                                                                             monkeypatch):
+    # "Too many open files" was taken for the frame being gone: the client got ResultLost for
+    # a result that was there (and a worker's input, the task failed for good).
+    undo: list = []
     task_id = result_left_in_the_folder(
-        broker, folder, before=lambda: monkeypatch.setattr(os, "open", short_of_descriptors))
+        broker, folder, before=lambda: undo.append(descriptors_run_out(monkeypatch, folder)))
     with pytest.raises(sharedmem.SharedFrameBusy):
         folder.open("0" * 32, 1)
     assert sent(broker, C, Command.RESULT) == []  # it waits
-    monkeypatch.setattr(os, "open", real_open)
+    undo[0]()
     broker.ledger.deliver_deferred(5.0)
     result = sent(broker, C, Command.RESULT)[-1]
     assert result.header["task"] == task_id and result.header["status"] == "ok"
@@ -507,7 +515,6 @@ def test_a_result_read_back_is_not_read_again_for_a_fetch_while_it_waits_to_go(b
 def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_asked_for_again(
         folder, tmp_path, monkeypatch):
     # It became the caller's error while its acknowledgement told the coordinator to drop it.
-    import errno
     import socket
 
     from gpumesh.client.engine import REFETCH_AFTER, Engine
@@ -529,14 +536,7 @@ def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_asked_for_ag
         assert refs
         result = encode(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
                                          "shm": [list(r) for r in refs]}, frames)
-        real_open = os.open
-
-        def short_of_descriptors(path, flags, *args, **kwargs):
-            if str(path).startswith(str(folder.path)):
-                raise OSError(errno.EMFILE, "Too many open files")
-            return real_open(path, flags, *args, **kwargs)
-
-        monkeypatch.setattr(os, "open", short_of_descriptors)
+        restore = descriptors_run_out(monkeypatch, folder)
         engine._on_result(decode(result, LIMITS), 1.0)
         assert not future.done() and "t1" not in engine._acks
         fetched: list[list[str]] = []
@@ -544,7 +544,7 @@ def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_asked_for_ag
             [command.name, *ids]))
         engine._timers(1.0 + REFETCH_AFTER)
         assert fetched == [["FETCH", "t1"]] and engine._refetch == {}
-        monkeypatch.setattr(os, "open", real_open)
+        restore()
         engine._on_result(decode(result, LIMITS), 1.0 + REFETCH_AFTER + 0.1)  # sent again
         assert future.result(timeout=5) == value and engine._acks[-1] == "t1"
     finally:
@@ -557,7 +557,6 @@ def test_a_worker_whose_result_it_cannot_read_back_reports_a_crash_and_stays_up(
     # The coordinator moved to another folder: the agent reads its result's frames back to
     # send them. Short of descriptors, SharedFrameBusy came out of the agent's loop and the
     # worker exited with its runners.
-    import errno
     import types
 
     from gpumesh.worker import agent
@@ -566,14 +565,7 @@ def test_a_worker_whose_result_it_cannot_read_back_reports_a_crash_and_stays_up(
     if failure == "gone":
         folder.remove([refs[0][1]])
     else:
-        real_open = os.open
-
-        def short_of_descriptors(path, flags, *args, **kwargs):
-            if str(path).startswith(str(folder.path)):
-                raise OSError(errno.EMFILE, "Too many open files")
-            return real_open(path, flags, *args, **kwargs)
-
-        monkeypatch.setattr(os, "open", short_of_descriptors)
+        descriptors_run_out(monkeypatch, folder)
     posted: list[list] = []
     moved = types.SimpleNamespace(shm=None, granted=1, settings=types.SimpleNamespace(
         limits=LIMITS), link=types.SimpleNamespace(post=posted.append))
