@@ -340,8 +340,8 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
     found: dict[str, Found] = {}
     wanted_names: set[str] = set()
     # Names whose records were not in zeroconf's cache when they came are asked for on the
-    # network, one at a time in a thread of its own (RESOLVE_MS each), while every name that
-    # comes meanwhile gets its look in the cache. Any host on the LAN can send names that never
+    # network, one at a time on zeroconf's event loop (RESOLVE_MS each, _Ask), while every name
+    # that comes meanwhile gets its look in the cache. Any host on the LAN can send names that never
     # resolve: taken in the order they came, 20 of them held the real coordinator's name back
     # past the timeout. A coordinator's answer carries its records, so its name is found in
     # the cache as it comes.

@@ -41,7 +41,7 @@ from typing import Any
 
 from .fileio import read_into, replace_private, write_all
 from .protocol.refs import NAME_PATTERN, Ref
-from .shmpool import KEEP_MAX_BYTES, RETIRED, Pool, holds
+from .shmpool import KEEP_MAX_BYTES, NONBLOCK, RETIRED, Pool, holds
 from .shmspares import Spares
 
 try:
@@ -74,15 +74,12 @@ MIN_MAPPED_BYTES = 1024 * 1024
 # called the next frame "gone". Anonymous memory holds no descriptor.
 MAX_MAPPED = 256
 # Errors of opening or mapping a frame that is there: the process is short of descriptors or
-# memory for now. Never reported as the frame being gone (SharedFrameBusy).
-_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
+# memory for now. Never reported as the frame being gone (SharedFrameBusy). (EINTR never
+# reaches here: Python retries the call.)
+_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
 PROBE = "probe"
 JOURNAL = "journal"  # the path of the journal that names the folder's frames
 _NAME = NAME_PATTERN
-# Every file read here is opened without blocking: a FIFO under a frame's name (this user can
-# make one) would otherwise hold the opener, the coordinator's loop among them, for good. Its
-# type is checked next; a regular file reads as usual.
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 # A file nobody refers to after a restart is removed only once it is this old: a client may
 # have written it a moment ago and be about to send the SUBMIT that names it.
 ORPHAN_AGE = 600.0
@@ -202,7 +199,7 @@ class SharedFolder:
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
                     or stat.S_IMODE(info.st_mode) & 0o077:
                 return None
-            fd = os.open(folder / PROBE, os.O_RDONLY | os.O_NOFOLLOW | _NONBLOCK)
+            fd = os.open(folder / PROBE, os.O_RDONLY | os.O_NOFOLLOW | NONBLOCK)
             with os.fdopen(fd) as src:
                 proof = src.read(64)
         except (OSError, UnicodeDecodeError):
@@ -318,7 +315,7 @@ class SharedFolder:
             raise ValueError(f"{name!r} is not a shared frame's name")
         path = self.path / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | _NONBLOCK)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | NONBLOCK)
         except OSError as exc:
             if exc.errno in _SHORT_OF:
                 raise SharedFrameBusy(exc.errno, f"shared frame {name} cannot be opened now "
@@ -526,7 +523,7 @@ def _journal_gone(folder: Path) -> bool:
     or a file since removed (a temporary mesh's home). Unknown (an older gpumesh's folder,
     unreadable): not gone."""
     try:
-        fd = os.open(folder / JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | _NONBLOCK)
+        fd = os.open(folder / JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | NONBLOCK)
         with os.fdopen(fd, "rb") as src:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return False

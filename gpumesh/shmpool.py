@@ -43,6 +43,10 @@ except ImportError:  # Windows: no shared folder at all (sharedmem.SharedFolder.
 
 # The prefix of a file the coordinator no longer needs, for its producer to claim back.
 RETIRED = "retired-"
+# Files in the folder are opened for reading without blocking: a FIFO under a frame's name (this
+# user can make one) would otherwise hold the opener, the coordinator's loop among them, for
+# good. Their type is checked next; a regular file reads as usual.
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 # A producer keeps at most this many files, and this many bytes of them, the least recently
 # written going first; it looks this often for kept files that lost their last name, and lets
 # go of any it has not written for KEEP_IDLE_SECONDS whatever its name.
@@ -282,8 +286,7 @@ def holds(path: Path) -> bool | None:
     if fcntl is None:
         return False
     try:
-        # Without blocking: a FIFO under the name would hold the caller for good.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | NONBLOCK)
     except OSError:
         return None
     try:
