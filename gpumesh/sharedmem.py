@@ -35,12 +35,13 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .fileio import read_into, replace_private, write_all
 from .protocol.refs import NAME_PATTERN, Ref
+from .shmowners import PREFIX_CHARS, alive, frame_name, is_owner_file, prefix_in
 from .shmpool import KEEP_MAX_BYTES, NONBLOCK, RETIRED, Pool, holds
 from .shmspares import Spares
 
@@ -80,8 +81,11 @@ _SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
 PROBE = "probe"
 JOURNAL = "journal"  # the path of the journal that names the folder's frames
 _NAME = NAME_PATTERN
-# A file nobody refers to after a restart is removed only once it is this old: a client may
-# have written it a moment ago and be about to send the SUBMIT that names it.
+# A frame nothing refers to whose producer is gone (gpumesh/shmowners.py) is removed once it is
+# this old: a SUBMIT its producer sent just before it died may still be on its way.
+ORPHAN_GRACE = 60.0
+# One whose producer is unknown (an older gpumesh's) only after a restart, once this old: a
+# client may have written it a moment ago and be about to send the SUBMIT that names it.
 ORPHAN_AGE = 600.0
 # A retired file its producer has not claimed back in this long is removed, and the oldest go
 # first beyond RETIRED_MAX_BYTES: a file is retired while anyone maps it, and a reader (a
@@ -127,6 +131,9 @@ class SharedFolder:
         self._spares: Spares | None = None  # made at the first frame this process writes
         self._pool: Pool | None = None  # the files this process wrote, to write again
         self._released = False
+        # The prefix this process names its frames with when another process owns them: a
+        # runner's are its agent's (gpumesh/shmowners.py). None: this process's own.
+        self.owner: str | None = None
 
     # ----------------------------------------------------------------- making and joining
 
@@ -231,13 +238,18 @@ class SharedFolder:
             out.append(frame)  # a small pickle (the common case), or no room in the folder
         return out, refs
 
+    def owner_prefix(self) -> str | None:
+        """The prefix of the frames this process writes here (gpumesh/shmowners.py), for a
+        runner to write its results under; None where they are named at random."""
+        return self.owner if self.owner is not None else prefix_in(self.path)
+
     def write(self, frames: Sequence[Any]) -> str | None:
         """Write one frame, given as the buffers it arrived in (a frame split for the wire is
         written without joining it first), to a new file here; its name, or None when it
         cannot be written (the folder is full: send the bytes instead)."""
         pieces = [_view(frame) for frame in frames]
         size = sum(piece.nbytes for piece in pieces)
-        name = secrets.token_hex(16)
+        name = frame_name(self.owner_prefix())
         target = self.path / name
         if self._spares is None and not self._released:
             self._spares = Spares(self.path)
@@ -401,23 +413,65 @@ class SharedFolder:
             self._remover.stop()
             self._remover = None
 
-    def sweep(self, keep: set[str], now: float | None = None) -> int:
-        """Remove files nobody refers to (after a restart), once they are ORPHAN_AGE old."""
+    def sweep(self, keep: Collection[str] | Callable[[], Collection[str]],
+              now: float | None = None, unknown_after: float | None = ORPHAN_AGE) -> int:
+        """Remove the frames nothing refers to whose producer is gone (gpumesh/shmowners.py)
+        once they are ORPHAN_GRACE old, and those whose producer is unknown (an older
+        gpumesh's) once ``unknown_after`` old; None: never, as while the coordinator runs, since
+        such a frame may be a parked SUBMIT's. ``keep``: the names something refers to, or a
+        function giving them, asked only when some frame may go. The lock files of producers
+        that are gone go too once no frame bears their prefix. Returns the frames removed."""
         now = time.time() if now is None else now
-        removed = 0
         try:
             with os.scandir(self.path) as listing:
                 entries = list(listing)
         except OSError:
             return 0
+        producers: dict[str, bool | None] = {}
+
+        def producer(prefix: str) -> bool | None:
+            if prefix not in producers:
+                producers[prefix] = alive(self.path, prefix)
+            return producers[prefix]
+
+        left: set[str] = set()  # the prefixes of the frames that stay
+        maybe: list[os.DirEntry[str]] = []
         for entry in entries:
-            if not _NAME.fullmatch(entry.name) or entry.name in keep:
+            if not _NAME.fullmatch(entry.name):
+                continue
+            prefix = entry.name[:PREFIX_CHARS]
+            there = producer(prefix)
+            limit = unknown_after if there is None else None if there else ORPHAN_GRACE
+            if limit is not None and _age(entry, now) > limit:
+                maybe.append(entry)
+            else:
+                left.add(prefix)
+        removed = 0
+        referenced = (keep() if callable(keep) else keep) if maybe else ()
+        for entry in maybe:
+            if entry.name in referenced:
+                left.add(entry.name[:PREFIX_CHARS])
                 continue
             with contextlib.suppress(OSError):
-                if now - entry.stat(follow_symlinks=False).st_mtime > ORPHAN_AGE:
-                    os.unlink(entry.path)
-                    removed += 1
+                os.unlink(entry.path)
+                removed += 1
+        for entry in entries:
+            if not is_owner_file(entry.name):
+                continue
+            prefix = entry.name.rsplit("-", 1)[-1]
+            if entry.name.startswith("."):  # never renamed: its maker died making it
+                if _age(entry, now) > ORPHAN_GRACE and holds(Path(entry.path)) is False:
+                    _unlink(Path(entry.path))
+            elif prefix not in left and producer(prefix) is False:
+                _unlink(Path(entry.path))
         return removed
+
+
+def _age(entry: os.DirEntry[str], now: float) -> float:
+    try:
+        return now - entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0  # gone meanwhile, or unknown: never old enough to remove
 
 
 class _Remover:
@@ -541,13 +595,18 @@ def _remove_frames(folder: Path) -> None:
 
 
 def _remove_if_empty(path: Path) -> bool:
-    """Remove a folder that holds no frame (only its probe, lock and retired files); False if
-    it holds one."""
+    """Remove a folder that holds no frame (only its probe, lock, producers' lock files and
+    retired files); False if it holds one. A producer still running makes a new lock file in a
+    folder made again in its place (shmowners.prefix_in)."""
     with contextlib.suppress(OSError):
-        with os.scandir(path) as entries:
-            if any(_NAME.fullmatch(entry.name) for entry in entries):
-                return False
+        with os.scandir(path) as listing:
+            entries = list(listing)
+        if any(_NAME.fullmatch(entry.name) for entry in entries):
+            return False
         _remove_retired(path)
+        for entry in entries:
+            if is_owner_file(entry.name):
+                _unlink(Path(entry.path))
         for name in (PROBE, JOURNAL, _LOCK):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path / name)

@@ -52,7 +52,6 @@ from ..protocol import (
     unbundle,
 )
 from ..protocol.pieces import Outflow
-from ..protocol.refs import ref_names, refs_of
 from ..sharedmem import SharedFolder
 from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
@@ -65,6 +64,9 @@ from .workers import WorkerSide
 
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 log = logging.getLogger("gpumesh.coordinator")
+
+# Seconds between looks for shared frames whose writers are gone (sharedmem.ORPHAN_GRACE).
+ORPHAN_SWEEP = 60.0
 
 __all__ = ["Broker", "Event"]
 
@@ -98,6 +100,7 @@ class Broker:
         self._last_pending_check = now
         self._finished_seen = 0  # ledger.finished_total at the last idle check
         self._last_sweep = now
+        self._last_orphan_sweep = now
         self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
         self._restoring = True
         # When a worker last sent a piece of a big message (a RESULT that may claim a restored
@@ -193,10 +196,7 @@ class Broker:
         if ledger.shm is not None:
             # Shared frames no journaled task refers to: from a client that never got its
             # ACCEPTED, or a result acknowledged just before a crash.
-            keep = {name for task in ledger.tasks.values()
-                    for header in (task.spec, task.result_header or {})
-                    for name in ref_names(refs_of(header.get("shm")))}
-            swept = ledger.shm.sweep(keep, now)
+            swept = ledger.shm.sweep(ledger.shared_files, now)
             if swept:
                 log.info("removed %d shared-memory file(s) nothing refers to", swept)
         return count
@@ -548,6 +548,19 @@ class Broker:
         if now - self._last_sweep >= RETENTION_SWEEP:
             self._last_sweep = now
             _guarded("sweep retained results", self.retention.sweep, now)
+        if self.ledger.shm is not None and now - self._last_orphan_sweep >= ORPHAN_SWEEP:
+            self._last_orphan_sweep = now
+            _guarded("sweep orphaned shared files", self._sweep_orphans, now)
+
+    def _sweep_orphans(self, now: float) -> None:
+        """Remove the shared frames of producers that are gone which no task names: a client
+        killed before its SUBMIT was accepted, a worker killed before it sent its result. Not
+        those of unknown producers: one may belong to a SUBMIT parked for minutes."""
+        shm = self.ledger.shm
+        if shm is not None:
+            swept = shm.sweep(self.ledger.shared_files, now, unknown_after=None)
+            if swept:
+                log.info("removed %d shared-memory file(s) whose writers are gone", swept)
 
     def _grace_over(self, now: float) -> bool:
         """``restore_grace`` after the start, or later while a worker is sending a big message

@@ -28,6 +28,7 @@ import msgpack
 from ..protocol.refs import Ref, parse_refs, ref_names
 from ..protocol.vocabulary import ResultStatus
 from ..sharedmem import SharedFolder
+from ..shmowners import is_prefix
 from .environment import base_environment, set_environ
 from .execute import fit_to_send, infrastructure_failure, run_task
 from .pipe import MARKER, PipeClosed, recv_message, send_message
@@ -168,6 +169,10 @@ def _shared_folder(header: dict[str, Any]) -> SharedFolder | None:
             old.release()
         _FOLDERS.clear()
         folder = _FOLDERS[where] = SharedFolder(Path(where), "")
+    # Its results are named as the agent's own frames: the agent keeps each until the
+    # coordinator has it, and outlives this process (gpumesh/shmowners.py).
+    owner = header.get("shm_owner")
+    folder.owner = owner if is_prefix(owner) else None
     return folder
 
 

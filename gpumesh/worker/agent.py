@@ -157,6 +157,7 @@ class WorkerAgent:
         # The coordinator's shared-memory folder, when this agent can read it (same machine):
         # big frames then come and go as file names (gpumesh.sharedmem).
         self.shm: SharedFolder | None = None
+        self._shm_owner: str | None = None  # the prefix its runners' results are named with
         self.joined_once = False
         self.granted = 0
         self.received = 0  # TASKs received in this session: the coordinator's count of sent
@@ -573,6 +574,7 @@ class WorkerAgent:
         if self.shm is not None:
             self.shm.release()
         self.shm = SharedFolder.join(h.get("shm")) if self.settings.share_memory else None
+        self._shm_owner = self.shm.owner_prefix() if self.shm is not None else None
         if self.shm is not None:
             # Before anything that names a shared file: the coordinator reads in order.
             self.link.post(encode(Command.HEARTBEAT, {"leases": self._held_leases(),
@@ -636,6 +638,8 @@ class WorkerAgent:
             # The runner maps shared input itself and leaves a big result there: the bytes
             # never pass through the agent.
             runner_header["shm_dir"] = task.header[_SHM_DIR] = str(self.shm.path)
+            if self._shm_owner is not None:  # its results stay while this agent keeps them
+                runner_header["shm_owner"] = self._shm_owner
             if refs:
                 runner_header["shm"] = [list(ref) for ref in refs]
         self.queue.append(QueuedTask(task, runner_header, frames))

@@ -18,6 +18,7 @@ from conftest import wait_for
 from gpumesh import GPUMesh
 from gpumesh.protocol.refs import NAME_PATTERN
 from gpumesh.sharedmem import MIN_MAPPED_BYTES, MIN_SHARED_BYTES
+from gpumesh.shmowners import OWNER
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 
@@ -74,6 +75,40 @@ def test_big_arguments_and_results_round_trip_writable(mesh_env, shared):
     assert (engine is not None and engine._shm is not None) == (shared == "1")
     # Collected: the coordinator removed every file of this job.
     wait_for(lambda: frames_in(mesh_env) <= before, what="the shared files to be removed")
+
+
+def holders_of_owner_files() -> dict[str, set[int]]:
+    """Each producer lock file (gpumesh/shmowners.py) in this user's folders: the processes
+    holding it open, from /proc."""
+    held: dict[str, set[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or not ours
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if "/gpumesh-" in link and f"/{OWNER}" in link:
+                held.setdefault(link, set()).add(int(pid))
+    return held
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
+def test_a_runner_writes_its_results_as_its_worker_which_keeps_them_until_sent(mesh_env):
+    """A result stays named by the agent's lock file: the agent holds it, unacknowledged, also
+    while the coordinator is away, and outlives its runner; a runner's own lock file would let
+    the coordinator sweep a result a restarted runner left with its agent."""
+    mesh_env.start_coordinator()
+    worker = mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    results = client.map(checksum_after, [(a, 0.0) for a in arrays(2)], timeout=60)
+    assert len(results) == 2
+    holders = set().union(*holders_of_owner_files().values())
+    assert holders == {os.getpid(), worker.pid}  # the client and the agent; no runner
 
 
 def test_mid_size_arguments_go_by_name_not_into_journal_files(mesh_env):

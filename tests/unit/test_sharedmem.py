@@ -4,16 +4,20 @@ for the others, and removes each file once nobody needs it."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
 from conftest import wait_for
 
-from gpumesh import sharedmem, shmspares
+from gpumesh import sharedmem, shmowners, shmspares
 from gpumesh.config import Limits, Timing
-from gpumesh.coordinator.broker import Broker
+from gpumesh.coordinator.broker import ORPHAN_SWEEP, Broker
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.protocol.refs import parse_refs
 from gpumesh.sharedmem import (
@@ -21,9 +25,11 @@ from gpumesh.sharedmem import (
     MIN_MAPPED_BYTES,
     MIN_SHARED_BYTES,
     ORPHAN_AGE,
+    ORPHAN_GRACE,
     PROBE,
     SharedFolder,
 )
+from gpumesh.shmowners import OWNER, PREFIX_CHARS
 from gpumesh.shmpool import RETIRED
 from gpumesh.store import Store
 
@@ -34,7 +40,9 @@ LIMITS = Limits()
 
 
 def names(folder: SharedFolder) -> set[str]:
-    return {n for n in os.listdir(folder.path) if n not in (PROBE, JOURNAL, ".lock")}
+    """Its frames' files and retired files: not its probe, journal path, locks or owners."""
+    return {n for n in os.listdir(folder.path)
+            if n not in (PROBE, JOURNAL, ".lock") and not shmowners.is_owner_file(n)}
 
 
 def test_the_folder_is_private_and_joined_only_with_the_proof(folder):
@@ -192,14 +200,113 @@ def test_a_fifo_under_a_frames_name_is_refused_without_blocking(folder):
     assert not asker.is_alive()
 
 
-def test_orphans_are_swept_only_when_old_and_unreferenced(folder):
-    _, refs = folder.share([BIG, BIG, BIG])
-    kept, old, young = (name for _, name, _ in refs)
-    past = os.stat(folder.path / old).st_mtime - ORPHAN_AGE - 1
-    os.utime(folder.path / old, (past, past))
-    os.utime(folder.path / kept, (past, past))
-    assert folder.sweep({kept}) == 1
-    assert names(folder) == {kept, young}
+def written_by_a_process_killed_after(folder: SharedFolder, count: int) -> list[str]:
+    """The names of ``count`` big frames another process wrote into ``folder`` before it was
+    killed with SIGKILL: a client gone before its SUBMIT was accepted."""
+    code = ("import json, os, signal, sys\n"
+            "from gpumesh.sharedmem import SharedFolder\n"
+            "folder = SharedFolder.join(json.loads(sys.argv[1]))\n"
+            f"print(json.dumps([folder.write([bytes({MIN_MAPPED_BYTES})]) for _ in range({count})]),"
+            " flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(folder.offer())],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    written = json.loads(done.stdout)
+    assert all(isinstance(name, str) for name in written)
+    return written
+
+
+def age(folder: SharedFolder, name: str, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(folder.path / name, (then, then))
+
+
+def owner_files(folder: SharedFolder) -> set[str]:
+    return {n for n in os.listdir(folder.path) if n.startswith(OWNER)}
+
+
+def test_frames_of_a_killed_writer_go_once_old_and_unreferenced(folder):
+    referenced, old, young = written_by_a_process_killed_after(folder, 3)
+    prefix = referenced[:PREFIX_CHARS]
+    assert old.startswith(prefix) and young.startswith(prefix)
+    assert owner_files(folder) == {OWNER + prefix}
+    assert shmowners.alive(folder.path, prefix) is False  # its lock went with it
+    age(folder, referenced, ORPHAN_GRACE + 1)
+    age(folder, old, ORPHAN_GRACE + 1)
+    assert folder.sweep({referenced}, unknown_after=None) == 1
+    assert names(folder) == {referenced, young}
+    assert owner_files(folder) == {OWNER + prefix}  # its frames are not all gone yet
+    age(folder, young, ORPHAN_GRACE + 1)
+    assert folder.sweep(lambda: {referenced}, unknown_after=None) == 1
+    assert folder.sweep(set(), unknown_after=None) == 1  # once nothing names it any more
+    assert names(folder) == set() and owner_files(folder) == set()
+
+
+def test_frames_of_a_live_writer_stay_however_old_and_unreferenced(folder):
+    _, refs = folder.share([BIG, BIG])
+    for _, name, _ in refs:
+        age(folder, name, 10 * ORPHAN_AGE)
+    asked = []
+    assert folder.sweep(lambda: asked.append(1) or set(), unknown_after=0) == 0
+    assert not asked  # nothing could go: the task table was not even looked at
+    assert names(folder) == {name for _, name, _ in refs}
+
+
+def test_frames_of_an_unknown_writer_go_only_after_a_restart(folder):
+    unknown = "f" * 32  # named as before owners, or its owner file went with an older folder
+    (folder.path / unknown).write_bytes(b"x")
+    age(folder, unknown, ORPHAN_AGE + 1)
+    assert folder.sweep(set(), unknown_after=None) == 0  # running: a parked SUBMIT's, maybe
+    assert folder.sweep(set()) == 1  # at a restart, as ever, once ORPHAN_AGE old
+    assert names(folder) == set()
+
+
+def test_a_runner_names_its_frames_as_its_agent_and_a_forked_child_as_itself(folder):
+    agent = folder.owner_prefix()
+    runner = SharedFolder(folder.path, "")
+    runner.owner = agent
+    assert runner.write([BIG]).startswith(agent)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's exit status says how it went
+        mine = SharedFolder(folder.path, "").write([BIG])
+        os._exit(0 if mine is not None and not mine.startswith(agent) else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert shmowners.alive(folder.path, agent) is True  # the child let go of its copy only
+    assert len(owner_files(folder)) == 2
+
+
+def test_a_writer_makes_its_lock_file_again_in_a_folder_made_again(tmp_path, monkeypatch):
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    first = SharedFolder.create("again")
+    assert first is not None
+    client = SharedFolder.join(first.offer())
+    assert client is not None
+    prefix = client.owner_prefix()
+    first.close()  # no frame left: the folder goes, the client's lock file with it
+    assert not first.path.exists()
+    second = SharedFolder.create("again")
+    assert second is not None
+    try:
+        again = SharedFolder.join(second.offer())
+        assert again is not None
+        name = again.write([BIG])
+        assert name is not None and not name.startswith(prefix)
+        assert shmowners.alive(second.path, name[:PREFIX_CHARS]) is True
+    finally:
+        second.remove(names(second))
+        second.close()
+
+
+def test_a_lock_file_never_renamed_goes_once_old(folder):
+    making = folder.path / f".{OWNER}{'a' * PREFIX_CHARS}"
+    making.write_bytes(b"")
+    folder.sweep(set(), unknown_after=None)
+    assert making.exists()  # it may be being made right now
+    age(folder, making.name, ORPHAN_GRACE + 1)
+    folder.sweep(set(), unknown_after=None)
+    assert not making.exists()
 
 
 def test_close_keeps_a_folder_that_still_holds_frames(folder):
@@ -387,6 +494,28 @@ def test_shared_files_are_removed_once_nobody_needs_them(broker, folder):
     handle(broker, C, Command.RESULT_ACK, {"tasks": [task_id]})
     assert names(folder) == {name, result_name}  # not before the collection is committed
     assert committed(broker, folder) == set()
+
+
+def test_a_running_coordinator_sweeps_what_a_killed_client_left_and_keeps_what_it_sent(
+        broker, folder):
+    """A client killed between writing its arguments and the coordinator accepting the SUBMIT
+    left them in /dev/shm (memory) until the coordinator restarted. What its accepted tasks
+    name stays, and so does what a live client wrote, however long its SUBMIT waits."""
+    sent_one, left_one = written_by_a_process_killed_after(folder, 2)
+    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
+    spec = {"seq": 1, "nf": 2, "kind": "fn", "shm": [[1, sent_one, MIN_MAPPED_BYTES]]}
+    handle(broker, C, Command.SUBMIT, {"tasks": [spec]}, [b"fn", b""])
+    assert sent(broker, C, Command.ACCEPTED)[-1].header["accepted"]
+    _, refs = folder.share([BIG])  # a live client's, not sent yet
+    parked = refs[0][1]
+    for name in (sent_one, left_one, parked):
+        age(folder, name, ORPHAN_GRACE + 1)
+    now = time.time()
+    broker.tick(now)  # the first look comes ORPHAN_SWEEP after the start (0.0 here)
+    assert names(folder) == {sent_one, parked}
+    age(folder, parked, 100 * ORPHAN_AGE)
+    broker.tick(now + ORPHAN_SWEEP)
+    assert names(folder) == {sent_one, parked}
 
 
 def test_the_files_a_crashed_result_names_go_too(broker, folder):

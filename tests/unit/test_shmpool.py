@@ -11,6 +11,7 @@ from conftest import wait_for
 
 from gpumesh import sharedmem, shmpool
 from gpumesh.sharedmem import JOURNAL, MIN_MAPPED_BYTES, PROBE, SharedFolder, _still_named
+from gpumesh.shmowners import is_owner_file
 from gpumesh.shmpool import RETIRED, holds
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX locks and fork")
@@ -30,7 +31,9 @@ def inode(folder: SharedFolder, name: str) -> int:
 
 
 def listing(folder: SharedFolder) -> set[str]:
-    return {n for n in os.listdir(folder.path) if n not in (PROBE, JOURNAL, ".lock")}
+    """Frames and retired files: not the probe, journal path, locks or writers' lock files."""
+    return {n for n in os.listdir(folder.path)
+            if n not in (PROBE, JOURNAL, ".lock") and not is_owner_file(n)}
 
 
 def test_a_retired_file_nobody_maps_is_written_again_in_place(folder):
