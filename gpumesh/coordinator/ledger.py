@@ -34,6 +34,7 @@ from ..protocol import (
 )
 from ..protocol.pieces import STREAM_BYTES
 from ..protocol.refs import ref_names, refs_of, shared_bytes
+from ..protocol.vocabulary import KEPT_FUNCTIONS
 from ..scheduler import placement_class
 from ..sharedmem import SharedFolder, SharedFrameBusy, materialize
 from ..store import Store
@@ -76,7 +77,7 @@ MOVE_INTO_FOLDER_BYTES = 1024 * 1024
 # descriptor each until sent, however long it waits behind another; beyond this many, one is
 # read back whole as before, so the coordinator never runs short of descriptors for its sockets.
 MAX_SPAN_FILES = 64
-FUNCTIONS_PER_WORKER = 64  # functions a worker keeps per session (then it starts afresh)
+FUNCTIONS_PER_WORKER = KEPT_FUNCTIONS  # functions a worker keeps per session (then afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
 
 

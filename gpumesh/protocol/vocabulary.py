@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 
+# Functions a worker keeps per session (TASK ``fnkeep``): the coordinator says ``fnreset`` before
+# it would tell the worker to keep one more, and a worker that is told to anyway starts afresh.
+KEPT_FUNCTIONS = 64
+
 
 class TaskKind(str, enum.Enum):
     FUNCTION = "fn"  # a pickled (or source-form) Python function with its arguments

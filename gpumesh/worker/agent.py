@@ -46,6 +46,7 @@ from ..protocol import (
 from ..protocol.fields import INT64, for_terminal
 from ..protocol.refs import parse_refs
 from ..protocol.requirements import parse_size
+from ..protocol.vocabulary import KEPT_FUNCTIONS
 from ..runner.pipe import PipeClosed
 from ..security import derive_keys
 from ..session import Session
@@ -664,6 +665,13 @@ class WorkerAgent:
             return [function, *payload]
         if h.get("fnkeep") is True and payload:
             if h.get("fnreset") is True:
+                self.functions.clear()
+            elif len(self.functions) >= KEPT_FUNCTIONS and digest not in self.functions:
+                # Told to keep one more than the protocol allows: a coordinator that does not
+                # count. Memory stays bounded; a later fnref for a function forgotten here
+                # starts a new session, which sends it again.
+                log.warning("the coordinator asked this worker to keep over %d functions; "
+                            "forgetting the others", KEPT_FUNCTIONS)
                 self.functions.clear()
             kept = payload[0]
             # As bytes: the tasks that name it hand it on to a runner with their own frames,

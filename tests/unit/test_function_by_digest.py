@@ -155,6 +155,21 @@ def test_a_function_that_came_as_a_zmq_frame_is_kept_as_bytes(agent):
     assert frames == [fn, b"b"] and all(type(f) is bytes for f in frames)
 
 
+def test_a_coordinator_that_never_says_forget_cannot_grow_the_agents_table(agent):
+    # Every field a peer sends is hostile until parsed: a coordinator of another build (or a
+    # broken one) saying fnkeep forever must not fill the worker's memory with functions.
+    for i in range(FUNCTIONS_PER_WORKER * 3):
+        fn, digest = function(f"f{i}")
+        agent._with_function({"fn": digest, "fnkeep": True}, [fn, b"a"])
+        assert len(agent.functions) <= FUNCTIONS_PER_WORKER
+    assert digest in agent.functions  # the newest is kept: its next fnref finds it
+    fn, kept = function("f0")
+    agent._with_function({"fn": kept, "fnkeep": True}, [fn, b"a"])
+    again = len(agent.functions)
+    agent._with_function({"fn": kept, "fnkeep": True}, [fn, b"a"])  # kept again: no reset
+    assert len(agent.functions) == again
+
+
 def test_a_named_function_the_agent_lacks_starts_a_new_session_not_a_wrong_run(agent):
     _, digest = function("f")
     agent.session.welcomed = True
