@@ -41,7 +41,16 @@ from typing import Any
 
 from .fileio import read_into, replace_private, write_all
 from .protocol.refs import NAME_PATTERN, Ref
-from .shmowners import PREFIX_CHARS, alive, frame_name, is_owner_file, prefix_in
+from .shmowners import (
+    ANONYMOUS,
+    OWN_PREFIX,
+    PREFIX_CHARS,
+    alive,
+    frame_name,
+    is_owner_file,
+    is_prefix,
+    prefix_in,
+)
 from .shmpool import KEEP_MAX_BYTES, NONBLOCK, RETIRED, Pool, holds
 from .shmspares import Spares
 
@@ -131,9 +140,10 @@ class SharedFolder:
         self._spares: Spares | None = None  # made at the first frame this process writes
         self._pool: Pool | None = None  # the files this process wrote, to write again
         self._released = False
-        # The prefix this process names its frames with when another process owns them: a
-        # runner's are its agent's (gpumesh/shmowners.py). None: this process's own.
-        self.owner: str | None = None
+        # Whose the frames this object writes are (gpumesh/shmowners.py): OWN_PREFIX, this
+        # process's; a prefix, another process's (a runner's results are its agent's); or
+        # ANONYMOUS, nobody's (named at random: the coordinator's own, which its journal names).
+        self.owner: str = OWN_PREFIX
 
     # ----------------------------------------------------------------- making and joining
 
@@ -172,7 +182,12 @@ class SharedFolder:
             if lock is not None:
                 os.close(lock)
             return None
-        return cls(path, proof, lock)
+        made = cls(path, proof, lock)
+        # What the coordinator writes here (a remote client's input, for a worker of this
+        # machine) its tasks name until they end, and a restarted coordinator removes once 10
+        # minutes old if none does: no owner, whose death would make them go a minute on.
+        made.owner = ANONYMOUS
+        return made
 
     def close(self) -> None:
         """The coordinator stops: the folder goes when no frame is left in it (journaled
@@ -239,9 +254,11 @@ class SharedFolder:
         return out, refs
 
     def owner_prefix(self) -> str | None:
-        """The prefix of the frames this process writes here (gpumesh/shmowners.py), for a
-        runner to write its results under; None where they are named at random."""
-        return self.owner if self.owner is not None else prefix_in(self.path)
+        """The prefix of the frames written here (gpumesh/shmowners.py), for a runner to write
+        its results under; None where they are named at random."""
+        if self.owner == OWN_PREFIX:
+            return prefix_in(self.path)
+        return self.owner if is_prefix(self.owner) else None
 
     def write(self, frames: Sequence[Any]) -> str | None:
         """Write one frame, given as the buffers it arrived in (a frame split for the wire is
@@ -316,6 +333,23 @@ class SharedFolder:
                 raise ValueError(f"a shared frame at index {index} of {len(out)}")
             out[index] = self.open(name, size)
         return out
+
+    def missing(self, refs: Iterable[Ref]) -> str:
+        """Why some referenced frame is not here as named (gone, or not its size); empty when
+        every one is. A look, not a read: for a result as it arrives, while its worker may
+        still be asked to run the task again."""
+        for _, name, size in refs:
+            if not _NAME.fullmatch(name):
+                return f"{name!r} is not a shared frame's name"
+            try:
+                info = os.stat(self.path / name, follow_symlinks=False)
+            except FileNotFoundError:
+                return f"shared frame {name} is gone"
+            except OSError:
+                continue  # cannot tell now: its reader says, as before
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                return f"shared frame {name} is not the {size} bytes it should be"
+        return ""
 
     def open(self, name: str, size: int) -> Any:
         """The frame ``name`` of ``size`` bytes: mapped copy-on-write, or read into memory of

@@ -37,6 +37,9 @@ from .shmpool import NONBLOCK
 
 OWNER = "owner-"
 PREFIX_CHARS = 16
+# What a SharedFolder's ``owner`` may say besides a prefix: its process's own, or nobody's.
+OWN_PREFIX = "own"
+ANONYMOUS = "anonymous"
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -70,9 +73,14 @@ class _Owner:
         left removes the folder, and one started later in its place knows nothing of it."""
         try:
             named = os.stat(self.path, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True  # cannot tell now (out of memory, say): its lock must not go for that
+        try:
             held = os.fstat(self.fd)
         except OSError:
-            return False
+            return False  # the descriptor itself is gone: nothing holds the lock
         return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
     def close(self) -> None:

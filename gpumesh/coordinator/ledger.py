@@ -436,11 +436,14 @@ class Ledger:
         return wire
 
     def shared_files(self) -> set[str]:
-        """The names of every shared-memory file a task's input or result refers to: what an
-        orphan sweep (sharedmem.SharedFolder.sweep) must leave."""
-        return {name for task in self.tasks.values()
-                for header in (task.spec, task.result_header or {}) if "shm" in header
-                for name in ref_names(refs_of(header["shm"]))}
+        """The names of every shared-memory file a task's input or result refers to, and of
+        those dropped this turn (the journal names them until its commit): what an orphan
+        sweep (sharedmem.SharedFolder.sweep) must leave."""
+        named = {name for task in self.tasks.values()
+                 for header in (task.spec, task.result_header or {}) if "shm" in header
+                 for name in ref_names(refs_of(header["shm"]))}
+        named.update(self.unneeded_files)
+        return named
 
     def drop_shared(self, header: dict[str, Any] | None) -> None:
         """Remove the shared-memory files a spec or result refers to once this turn's journal

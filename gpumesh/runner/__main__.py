@@ -28,7 +28,7 @@ import msgpack
 from ..protocol.refs import Ref, parse_refs, ref_names
 from ..protocol.vocabulary import ResultStatus
 from ..sharedmem import SharedFolder
-from ..shmowners import is_prefix
+from ..shmowners import ANONYMOUS, is_prefix
 from .environment import base_environment, set_environ
 from .execute import fit_to_send, infrastructure_failure, run_task
 from .pipe import MARKER, PipeClosed, recv_message, send_message
@@ -60,6 +60,8 @@ def main(argv: list[str]) -> int:
             frames = inbox.next()
         except PipeClosed:
             return 0
+        folder: SharedFolder | None = None
+        result_refs: list[Ref] = []
         try:
             header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
             if "drop" in header:
@@ -78,7 +80,6 @@ def main(argv: list[str]) -> int:
                 task_frames = folder.resolve(task_frames, refs)
             began = time.perf_counter()
             result_header, result_frames = run_task(header, task_frames, base_env)
-            result_refs: list[Ref] = []
             # Its own run time: the agent may read this result well after it was written.
             result_header["ran"] = round(time.perf_counter() - began, 6)
             del task_frames
@@ -97,6 +98,8 @@ def main(argv: list[str]) -> int:
         except Exception as exc:
             # A fault in the runner's own handling of one task: answer for it and stay up.
             result_header, result_frames = infrastructure_failure("the runner failed", exc)
+            if folder is not None and result_refs:
+                folder.remove(ref_names(result_refs))  # written, and now named by nothing
         del frames
         sys.stdout.flush()
         sys.stderr.flush()
@@ -170,9 +173,11 @@ def _shared_folder(header: dict[str, Any]) -> SharedFolder | None:
         _FOLDERS.clear()
         folder = _FOLDERS[where] = SharedFolder(Path(where), "")
     # Its results are named as the agent's own frames: the agent keeps each until the
-    # coordinator has it, and outlives this process (gpumesh/shmowners.py).
+    # coordinator has it, and outlives this process (gpumesh/shmowners.py). Without the
+    # agent's prefix, at random: never as this process's, whose end would let them go while
+    # the agent still holds them.
     owner = header.get("shm_owner")
-    folder.owner = owner if is_prefix(owner) else None
+    folder.owner = owner if isinstance(owner, str) and is_prefix(owner) else ANONYMOUS
     return folder
 
 

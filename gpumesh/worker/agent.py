@@ -966,6 +966,12 @@ class WorkerAgent:
             frames, refs = self.shm.share(frames)
             if refs:
                 header["shm"] = [list(ref) for ref in refs]
+                if result.get("lease") in self.unacked:
+                    # Sent again after a reconnect, it names these same files: a copy of
+                    # its own each time would stay in memory for as long as this agent runs
+                    # (its frames are this agent's: gpumesh/shmowners.py).
+                    self.unacked[result["lease"]] = (
+                        {**result, "shm": header["shm"], _SHM_DIR: str(self.shm.path)}, frames)
         frames, layout = serialize.split_frames(frames, self.settings.limits.chunk_bytes)
         if layout is not None:
             header["split"] = layout

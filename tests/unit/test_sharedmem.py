@@ -243,8 +243,15 @@ def test_frames_of_a_killed_writer_go_once_old_and_unreferenced(folder):
     assert names(folder) == set() and owner_files(folder) == set()
 
 
+def joined(folder: SharedFolder) -> SharedFolder:
+    """The folder as a client or worker of this machine joins it (this process writing)."""
+    other = SharedFolder.join(folder.offer())
+    assert other is not None
+    return other
+
+
 def test_frames_of_a_live_writer_stay_however_old_and_unreferenced(folder):
-    _, refs = folder.share([BIG, BIG])
+    _, refs = joined(folder).share([BIG, BIG])
     for _, name, _ in refs:
         age(folder, name, 10 * ORPHAN_AGE)
     asked = []
@@ -262,8 +269,31 @@ def test_frames_of_an_unknown_writer_go_only_after_a_restart(folder):
     assert names(folder) == set()
 
 
+def test_the_coordinators_own_frames_are_nobodys_and_go_by_the_restart_rule(folder):
+    # What it writes its tasks name until they end: a coordinator killed and started again
+    # must not find them swept a minute on, as a gone writer's would be.
+    name = folder.write([BIG])
+    assert name is not None and folder.owner_prefix() is None
+    assert shmowners.alive(folder.path, name[:PREFIX_CHARS]) is None
+    assert owner_files(folder) == set()
+
+
+def test_a_runner_without_its_agents_prefix_names_its_results_at_random(folder):
+    from gpumesh.runner.__main__ import _FOLDERS, _shared_folder
+
+    try:
+        for header in ({"shm_dir": str(folder.path)},
+                       {"shm_dir": str(folder.path), "shm_owner": "../../etc"}):
+            runner = _shared_folder(header)
+            assert runner is not None and runner.owner_prefix() is None
+        assert owner_files(folder) == set()  # never one of its own, which dies with it
+    finally:
+        _FOLDERS.clear()
+
+
 def test_a_runner_names_its_frames_as_its_agent_and_a_forked_child_as_itself(folder):
-    agent = folder.owner_prefix()
+    agent = joined(folder).owner_prefix()
+    assert agent is not None
     runner = SharedFolder(folder.path, "")
     runner.owner = agent
     assert runner.write([BIG]).startswith(agent)
@@ -506,7 +536,7 @@ def test_a_running_coordinator_sweeps_what_a_killed_client_left_and_keeps_what_i
     spec = {"seq": 1, "nf": 2, "kind": "fn", "shm": [[1, sent_one, MIN_MAPPED_BYTES]]}
     handle(broker, C, Command.SUBMIT, {"tasks": [spec]}, [b"fn", b""])
     assert sent(broker, C, Command.ACCEPTED)[-1].header["accepted"]
-    _, refs = folder.share([BIG])  # a live client's, not sent yet
+    _, refs = joined(folder).share([BIG])  # a live client's, not sent yet
     parked = refs[0][1]
     for name in (sent_one, left_one, parked):
         age(folder, name, ORPHAN_GRACE + 1)
@@ -518,11 +548,46 @@ def test_a_running_coordinator_sweeps_what_a_killed_client_left_and_keeps_what_i
     assert names(folder) == {sent_one, parked}
 
 
+def test_the_sweep_leaves_what_this_turn_dropped_to_its_commit(broker, folder):
+    # A task forgotten earlier in the turn no longer names its files, but the journal does
+    # until the commit: a coordinator killed before it restarts from there.
+    (name,) = written_by_a_process_killed_after(folder, 1)
+    age(folder, name, ORPHAN_GRACE + 1)
+    broker.ledger.drop_files([name])
+    broker.tick(time.time())
+    assert names(folder) == {name}
+    assert committed(broker, folder) == set()  # then it goes, as every dropped file does
+
+
 def test_the_files_a_crashed_result_names_go_too(broker, folder):
     # They stayed in /dev/shm (memory) for as long as the coordinator ran.
     task_id = result_left_in_the_folder(broker, folder, status="crashed", diagnosis="x")
     assert broker.tasks[task_id].state.value == "pending"  # it runs again
     assert committed(broker, folder) == set()
+
+
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_a_result_whose_file_is_gone_when_it_arrives_runs_again_instead_of_being_lost(
+        broker, folder, damage):
+    # Its worker killed as it sent it again, its file swept meanwhile (or a cleaned /dev/shm):
+    # taken as it came, the caller would have been told later that its result was lost.
+    handle(broker, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    handle(broker, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "fn"}]},
+           [b"fn", b"a"])
+    task_id = sent(broker, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
+    broker.dispatch(1.0)
+    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
+    frames, refs = folder.share([b"pickle", BIG])
+    if damage == "removed":
+        os.unlink(folder.path / refs[0][1])
+    else:
+        os.truncate(folder.path / refs[0][1], 10)
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                       "shm": [list(r) for r in refs]}, frames)
+    assert sent(broker, W, Command.RESULT_ACK)[-1].header["disposition"] == "accepted"
+    task = broker.tasks[task_id]
+    assert task.state.value == "pending" and task.result_header is None
+    assert committed(broker, folder) == set()  # a truncated one goes too
 
 
 def retired(folder: SharedFolder) -> set[str]:

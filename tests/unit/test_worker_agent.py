@@ -5,6 +5,7 @@ The agent is built for real (its runners are never started); what it would send 
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgpack
@@ -388,6 +389,22 @@ def test_a_result_whose_shared_files_went_with_their_folder_makes_the_task_run_a
     results = {r["task"]: r for r in sent(agent, Command.RESULT)}
     assert results["T1"]["status"] == "crashed" and "lost" in results["T1"]["diagnosis"]
     assert "shm" not in results["T1"] and results["T2"]["status"] == "ok"
+
+
+def test_a_result_the_agent_put_in_shared_memory_names_the_same_file_each_time_it_is_sent(
+        agent, folder):
+    # A copy of its own at each reconnect stayed in /dev/shm for as long as the agent ran: its
+    # files bear the agent's owner prefix, and a live owner's files are never swept.
+    from gpumesh.protocol.refs import NAME_PATTERN
+
+    big = bytes(4 * 1024 * 1024)
+    agent.unacked = {5: ({"task": "T1", "lease": 5, "status": "ok", "elapsed": 0.1}, [big])}
+    for _ in range(2):
+        agent.session.on_message(decode(encode(Command.WELCOME, {"shm": folder.offer()}),
+                                        Limits()), 1.0)
+    first, second = (r["shm"] for r in sent(agent, Command.RESULT))
+    assert first == second
+    assert [n for n in os.listdir(folder.path) if NAME_PATTERN.fullmatch(n)] == [first[0][1]]
 
 
 def test_lease_ids_that_are_not_numbers_are_left_out_and_the_rest_of_the_message_is_done(agent):
