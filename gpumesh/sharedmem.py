@@ -47,8 +47,8 @@ from .shmowners import (
     PREFIX_CHARS,
     alive,
     frame_name,
+    is_name_start,
     is_owner_file,
-    is_prefix,
     prefix_in,
 )
 from .shmpool import KEEP_MAX_BYTES, NONBLOCK, RETIRED, Pool, holds
@@ -254,11 +254,11 @@ class SharedFolder:
         return out, refs
 
     def owner_prefix(self) -> str | None:
-        """The prefix of the frames written here (gpumesh/shmowners.py), for a runner to write
-        its results under; None where they are named at random."""
+        """How the names of the frames written here begin: an owner's prefix, and a task's tag
+        for a runner (gpumesh/shmowners.py); None where they are named at random."""
         if self.owner == OWN_PREFIX:
             return prefix_in(self.path)
-        return self.owner if is_prefix(self.owner) else None
+        return self.owner if is_name_start(self.owner) else None
 
     def write(self, frames: Sequence[Any]) -> str | None:
         """Write one frame, given as the buffers it arrived in (a frame split for the wire is
@@ -420,6 +420,21 @@ class SharedFolder:
                 return max(size, 1)
         _unlink(path)
         return 0
+
+    def remove_starting(self, start: str) -> int:
+        """Remove every frame whose name begins with ``start``, an owner's prefix and a task's
+        tag (shmowners.tagged): what a runner wrote for a task whose result will never be sent.
+        Returns how many went."""
+        if len(start) <= PREFIX_CHARS or not is_name_start(start):
+            return 0  # never all of an owner's frames
+        removed = 0
+        with contextlib.suppress(OSError), os.scandir(self.path) as entries:
+            for entry in entries:
+                if entry.name.startswith(start) and _NAME.fullmatch(entry.name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+                        removed += 1
+        return removed
 
     def remove(self, names: Iterable[str]) -> None:
         for name in names:

@@ -16,7 +16,9 @@ ever send a message naming it (sharedmem.SharedFolder.sweep).
 
 A runner writes its results under its worker agent's prefix (the agent says which in each task):
 the agent keeps a result until the coordinator acknowledges it, also while the coordinator is
-away, and outlives its runners. A forked child starts without its parent's owner: its frames
+away, and outlives its runners. After the prefix comes a tag of the task's lease, so that the
+agent can remove what a runner wrote for a task it stopped (cancelled, timed out, or whose
+runner died) before the runner could say so. A forked child starts without its parent's owner: its frames
 are its own.
 """
 
@@ -36,7 +38,9 @@ except ImportError:  # Windows: no shared folder at all (sharedmem.SharedFolder.
 from .shmpool import NONBLOCK
 
 OWNER = "owner-"
+NAME_CHARS = 32  # a frame's name (protocol.refs.NAME_PATTERN)
 PREFIX_CHARS = 16
+TAG_CHARS = 8
 # What a SharedFolder's ``owner`` may say besides a prefix: its process's own, or nobody's.
 OWN_PREFIX = "own"
 ANONYMOUS = "anonymous"
@@ -48,16 +52,31 @@ def is_prefix(value: object) -> bool:
     return isinstance(value, str) and len(value) == PREFIX_CHARS and set(value) <= _HEX
 
 
+def is_name_start(value: object) -> bool:
+    """Whether ``value`` can begin a frame's name: an owner's prefix, and a task's tag after
+    it or not (``tagged``)."""
+    return (isinstance(value, str) and len(value) in (PREFIX_CHARS, PREFIX_CHARS + TAG_CHARS)
+            and set(value) <= _HEX)
+
+
+def tagged(prefix: str, lease_id: int) -> str:
+    """How a runner's results for one lease begin: the agent's prefix and a tag of the lease,
+    so the agent can remove what a runner wrote for a task it stopped before it could say so
+    (SharedFolder.remove_starting)."""
+    return f"{prefix}{lease_id & 0xFFFFFFFF:08x}"
+
+
 def is_owner_file(name: str) -> bool:
     """An owner's lock file, or one being made (``.owner-...``: renamed once locked)."""
     return name.startswith(OWNER) or name.startswith("." + OWNER)
 
 
-def frame_name(prefix: str | None) -> str:
-    """A new frame's name: the owner's prefix and random characters, or all random without one."""
-    if prefix is None:
-        return secrets.token_hex(PREFIX_CHARS)
-    return prefix + secrets.token_hex(PREFIX_CHARS // 2)
+def frame_name(start: str | None) -> str:
+    """A new frame's name: how it begins (is_name_start) and random characters, or all random
+    without a start."""
+    if start is None:
+        return secrets.token_hex(NAME_CHARS // 2)
+    return start + secrets.token_hex((NAME_CHARS - len(start)) // 2)
 
 
 class _Owner:

@@ -28,7 +28,7 @@ import msgpack
 from ..protocol.refs import Ref, parse_refs, ref_names
 from ..protocol.vocabulary import ResultStatus
 from ..sharedmem import SharedFolder
-from ..shmowners import ANONYMOUS, is_prefix
+from ..shmowners import ANONYMOUS, is_name_start
 from .environment import base_environment, set_environ
 from .execute import fit_to_send, infrastructure_failure, run_task
 from .pipe import MARKER, PipeClosed, recv_message, send_message
@@ -177,7 +177,7 @@ def _shared_folder(header: dict[str, Any]) -> SharedFolder | None:
     # agent's prefix, at random: never as this process's, whose end would let them go while
     # the agent still holds them.
     owner = header.get("shm_owner")
-    folder.owner = owner if isinstance(owner, str) and is_prefix(owner) else ANONYMOUS
+    folder.owner = owner if isinstance(owner, str) and is_name_start(owner) else ANONYMOUS
     return folder
 
 

@@ -51,6 +51,7 @@ from ..runner.pipe import PipeClosed
 from ..security import derive_keys
 from ..session import Session
 from ..sharedmem import SharedFolder
+from ..shmowners import tagged
 from ..transport import DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
@@ -640,7 +641,7 @@ class WorkerAgent:
             # never pass through the agent.
             runner_header["shm_dir"] = task.header[_SHM_DIR] = str(self.shm.path)
             if self._shm_owner is not None:  # its results stay while this agent keeps them
-                runner_header["shm_owner"] = self._shm_owner
+                runner_header["shm_owner"] = tagged(self._shm_owner, task.lease_id)
             if refs:
                 runner_header["shm"] = [list(ref) for ref in refs]
         self.queue.append(QueuedTask(task, runner_header, frames))
@@ -773,6 +774,7 @@ class WorkerAgent:
                 task = runner.task
                 runner.task = None
                 self._restart(runner)
+                self._drop_unsent(task)
                 if report:
                     self._report(task, cancelled, [], now)
                 return True
@@ -869,6 +871,7 @@ class WorkerAgent:
             elif runner.task is not None and _late(runner.task, now):
                 task, runner.task = runner.task, None
                 self._restart(runner)
+                self._drop_unsent(task)
                 timeout = float(task.header.get("timeout", 0))
                 self._report(task, {"status": ResultStatus.TIMEOUT.value, "error": {
                     "type": "gpumesh.TaskTimeout",
@@ -919,11 +922,20 @@ class WorkerAgent:
                             f"{DYING_GRACE:g} s later (killed)")
         diagnosis = runner.diagnosis(code, what)
         if task is not None:
+            self._drop_unsent(task)
             log.warning("task %s: %s", task.task_id, diagnosis)
             self._report(task, {"status": ResultStatus.CRASHED.value, "diagnosis": diagnosis}, [], now)
         elif not runner.ready:
             log.warning("runner %d failed to start: %s", runner.slot, diagnosis)
         runner.start()
+
+    def _drop_unsent(self, task: RunningTask) -> None:
+        """A stopped task's runner may have left its result in the shared folder before it could
+        say so: nothing will ever name those files, and they bear this agent's prefix, so the
+        coordinator would keep them while this agent runs (gpumesh/shmowners.py)."""
+        if self.shm is not None and self._shm_owner is not None \
+                and task.header.get(_SHM_DIR) == str(self.shm.path):
+            self.shm.remove_starting(tagged(self._shm_owner, task.lease_id))
 
     def _report(self, task: RunningTask, header: dict[str, Any], frames: list[Any], now: float) -> None:
         elapsed = max(now - task.started, 0.0)

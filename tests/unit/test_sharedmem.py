@@ -19,7 +19,7 @@ from gpumesh import sharedmem, shmowners, shmspares
 from gpumesh.config import Limits, Timing
 from gpumesh.coordinator.broker import ORPHAN_SWEEP, Broker
 from gpumesh.protocol import Command, Message, decode, encode
-from gpumesh.protocol.refs import parse_refs
+from gpumesh.protocol.refs import NAME_PATTERN, parse_refs
 from gpumesh.sharedmem import (
     JOURNAL,
     MIN_MAPPED_BYTES,
@@ -295,6 +295,12 @@ def test_a_runner_names_its_frames_as_its_agent_and_a_forked_child_as_itself(fol
     agent = joined(folder).owner_prefix()
     assert agent is not None
     runner = SharedFolder(folder.path, "")
+    runner.owner = shmowners.tagged(agent, 77)
+    written = runner.write([BIG])
+    assert written.startswith(runner.owner) and NAME_PATTERN.fullmatch(written)
+    assert folder.remove_starting(agent) == 0  # never every frame of an owner
+    assert folder.remove_starting(shmowners.tagged(agent, 78)) == 0
+    assert folder.remove_starting(runner.owner) == 1
     runner.owner = agent
     assert runner.write([BIG]).startswith(agent)
     child = os.fork()

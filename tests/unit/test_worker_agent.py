@@ -407,6 +407,32 @@ def test_a_result_the_agent_put_in_shared_memory_names_the_same_file_each_time_i
     assert [n for n in os.listdir(folder.path) if NAME_PATTERN.fullmatch(n)] == [first[0][1]]
 
 
+@pytest.mark.parametrize("how", ["cancelled", "runner died"])
+def test_what_a_runner_wrote_for_a_task_stopped_before_it_said_so_goes(agent, folder,
+                                                                       monkeypatch, how):
+    # Its file bears this agent's prefix: the coordinator keeps a live owner's files, so
+    # nothing else would remove it while the agent runs.
+    from gpumesh.shmowners import tagged
+
+    runner = agent.runners[0]
+    monkeypatch.setattr(runner, "kill", lambda: None)
+    monkeypatch.setattr(runner, "start", lambda: None)
+    monkeypatch.setattr(runner, "reap", lambda timeout: -9)
+    agent.session.on_message(decode(encode(Command.WELCOME, {"shm": folder.offer()}),
+                                    Limits()), 1.0)
+    start = tagged(agent._shm_owner, 77)
+    unsent = start + "0" * 8  # as its runner names a result of lease 77 (runner/__main__.py)
+    other = tagged(agent._shm_owner, 78) + "0" * 8  # another task's, waiting to be acknowledged
+    for name in (unsent, other):
+        (folder.path / name).write_bytes(b"result")
+    runner.task = RunningTask("T", 77, 0.0, None, {"_shm_dir": str(folder.path)})
+    if how == "cancelled":
+        assert agent._cancel(77, 1.0, report=True)
+    else:
+        agent._runner_died(runner, 1.0, what="killed by the OOM killer")
+    assert not (folder.path / unsent).exists() and (folder.path / other).exists()
+
+
 def test_lease_ids_that_are_not_numbers_are_left_out_and_the_rest_of_the_message_is_done(agent):
     # One bad item once raised out of on_welcome, after the session was welcomed: results
     # waiting for acknowledgement were not sent again, and the worker never said it joined.
