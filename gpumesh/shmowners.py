@@ -16,7 +16,7 @@ ever send a message naming it (sharedmem.SharedFolder.sweep).
 
 A runner writes its results under its worker agent's prefix (the agent says which in each task):
 the agent keeps a result until the coordinator acknowledges it, also while the coordinator is
-away, and outlives its runners. After the prefix comes a tag of the task's lease, so that the
+away, and outlives its runners. After the prefix comes a tag the agent gave the task, so that the
 agent can remove what a runner wrote for a task it stopped (cancelled, timed out, or whose
 runner died) before the runner could say so. A forked child starts without its parent's owner: its frames
 are its own.
@@ -59,11 +59,13 @@ def is_name_start(value: object) -> bool:
             and set(value) <= _HEX)
 
 
-def tagged(prefix: str, lease_id: int) -> str:
-    """How a runner's results for one lease begin: the agent's prefix and a tag of the lease,
-    so the agent can remove what a runner wrote for a task it stopped before it could say so
-    (SharedFolder.remove_starting)."""
-    return f"{prefix}{lease_id & 0xFFFFFFFF:08x}"
+def tagged(prefix: str, number: int) -> str:
+    """How a runner's results for one task begin: the agent's prefix and a tag the agent gave
+    the task (a count of its own: lease ids start again with each coordinator run), so it can
+    remove what a runner wrote for a task it stopped before the runner could say so
+    (SharedFolder.remove_starting). A tag begins with "0", a name of the owner's own with "1"
+    after the prefix (frame_name): the two never meet."""
+    return f"{prefix}0{number & 0xFFFFFFF:07x}"
 
 
 def is_owner_file(name: str) -> bool:
@@ -76,7 +78,8 @@ def frame_name(start: str | None) -> str:
     without a start."""
     if start is None:
         return secrets.token_hex(NAME_CHARS // 2)
-    return start + secrets.token_hex((NAME_CHARS - len(start)) // 2)
+    rest = secrets.token_hex((NAME_CHARS - len(start)) // 2)
+    return start + ("1" + rest[1:] if len(start) == PREFIX_CHARS else rest)
 
 
 class _Owner:

@@ -235,7 +235,8 @@ class WorkerSide:
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
             self._drop_untaken(res, task)
             return
-        if res.shared and ledger.shm is not None and res.status is ResultStatus.OK:
+        if res.shared and ledger.shm is not None \
+                and res.status in (ResultStatus.OK, ResultStatus.ERROR):
             gone = ledger.shm.missing(res.shared)
             if gone:
                 # Removed before it came (its worker killed as it sent it again, a cleaned

@@ -61,6 +61,7 @@ from .telemetry import Sampler
 log = logging.getLogger("gpumesh.worker")
 
 _SHM_DIR = "_shm_dir"  # the folder a result's shared frames are in: kept here, never sent
+_SHM_START = "_shm_start"  # how its runner's result files are named (shmowners.tagged): here only
 NEVER_JOINED_HINT = 60.0  # seconds without ever reaching the coordinator before a hint
 # Auto prefetch: while recent tasks run under PREFETCH_HORIZON, queue about PREFETCH_WORK
 # seconds of them per slot (at least one, at most AUTO_PREFETCH_PER_SLOT): enough to hide the
@@ -160,6 +161,7 @@ class WorkerAgent:
         # big frames then come and go as file names (gpumesh.sharedmem).
         self.shm: SharedFolder | None = None
         self._shm_owner: str | None = None  # the prefix its runners' results are named with
+        self._tagged = 0  # tasks tagged so far (shmowners.tagged): never the same tag twice
         self.joined_once = False
         self.granted = 0
         self.received = 0  # TASKs received in this session: the coordinator's count of sent
@@ -641,7 +643,9 @@ class WorkerAgent:
             # never pass through the agent.
             runner_header["shm_dir"] = task.header[_SHM_DIR] = str(self.shm.path)
             if self._shm_owner is not None:  # its results stay while this agent keeps them
-                runner_header["shm_owner"] = tagged(self._shm_owner, task.lease_id)
+                self._tagged += 1
+                runner_header["shm_owner"] = task.header[_SHM_START] = tagged(
+                    self._shm_owner, self._tagged)
             if refs:
                 runner_header["shm"] = [list(ref) for ref in refs]
         self.queue.append(QueuedTask(task, runner_header, frames))
@@ -933,9 +937,11 @@ class WorkerAgent:
         """A stopped task's runner may have left its result in the shared folder before it could
         say so: nothing will ever name those files, and they bear this agent's prefix, so the
         coordinator would keep them while this agent runs (gpumesh/shmowners.py)."""
-        if self.shm is not None and self._shm_owner is not None \
-                and task.header.get(_SHM_DIR) == str(self.shm.path):
-            self.shm.remove_starting(tagged(self._shm_owner, task.lease_id))
+        start, where = task.header.get(_SHM_START), task.header.get(_SHM_DIR)
+        if isinstance(start, str) and isinstance(where, str) and where:
+            folder = self.shm if self.shm is not None and str(self.shm.path) == where \
+                else SharedFolder(Path(where), "")  # the coordinator moved meanwhile
+            folder.remove_starting(start)
 
     def _report(self, task: RunningTask, header: dict[str, Any], frames: list[Any], now: float) -> None:
         elapsed = max(now - task.started, 0.0)

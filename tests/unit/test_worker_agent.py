@@ -420,17 +420,41 @@ def test_what_a_runner_wrote_for_a_task_stopped_before_it_said_so_goes(agent, fo
     monkeypatch.setattr(runner, "reap", lambda timeout: -9)
     agent.session.on_message(decode(encode(Command.WELCOME, {"shm": folder.offer()}),
                                     Limits()), 1.0)
-    start = tagged(agent._shm_owner, 77)
-    unsent = start + "0" * 8  # as its runner names a result of lease 77 (runner/__main__.py)
-    other = tagged(agent._shm_owner, 78) + "0" * 8  # another task's, waiting to be acknowledged
-    for name in (unsent, other):
+    start = tagged(agent._shm_owner, 1)
+    unsent = start + "0" * 8  # as its runner names a result of that task (runner/__main__.py)
+    other = tagged(agent._shm_owner, 2) + "0" * 8  # another task's, waiting to be acknowledged
+    own = agent._shm_owner + "1" + "0" * 15  # one the agent wrote itself
+    for name in (unsent, other, own):
         (folder.path / name).write_bytes(b"result")
-    runner.task = RunningTask("T", 77, 0.0, None, {"_shm_dir": str(folder.path)})
+    runner.task = RunningTask("T", 77, 0.0, None, {"_shm_dir": str(folder.path),
+                                                   "_shm_start": start})
     if how == "cancelled":
         assert agent._cancel(77, 1.0, report=True)
     else:
         agent._runner_died(runner, 1.0, what="killed by the OOM killer")
-    assert not (folder.path / unsent).exists() and (folder.path / other).exists()
+    assert not (folder.path / unsent).exists()
+    assert (folder.path / other).exists() and (folder.path / own).exists()
+
+
+def test_each_task_gets_a_tag_of_its_own_though_leases_repeat_across_coordinator_runs(agent,
+                                                                                      folder):
+    # Lease ids are (epoch << 40) | a count that starts again with each coordinator run: a tag
+    # made of the lease would let stopping one task remove another's finished result.
+    from gpumesh.protocol.refs import NAME_PATTERN
+    from gpumesh.shmowners import frame_name
+
+    agent.session.on_message(decode(encode(Command.WELCOME, {"shm": folder.offer()}),
+                                    Limits()), 1.0)
+    for epoch in (1, 2):
+        agent._on_task(decode(encode(Command.TASK, {"task": f"T{epoch}", "lease": epoch << 40 | 5,
+                                                     "kind": "fn"}, [b"fn", b"args"]),
+                              Limits()), 1.0)
+    starts = [q.header["shm_owner"] for q in agent.queue]
+    assert len(set(starts)) == 2 and all(s.startswith(agent._shm_owner) for s in starts)
+    assert [q.task.header["_shm_start"] for q in agent.queue] == starts
+    for start in starts:
+        assert NAME_PATTERN.fullmatch(frame_name(start))
+        assert not frame_name(agent._shm_owner).startswith(start)  # the agent's own never match
 
 
 def test_lease_ids_that_are_not_numbers_are_left_out_and_the_rest_of_the_message_is_done(agent):
