@@ -221,6 +221,15 @@ class WorkerSide:
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "rejected"})
             self._drop_untaken(res, task)
             return
+        if res.shared and ledger.shm is not None \
+                and res.status in (ResultStatus.OK, ResultStatus.ERROR):
+            gone = ledger.shm.missing(res.shared)
+            if gone:
+                # Removed before it came (its worker killed as it sent it again, a cleaned
+                # /dev/shm): the task runs again, rather than its caller being told later
+                # that its result is lost.
+                res = replace(res, status=ResultStatus.CRASHED,
+                              diagnosis=f"its result was gone when it arrived: {gone}")
         held = worker.leases.pop(res.lease, None)
         if held is not None:
             worker.completed += 1
@@ -235,15 +244,6 @@ class WorkerSide:
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
             self._drop_untaken(res, task)
             return
-        if res.shared and ledger.shm is not None \
-                and res.status in (ResultStatus.OK, ResultStatus.ERROR):
-            gone = ledger.shm.missing(res.shared)
-            if gone:
-                # Removed before it came (its worker killed as it sent it again, a cleaned
-                # /dev/shm): the task runs again, rather than its caller being told later
-                # that its result is lost.
-                res = replace(res, status=ResultStatus.CRASHED,
-                              diagnosis=f"its result was gone when it arrived: {gone}")
         if res.status is ResultStatus.CRASHED:
             if held is not None and task.lease_id == res.lease:
                 ledger.requeue(task, worker, now, res.diagnosis or "runner crashed", infra=True)
