@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import hmac
@@ -694,6 +695,50 @@ def _sweep_abandoned(mine: Path) -> None:
             _remove_if_empty(folder)
         finally:
             os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderUsage:
+    """One coordinator's folder as ``survey`` found it: its frames, their bytes, and the
+    journal that names them ("" where unknown)."""
+
+    path: Path
+    frames: int
+    nbytes: int
+    journal: str
+
+
+def survey() -> tuple[Path, list[FolderUsage]]:
+    """Where this user's shared frames live, and each coordinator folder there with what its
+    frames take, biggest first: read only, nothing opened but ``journal`` (gpumesh doctor)."""
+    base = _base()
+    found: list[FolderUsage] = []
+    if not hasattr(os, "getuid"):
+        return base, found
+    prefix = f"gpumesh-{os.getuid()}-"
+    try:
+        with os.scandir(base) as entries:
+            folders = [Path(e.path) for e in entries
+                       if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return base, found
+    for folder in folders:
+        frames = nbytes = 0
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:
+            for entry in entries:
+                if _NAME.fullmatch(entry.name) or entry.name.startswith(RETIRED):
+                    with contextlib.suppress(OSError):
+                        nbytes += entry.stat(follow_symlinks=False).st_blocks * 512
+                        frames += 1
+        journal = ""
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            fd = os.open(folder / JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | NONBLOCK)
+            with os.fdopen(fd, "rb") as src:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    journal = src.read(4096).decode()
+        found.append(FolderUsage(folder, frames, nbytes, journal))
+    found.sort(key=lambda usage: -usage.nbytes)
+    return base, found
 
 
 def big_enough_to_share(frame: Any) -> bool:

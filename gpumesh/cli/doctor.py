@@ -30,6 +30,8 @@ from ..config import Settings, parse_url
 from ..discovery import Adapter, adapters, advertised_addresses, binds_everywhere, lan_addresses
 from ..errors import AuthenticationError, ConfigError, MeshError
 from ..firewall import rule_name, run_netsh, show_rule_command
+from ..protocol.fields import for_terminal
+from ..sharedmem import FolderUsage, survey
 from ..tokens import weak_warning
 
 Status = Literal["ok", "info", "warn", "fault"]
@@ -353,6 +355,62 @@ def check_firewall(port: int, *, system: str = sys.platform,
                                             "Administrator adds it",), {**data, "exists": False})
 
 
+# Under this, /dev/shm is a container's (Docker gives 64 MiB): big frames that do not fit in it
+# go through the encrypted sockets instead, several times slower (bench/README.md).
+SMALL_SHM_BYTES = 256 * 1024 * 1024
+
+
+def probe_space(path: Path) -> tuple[int, int] | None:
+    """(total, free) bytes of the file system holding ``path``; None where unknown."""
+    try:
+        fs = os.statvfs(path)
+    except (OSError, AttributeError):  # Windows has no statvfs
+        return None
+    return fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+
+
+def check_shared_memory(enabled: bool, base: Path, space: tuple[int, int] | None,
+                        folders: Sequence[FolderUsage], *, system: str = sys.platform) -> Check:
+    """Where big arguments and results between processes of this machine go, how much room
+    there is, and what coordinators' frames hold there now (memory: /dev/shm is RAM)."""
+    if system == "win32":
+        return Check("shared-memory", "info", "no shared memory on Windows: big arguments "
+                     "and results go through the sockets")
+    if not enabled:
+        return Check("shared-memory", "info", "shared memory is off (GPUMESH_SHARED_MEMORY=0): "
+                     "big arguments and results go through the sockets")
+    held = sum(f.nbytes for f in folders)
+    data: dict[str, Any] = {"path": str(base), "frames": sum(f.frames for f in folders),
+                            "bytes": held, "folders": len(folders)}
+    lines = []
+    if folders:
+        lines.append(f"gpumesh's frames there: {_size(held)} in {data['frames']} file(s), "
+                     f"{len(folders)} coordinator folder(s)")
+        for usage in [f for f in folders if f.nbytes][:3]:
+            journal = for_terminal(usage.journal) or "a journal in memory"
+            lines.append(f"{usage.path}: {_size(usage.nbytes)} ({journal})")
+    if str(base) != "/dev/shm":
+        return Check("shared-memory", "info", f"no /dev/shm: big frames are files in {base}",
+                     tuple(lines), data)
+    if space is None:
+        return Check("shared-memory", "info", "/dev/shm: its size is unknown", tuple(lines), data)
+    total, free = space
+    data.update(total=total, free=free)
+    summary = f"/dev/shm: {_size(free)} free of {_size(total)}"
+    if total < SMALL_SHM_BYTES:
+        return Check("shared-memory", "warn", summary + " (a container's?)", (
+            "big arguments and results that do not fit go through the sockets, several times "
+            "slower: start the container with --shm-size=2g (or --ipc=host)", *lines), data)
+    return Check("shared-memory", "ok", summary, tuple(lines), data)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
 # ----------------------------------------------------------------------------- the report
 
 @dataclass(frozen=True)
@@ -365,6 +423,8 @@ class Probes:
     connect: Connect | None = None
     system: str = sys.platform
     netsh: Callable[[str], int] = run_netsh
+    shared_memory: Callable[[], tuple[Path, list[FolderUsage]]] = survey
+    space: Callable[[Path], tuple[int, int] | None] = probe_space
 
 
 def report(environ: Mapping[str, str], *, url: str | None = None, token: str | None = None,
@@ -395,6 +455,9 @@ def report(environ: Mapping[str, str], *, url: str | None = None, token: str | N
         checks.append(check_addresses(settings, found, url))
     port = _port(url)
     checks.append(check_firewall(port, system=probes.system, run=probes.netsh))
+    base, folders = probes.shared_memory()
+    checks.append(check_shared_memory(settings.share_memory, base, probes.space(base), folders,
+                                      system=probes.system))
     return checks
 
 

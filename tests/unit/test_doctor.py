@@ -10,8 +10,10 @@ from gpumesh.cli.doctor import Check, Probes, TorchFacts
 from gpumesh.config import Settings, save_connection
 from gpumesh.discovery import Adapter
 from gpumesh.errors import AuthenticationError, ConnectionFailed
+from gpumesh.sharedmem import FolderUsage
 
 TOKEN = "abcdefghijk." + "S" * 32
+GiB = 1024**3
 
 
 def test_gpumesh_shadowed_by_another_copy_is_a_warning():
@@ -161,7 +163,8 @@ def test_firewall_is_read_only_and_windows_only():
 
 def _probes(**changes) -> Probes:
     base = dict(torch=lambda: TorchFacts(False), nvidia_smi=lambda: None,
-                adapters=lambda: ADAPTERS, connect=lambda u, t, s: [], system="linux")
+                adapters=lambda: ADAPTERS, connect=lambda u, t, s: [], system="linux",
+                shared_memory=lambda: (Path("/dev/shm"), []), space=lambda path: (GiB, GiB))
     return Probes(**{**base, **changes})  # type: ignore[arg-type]
 
 
@@ -194,3 +197,55 @@ def test_document_is_json_with_the_worst_status():
     doc = doctor.as_document([Check("a", "ok", "fine"), Check("b", "warn", "hmm", ("x",))])
     assert doc["status"] == "warn" and doc["report"] == 1
     assert json.loads(json.dumps(doc))["checks"][1]["lines"] == ["x"]
+
+
+def test_shared_memory_of_a_container_is_a_warning_that_says_how_to_grow_it():
+    small = doctor.check_shared_memory(True, Path("/dev/shm"), (64 * 1024**2, 60 * 1024**2), [])
+    assert small.status == "warn" and "64.0 MiB" in small.summary
+    assert any("--shm-size" in line for line in small.lines)
+    roomy = doctor.check_shared_memory(True, Path("/dev/shm"), (8 * GiB, 6 * GiB), [])
+    assert roomy.status == "ok" and roomy.summary == "/dev/shm: 6.0 GiB free of 8.0 GiB"
+
+
+def test_shared_memory_off_or_missing_is_plain_information():
+    usage = [FolderUsage(Path("/tmp/gpumesh-1-k"), 2, 3 * 1024**2, "/home/a/.gpumesh/j.db")]
+    for check in (doctor.check_shared_memory(False, Path("/dev/shm"), None, []),
+                  doctor.check_shared_memory(True, Path("/dev/shm"), None, [], system="win32"),
+                  doctor.check_shared_memory(True, Path("/tmp"), None, usage)):
+        assert check.status == "info"
+    assert "sockets" in doctor.check_shared_memory(False, Path("/dev/shm"), None, []).summary
+
+
+def test_shared_memory_says_what_coordinators_frames_hold_and_whose_they_are():
+    usage = [FolderUsage(Path(f"/dev/shm/gpumesh-1-{i}"), 2, (2 - i) * 1024**2,
+                         "/home/a/\x1b[2Jj.db" if i == 0 else "") for i in range(3)]
+    check = doctor.check_shared_memory(True, Path("/dev/shm"), (8 * GiB, 8 * GiB), usage)
+    assert check.lines[0] == "gpumesh's frames there: 3.0 MiB in 6 file(s), 3 coordinator folder(s)"
+    assert "2.0 MiB" in check.lines[1] and "\x1b" not in check.lines[1]  # a terminal's escape
+    assert check.lines[2].endswith("(a journal in memory)")
+    assert len(check.lines) == 3  # a folder holding nothing is not listed
+    assert check.data["bytes"] == 3 * 1024**2
+
+
+def test_the_survey_of_shared_memory_reads_sizes_and_journals_only(tmp_path, monkeypatch):
+    from gpumesh.sharedmem import SharedFolder, survey
+
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    folder = SharedFolder.create("k", str(tmp_path / "j.db"))
+    assert folder is not None
+    try:
+        name = folder.write([bytes(256 * 1024)])
+        before = sorted(p.name for p in folder.path.iterdir())
+        base, found = survey()
+        assert base == tmp_path and len(found) == 1
+        assert found[0].frames == 1 and found[0].nbytes >= 256 * 1024
+        assert found[0].journal == str(tmp_path / "j.db")
+        assert sorted(p.name for p in folder.path.iterdir()) == before  # changes nothing
+        folder.remove([name])
+    finally:
+        folder.close()
+
+
+def test_the_report_ends_with_shared_memory():
+    checks = doctor.report({}, probes=_probes(space=lambda path: (64 * 1024**2, 0)))
+    assert checks[-1].name == "shared-memory" and checks[-1].status == "warn"
