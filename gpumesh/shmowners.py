@@ -35,7 +35,7 @@ try:
 except ImportError:  # Windows: no shared folder at all (sharedmem.SharedFolder.create)
     fcntl = None  # type: ignore[assignment]
 
-from .shmpool import NONBLOCK
+from .shmpool import holds
 
 OWNER = "owner-"
 NAME_CHARS = 32  # a frame's name (protocol.refs.NAME_PATTERN)
@@ -167,19 +167,11 @@ def alive(folder: Path, prefix: str) -> bool | None:
     whose file went with an earlier folder)."""
     if fcntl is None or not is_prefix(prefix):
         return None
-    try:
-        fd = os.open(folder / f"{OWNER}{prefix}", os.O_RDONLY | os.O_NOFOLLOW | NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # the exclusive lock, if taken, goes with it
-    return False
+    path = folder / f"{OWNER}{prefix}"
+    held = holds(path)
+    if held is None:  # not opened: gone, or this process is short of descriptors now
+        return True if os.path.lexists(path) else None
+    return held
 
 
 def _after_fork_in_child() -> None:
