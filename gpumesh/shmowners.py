@@ -8,8 +8,8 @@ in the folder, taking the machine's memory, until the coordinator restarted.
 
 Now every process that writes frames into a folder holds an exclusive ``flock`` on a file of its
 own there, ``owner-`` and 16 hex characters, for as long as it lives, and begins the name of
-each frame it writes with the same 16 characters (16 random ones follow: still the 32 hex
-characters of protocol.refs.NAME_PATTERN, so older peers read the names as before). The lock
+each frame it writes with the same 16 characters ("1" and 15 random ones follow: still the 32
+hex characters of protocol.refs.NAME_PATTERN, so older peers read the names as before). The lock
 goes with the process however it ends, ``kill -9`` included, so the coordinator can ask of any
 frame nothing refers to whether its producer is still there (``alive``): if not, nobody will
 ever send a message naming it (sharedmem.SharedFolder.sweep).
@@ -18,8 +18,8 @@ A runner writes its results under its worker agent's prefix (the agent says whic
 the agent keeps a result until the coordinator acknowledges it, also while the coordinator is
 away, and outlives its runners. After the prefix comes a tag the agent gave the task, so that the
 agent can remove what a runner wrote for a task it stopped (cancelled, timed out, or whose
-runner died) before the runner could say so. A forked child starts without its parent's owner: its frames
-are its own.
+runner died) before the runner could say so. A forked child starts without its parent's owner:
+its frames are its own.
 """
 
 from __future__ import annotations
