@@ -549,8 +549,9 @@ def doctor(as_json: bool, timeout: float, url: str | None, token: str | None) ->
     Reports which gpumesh is imported and from where, Python, torch/CUDA (and whether
     nvidia-smi disagrees), cloudpickle, the saved coordinator and whether it answers, its
     workers (flagging other Python, gpumesh or cloudpickle versions), the addresses serve
-    would bind and advertise, and the Windows firewall rule. Exits 1 only for a fault on this
-    machine: no coordinator, or one that does not answer, is a warning.
+    would bind and advertise, the Windows firewall rule, and shared memory (/dev/shm's room,
+    and what gpumesh's frames hold there). Exits 1 only for a fault on this machine: no
+    coordinator, or one that does not answer, is a warning.
 
     \b
     Example:
