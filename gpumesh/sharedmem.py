@@ -422,16 +422,20 @@ class SharedFolder:
         _unlink(path)
         return 0
 
-    def remove_starting(self, start: str) -> int:
-        """Remove every frame whose name begins with ``start``, an owner's prefix and a task's
-        tag (shmowners.tagged): what a runner wrote for a task whose result will never be sent.
-        Returns how many went."""
-        if len(start) <= PREFIX_CHARS or not is_name_start(start):
-            return 0  # never all of an owner's frames
+    def remove_starting(self, starts: Iterable[str]) -> int:
+        """Remove every frame whose name begins with one of ``starts``, each an owner's prefix
+        and a task's tag (shmowners.tagged): what a runner wrote for tasks whose results will
+        never be sent. Returns how many went."""
+        if isinstance(starts, str):
+            starts = [starts]  # one start, not its characters
+        # Never a bare prefix: that would be all of an owner's frames.
+        wanted = tuple(s for s in starts if len(s) > PREFIX_CHARS and is_name_start(s))
+        if not wanted:
+            return 0
         removed = 0
         with contextlib.suppress(OSError), os.scandir(self.path) as entries:
             for entry in entries:
-                if entry.name.startswith(start) and _NAME.fullmatch(entry.name):
+                if entry.name.startswith(wanted) and _NAME.fullmatch(entry.name):
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
                         removed += 1

@@ -51,7 +51,7 @@ from ..runner.pipe import PipeClosed
 from ..security import derive_keys
 from ..session import Session
 from ..sharedmem import SharedFolder
-from ..shmowners import tagged
+from ..shmowners import PREFIX_CHARS, tagged
 from ..transport import DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
@@ -741,7 +741,7 @@ class WorkerAgent:
                 continue
             if any(self._slot_fits(r.slot, ahead.task.header) for r in idle):
                 # The runner skips them, and restarts after its task.
-                self.queue.extendleft(reversed(runner.drop_ahead()))
+                self._requeue_front(runner.drop_ahead())
 
     def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
         """Whether the GPU this slot is pinned to meets the task's ``need`` (the scheduler's
@@ -768,8 +768,7 @@ class WorkerAgent:
                 # Those handed ahead go together (the runner restarts after its task); the
                 # others go back to the front of the queue, in order.
                 dropped = runner.drop_ahead()
-                self.queue.extendleft(reversed([q for q in dropped
-                                                if q.task.lease_id != lease_id]))
+                self._requeue_front([q for q in dropped if q.task.lease_id != lease_id])
                 if report:
                     gone = next(q for q in dropped if q.task.lease_id == lease_id)
                     self._report(gone.task, cancelled, [], now)
@@ -778,7 +777,7 @@ class WorkerAgent:
                 task = runner.task
                 runner.task = None
                 self._restart(runner)
-                self._drop_unsent(task)
+                self.drop_unsent(task)
                 if report:
                     self._report(task, cancelled, [], now)
                 return True
@@ -787,9 +786,22 @@ class WorkerAgent:
     def _restart(self, runner: Runner) -> None:
         """Kill and start a runner again; a task handed ahead to it goes back to the front
         of the queue (it never started)."""
-        self.queue.extendleft(reversed(runner.take_back()))
+        self._requeue_front(runner.take_back())
         runner.kill()
         runner.start()
+
+    def _requeue_front(self, tasks: list[QueuedTask]) -> None:
+        """Tasks a runner gave back, to the front of the queue in order, each with a new tag
+        for its result files: the runner that had them may have started one after all (a drop
+        it read too late), and what that one wrote goes by the old tag once it is restarted
+        (Runner.start) while another runner may be writing under the new one."""
+        for queued in tasks:
+            start = queued.task.header.get(_SHM_START)
+            if isinstance(start, str):
+                self._tagged += 1
+                queued.header["shm_owner"] = queued.task.header[_SHM_START] = tagged(
+                    start[:PREFIX_CHARS], self._tagged)
+        self.queue.extendleft(reversed(tasks))
 
     # ----------------------------------------------------------------- runners
 
@@ -875,7 +887,7 @@ class WorkerAgent:
             elif runner.task is not None and _late(runner.task, now):
                 task, runner.task = runner.task, None
                 self._restart(runner)
-                self._drop_unsent(task)
+                self.drop_unsent(task)
                 timeout = float(task.header.get("timeout", 0))
                 self._report(task, {"status": ResultStatus.TIMEOUT.value, "error": {
                     "type": "gpumesh.TaskTimeout",
@@ -916,7 +928,7 @@ class WorkerAgent:
                 while runner.read_stream(stream) is not None:
                     pass
         task, runner.task = runner.task, None
-        self.queue.extendleft(reversed(runner.take_back()))  # handed ahead, never started
+        self._requeue_front(runner.take_back())  # handed ahead, never started
         code = runner.reap(timeout=DYING_GRACE)
         if code is None and runner.proc is not None:
             # Its socket closed (its task's code closed it?) but it runs on: it can take no
@@ -926,14 +938,14 @@ class WorkerAgent:
                             f"{DYING_GRACE:g} s later (killed)")
         diagnosis = runner.diagnosis(code, what)
         if task is not None:
-            self._drop_unsent(task)
+            self.drop_unsent(task)
             log.warning("task %s: %s", task.task_id, diagnosis)
             self._report(task, {"status": ResultStatus.CRASHED.value, "diagnosis": diagnosis}, [], now)
         elif not runner.ready:
             log.warning("runner %d failed to start: %s", runner.slot, diagnosis)
         runner.start()
 
-    def _drop_unsent(self, task: RunningTask) -> None:
+    def drop_unsent(self, task: RunningTask) -> None:
         """A stopped task's runner may have left its result in the shared folder before it could
         say so: nothing will ever name those files, and they bear this agent's prefix, so the
         coordinator would keep them while this agent runs (gpumesh/shmowners.py)."""
@@ -941,7 +953,7 @@ class WorkerAgent:
         if isinstance(start, str) and isinstance(where, str) and where:
             folder = self.shm if self.shm is not None and str(self.shm.path) == where \
                 else SharedFolder(Path(where), "")  # the coordinator moved meanwhile
-            folder.remove_starting(start)
+            folder.remove_starting([start])
 
     def _report(self, task: RunningTask, header: dict[str, Any], frames: list[Any], now: float) -> None:
         elapsed = max(now - task.started, 0.0)

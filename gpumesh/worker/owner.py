@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..protocol import WorkerMode
-from .runners import Runner
+from .runners import Runner, RunningTask
 
 ACK_WAIT_ON_DRAIN = 10.0  # seconds a draining worker waits for its last results to be acknowledged
 
@@ -43,6 +43,8 @@ class AgentState(Protocol):
     def send_credit(self, release: Sequence[int] = ()) -> None: ...
 
     def stop(self) -> None: ...
+
+    def drop_unsent(self, task: RunningTask) -> None: ...
 
 
 class OwnerControls:
@@ -108,9 +110,10 @@ class OwnerControls:
         for runner in self.agent.runners:
             released += [queued.task.lease_id for queued in runner.take_back()]
             if runner.task is not None:
-                released.append(runner.task.lease_id)
-                runner.task = None
+                task, runner.task = runner.task, None
+                released.append(task.lease_id)
                 runner.kill()
+                self.agent.drop_unsent(task)  # what it wrote before the kill goes too
                 runner.start()
         return released
 

@@ -28,6 +28,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -45,6 +46,7 @@ from ..runner.pipe import (
     recv_message,
     send_message,
 )
+from ..sharedmem import SharedFolder
 
 TAIL_LINES = 20
 # Bytes on the socket handed ahead to one runner, at most (beyond the first task ahead): well
@@ -125,6 +127,8 @@ class Runner:
         # (a write that wakes the runner costs tens of µs here, and a TASK brings many tasks).
         self._unsent: list[bytes] = []
         self.restart_after_task = False  # a task handed ahead was dropped: it must not run on
+        # (folder, name start) of the result files of tasks taken from it (shmowners.tagged)
+        self.stale: list[tuple[str, str]] = []
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._partial = {"out": b"", "err": b""}
         self._reset_streams()
@@ -137,6 +141,7 @@ class Runner:
         self._held = {"out": b"", "err": b""}  # the start of a marker, cut by a read
 
     def start(self) -> None:
+        self._remove_stale()  # the process before (if any) was reaped: it writes no more
         parent, child = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()), *self._pass_env],
@@ -253,7 +258,25 @@ class Runner:
         following = [queued for queued, _ in self.ahead]
         self.ahead.clear()
         self.ahead_bytes = 0
+        self._given_up(following)
         return following
+
+    def _given_up(self, tasks: Iterable[QueuedTask]) -> None:
+        """Remember how the result files of tasks taken from this runner are named: should it
+        have started one after all, what it wrote goes when it starts again (``start``)."""
+        for queued in tasks:
+            where, start = queued.header.get("shm_dir"), queued.header.get("shm_owner")
+            if isinstance(where, str) and isinstance(start, str):
+                self.stale.append((where, start))
+
+    def _remove_stale(self) -> None:
+        """The files the process just ended wrote for tasks given up: nothing will name them."""
+        starts: dict[str, list[str]] = {}
+        for where, start in self.stale:
+            starts.setdefault(where, []).append(start)
+        self.stale = []
+        for where, named in starts.items():
+            SharedFolder(Path(where), "").remove_starting(named)
 
     def drop_ahead(self) -> list[QueuedTask]:
         """Give up the tasks handed ahead (one cancelled, handed back by the owner, or moved
@@ -267,6 +290,7 @@ class Runner:
         self.ahead.clear()
         self.ahead_bytes = 0
         self.restart_after_task = True
+        self._given_up(queued for queued, _ in dropped)
         if self.control is not None:
             try:
                 self.flush()  # a drop must follow the task it drops

@@ -298,9 +298,9 @@ def test_a_runner_names_its_frames_as_its_agent_and_a_forked_child_as_itself(fol
     runner.owner = shmowners.tagged(agent, 77)
     written = runner.write([BIG])
     assert written.startswith(runner.owner) and NAME_PATTERN.fullmatch(written)
-    assert folder.remove_starting(agent) == 0  # never every frame of an owner
-    assert folder.remove_starting(shmowners.tagged(agent, 78)) == 0
-    assert folder.remove_starting(runner.owner) == 1
+    assert folder.remove_starting([agent]) == 0  # never every frame of an owner
+    assert folder.remove_starting([shmowners.tagged(agent, 78)]) == 0
+    assert folder.remove_starting([runner.owner]) == 1
     runner.owner = agent
     assert runner.write([BIG]).startswith(agent)
     child = os.fork()

@@ -436,6 +436,41 @@ def test_what_a_runner_wrote_for_a_task_stopped_before_it_said_so_goes(agent, fo
     assert (folder.path / other).exists() and (folder.path / own).exists()
 
 
+def test_tasks_a_runner_gives_back_go_back_under_new_tags_and_the_old_ones_files_go(
+        agent, folder):
+    # The runner may have started one after all (a drop it read too late) and written its
+    # result: under the old tag, removed once that runner starts again, while the task runs
+    # elsewhere under a new tag, which nothing removes by mistake.
+    from gpumesh.shmowners import tagged
+
+    agent.session.on_message(decode(encode(Command.WELCOME, {"shm": folder.offer()}),
+                                    Limits()), 1.0)
+    for lease in (5, 6):
+        agent._on_task(decode(encode(Command.TASK, {"task": f"T{lease}", "lease": lease,
+                                                     "kind": "fn"}, [b"fn", b"args"]),
+                              Limits()), 1.0)
+    runner = agent.runners[0]
+    given = list(agent.queue)
+    agent.queue.clear()
+    runner.ahead.extend((queued, f"nonce-{i}") for i, queued in enumerate(given))
+    old = [q.header["shm_owner"] for q in given]
+    written = old[0] + "0" * 8  # what the runner wrote for T5 before it saw the drop
+    (folder.path / written).write_bytes(b"result")
+    agent._requeue_front(runner.take_back())
+    new = [q.header["shm_owner"] for q in agent.queue]
+    assert [q.task.task_id for q in agent.queue] == ["T5", "T6"]
+    assert set(new).isdisjoint(old) and [q.task.header["_shm_start"] for q in agent.queue] == new
+    assert new[0] == tagged(agent._shm_owner, 3)
+    runs_elsewhere = new[0] + "0" * 8  # T5 again, on another runner, before this one restarts
+    (folder.path / runs_elsewhere).write_bytes(b"result")
+    assert (folder.path / written).exists()  # nothing goes while the old process may write
+    try:
+        runner.start()  # the process given them is gone: what it wrote for them goes
+        assert not (folder.path / written).exists() and (folder.path / runs_elsewhere).exists()
+    finally:
+        runner.kill()
+
+
 def test_each_task_gets_a_tag_of_its_own_though_leases_repeat_across_coordinator_runs(agent,
                                                                                       folder):
     # Lease ids are (epoch << 40) | a count that starts again with each coordinator run: a tag
