@@ -14,7 +14,11 @@ from conftest import FAST
 
 def test_serve_and_its_self_worker_log_one_json_object_per_line(tmp_path):
     token = secrets.token_urlsafe(32)
-    env = {**os.environ, **FAST, "GPUMESH_HOME": str(tmp_path), "GPUMESH_TOKEN": token}
+    # The usual heartbeat, not FAST's 0.2 s: the self-worker says goodbye (and serve logs
+    # "worker left") only while its session is up, and under FAST a one-second stall of a busy
+    # 2-core machine ends the session; it failed that way once in a full run.
+    env = {**os.environ, **FAST, "GPUMESH_HEARTBEAT": "1.0", "GPUMESH_HOME": str(tmp_path),
+           "GPUMESH_TOKEN": token}
     serve = subprocess.Popen([sys.executable, "-m", "gpumesh", "--json-logs", "serve", "--port",
                               "0", "--slots", "1", "--no-save"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
