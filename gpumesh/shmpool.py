@@ -47,8 +47,8 @@ RETIRED = "retired-"
 # user can make one) would otherwise hold the opener, the coordinator's loop among them, for
 # good. Their type is checked next; a regular file reads as usual.
 NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-# A producer keeps at most this many files, and this many bytes of them, the least recently
-# written going first; it looks this often for kept files that lost their last name, and lets
+# A producer keeps at most this many files, and this many bytes of them (Pool._make_room says
+# which go to make room); it looks this often for kept files that lost their last name, and lets
 # go of any it has not written for KEEP_IDLE_SECONDS whatever its name.
 KEEP_MAX_FILES = 4
 KEEP_MAX_BYTES = 1024 * 1024 * 1024
@@ -88,6 +88,7 @@ class Pool:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self._folder = str(folder)  # for the names looked at on every write
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._kept: list[_Kept] = []
@@ -111,8 +112,10 @@ class Pool:
         return False
 
     def _refill(self, kept: _Kept, pieces: Sequence[memoryview], name: str) -> bool:
-        retired = self.folder / (RETIRED + kept.name)
-        if not retired.exists():  # the coordinator still needs it: no exclusive lock on it
+        retired = f"{self._folder}/{RETIRED}{kept.name}"
+        try:
+            os.stat(retired, follow_symlinks=False)
+        except OSError:  # the coordinator still needs it: no exclusive lock on it
             self._forget_if_gone(kept)
             return False
         try:
@@ -152,23 +155,38 @@ class Pool:
         pool owns the descriptor from now on, and closes it when it lets the file go."""
         with self._lock:
             self._kept = [k for k in self._kept if not self._gone(k)]
-            if self._closed or size > KEEP_MAX_BYTES or not _room_for(fd, size):
+            if self._closed or size > KEEP_MAX_BYTES or not _room_for(fd, size) \
+                    or not self._make_room(size):
                 os.close(fd)
                 return
             kept = _Kept(fd, name, size, time.monotonic())
             self._lock_shared(kept)
             self._kept.append(kept)
             self._unmapped.append(kept)
-            while len(self._kept) > KEEP_MAX_FILES or \
-                    sum(k.size for k in self._kept) > KEEP_MAX_BYTES:
-                oldest = min(self._kept, key=lambda k: k.used)
-                self._kept.remove(oldest)
-                oldest.close()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._tend, daemon=True,
                                                 name="gpumesh-shm-pool")
                 self._thread.start()
             self._wake.notify()
+
+    def _make_room(self, size: int) -> bool:
+        """Let go of kept files until one of ``size`` bytes fits; False where it should not be
+        kept. Only files of other sizes make room, the least recently written first: a kept file
+        of this size will be written again once its frame is retired, while a new one that took
+        its place would be mapped, then let go a few frames later unused. With more frames of one
+        size in flight than the pool keeps (a ``.map`` of big arguments), the first ones are
+        kept and written again in turn, and the rest are plain files."""
+        def full() -> bool:
+            return len(self._kept) >= KEEP_MAX_FILES or \
+                sum(k.size for k in self._kept) + size > KEEP_MAX_BYTES
+        while full():
+            others = [k for k in self._kept if k.size != size]
+            if not others:
+                return False
+            oldest = min(others, key=lambda k: k.used)
+            self._kept.remove(oldest)
+            oldest.close()
+        return True
 
     def close(self) -> None:
         """Keep nothing from now on; the files kept are let go (their names stay the

@@ -143,6 +143,21 @@ def test_kept_files_are_bounded_in_count_and_bytes(folder, monkeypatch):
              what="the two oldest let go")
 
 
+def test_more_frames_of_one_size_in_flight_than_kept_keep_the_first_ones(folder, monkeypatch):
+    # A .map of big arguments: frames of one size, many in flight. A new one taking a kept
+    # one's place would be mapped, then let go unused before its frame was ever retired.
+    monkeypatch.setattr(shmpool, "KEEP_MAX_FILES", 2)
+    names = [share(folder, BIG) for _ in range(4)]
+    assert [holds(folder.path / n) for n in names] == [True, True, False, False]
+    was = inode(folder, names[0])
+    assert folder.retire(names[0])
+    assert inode(folder, share(folder, OTHER)) == was  # written again in turn
+    # A frame of another size still takes the place of the least recently written.
+    other = share(folder, BIG + b"x")
+    assert holds(folder.path / other) is True
+    assert [holds(folder.path / n) for n in names[1:]] == [False, False, False]
+
+
 def test_a_file_is_kept_only_with_room_to_spare(folder, monkeypatch):
     monkeypatch.setattr(shmpool, "KEEP_FREE_FACTOR", 1 << 40)  # /dev/shm of a container, say
     name = share(folder, BIG)
