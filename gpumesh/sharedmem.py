@@ -145,6 +145,11 @@ class SharedFolder:
         # process's; a prefix, another process's (a runner's results are its agent's); or
         # ANONYMOUS, nobody's (named at random: the coordinator's own, which its journal names).
         self.owner: str = OWN_PREFIX
+        # This process's prefix here, once its lock file is made (and the pid that made it: a
+        # forked child's frames are its own). Asked on every frame written; a folder made again
+        # (a coordinator restarted) comes with a WELCOME that joins it as a new object, whose
+        # first frame makes the lock file again.
+        self._own_prefix: tuple[int, str] | None = None
 
     # ----------------------------------------------------------------- making and joining
 
@@ -258,7 +263,11 @@ class SharedFolder:
         """How the names of the frames written here begin: an owner's prefix, and a task's tag
         for a runner (gpumesh/shmowners.py); None where they are named at random."""
         if self.owner == OWN_PREFIX:
-            return prefix_in(self.path)
+            pid, known = self._own_prefix or (0, None)
+            if pid != os.getpid():  # none yet, one that could not be made, or a parent's
+                known = prefix_in(self.path)
+                self._own_prefix = None if known is None else (os.getpid(), known)
+            return known
         return self.owner if is_name_start(self.owner) else None
 
     def write(self, frames: Sequence[Any]) -> str | None:

@@ -30,6 +30,10 @@ from pathlib import Path
 # the folder's file system has four times the frame free (Docker gives /dev/shm 64 MiB: a
 # spare must not crowd out real frames).
 SPARE_MAX_BYTES = 256 * 1024 * 1024
+# Nor for frames under this size: their pages cost the writer less than making a spare costs
+# the thread (its wake-up, its GIL) beside it. Writer and spare thread together, a .map of
+# 256 KiB arguments ran faster without (bench/README.md).
+SPARE_MIN_BYTES = 1024 * 1024
 MAX_SPARES = 4
 SPARE_FREE_FACTOR = 4
 # A spare nobody took in this long is given back: an idle process holds no memory for it.
@@ -98,14 +102,17 @@ class _State:
         _LIVE.add(self)
 
     def take(self, size: int) -> int | None:
+        if size < SPARE_MIN_BYTES:
+            return None  # never made
         with self.lock:
             entry = self.ready.pop(size, None)
             return None if entry is None else entry[0]
 
     def want(self, size: int) -> None:
+        if not SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES:
+            return
         with self.lock:
-            if self.closed or size > SPARE_MAX_BYTES or size == self.making \
-                    or size in self.ready or size in self.wanted \
+            if self.closed or size == self.making or size in self.ready or size in self.wanted \
                     or (size == self.failed[0] and time.monotonic() < self.failed[1]):
                 return
             self.wanted.append(size)

@@ -303,10 +303,15 @@ def test_a_runner_names_its_frames_as_its_agent_and_a_forked_child_as_itself(fol
     assert folder.remove_starting([runner.owner]) == 1
     runner.owner = agent
     assert runner.write([BIG]).startswith(agent)
+    parents = joined(folder)
+    assert parents.write([BIG]).startswith(agent)
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's exit status says how it went
         mine = SharedFolder(folder.path, "").write([BIG])
-        os._exit(0 if mine is not None and not mine.startswith(agent) else 1)
+        inherited = parents.write([BIG])  # the parent's folder object, its prefix known
+        os._exit(0 if mine is not None and not mine.startswith(agent)
+                 and inherited is not None and inherited[:PREFIX_CHARS] == mine[:PREFIX_CHARS]
+                 else 1)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert shmowners.alive(folder.path, agent) is True  # the child let go of its copy only
