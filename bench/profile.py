@@ -23,9 +23,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from .measure import filled
 from .procs import REPO_ROOT, descendants, install_teardown
 from .systems.gpumesh_system import Mesh, wait_for_workers
-from .tasks import noop
+from .tasks import first_element, noop
 
 RATE = 200
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
@@ -73,6 +74,9 @@ def main() -> None:
     mode.add_argument("--tasks", type=int, default=20_000, help="the map's no-op tasks")
     mode.add_argument("--calls", type=int, default=0,
                       help="profile this many single calls, one after another, instead of a map")
+    parser.add_argument("--payload", type=int, default=0, metavar="BYTES",
+                        help="each task of the map takes an array of this many bytes and returns "
+                             "its first element (the bench's mid-size map), instead of a no-op")
     parser.add_argument("--top", type=int, default=8, help="components shown per process")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args()
@@ -88,7 +92,11 @@ def main() -> None:
         mesh.wait_listening()
         with mesh.client() as client:
             wait_for_workers(client, 2)
-            client.map(noop, list(range(500)))
+            function, items = noop, list(range(args.tasks))
+            if args.payload:  # eight arrays' data, each item an object of its own (a view)
+                arrays = [filled(args.payload, value) for value in range(8)]
+                function, items = first_element, [arrays[i % 8][:] for i in range(args.tasks)]
+            client.map(function, items[:500])
             agent = mesh.workers[0].pid
             targets = {"coordinator": mesh.coordinator.pid, "worker agent": agent,
                        "runner": descendants(agent)[0], "client": os.getpid()}
@@ -102,7 +110,7 @@ def main() -> None:
                 for i in range(args.calls):
                     client.submit(noop, i).result(timeout=60)
             else:
-                client.map(noop, list(range(args.tasks)), timeout=600)
+                client.map(function, items, timeout=600)
             elapsed = time.perf_counter() - started
             for spy in spies.values():
                 spy.send_signal(signal.SIGINT)
