@@ -57,6 +57,11 @@ KEEP_IDLE_SECONDS = 600.0
 # A file is kept only while its file system has this many times its size free: Docker gives
 # /dev/shm 64 MiB, and kept files must not crowd out the frames of other processes.
 KEEP_FREE_FACTOR = 4
+# Frames are retired about in the order they were written. When the oldest kept file of a size,
+# written less than this long ago, is not retired yet, a write does not look at the younger
+# ones (two system calls each, on every frame of a .map with many in flight); one written longer
+# ago may be held by a long task, and is passed over.
+IN_ORDER_SECONDS = 1.0
 
 
 class _Kept:
@@ -105,19 +110,25 @@ class Pool:
         with self._lock:
             if self._closed:
                 return False
+            now = time.monotonic()
             for kept in sorted((k for k in self._kept if k.size == size), key=lambda k: k.used):
-                if self._refill(kept, pieces, name):
-                    kept.used = time.monotonic()
+                done = self._refill(kept, pieces, name)
+                if done:
+                    kept.used = now
                     return True
+                if done is None and now - kept.used < IN_ORDER_SECONDS:
+                    break  # the younger ones are not retired either, most likely
         return False
 
-    def _refill(self, kept: _Kept, pieces: Sequence[memoryview], name: str) -> bool:
+    def _refill(self, kept: _Kept, pieces: Sequence[memoryview], name: str) -> bool | None:
+        """True once written into; None where the coordinator has not retired it yet; False
+        where it cannot be written now for another reason (someone maps it, it went)."""
         retired = f"{self._folder}/{RETIRED}{kept.name}"
         try:
             os.stat(retired, follow_symlinks=False)
         except OSError:  # the coordinator still needs it: no exclusive lock on it
             self._forget_if_gone(kept)
-            return False
+            return None
         try:
             fcntl.flock(kept.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # someone maps it still; a failed upgrade dropped our shared lock
@@ -155,8 +166,8 @@ class Pool:
         pool owns the descriptor from now on, and closes it when it lets the file go."""
         with self._lock:
             self._kept = [k for k in self._kept if not self._gone(k)]
-            if self._closed or size > KEEP_MAX_BYTES or not _room_for(fd, size) \
-                    or not self._make_room(size):
+            if self._closed or size > KEEP_MAX_BYTES or not self._make_room(size) \
+                    or not _room_for(fd, size):
                 os.close(fd)
                 return
             kept = _Kept(fd, name, size, time.monotonic())

@@ -158,6 +158,20 @@ def test_more_frames_of_one_size_in_flight_than_kept_keep_the_first_ones(folder,
     assert [holds(folder.path / n) for n in names[1:]] == [False, False, False]
 
 
+def test_a_file_held_long_by_its_task_does_not_keep_younger_ones_from_being_written_again(
+        folder, monkeypatch):
+    held = share(folder, BIG)  # its task runs on: the coordinator does not retire it
+    younger = share(folder, BIG)
+    was = inode(folder, younger)
+    assert folder.retire(younger)
+    # Written a moment ago and not retired: the younger ones are not looked at (frames are
+    # retired about in the order they were written).
+    assert inode(folder, share(folder, OTHER)) != was
+    monkeypatch.setattr(shmpool, "IN_ORDER_SECONDS", 0.0)  # as if written long ago
+    assert inode(folder, share(folder, OTHER)) == was
+    assert bytes(folder.open(held, len(BIG))) == BIG
+
+
 def test_a_file_is_kept_only_with_room_to_spare(folder, monkeypatch):
     monkeypatch.setattr(shmpool, "KEEP_FREE_FACTOR", 1 << 40)  # /dev/shm of a container, say
     name = share(folder, BIG)
