@@ -1,10 +1,13 @@
-"""bench/ab.py's arithmetic and report (pure code; the speeds are made up)."""
+"""bench/ab.py's arithmetic, report and each side's environment (the speeds are made up)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from bench.ab import markdown, summarize
+from bench.ab import markdown, side_env, summarize
 
 
 def _measured() -> dict:
@@ -99,3 +102,28 @@ def test_each_side_s_coordinator_and_workers_import_its_own_tree(tmp_path) -> No
             assert imported.resolve() == (tree / "gpumesh" / "__init__.py").resolve(), role
     finally:
         mesh.stop()
+
+
+def test_each_side_compiles_its_own_bytecode_not_a_stale_one_in_the_tree(tmp_path) -> None:
+    # Bytecode in __pycache__ whose recorded size and time match an edited source is taken for
+    # it: the edit is not run. Each side's processes compile into a folder of their own.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    source = tree / "edited.py"
+    source.write_text("VALUE = 1\n")
+    stamp = source.stat().st_mtime_ns
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE",
+                                                               "PYTHONPYCACHEPREFIX")}
+    subprocess.run([sys.executable, "-c", "import edited"], cwd=tree, env=env, check=True)
+    source.write_text("VALUE = 2\n")  # the same size; then the time the bytecode recorded
+    os.utime(source, ns=(stamp, stamp))
+
+    def value(environment: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", "import edited; print(edited.VALUE)"],
+                              cwd=tree, env=environment, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert value(env) == "1"  # the stale bytecode, as a plain run takes it
+    sides = {name: side_env(name, tmp_path / "scratch") for name in ("base", "new")}
+    assert sides["base"]["PYTHONPYCACHEPREFIX"] != sides["new"]["PYTHONPYCACHEPREFIX"]
+    assert value({**env, "PYTHONPYCACHEPREFIX": sides["new"]["PYTHONPYCACHEPREFIX"]}) == "2"
