@@ -62,6 +62,9 @@ KEEP_FREE_FACTOR = 4
 # ones (two system calls each, on every frame of a .map with many in flight); one written longer
 # ago may be held by a long task, and is passed over.
 IN_ORDER_SECONDS = 1.0
+# A kept file of a frame's own size makes room for the frame's file only once it has not been
+# written for this long (Pool._make_room).
+STALE_SECONDS = 10.0
 
 
 class _Kept:
@@ -126,9 +129,8 @@ class Pool:
         retired = f"{self._folder}/{RETIRED}{kept.name}"
         try:
             os.stat(retired, follow_symlinks=False)
-        except OSError:  # the coordinator still needs it: no exclusive lock on it
-            self._forget_if_gone(kept)
-            return None
+        except OSError:  # the coordinator still needs it (no exclusive lock on it), or it went
+            return False if self._forget_if_gone(kept) else None
         try:
             fcntl.flock(kept.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # someone maps it still; a failed upgrade dropped our shared lock
@@ -166,8 +168,8 @@ class Pool:
         pool owns the descriptor from now on, and closes it when it lets the file go."""
         with self._lock:
             self._kept = [k for k in self._kept if not self._gone(k)]
-            if self._closed or size > KEEP_MAX_BYTES or not self._make_room(size) \
-                    or not _room_for(fd, size):
+            if self._closed or size > KEEP_MAX_BYTES or not _room_for(fd, size) \
+                    or not self._make_room(size):
                 os.close(fd)
                 return
             kept = _Kept(fd, name, size, time.monotonic())
@@ -182,16 +184,20 @@ class Pool:
 
     def _make_room(self, size: int) -> bool:
         """Let go of kept files until one of ``size`` bytes fits; False where it should not be
-        kept. Only files of other sizes make room, the least recently written first: a kept file
-        of this size will be written again once its frame is retired, while a new one that took
-        its place would be mapped, then let go a few frames later unused. With more frames of one
-        size in flight than the pool keeps (a ``.map`` of big arguments), the first ones are
-        kept and written again in turn, and the rest are plain files."""
+        kept. Only files of other sizes make room, the least recently written first, and those
+        of this size unwritten for STALE_SECONDS: a kept file of this size will be written again
+        once its frame is retired, while a new one that took its place would be mapped, then let
+        go a few frames later unused. With more frames of one size in flight than the pool keeps
+        (a ``.map`` of big arguments), the first ones are kept and written again in turn, and
+        the rest are plain files."""
         def full() -> bool:
             return len(self._kept) >= KEEP_MAX_FILES or \
                 sum(k.size for k in self._kept) + size > KEEP_MAX_BYTES
+        now = time.monotonic()
         while full():
-            others = [k for k in self._kept if k.size != size]
+            # One of this size not written for STALE_SECONDS goes too: held by tasks that wait
+            # (parked, or long), it would keep a later stream of this size from being kept.
+            others = [k for k in self._kept if k.size != size or now - k.used > STALE_SECONDS]
             if not others:
                 return False
             oldest = min(others, key=lambda k: k.used)
@@ -216,9 +222,11 @@ class Pool:
         with contextlib.suppress(OSError):
             fcntl.flock(kept.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
-    def _forget_if_gone(self, kept: _Kept) -> None:
+    def _forget_if_gone(self, kept: _Kept) -> bool:
         if self._gone(kept):
             self._kept.remove(kept)
+            return True
+        return False
 
     @staticmethod
     def _gone(kept: _Kept) -> bool:

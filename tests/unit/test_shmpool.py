@@ -160,6 +160,7 @@ def test_more_frames_of_one_size_in_flight_than_kept_keep_the_first_ones(folder,
 
 def test_a_file_held_long_by_its_task_does_not_keep_younger_ones_from_being_written_again(
         folder, monkeypatch):
+    monkeypatch.setattr(shmpool, "IN_ORDER_SECONDS", 1e9)  # however slow this machine is now
     held = share(folder, BIG)  # its task runs on: the coordinator does not retire it
     younger = share(folder, BIG)
     was = inode(folder, younger)
@@ -170,6 +171,25 @@ def test_a_file_held_long_by_its_task_does_not_keep_younger_ones_from_being_writ
     monkeypatch.setattr(shmpool, "IN_ORDER_SECONDS", 0.0)  # as if written long ago
     assert inode(folder, share(folder, OTHER)) == was
     assert bytes(folder.open(held, len(BIG))) == BIG
+
+
+def test_an_oldest_file_whose_name_went_does_not_stop_the_look(folder, monkeypatch):
+    monkeypatch.setattr(shmpool, "IN_ORDER_SECONDS", 1e9)
+    gone = share(folder, BIG)
+    younger = share(folder, BIG)
+    was = inode(folder, younger)
+    folder.remove([gone])  # an older coordinator removed it rather than retiring it
+    assert folder.retire(younger)
+    assert inode(folder, share(folder, OTHER)) == was
+
+
+def test_kept_files_of_one_size_unwritten_for_long_make_room_for_a_new_one(folder, monkeypatch):
+    # Held by tasks that wait (a parked submission, long tasks): a later stream of that size
+    # would never be kept.
+    monkeypatch.setattr(shmpool, "KEEP_MAX_FILES", 2)
+    monkeypatch.setattr(shmpool, "STALE_SECONDS", 0.0)  # as if they had waited that long
+    names = [share(folder, BIG) for _ in range(3)]
+    assert [holds(folder.path / n) for n in names] == [False, True, True]
 
 
 def test_a_file_is_kept_only_with_room_to_spare(folder, monkeypatch):
