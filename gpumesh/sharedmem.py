@@ -94,6 +94,9 @@ _NAME = NAME_PATTERN
 # A frame nothing refers to whose producer is gone (gpumesh/shmowners.py) is removed once it is
 # this old: a SUBMIT its producer sent just before it died may still be on its way.
 ORPHAN_GRACE = 60.0
+# A writer looks for its own lock file at most this often (two system calls, on every frame
+# otherwise), and makes it again in a folder made again in its place.
+OWNER_RECHECK_SECONDS = 1.0
 # One whose producer is unknown (an older gpumesh's) only after a restart, once this old: a
 # client may have written it a moment ago and be about to send the SUBMIT that names it.
 ORPHAN_AGE = 600.0
@@ -145,11 +148,12 @@ class SharedFolder:
         # process's; a prefix, another process's (a runner's results are its agent's); or
         # ANONYMOUS, nobody's (named at random: the coordinator's own, which its journal names).
         self.owner: str = OWN_PREFIX
-        # This process's prefix here, once its lock file is made (and the pid that made it: a
-        # forked child's frames are its own). Asked on every frame written; a folder made again
-        # (a coordinator restarted) comes with a WELCOME that joins it as a new object, whose
-        # first frame makes the lock file again.
-        self._own_prefix: tuple[int, str] | None = None
+        # This process's prefix here, once its lock file is made: (the pid that made it, a
+        # forked child's frames being its own; the prefix; when its lock file was last seen).
+        # Asked on every frame written, it looks for the lock file again only after
+        # OWNER_RECHECK_SECONDS: the folder may have been removed and made again by a restarted
+        # coordinator before the new WELCOME is handled.
+        self._own_prefix: tuple[int, str, float] | None = None
 
     # ----------------------------------------------------------------- making and joining
 
@@ -263,10 +267,12 @@ class SharedFolder:
         """How the names of the frames written here begin: an owner's prefix, and a task's tag
         for a runner (gpumesh/shmowners.py); None where they are named at random."""
         if self.owner == OWN_PREFIX:
-            pid, known = self._own_prefix or (0, None)
-            if pid != os.getpid():  # none yet, one that could not be made, or a parent's
+            pid, known, seen = self._own_prefix or (0, None, 0.0)
+            now = time.monotonic()
+            if pid != os.getpid() or now - seen > OWNER_RECHECK_SECONDS:
+                # None yet, none could be made, a parent's, or not looked at for a while.
                 known = prefix_in(self.path)
-                self._own_prefix = None if known is None else (os.getpid(), known)
+                self._own_prefix = None if known is None else (os.getpid(), known, now)
             return known
         return self.owner if is_name_start(self.owner) else None
 

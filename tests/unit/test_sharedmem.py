@@ -340,6 +340,29 @@ def test_a_writer_makes_its_lock_file_again_in_a_folder_made_again(tmp_path, mon
         second.close()
 
 
+def test_a_writer_that_keeps_its_folder_object_makes_its_lock_file_again_soon(tmp_path,
+                                                                              monkeypatch):
+    # A client writes its next SUBMIT's frames before it has handled the restarted
+    # coordinator's WELCOME: with the folder object of the session before.
+    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    monkeypatch.setattr(sharedmem, "OWNER_RECHECK_SECONDS", 0.0)  # as if a second went by
+    first = SharedFolder.create("kept")
+    assert first is not None
+    client = SharedFolder.join(first.offer())
+    assert client is not None
+    prefix = client.owner_prefix()
+    first.close()  # no frame left: the folder goes, the client's lock file with it
+    second = SharedFolder.create("kept")
+    assert second is not None
+    try:
+        name = client.write([BIG])
+        assert name is not None and not name.startswith(prefix)
+        assert shmowners.alive(second.path, name[:PREFIX_CHARS]) is True
+    finally:
+        second.remove(names(second))
+        second.close()
+
+
 def test_a_lock_file_never_renamed_goes_once_old(folder):
     making = folder.path / f".{OWNER}{'a' * PREFIX_CHARS}"
     making.write_bytes(b"")
