@@ -22,6 +22,7 @@ import collections
 import contextlib
 import multiprocessing
 import os
+import signal
 import statistics
 import sys
 import time
@@ -43,19 +44,30 @@ def _numbers(text: str) -> list[int]:
     return values
 
 
-def _coordinator(conn: Connection, key: str) -> None:
-    """The folder's coordinator: retires the names it is sent, as after a task's end."""
+def _coordinator(conn: Connection, parents_end: Connection, key: str) -> None:
+    """The folder's coordinator: retires the names it is sent, as after a task's end, until it
+    is sent None or the producer is gone; then it removes what is left and the folder."""
     from gpumesh.sharedmem import SharedFolder
 
-    folder = SharedFolder.create(key)
+    parents_end.close()  # so that the producer's end going reads as the end here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the producer says when to stop
+    # journal="": no journal names these frames, so a later coordinator may remove the folder
+    # if this one is killed before it removes it itself.
+    folder = SharedFolder.create(key, journal="")
     conn.send(None if folder is None else folder.offer())
     if folder is None:
         return
-    while (names := conn.recv()) is not None:
-        folder.retire_soon(names)
-    folder.settle()
-    folder.close()
-    conn.send("done")
+    try:
+        while (names := conn.recv()) is not None:
+            folder.retire_soon(names)
+    except EOFError:
+        pass
+    finally:
+        folder.settle()
+        folder.remove(name for name in os.listdir(folder.path))  # the producer's last frames
+        folder.close()
+    with contextlib.suppress(OSError):
+        conn.send("done")
 
 
 @contextlib.contextmanager
@@ -87,15 +99,17 @@ def measure(size: int, depth: int, frames: int, rounds: int) -> list[float]:
 
     ours, theirs = multiprocessing.Pipe()
     coordinator = multiprocessing.get_context("fork").Process(
-        target=_coordinator, args=(theirs, f"shmwrite-{os.getpid()}-{size}-{depth}"))
+        target=_coordinator, args=(theirs, ours, f"shmwrite-{os.getpid()}-{size}-{depth}"))
     coordinator.start()
+    theirs.close()
+    in_flight: collections.deque[str] = collections.deque()
+    folder = None
     try:
         offer = ours.recv()
         folder = SharedFolder.join(offer) if offer is not None else None
         if folder is None:
             raise RuntimeError("no shared-memory folder here (/dev/shm missing or not private)")
         frame = os.urandom(size)
-        in_flight: collections.deque[str] = collections.deque()
         per_round = []
         for _ in range(rounds):
             spent = 0.0
@@ -109,15 +123,28 @@ def measure(size: int, depth: int, frames: int, rounds: int) -> list[float]:
                 if len(in_flight) >= depth:
                     ours.send([in_flight.popleft()])
             per_round.append(spent / frames * 1e6)
-        ours.send(list(in_flight))
-        ours.send(None)
-        ours.recv()
-        folder.release()
     finally:
+        if folder is not None:
+            folder.release()
+        with contextlib.suppress(OSError, EOFError):
+            ours.send(list(in_flight))
+            ours.send(None)
+            ours.recv()
+        ours.close()
         coordinator.join(30)
         if coordinator.is_alive():
             coordinator.kill()
     return per_round
+
+
+def room_for(size: int, depth: int) -> bool:
+    """Whether /dev/shm has room for ``depth`` + 1 frames of ``size`` four times over (a
+    container's is 64 MiB): the run must not fill it for everyone else."""
+    try:
+        info = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize >= 4 * (depth + 1) * size
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -151,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
         for size in args.sizes:
             for depth in args.depths:
                 frames = max(1, args.frames // 10) if size >= 16 << 20 else args.frames
+                if not room_for(size, depth):
+                    print(f"[shmwrite] {size} bytes, {depth} in flight: skipped, too little "
+                          "room in /dev/shm", file=sys.stderr)
+                    continue
                 per_round = measure(size, depth, frames, args.rounds)
                 rows.append({"size": size, "depth": depth, "rounds": per_round,
                              "median": statistics.median(per_round)})

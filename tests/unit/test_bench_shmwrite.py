@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from bench.shmwrite import _numbers, main, table
+from bench.shmwrite import _numbers, main, measure, table
 
 
 def test_sizes_and_depths_are_positive_integers_comma_separated():
@@ -36,13 +36,37 @@ def test_a_tiny_run_measures_every_size_and_depth_and_leaves_all_as_it_was(capsy
         return {n for n in os.listdir("/dev/shm") if "shmwrite" in n}
 
     before = folders()
-    main(["--sizes", "65536,131072", "--depths", "1,3", "--frames", "4", "--rounds", "2", *off])
+    main(["--sizes", "65536,1048576", "--depths", "1,3", "--frames", "4", "--rounds", "2", *off])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "KiB" in line]
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "iB |" in line]
     assert [row.split(" | ")[:2] for row in rows] == [
-        ["| 64 KiB", "1"], ["| 64 KiB", "3"], ["| 128 KiB", "1"], ["| 128 KiB", "3"]]
+        ["| 64 KiB", "1"], ["| 64 KiB", "3"], ["| 1 MiB", "1"], ["| 1 MiB", "3"]]
     assert ("off: pool, spares" in out) == bool(off)
     assert folders() == before
     from gpumesh import shmpool, shmspares  # and the pool and spares are switched on again
     assert shmpool.Pool.refill.__module__ == "gpumesh.shmpool"
     assert shmspares.Spares.want.__module__ == "gpumesh.shmspares"
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not hasattr(os, "fork"),
+                    reason="a shared-memory folder and fork")
+def test_a_run_that_fails_halfway_leaves_no_frame_behind(monkeypatch):
+    from gpumesh.sharedmem import SharedFolder
+
+    def folders() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if "shmwrite" in n}
+
+    share = SharedFolder.share
+    calls = []
+
+    def failing(self, frames, start=0):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("the folder is full")
+        return share(self, frames, start)
+
+    monkeypatch.setattr(SharedFolder, "share", failing)
+    before = folders()
+    with pytest.raises(RuntimeError, match="full"):
+        measure(65536, 8, 10, 1)  # four frames in flight when it fails
+    assert folders() == before
