@@ -144,11 +144,11 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
                "without this terminal")
             click.echo(f"Follow it with: gpumesh status {job_id}")
         return 0
-    if not as_json:
-        ok(f"Submitted job {job_id} ({plural(len(futures), 'task')})")
-        click.echo(f"Job: {name or script} ({job_id})")
-        click.echo("")
-    try:
+    try:  # from the first line that says it was accepted: Ctrl+C stops the waiting only
+        if not as_json:
+            ok(f"Submitted job {job_id} ({plural(len(futures), 'task')})")
+            click.echo(f"Job: {name or script} ({job_id})")
+            click.echo("")
         status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
     except KeyboardInterrupt:
         return _stopped_waiting(job_id, accepted=True)

@@ -235,3 +235,34 @@ def test_ctrl_c_as_submit_wait_learns_the_job_was_accepted_leaves_it_running(mes
     wait_for(lambda: client.status(tasks=False)["counts"].get("running") == 1,
              what="the job running on after its submitter stopped waiting")
     assert client.cancel_job(job) == 1
+
+
+# Ctrl+C landing right after `submit --wait` printed the job's line, before it waits: a test
+# that interrupts once the job runs could hit that on a loaded machine (CI, 2026-12-06).
+CTRL_C_AFTER_JOB_LINE = """
+import sys
+import click
+from gpumesh.cli.main import main
+
+echo = click.echo
+
+def echo_then_ctrl_c(message=None, *args, **kwargs):
+    echo(message, *args, **kwargs)
+    if isinstance(message, str) and message.startswith("Job: "):
+        raise KeyboardInterrupt
+
+click.echo = echo_then_ctrl_c
+sys.argv = ["gpumesh", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_just_after_submit_wait_printed_the_job_leaves_it_running(mesh_env, tmp_path):
+    client, args, env = _slow_job(mesh_env, tmp_path)
+    done = subprocess.run([sys.executable, "-c", CTRL_C_AFTER_JOB_LINE, *args], env=env,
+                          text=True, capture_output=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+    job = client.status()["jobs"][0]["job"]
+    assert f"Stopped waiting; job {job} keeps running on the mesh" in done.stderr, done.stderr
+    assert "Aborted!" not in done.stderr
+    assert client.cancel_job(job) == 1
