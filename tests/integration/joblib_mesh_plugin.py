@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -113,4 +114,9 @@ def pytest_unconfigure(config):  # type: ignore[no-untyped-def]
     global _mesh, _client
     if _mesh is not None:
         _mesh.close()
+        # Its home goes too: while its journal is there, the coordinator's shared-memory folder
+        # and the frames it names are kept for a restart that never comes (a few MB of RAM in
+        # /dev/shm for every run of this suite); once it is gone, the next coordinator to start
+        # removes them.
+        shutil.rmtree(_mesh.home, ignore_errors=True)
         _mesh = _client = None
