@@ -318,8 +318,14 @@ def test_a_runner_names_its_frames_as_its_agent_and_a_forked_child_as_itself(fol
     assert len(owner_files(folder)) == 2
 
 
-def test_a_writer_makes_its_lock_file_again_in_a_folder_made_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rejoined", [True, False], ids=["after a new WELCOME",
+                                                       "with the old folder object"])
+def test_a_writer_makes_its_lock_file_again_in_a_folder_made_again(tmp_path, monkeypatch,
+                                                                   rejoined):
+    # With the old object: a client writes its next SUBMIT's frames before it has handled the
+    # restarted coordinator's WELCOME. It looks for its lock file again within a second.
     monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
+    monkeypatch.setattr(sharedmem, "OWNER_RECHECK_SECONDS", 0.0)  # as if a second went by
     first = SharedFolder.create("again")
     assert first is not None
     client = SharedFolder.join(first.offer())
@@ -330,32 +336,9 @@ def test_a_writer_makes_its_lock_file_again_in_a_folder_made_again(tmp_path, mon
     second = SharedFolder.create("again")
     assert second is not None
     try:
-        again = SharedFolder.join(second.offer())
-        assert again is not None
-        name = again.write([BIG])
-        assert name is not None and not name.startswith(prefix)
-        assert shmowners.alive(second.path, name[:PREFIX_CHARS]) is True
-    finally:
-        second.remove(names(second))
-        second.close()
-
-
-def test_a_writer_that_keeps_its_folder_object_makes_its_lock_file_again_soon(tmp_path,
-                                                                              monkeypatch):
-    # A client writes its next SUBMIT's frames before it has handled the restarted
-    # coordinator's WELCOME: with the folder object of the session before.
-    monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
-    monkeypatch.setattr(sharedmem, "OWNER_RECHECK_SECONDS", 0.0)  # as if a second went by
-    first = SharedFolder.create("kept")
-    assert first is not None
-    client = SharedFolder.join(first.offer())
-    assert client is not None
-    prefix = client.owner_prefix()
-    first.close()  # no frame left: the folder goes, the client's lock file with it
-    second = SharedFolder.create("kept")
-    assert second is not None
-    try:
-        name = client.write([BIG])
+        writer = SharedFolder.join(second.offer()) if rejoined else client
+        assert writer is not None
+        name = writer.write([BIG])
         assert name is not None and not name.startswith(prefix)
         assert shmowners.alive(second.path, name[:PREFIX_CHARS]) is True
     finally:
