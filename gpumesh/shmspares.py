@@ -30,9 +30,9 @@ from pathlib import Path
 # the folder's file system has four times the frame free (Docker gives /dev/shm 64 MiB: a
 # spare must not crowd out real frames).
 SPARE_MAX_BYTES = 256 * 1024 * 1024
-# Nor for frames under this size: their pages cost the writer less than making a spare costs
-# the thread (its wake-up, its GIL) beside it. Writer and spare thread together, a .map of
-# 256 KiB arguments ran faster without (bench/README.md).
+# Nor for frames under this size: the writer alone was no faster with a spare there
+# (bench.shmwrite), and the thread that makes it takes a core and the GIL beside the writer
+# (bench/README.md, "A frame's write into shared memory").
 SPARE_MIN_BYTES = 1024 * 1024
 MAX_SPARES = 4
 SPARE_FREE_FACTOR = 4
