@@ -380,7 +380,10 @@ def _traced_run(folder: Path, calls: int) -> str:
             mesh.add_worker(join_args=("--pass-env", "GPUMESH_BENCH_TRACE"))
         mesh.wait_listening()
         with mesh.client() as client:
-            wait_for_workers(client, 2)
+            try:
+                wait_for_workers(client, 2)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; the processes' log ends:\n{mesh.tail_log()}") from None
             for i in range(WARM_CALLS):
                 client.submit(noop, i).result(timeout=CALL_TIMEOUT)
             untraced = []

@@ -90,28 +90,30 @@ def batch_name(items: Any) -> str:
 def _recording(name: str, original: Callable[..., Any], recorder: Recorder) -> Callable[..., Any]:
     """``original`` recording each call while ``recorder`` is on."""
     if name == "send_frames":
-        def send_frames(sock: Any, frames: Sequence[Any]) -> Any:
+        def send_frames(sock: Any, frames: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
             if recorder.on():
                 recorder.write("send", command_name(frames))
-            return original(sock, frames)
+            return original(sock, frames, *args, **kwargs)
         return send_frames
     if name == "receive":
-        def receive(frames: Any, limits: Any, offset: int = 0) -> Any:
-            msg = original(frames, limits, offset)
+        def receive(frames: Any, *args: Any, **kwargs: Any) -> Any:
+            msg = original(frames, *args, **kwargs)
             if recorder.on():
                 recorder.write("recv", batch_name(msg.header.get("m"))
                                if msg.command.name == "BATCH" else msg.command.name)
             return msg
         return receive
     if name == "send_message":
-        def send_message(sock: Any, frames: Sequence[Any]) -> Any:
+        def send_message(sock: Any, frames: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
             if recorder.on():
                 recorder.write("pipe-send", "-")
-            return original(sock, frames)
+            return original(sock, frames, *args, **kwargs)
         return send_message
 
-    def recv_message(sock: Any, max_bytes: int) -> Any:  # recorded once in: the call waits
-        frames = original(sock, max_bytes)
+    # Recorded once in: the call waits. Extra arguments pass through, so a wrapped function
+    # that grows a keyword (recv_message's ``stall``) does not break the traced processes.
+    def recv_message(sock: Any, *args: Any, **kwargs: Any) -> Any:
+        frames = original(sock, *args, **kwargs)
         if recorder.on():
             recorder.write("pipe-recv", "-")
         return frames
