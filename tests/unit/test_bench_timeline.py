@@ -169,6 +169,35 @@ def test_the_hook_records_what_the_coordinator_module_sends_and_nothing_when_off
     assert (tmp_path / EVENTS).stat().st_mode & 0o777 == 0o600
 
 
+def test_the_hook_passes_on_every_argument_each_wrapped_function_takes(tmp_path: Path) -> None:
+    """A wrapped function that grows a parameter (the runner pipe's ``stall``) must not make
+    the traced processes fail: ``bench.timeline``'s workers once died of that on joining."""
+    import importlib
+    import inspect
+
+    from bench.trace import _WRAPPED, Recorder, _recording
+
+    recorder = Recorder(str(tmp_path))  # no switch file: off, so nothing reads the outcome
+    for module_name, names in _WRAPPED.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            original = getattr(module, name)
+            original = getattr(original, "__wrapped__", original)
+            positional, keywords = [], {}
+            for parameter in inspect.signature(original).parameters.values():
+                if parameter.default is inspect.Parameter.empty:
+                    positional.append(object())
+                else:
+                    keywords[parameter.name] = object()
+            seen: list[tuple[tuple[object, ...], dict[str, object]]] = []
+
+            def fake(*args: object, **kwargs: object) -> None:
+                seen.append((args, kwargs))  # noqa: B023 - called at once, within the loop
+
+            _recording(name, fake, recorder)(*positional, **keywords)
+            assert seen == [(tuple(positional), keywords)], f"{module_name}.{name}"
+
+
 def test_a_process_started_as_the_mesh_starts_them_loads_the_hook(tmp_path: Path) -> None:
     """Children get it from sitecustomize on PYTHONPATH, whose failures Python only prints."""
     script = ("import zmq\n"
