@@ -105,6 +105,29 @@ def _frame_view(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _small_bytes(frames: Sequence[Any]) -> list[bytes] | None:
+    """``frames`` as bytes when they are bytes or zmq Frames (whose ``bytes`` pyzmq makes
+    once and keeps) under BLOB_THRESHOLD together; None otherwise, without copying anything."""
+    out: list[bytes] = []
+    total = 0
+    for frame in frames:
+        if type(frame) is not bytes:
+            # A zmq.Frame (not imported here): len() is its byte count, checked before the
+            # copy ``bytes`` makes.
+            if not hasattr(frame, "bytes") or not hasattr(frame, "buffer"):
+                return None
+            total += len(frame)
+            if total >= BLOB_THRESHOLD:
+                return None
+            frame = frame.bytes
+        else:
+            total += len(frame)
+            if total >= BLOB_THRESHOLD:
+                return None
+        out.append(frame)
+    return out
+
+
 class Store:
     """One SQLite file in WAL mode, owned by the coordinator's loop thread."""
 
@@ -297,9 +320,10 @@ class Store:
     def _store_frames(self, frames: Sequence[Any]
                       ) -> tuple[bytes | None, bytes | None, BlobRef | None]:
         """(inline column value, reference column value, blob) for a payload."""
-        if all(type(f) is bytes for f in frames) and sum(map(len, frames)) < BLOB_THRESHOLD:
+        small = _small_bytes(frames)
+        if small is not None:
             # The common case (a tiny task's pickled arguments or result): no views to make.
-            return msgpack.packb(list(frames), use_bin_type=True), None, None
+            return msgpack.packb(small, use_bin_type=True), None, None
         views = [_frame_view(f) for f in frames]
         lengths = [v.nbytes for v in views]
         if self._blobs is not None and sum(lengths) >= BLOB_THRESHOLD:

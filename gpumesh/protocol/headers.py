@@ -463,15 +463,31 @@ class TaskSpec:
     def changed(self, **fields: Any) -> TaskSpec:
         """A copy with ``fields`` replaced: what ``dataclasses.replace`` does, without its
         per-call checks (a .map's tasks are copies of one parsed spec: this runs per task)."""
+        neutral = _SPEC_NEUTRAL.issuperset(fields)
+        if neutral and _SPEC_BASE not in self.__dict__:
+            # Made once on the parsed spec a .map's tasks are copied from, and copied with it.
+            object.__setattr__(self, _SPEC_BASE, self._spec_without_seq())
         clone = object.__new__(TaskSpec)
         clone.__dict__.update(self.__dict__, **fields)
+        if not neutral:
+            clone.__dict__.pop(_SPEC_BASE, None)  # what to_spec made of the original no longer holds
         return clone
 
     def to_spec(self) -> dict[str, Any]:
-        """The checked spec, in the wire's key names: journaled, and sent on in TASK."""
+        """The checked spec, in the wire's key names: journaled, and sent on in TASK. A new
+        dict each time; the values in it (``req``, ``env``...) are shared by the copies of one
+        parsed spec (``changed``), a .map's tasks, and nobody changes them in place."""
+        base = self.__dict__.get(_SPEC_BASE)
+        if base is None:
+            # Kept and handed on to copies (changed): a .map's tasks make it once, not once per
+            # task (object.__setattr__: the dataclass is frozen).
+            base = self._spec_without_seq()
+            object.__setattr__(self, _SPEC_BASE, base)
+        return {**base, "seq": self.seq}
+
+    def _spec_without_seq(self) -> dict[str, Any]:
         # Interned: the queue holds these strings once, not once per task.
-        spec: dict[str, Any] = {"kind": self.kind.value, "seq": self.seq,
-                                "max_attempts": self.max_attempts}
+        spec: dict[str, Any] = {"kind": self.kind.value, "max_attempts": self.max_attempts}
         if self.function:
             spec["fn"] = sys.intern(self.function)
         optional = (("priority", self.priority, 0), ("cost", self.cost, 1.0),
@@ -491,6 +507,12 @@ class TaskSpec:
         if req:
             spec["req"] = req
         return spec
+
+
+# TaskSpec fields that its ``to_spec`` leaves out (or adds itself): copies that change only these
+# keep the original's cached dict.
+_SPEC_NEUTRAL = frozenset({"seq", "frames", "by_reference"})
+_SPEC_BASE = "_spec_base"
 
 
 def _split(h: Mapping[str, Any], frames: int) -> tuple[int, ...]:

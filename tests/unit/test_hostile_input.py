@@ -485,6 +485,28 @@ def test_specs_that_differ_only_in_seq_share_one_parse_but_a_differently_typed_o
     assert by_seq[5].requirements.gpu is True and by_seq[1].requirements.gpu is not True
 
 
+def test_copies_of_one_parsed_spec_give_their_own_seq_and_a_changed_field_its_own_spec():
+    """A .map's tasks are copies of one parsed spec, and make their journaled spec from a dict
+    the copies share: each gets its own seq in a dict of its own, and a copy that changes a
+    field the spec shows gets a spec that shows the change."""
+    from gpumesh.protocol.headers import TaskSpec
+    from gpumesh.protocol.requirements import Requirements
+
+    raw = {"kind": "fn", "nf": 1, "priority": 3, "fn": "ab" * 16, "req": {"gpu": True}}
+    parsed = TaskSpec.from_mapping({**raw, "seq": 1})
+    copies = [parsed.changed(seq=seq) for seq in (7, 8)]
+    again = copies[1].changed(frames=2, by_reference=False)  # what a fnref task becomes
+    for task, seq in ((copies[0], 7), (copies[1], 8), (again, 8)):
+        assert task.to_spec() == TaskSpec.from_mapping({**raw, "seq": seq}).to_spec()
+    first = copies[0].to_spec()
+    first["priority"] = 99  # a dict of its own: the next copy's spec is not changed
+    assert first is not copies[0].to_spec() and copies[1].to_spec()["priority"] == 3
+    assert copies[0].changed(priority=5).to_spec()["priority"] == 5
+    assert "req" not in copies[0].changed(requirements=Requirements()).to_spec()
+    assert copies[0].changed(seq=9, max_attempts=4).to_spec() == TaskSpec.from_mapping(
+        {**raw, "seq": 9, "max_attempts": 4}).to_spec()
+
+
 def test_one_function_called_again_and_again_is_parsed_once_and_a_big_spec_every_time(
         broker, monkeypatch):
     from gpumesh.protocol.headers import TaskSpec
