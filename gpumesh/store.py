@@ -105,25 +105,28 @@ def _frame_view(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _small_bytes(frames: Sequence[Any]) -> list[bytes] | None:
-    """``frames`` as bytes when they are bytes or zmq Frames (whose ``bytes`` pyzmq makes
-    once and keeps) under BLOB_THRESHOLD together; None otherwise, without copying anything."""
-    out: list[bytes] = []
+def _small_frames(frames: Sequence[Any]) -> list[Any] | None:
+    """``frames`` for msgpack when they are bytes or zmq Frames under BLOB_THRESHOLD together;
+    None for anything else, or when they are bigger. Nothing is copied: a Frame goes as its
+    ``buffer`` (a view), never as its ``bytes``, which would copy it and keep the copy on the
+    frame for as long as the frame lives (the task's queued input, a held result)."""
+    out: list[Any] = []
     total = 0
     for frame in frames:
-        if type(frame) is not bytes:
-            # A zmq.Frame (not imported here): len() is its byte count, checked before the
-            # copy ``bytes`` makes.
-            if not hasattr(frame, "bytes") or not hasattr(frame, "buffer"):
+        kind = type(frame)
+        if kind is not bytes:
+            # A zmq.Frame (not imported here), told by its class: looking the properties up
+            # on the object would run them, and ``bytes`` copies.
+            if not (hasattr(kind, "buffer") and hasattr(kind, "bytes")):
                 return None
-            total += len(frame)
+            total += len(frame)  # a Frame's byte count
             if total >= BLOB_THRESHOLD:
                 return None
-            frame = frame.bytes
-        else:
-            total += len(frame)
-            if total >= BLOB_THRESHOLD:
-                return None
+            out.append(frame.buffer)
+            continue
+        total += len(frame)
+        if total >= BLOB_THRESHOLD:
+            return None
         out.append(frame)
     return out
 
@@ -320,7 +323,7 @@ class Store:
     def _store_frames(self, frames: Sequence[Any]
                       ) -> tuple[bytes | None, bytes | None, BlobRef | None]:
         """(inline column value, reference column value, blob) for a payload."""
-        small = _small_bytes(frames)
+        small = _small_frames(frames)
         if small is not None:
             # The common case (a tiny task's pickled arguments or result): no views to make.
             return msgpack.packb(small, use_bin_type=True), None, None

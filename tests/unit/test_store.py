@@ -803,22 +803,34 @@ def test_a_retried_tasks_lease_floor_survives_a_restart(db_path: Path) -> None:
     assert loaded["plain"].lease_floor == 0
 
 
-def test_zmq_frames_are_journaled_as_their_bytes_small_in_the_row_big_in_a_blob(
+def test_zmq_frames_are_journaled_without_a_copy_small_in_the_row_big_in_a_blob(
         db_path: Path) -> None:
     """The coordinator journals the frames pyzmq hands it (zmq.Frame): the small ones go into
-    the row as they are, and frames that add up to BLOB_THRESHOLD still go to a blob file."""
+    the row, frames that add up to BLOB_THRESHOLD still go to a blob file, and neither is read
+    through ``Frame.bytes``, which copies the frame and keeps the copy for the frame's life
+    (a queued task's input, a held result)."""
     import zmq
 
+    copied: list[int] = []
+
+    class Watched(zmq.Frame):
+        @property
+        def bytes(self) -> bytes:  # type: ignore[override]
+            copied.append(len(self))
+            return super().bytes
+
     s = Store(db_path)
-    small = [zmq.Frame(b"args"), zmq.Frame(b""), zmq.Frame(b"\x00" * 100)]
-    edge = [zmq.Frame(b"a" * (BLOB_THRESHOLD // 2)), zmq.Frame(b"b" * (BLOB_THRESHOLD // 2))]
+    small = [Watched(b"args"), Watched(b""), Watched(b"\x00" * 100)]
+    edge = [Watched(b"a" * (BLOB_THRESHOLD // 2)), Watched(b"b" * (BLOB_THRESHOLD // 2))]
     assert s.add_task("small", "c1", 1, "job-1", SPEC, small, 1.0) is None
     assert s.add_task("edge", "c1", 2, "job-1", SPEC, edge, 1.0) is not None
+    s.finish_task("small", "done", 1, {"status": "ok"}, [Watched(b"result")])
     s.commit()
     s.close()
+    assert copied == []
     rows = {row.task_id: row for row in _reopen_and_load(db_path)}
     assert rows["small"].payload_file is None
-    assert _whole_input(db_path, rows["small"]) == [b"args", b"", b"\x00" * 100]
+    assert [bytes(f) for f in rows["small"].result_payload] == [b"result"]
     assert rows["edge"].payload_file is not None
     assert _whole_input(db_path, rows["edge"]) == [b"a" * (BLOB_THRESHOLD // 2),
                                                    b"b" * (BLOB_THRESHOLD // 2)]
