@@ -325,7 +325,7 @@ class Store:
         """(inline column value, reference column value, blob) for a payload."""
         small = _small_frames(frames)
         if small is not None:
-            # The common case (a tiny task's pickled arguments or result): no views to make.
+            # The common case (a tiny task's pickled arguments or result): packed as they are.
             return msgpack.packb(small, use_bin_type=True), None, None
         views = [_frame_view(f) for f in frames]
         lengths = [v.nbytes for v in views]
