@@ -114,20 +114,14 @@ def _small_frames(frames: Sequence[Any]) -> list[Any] | None:
     total = 0
     for frame in frames:
         kind = type(frame)
-        if kind is not bytes:
-            # A zmq.Frame (not imported here), told by its class: looking the properties up
-            # on the object would run them, and ``bytes`` copies.
-            if not (hasattr(kind, "buffer") and hasattr(kind, "bytes")):
-                return None
-            total += len(frame)  # a Frame's byte count
-            if total >= BLOB_THRESHOLD:
-                return None
-            out.append(frame.buffer)
-            continue
-        total += len(frame)
+        # A zmq.Frame (not imported here) is told by its class: looking the properties up on
+        # the object would run them, and ``bytes`` copies.
+        if kind is not bytes and not (hasattr(kind, "buffer") and hasattr(kind, "bytes")):
+            return None
+        total += len(frame)  # a Frame's len is its byte count too
         if total >= BLOB_THRESHOLD:
             return None
-        out.append(frame)
+        out.append(frame if kind is bytes else frame.buffer)
     return out
 
 
