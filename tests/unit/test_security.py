@@ -157,19 +157,30 @@ def test_zap_callback_admits_only_the_derived_client_key(keys: dict[str, MeshKey
 def test_one_token_is_stretched_once_however_many_threads_ask(monkeypatch):
     import hashlib
     import threading
-    import time
+    import types
 
     from gpumesh import security
 
     calls = []
     real = hashlib.scrypt
+    waiting = threading.Semaphore(0)  # released by each thread that waits for a stretch
 
-    def slow_scrypt(*args, **kwargs):
+    class WatchedEvent(threading.Event):
+        def wait(self, timeout=None):
+            waiting.release()
+            return super().wait(timeout)
+
+    def held_scrypt(*args, **kwargs):
         calls.append(1)
-        time.sleep(0.2)  # long enough for every other thread to ask meanwhile
+        for _ in range(3):  # held until every other thread asked and waits for this one
+            if not waiting.acquire(timeout=10):
+                raise AssertionError("the other threads did not wait for the stretch under way")
         return real(*args, **{**kwargs, "n": 2**10})
 
-    monkeypatch.setattr(security.hashlib, "scrypt", slow_scrypt)
+    monkeypatch.setattr(security.hashlib, "scrypt", held_scrypt)
+    # Only security's Events are watched (threading.Thread waits on Events of its own).
+    monkeypatch.setattr(security, "threading",
+                        types.SimpleNamespace(**{**vars(threading), "Event": WatchedEvent}))
     token = "coalesce." + "q" * 40
     results = []
     threads = [threading.Thread(target=lambda: results.append(security.stretch(token)))
@@ -191,11 +202,13 @@ def test_a_child_forked_mid_stretch_stretches_for_itself(monkeypatch):
     from gpumesh import security
 
     real = hashlib.scrypt
-    started = threading.Event()
+    started, release = threading.Event(), threading.Event()
+    parent = os.getpid()
 
     def slow_scrypt(*args, **kwargs):
         started.set()
-        time.sleep(0.5)
+        if os.getpid() == parent:
+            release.wait(10)  # in flight until the forked child has stretched for itself
         return real(*args, **{**kwargs, "n": 2**10})
 
     monkeypatch.setattr(security.hashlib, "scrypt", slow_scrypt)
@@ -220,6 +233,7 @@ def test_a_child_forked_mid_stretch_stretches_for_itself(monkeypatch):
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         raise AssertionError("the forked child waited forever for its parent's stretch")
+    release.set()
     thread.join(5)
     assert os.waitstatus_to_exitcode(status) == 0
 
