@@ -77,6 +77,29 @@ def test_big_arguments_and_results_round_trip_writable(mesh_env, shared):
     wait_for(lambda: frames_in(mesh_env) <= before, what="the shared files to be removed")
 
 
+def flip_first(data):
+    """Returns its bytes or bytearray, the first byte changed, as the same type."""
+    changed = bytearray(data)
+    changed[0] ^= 0xFF
+    return type(data)(changed), type(data).__name__
+
+
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared-memory", "sockets"])
+def test_big_bytes_and_bytearrays_round_trip_as_themselves(mesh_env, shared):
+    # They leave the pickle as out-of-band frames (serialize._BigBytes), as arrays do: each
+    # side rebuilds the type it was given, from the folder or from the socket.
+    mesh_env.env["GPUMESH_SHARED_MEMORY"] = shared
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    data = bytes(arrays(1)[0])
+    for kind in (bytes, bytearray):
+        value, name = client.submit(flip_first, kind(data)).result(60)
+        assert type(value) is kind and name == kind.__name__
+        assert value[0] == data[0] ^ 0xFF and value[1:] == data[1:]
+
+
 def holders_of_owner_files() -> dict[str, set[int]]:
     """Each producer lock file (gpumesh/shmowners.py) in this user's folders: the processes
     holding it open, from /proc."""
