@@ -29,6 +29,7 @@ METRICS = [
     Metric("p99_ms", "call p99 ms", False, 3),
     Metric("mid_tasks_per_s", "256 KiB map tasks/s", True, 0),
     Metric("big_mb_s", "64 MiB round trip MB/s", True, 0),
+    Metric("big_bytes_mb_s", "64 MiB bytes round trip MB/s", True, 0),
     Metric("sleep_efficiency", "sleep efficiency", True, 3),
     Metric("cold_start_s", "cold start s", False, 2),
     Metric("cpu_us_per_task", "CPU µs/task", False, 0),
