@@ -2,10 +2,9 @@
 
 Buffers of 64 KiB or more that pickle hands over as PickleBuffers (numpy arrays, torch CPU
 tensors) leave the pickle stream as out-of-band frames, so they are sent and received without a
-copy. Smaller ones stay in-band, where copying is cheaper than the bookkeeping. ``bytes`` and
-``bytearray`` values of that size go out-of-band too (``_BigBytes``; pickle writes both in-band):
-in-band, 64 MiB of bytes cost 27 ms to pickle and 33 to unpickle on the test machine; out of band
-nothing to pickle, and one copy to rebuild them. cloudpickle is
+copy. Smaller ones stay in-band, where copying is cheaper than the bookkeeping. ``bytes`` of
+that size go out-of-band too, where ``dumps`` finds them (``_BigBytes``; pickle writes them
+in-band): 64 MiB of them cost 27-40 ms to pickle on the test machine, and nothing out of band. cloudpickle is
 used because user functions and classes usually live in ``__main__``, which stdlib pickle would
 send by a name the worker lacks.
 
@@ -65,13 +64,15 @@ def dumps(obj: Any) -> list[Any]:
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 PLAIN_VALUES = 64  # values looked at before an object counts as not plain (and cloudpickle goes)
-# Values looked at for big bytes (``_holds_big_bytes``), and how deep. Big bytes beyond either
-# stay in-band, as any inside other objects do: a look costs each call that is not plain data
-# up to a few µs, and an argument or a result that is big bytes, or holds them among a few
-# other values, is found within it.
-BIG_BYTES_SCAN = PLAIN_VALUES
-BIG_BYTES_DEPTH = 4
-_SCANNED = frozenset({bytes, bytearray, tuple, list, dict})
+# Where ``dumps`` looks for big bytes (``_holds_big_bytes``): BIG_BYTES_VALUES values in all,
+# BIG_BYTES_VISITS of them one by one (a container of scalars only is passed over at C speed),
+# BIG_BYTES_DEPTH levels down (``(args, kwargs)`` takes two). Past any of these, or at an
+# object of another kind, everything stays in-band, as before: a look costs a call that is not
+# plain data a few µs at most.
+BIG_BYTES_VALUES = 256
+BIG_BYTES_VISITS = 16
+BIG_BYTES_DEPTH = 6
+_SCALARS = frozenset({type(None), bool, int, float, complex, str})
 
 
 def _plain(obj: Any) -> bool:
@@ -102,64 +103,80 @@ def _plain(obj: Any) -> bool:
 
 
 class _BigBytes:
-    """A ``bytes`` or ``bytearray`` of OUT_OF_BAND_THRESHOLD or more, pickled as one
-    out-of-band buffer. The pickler writes both in-band (bytearray too, under protocol 5), and
-    bytes before it asks ``reducer_override`` or a dispatch table, so they are wrapped in this
-    first (``_wrap_big_bytes``)."""
+    """A ``bytes`` of OUT_OF_BAND_THRESHOLD or more, pickled as one out-of-band buffer. The
+    pickler writes bytes in-band before it asks ``reducer_override`` or a dispatch table, so
+    they are wrapped in this first (``_wrap_big_bytes``). A bytearray stays in-band: its pickle
+    is its copy as it was at the call, which a buffer over it would not be (and the caller
+    could not resize it while the task holds the buffer)."""
 
     __slots__ = ("data",)
 
-    def __init__(self, data: bytes | bytearray) -> None:
+    def __init__(self, data: bytes) -> None:
         self.data = data
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        # bytearray(buffer) copies, as a bytearray must own its memory.
-        rebuild = bytearray if type(self.data) is bytearray else rebuild_bytes
-        return rebuild, (pickle.PickleBuffer(self.data),)
+        return rebuild_bytes, (pickle.PickleBuffer(self.data),)
 
 
 def rebuild_bytes(buffer: Any) -> bytes:
-    """The bytes ``_BigBytes`` pickled: the frame itself where it arrived as bytes, else one
-    copy of it (bytes own their memory; a view of a message or a mapped file does not)."""
-    return buffer if type(buffer) is bytes else bytes(buffer)
+    """The bytes ``_BigBytes`` pickled: a copy of the frame, whose memory (a message, a mapped
+    file) the bytes must not depend on."""
+    return bytes(buffer)
 
 
 def _holds_big_bytes(obj: Any) -> bool:
-    """Whether a bytes or bytearray of OUT_OF_BAND_THRESHOLD or more is in ``obj`` or its
-    tuples, lists and dict values. False, too, when those hold more than BIG_BYTES_SCAN values
-    in all or nest deeper than BIG_BYTES_DEPTH (a list that holds itself does both): everything
-    then stays in-band, as before, and ``_wrap_big_bytes`` never walks further than this did."""
-    budget = BIG_BYTES_SCAN
+    """Whether ``obj``, its tuples and lists, and the keys and values of its dicts hold a bytes
+    of OUT_OF_BAND_THRESHOLD or more, and nothing but scalars, bytes, bytearrays and arrays of
+    plain numbers besides. Any other object may reach a container that ``_wrap_big_bytes``
+    copies, and then pickle would send the copy and the original as two objects: then, and
+    past the scan's bounds (a list that holds itself), False, and all goes in-band."""
+    values, visits = BIG_BYTES_VALUES, BIG_BYTES_VISITS
     found = False
     level = [obj]
     for _ in range(BIG_BYTES_DEPTH):
+        visits -= len(level)
+        if visits < 0:
+            return False
         below: list[Any] = []
-        for item in level:  # this runs for every call that is not plain: each value costs little
+        for item in level:
             kind = type(item)
-            if kind is bytes or kind is bytearray:
+            if kind in _SCALARS or kind is bytearray:
+                continue
+            if kind is bytes:
                 found = found or len(item) >= OUT_OF_BAND_THRESHOLD
                 continue
             if kind is dict:
-                item = item.values()
-            elif kind is not tuple and kind is not list:
+                parts: tuple[Any, ...] = (item, item.values())
+            elif kind is tuple or kind is list:
+                parts = (item,)
+            elif _plain_array(item):
                 continue
-            budget -= len(item)
-            if budget < 0:
+            else:
                 return False
-            if not _SCANNED.isdisjoint(map(type, item)):  # only scalars: nothing to look into
-                below.extend(item)
+            for part in parts:
+                values -= len(part)
+                if values < 0:
+                    return False
+                if not _SCALARS.issuperset(map(type, part)):
+                    below.extend(part)
         if not below:
             return found
         level = below
     return False
 
 
+def _plain_array(obj: Any) -> bool:
+    """A numpy array of numbers: its pickle holds its data and nothing else."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject
+
+
 def _wrap_big_bytes(obj: Any, copies: dict[int, Any]) -> Any:
     """``obj`` (one ``_holds_big_bytes`` said yes to) with its big bytes in ``_BigBytes``, and
     its tuples, lists and dicts copied, each once (``copies``, by id: what the pickle shares
-    stays shared)."""
+    stays shared, a dict's key as well as a value)."""
     kind = type(obj)
-    if kind is bytes or kind is bytearray:
+    if kind is bytes:
         if len(obj) < OUT_OF_BAND_THRESHOLD:
             return obj
     elif kind is not tuple and kind is not list and kind is not dict:
@@ -168,12 +185,13 @@ def _wrap_big_bytes(obj: Any, copies: dict[int, Any]) -> Any:
     if done is not None:
         return done
     copy: Any
-    if kind is bytes or kind is bytearray:
+    if kind is bytes:
         copy = _BigBytes(obj)
     elif kind is list:
         copy = [_wrap_big_bytes(value, copies) for value in obj]
     elif kind is dict:
-        copy = {key: _wrap_big_bytes(value, copies) for key, value in obj.items()}
+        copy = {_wrap_big_bytes(key, copies): _wrap_big_bytes(value, copies)
+                for key, value in obj.items()}
     else:
         copy = tuple(_wrap_big_bytes(value, copies) for value in obj)
     copies[id(obj)] = copy

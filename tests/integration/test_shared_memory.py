@@ -86,8 +86,9 @@ def flip_first(data):
 
 @pytest.mark.parametrize("shared", ["1", "0"], ids=["shared-memory", "sockets"])
 def test_big_bytes_and_bytearrays_round_trip_as_themselves(mesh_env, shared):
-    # They leave the pickle as out-of-band frames (serialize._BigBytes), as arrays do: each
-    # side rebuilds the type it was given, from the folder or from the socket.
+    # Big bytes leave the pickle as out-of-band frames (serialize._BigBytes), as arrays do,
+    # and a bytearray goes in-band: each side rebuilds the type it was given, from the folder
+    # or from the socket.
     mesh_env.env["GPUMESH_SHARED_MEMORY"] = shared
     mesh_env.start_coordinator()
     mesh_env.add_worker()
