@@ -223,8 +223,8 @@ class SharedFolder:
             return None
         path, check = offer.get("path"), offer.get("check")
         if not (isinstance(path, str) and isinstance(check, str) and len(path) < 4096
-                and os.path.isabs(path) and _hash_shape(check)):
-            return None
+                and "\0" not in path and os.path.isabs(path) and _hash_shape(check)):
+            return None  # a NUL makes every os call raise ValueError, not OSError
         folder = Path(path)
         try:
             info = os.lstat(folder)

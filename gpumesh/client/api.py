@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import Endpoint, Settings, parse_url
 from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
+from ..protocol.fields import for_terminal
 from ..protocol.ids import HexIds
 from .engine import FIRST_CHUNK, Engine, TaskFuture
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
@@ -98,8 +99,9 @@ class GPUMesh:
         pythons = self._engine.worker_pythons if self._engine is not None else None
         if pythons and PYTHON not in pythons:
             # Said at connect time, not after a pending timeout: what differs, what to do.
+            theirs = for_terminal(", ".join(sorted(pythons)))  # as the coordinator said
             print(f"[gpumesh] no worker runs Python {PYTHON} like this client (they run "
-                  f"{', '.join(sorted(pythons))}): pickled functions wait for one, plain "
+                  f"{theirs}): pickled functions wait for one, plain "
                   "top-level functions travel as source. Join a worker with Python "
                   f"{PYTHON} to run everything.", file=sys.stderr)
 
@@ -593,6 +595,9 @@ _job_ids = HexIds(12)
 
 
 _OPEN_LINES: set[tuple[str, str, str]] = set()  # (worker, stream, task) whose last chunk ended mid-line
+# Lines left open at once, at most: past it the set starts afresh (a line continued after that
+# gets its worker's prefix again), so tasks that end mid-line cannot make it grow for good.
+MAX_OPEN_LINES = 1024
 
 
 def _print_output(worker: str, stream: str, data: bytes, task: str = "") -> None:
@@ -612,6 +617,8 @@ def _print_output(worker: str, stream: str, data: bytes, task: str = "") -> None
         else:
             out.append(f"[{worker}] {piece}")
     if not text.endswith(("\n", "\r")):
+        if len(_OPEN_LINES) >= MAX_OPEN_LINES:
+            _OPEN_LINES.clear()
         _OPEN_LINES.add(key)
     try:
         target.write("".join(out))

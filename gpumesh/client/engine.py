@@ -590,12 +590,11 @@ class Engine:
         """The payload bytes and frames one SUBMIT may carry, by the coordinator's limits (from
         WELCOME, else this side's defaults)."""
         limits = self.settings.limits
-        return replace(
-            limits,
-            max_message_bytes=_positive(self.welcome.get("max_message_bytes"),
-                                        limits.max_message_bytes),
-            max_frames=_positive(self.welcome.get("max_frames"), limits.max_frames),
-        ).message_room
+        message_bytes = _positive(self.welcome.get("max_message_bytes"), limits.max_message_bytes)
+        frames = _positive(self.welcome.get("max_frames"), limits.max_frames)
+        if message_bytes <= limits.max_header_bytes or frames <= 3:
+            return limits.message_room  # a message with no room for a task: not a real limit
+        return replace(limits, max_message_bytes=message_bytes, max_frames=frames).message_room
 
     def _refuse_oversize(self, sub: _Submission, nbytes: int, frames: int, room_bytes: int,
                          room_frames: int) -> None:
@@ -711,10 +710,11 @@ class Engine:
         self.welcome = header
         self._welcomed_at = now
         self._note_pythons(header)
+        # The new folder first: the old one is let go only once nothing can fail in between.
+        folder = SharedFolder.join(header.get("shm")) if self.settings.share_memory else None
         if self._shm is not None:
             self._shm.release()
-        self._shm = (SharedFolder.join(header.get("shm")) if self.settings.share_memory
-                     else None)
+        self._shm = folder
         if self._shm is not None:
             # Before any SUBMIT that names a shared file: the coordinator reads in order.
             self._link.send(encode(Command.HEARTBEAT, {"shm": self._shm.proof}))
@@ -749,6 +749,13 @@ class Engine:
                 continue  # a pair this side cannot read: its task is asked for again later
             sub = self._outstanding.get(seq)
             if sub is not None and not sub.task_id:
+                other = self._by_task.get(task_id)
+                if other is not None and other is not sub:
+                    # One id for two calls (a coordinator's bug, or a lie): a result under it
+                    # must settle one call only, so this one stays unassigned and goes again.
+                    log.warning("the coordinator named task %s for two calls; the second is "
+                                "sent again", task_id)
+                    continue
                 sub.task_id = task_id
                 sub.job = sub.job or job
                 sub.future.task_id = task_id
@@ -777,21 +784,40 @@ class Engine:
                         SubmitRejected(f"the coordinator refused the task: {text}"))
 
     def _on_result(self, msg: Message, now: float) -> None:
-        task_id = str(msg.header.get("task", ""))
+        header = msg.header
+        task_id = header.get("task")
+        if type(task_id) is not str or not 0 < len(task_id) <= ID_CHARS:
+            log.debug("dropped a RESULT without a task id this side can read")
+            return  # nothing to match, and an acknowledgement of it could not be sent
+        seq = header.get("seq")
+        sub = self._by_task.get(task_id)
+        if sub is None and type(seq) is int:
+            sub = self._outstanding.get(seq)
+            if sub is not None and sub.task_id and sub.task_id != task_id:
+                sub = None  # that call has another task: this is not its result
+        if sub is not None and type(seq) is int and seq != sub.seq:
+            # The task of one call and the seq of another: neither is settled with it, and
+            # it is not acknowledged (the coordinator keeps whatever it holds under that id).
+            log.warning("dropped a RESULT for task %s that names another call's seq", task_id)
+            return
         if not self._acks:
             self._acks_since = now
         self._acks.append(task_id)
-        sub = self._by_task.pop(task_id, None)
         if sub is None:
-            seq = msg.header.get("seq")
-            sub = self._outstanding.get(seq) if isinstance(seq, int) else None
-            if sub is None or (sub.task_id and sub.task_id != task_id):
-                return  # a duplicate delivery: acknowledged above, otherwise ignored
+            return  # a duplicate delivery: acknowledged above, otherwise ignored
+        self._by_task.pop(task_id, None)
         self._outstanding.pop(sub.seq, None)
-        self._unpark(now, 1)
+        try:
+            self._settle_result(sub, task_id, msg, now)
+        finally:
+            self._unpark(now, 1)  # after the future is settled: nothing here may leave it waiting
+
+    def _settle_result(self, sub: _Submission, task_id: str, msg: Message, now: float) -> None:
         future = sub.future
+        if future.done():
+            return  # settled already (only the engine thread settles, and only once)
         future.task_id = task_id
-        future.worker = str(msg.header.get("worker", ""))
+        future.worker = str(msg.header.get("worker", ""))[:ID_CHARS]
         attempts = msg.header.get("attempts")  # nothing read here may raise: the future waits
         future.attempts = attempts if type(attempts) is int and attempts >= 0 else 0
         if future.cancel_requested:
@@ -806,6 +832,7 @@ class Engine:
                         task_id, exc)
             if self._acks and self._acks[-1] == task_id:
                 self._acks.pop()
+            sub.task_id = task_id  # matched by its seq, or already this id: one key only
             self._outstanding[sub.seq] = sub
             self._by_task[task_id] = sub
             self._refetch[task_id] = now + REFETCH_AFTER
@@ -824,11 +851,18 @@ class Engine:
             self.worker_pythons = set(pythons)
 
     def _on_output(self, msg: Message, now: float) -> None:
-        if self.on_output is not None and msg.payload:
-            data = msg.payload[0]
-            self.on_output(str(msg.header.get("worker", "")), str(msg.header.get("stream", "out")),
-                           data.bytes if hasattr(data, "bytes") else bytes(data),
-                           str(msg.header.get("task", "")))
+        if self.on_output is None or not msg.payload:
+            return
+        header = msg.header
+        worker, task = header.get("worker", ""), header.get("task", "")
+        if type(worker) is not str or type(task) is not str or len(task) > ID_CHARS:
+            return  # not what a coordinator sends: nothing of it is printed
+        data = msg.payload[0]
+        # The worker id prefixes each line: printable and short, whoever relayed it (the
+        # coordinator refuses other ids at HELLO). The output itself is the task's own.
+        self.on_output(for_terminal(worker[:ID_CHARS]),
+                       "err" if header.get("stream") == "err" else "out",
+                       data.bytes if hasattr(data, "bytes") else bytes(data), task)
 
     def _on_reply(self, msg: Message, now: float) -> None:
         qid = msg.header.get("qid", 0)

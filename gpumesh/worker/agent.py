@@ -575,9 +575,10 @@ class WorkerAgent:
         self._resyncing = False
         self._goodbye_answered = h.get("goodbye") is True
         self._trusted = self.endpoint  # this address admitted us: a coordinator of the mesh
+        folder = SharedFolder.join(h.get("shm")) if self.settings.share_memory else None
         if self.shm is not None:
             self.shm.release()
-        self.shm = SharedFolder.join(h.get("shm")) if self.settings.share_memory else None
+        self.shm = folder
         self._shm_owner = self.shm.owner_prefix() if self.shm is not None else None
         if self.shm is not None:
             # Before anything that names a shared file: the coordinator reads in order.

@@ -260,3 +260,110 @@ def test_the_dashboard_serves_so_many_connections_at_once_and_closes_the_next_un
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def submitted_calls(engine, count):
+    """``count`` tasks submitted at once, and their seqs once the engine has filed them."""
+    futures = engine.submit([({"kind": "fn"}, [b"x"])] * count, "j1")
+    deadline = time.monotonic() + 5
+    while len(engine._outstanding) < count and time.monotonic() < deadline:
+        engine._closing.wait(0.01)
+    return futures, [f.seq for f in futures]
+
+
+def test_one_task_id_named_for_two_calls_settles_one_call_only(engine):
+    # The second call once took the first one's result, and the first then waited forever.
+    (first, second), (seq1, seq2) = submitted_calls(engine, 2)
+    engine._on_accepted(msg(Command.ACCEPTED, {"job": "j1", "accepted": [[seq1, "t1"]]}), 1.0)
+    engine._on_accepted(msg(Command.ACCEPTED, {"job": "j1", "accepted": [[seq2, "t1"]]}), 1.0)
+    assert first.task_id == "t1" and second.task_id == ""  # the second goes again
+    # The task of one call with the seq of the other: neither takes it, nor is it acknowledged.
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq2, "status": "ok"},
+                          serialize.dumps("wrong")), 1.0)
+    assert not first.done() and not second.done() and engine._acks == []
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq1, "status": "ok"},
+                          serialize.dumps("right")), 1.0)
+    assert first.result(timeout=5) == "right" and not second.done()
+    assert engine._acks == ["t1"]
+
+
+@pytest.mark.parametrize("task", [7, ["t1"], "", "t" * 65, None])
+def test_a_result_whose_task_id_the_client_cannot_read_is_dropped_unacknowledged(engine, task):
+    future, seq = submitted(engine)
+    engine._on_result(msg(Command.RESULT, {"task": task, "seq": seq, "status": "ok"},
+                          serialize.dumps(1)), 1.0)
+    assert not future.done() and engine._acks == []
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok"},
+                          serialize.dumps(2)), 1.0)
+    assert future.result(timeout=5) == 2
+
+
+def test_a_result_asked_for_again_leaves_no_second_key_for_a_stale_one_to_use(engine,
+                                                                              monkeypatch):
+    # Matched by its seq and not readable yet (short of descriptors), a result was filed
+    # again under its header's id; its real id came later, and a RESULT under the first id
+    # then changed the settled future's worker and unpickled its payload once more.
+    from gpumesh.client import engine as engine_module
+    from gpumesh.sharedmem import SharedFrameBusy
+
+    future, seq = submitted(engine)
+    real, decoded = engine_module.decode_result, []
+
+    def short_once(*args, **kwargs):
+        decoded.append(args[0]["task"])
+        if len(decoded) == 1:
+            raise SharedFrameBusy(24, "too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode_result", short_once)
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
+                                           "worker": "w1"}, serialize.dumps("first")), 1.0)
+    assert not future.done() and engine._outstanding[seq].task_id == "t1"
+    engine._on_accepted(msg(Command.ACCEPTED, {"job": "j1", "accepted": [[seq, "t2"]]}), 1.0)
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
+                                           "worker": "w2"}, serialize.dumps("again")), 1.0)
+    assert future.result(timeout=5) == "again" and future.worker == "w2"
+    engine._on_result(msg(Command.RESULT, {"task": "t1", "seq": seq, "status": "ok",
+                                           "worker": "EVIL", "attempts": 99},
+                          serialize.dumps("stale")), 1.0)
+    assert future.worker == "w2" and future.attempts == 0 and decoded == ["t1", "t1"]
+
+
+def test_a_welcome_whose_shared_folder_path_holds_a_nul_is_a_welcome_without_one():
+    # os.lstat raises ValueError for it, which escaped: the client was welcomed, never
+    # connected, and every later WELCOME failed the same way.
+    from gpumesh.sharedmem import SharedFolder
+
+    assert SharedFolder.join({"path": "/dev/shm/x\x00y", "check": "0" * 32}) is None
+
+
+def test_output_relayed_with_a_worker_id_that_acts_on_the_terminal_is_made_printable(engine):
+    printed = []
+    engine.on_output = lambda *args: printed.append(args)
+    worker = "\x1b]0;owned\x07\x1b[2J" + "w" * 100
+    engine._on_output(msg(Command.OUTPUT, {"worker": worker, "stream": "\x1b", "task": "t1"},
+                          [b"hello\n"]), 1.0)
+    engine._on_output(msg(Command.OUTPUT, {"worker": ["w"], "task": "t1"}, [b"x\n"]), 1.0)
+    ((shown, stream, data, task),) = printed
+    assert "\x1b" not in shown and "\x07" not in shown and len(shown) <= 4 * 64
+    assert shown.startswith("\\x1b]0;owned") and stream == "out"
+    assert data == b"hello\n" and task == "t1"
+
+
+def test_tasks_that_end_mid_line_cannot_grow_the_open_lines_for_good(capsys):
+    from gpumesh.client import api
+
+    api._OPEN_LINES.clear()
+    for n in range(3 * api.MAX_OPEN_LINES):
+        api._print_output("w1", "out", b"no newline", f"t{n}")
+    assert len(api._OPEN_LINES) <= api.MAX_OPEN_LINES
+    api._print_output("w1", "out", b" continued\n", f"t{3 * api.MAX_OPEN_LINES - 1}")
+    assert capsys.readouterr().out.endswith("[w1] no newline continued\n")
+    api._OPEN_LINES.clear()
+
+
+@pytest.mark.parametrize("limits", [{"max_message_bytes": 1}, {"max_frames": 1},
+                                    {"max_message_bytes": 1024, "max_frames": 3}])
+def test_a_welcome_whose_limits_leave_no_room_for_a_task_keeps_the_clients_own(engine, limits):
+    engine.welcome = limits
+    assert engine._message_room() == engine.settings.limits.message_room
