@@ -34,6 +34,7 @@ from .execute import fit_to_send, infrastructure_failure, run_task
 from .pipe import MARKER, PipeClosed, recv_message, send_message
 
 MAX_TASK_BYTES = 1 << 40
+MARKER_WAIT = 30.0  # seconds a start marker waits for room in a full output pipe
 
 
 def _exit_with_parent() -> None:
@@ -101,9 +102,26 @@ def main(argv: list[str]) -> int:
             if folder is not None and result_refs:
                 folder.remove(ref_names(result_refs))  # written, and now named by nothing
         del frames
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _settle_output()
         send_message(sock, [msgpack.packb(result_header, use_bin_type=True), *result_frames])
+
+
+def _settle_output() -> None:
+    """Flush what the task printed, and leave the next task a ``sys.stdout`` and ``sys.stderr``
+    that work: one that closed them (or set them to None) made the flush raise, the runner
+    exit, and its result be lost, on every worker it was retried on."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        try:
+            stream.flush()
+            usable = not stream.closed
+        except Exception:  # closed, None, or a replacement of the task's that fails
+            usable = False
+        if not usable:
+            # The descriptors stay open (the interpreter's own streams do not close them):
+            # a new text layer over each, unbuffered as -u made the first.
+            setattr(sys, name, open(fd, "w", encoding="utf-8",  # noqa: SIM115 - it stays
+                                    errors="backslashreplace", closefd=False, buffering=1))
 
 
 class _Inbox:
@@ -150,10 +168,26 @@ def _mark_start(nonce: Any) -> None:
     if isinstance(nonce, str) and 0 < len(nonce) <= 64 and nonce.isalnum():
         marker = MARKER + nonce.encode() + b"\x00"
         for fd in (1, 2):
-            try:
-                os.write(fd, marker)
-            except OSError:
-                pass  # the agent closed its end: it has stopped listening anyway
+            _write_marker(fd, marker)
+
+
+def _write_marker(fd: int, marker: bytes) -> None:
+    """Write a marker whole, waiting for room where an earlier task (or a child of it) made the
+    pipe non-blocking and filled it. A marker left out made the agent take all that followed,
+    later tasks' output too, for the task before it. (Under PIPE_BUF bytes, a pipe writes it
+    whole or not at all.)"""
+    deadline = time.monotonic() + MARKER_WAIT
+    while True:
+        try:
+            os.write(fd, marker)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return  # the agent has not read for that long: it is not reading at all
+            select.select([], [fd], [], left)
+        except OSError:
+            return  # the agent closed its end: it has stopped listening anyway
 
 
 _FOLDERS: dict[str, SharedFolder] = {}

@@ -141,6 +141,12 @@ def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def memfd_works() -> bool:
+    """Whether big frames go through a memfd (not the socket): False where there is none, or
+    once making one failed."""
+    return _memfd_ok
+
+
 def _shared_file(views: Sequence[memoryview]) -> int | None:
     """A sealed memfd holding the frames, or None where there is none (then the socket)."""
     global _memfd_ok

@@ -901,7 +901,9 @@ class WorkerAgent:
         written: list[tuple[dict[str, Any], list[Any]]] = []
         broken = ""
         proc = runner.proc
-        while runner.control is not None and runner.has_message():
+        for _ in range(RUNNER_READS):  # a task that writes to its socket without end cannot
+            if runner.control is None or not runner.has_message():  # hold the loop here
+                break
             try:
                 written.append(runner.receive())
             except PipeClosed:

@@ -43,16 +43,20 @@ from ..runner.pipe import (
     SHARED_THRESHOLD,
     PipeClosed,
     encode_small,
+    memfd_works,
     recv_message,
     send_message,
 )
 from ..sharedmem import SharedFolder
 
 TAIL_LINES = 20
-# Bytes on the socket handed ahead to one runner, at most (beyond the first task ahead): well
-# inside a socket pair's buffer (about 200 KiB), so a write never blocks the agent while the
-# runner's current task runs (it reads only between tasks). Frames of SHARED_THRESHOLD bytes or
-# more go through a memfd and count only as their descriptor.
+PARTIAL_BYTES = 4096  # of a line still open, kept for the tail
+# Bytes on the socket handed ahead to one runner, at most: well inside a socket pair's buffer
+# (about 200 KiB), so a write never blocks the agent while the runner's current task runs (it
+# reads only between tasks; if that task filled its stdout meanwhile, agent and runner would
+# each wait for the other). A task bigger alone waits for the runner to be idle. Frames of
+# SHARED_THRESHOLD bytes or more go through a memfd and count only as their descriptor, where
+# memfd works.
 AHEAD_BYTES = 64 * 1024
 # Once a runner's message has begun, each further part of it must come within this long: a
 # runner stopped halfway must not hold the agent's loop past a few heartbeats (the coordinator
@@ -90,9 +94,10 @@ class QueuedTask:
         (a frame of SHARED_THRESHOLD or more goes as a shared file). Counted once: it was
         counted three times a task (room ahead, handed ahead, started), a tenth of an agent."""
         total = 512
+        by_file = memfd_works()
         for frame in self.frames:
             size = serialize.frame_nbytes(frame)
-            if size < SHARED_THRESHOLD:
+            if size < SHARED_THRESHOLD or not by_file:
                 total += size
         return total
 
@@ -180,7 +185,7 @@ class Runner:
 
     def fits_ahead(self, queued: QueuedTask) -> bool:
         """Whether ``queued`` may be handed ahead without filling the socket (AHEAD_BYTES)."""
-        return not self.ahead or self.ahead_bytes + queued.socket_bytes <= AHEAD_BYTES
+        return self.ahead_bytes + queued.socket_bytes <= AHEAD_BYTES
 
     def fds(self) -> list[tuple[int, str]]:
         """(file descriptor, what it is) pairs the agent polls."""
@@ -355,7 +360,9 @@ class Runner:
         pieces = self._split_at_markers(stream, self._held[stream] + data)
         text = self._partial[stream] + b"".join(chunk for _, chunk in pieces)
         lines = text.split(b"\n")
-        self._partial[stream] = lines.pop()
+        # Only the tail (a crash's last words) reads it: a task that never ends a line must
+        # not make every read copy and split all it printed so far.
+        self._partial[stream] = lines.pop()[-PARTIAL_BYTES:]
         self.tail.extend(line.decode("utf-8", "replace") for line in lines)
         return [(owner, chunk) for owner, chunk in pieces if chunk]
 

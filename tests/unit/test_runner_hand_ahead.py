@@ -568,3 +568,124 @@ def test_a_result_left_unread_when_the_runner_dies_after_its_tasks_ahead_were_dr
     assert _results(agent)["task-1"] == "ok", "a task that finished was blamed for the death"
     _pump(agent, lambda: len(_results(agent)) == 3, "task 2, run again")
     assert _results(agent) == {"task-1": "ok", "task-2": "crashed", "task-3": "cancelled"}
+
+
+def _closes_stdout(i):
+    import sys as system
+    print(f"before {i}", flush=True)
+    system.stdout.close()
+    system.stderr = None
+    return i
+
+
+def test_a_task_that_closes_its_output_still_reports_and_the_next_prints(live_agent):
+    # The flush after it raised: the runner exited, the result was lost, and the task was
+    # retried elsewhere to the same end.
+    agent, runner = live_agent, live_agent.runners[0]
+    first_pid = runner.proc.pid
+    _give(agent, 1, _closes_stdout)
+    _pump(agent, lambda: "task-1" in _results(agent), "its result")
+    _give(agent, 2)
+    _pump(agent, lambda: "task-2" in _results(agent)
+          and b"end 2" in _output(agent).get("task-2", b""), "the next one's result and output")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
+    assert _output(agent)["task-1"] == b"before 1\n" and runner.proc.pid == first_pid
+
+
+def _writes_without_end(i):
+    import os as system
+    import socket as sockets
+    import sys as system_module
+    import time as clock
+
+    import msgpack as packer
+
+    from gpumesh.runner.pipe import send_message as post
+
+    here, there = sockets.socketpair()  # one message as the pipe frames it, written in runs
+    post(here, [packer.packb({"ready": True})])
+    one = there.recv(4096)
+    deadline = clock.monotonic() + 30
+    while clock.monotonic() < deadline:
+        system.write(int(system_module.argv[1]), one * 64)
+    return i
+
+
+def test_a_late_task_that_writes_to_its_socket_without_end_is_still_stopped(live_agent):
+    # Before it was stopped, the agent read every message waiting on the runner's socket: one
+    # that never stopped writing held its loop (no heartbeat, no timeout) for good.
+    agent = live_agent
+    _give(agent, 1, _writes_without_end, timeout=0.5)
+    _pump(agent, lambda: "task-1" in _results(agent), "its timeout", timeout=20)
+    assert _results(agent) == {"task-1": "timeout"}
+
+
+def test_a_line_that_never_ends_is_not_kept_whole(piped_runner):
+    from gpumesh.worker.runners import PARTIAL_BYTES
+
+    runner, ends = piped_runner
+    for _ in range(8):
+        os.write(ends["out"], b"x" * 60000)
+        runner.read_stream("out")
+    assert len(runner._partial["out"]) <= PARTIAL_BYTES
+    os.write(ends["out"], b"y\n")
+    runner.read_stream("out")
+    assert runner.tail[-1] == "x" * PARTIAL_BYTES + "y"
+
+
+def test_what_is_handed_ahead_fits_the_socket_first_task_and_no_memfd_alike(monkeypatch):
+    # The first task ahead went whatever its size, and frames of 64 KiB or more counted as
+    # nothing even where memfd had failed and they went on the socket: the agent's write then
+    # blocked while the runner's task ran, for good if that task filled its stdout meanwhile.
+    from gpumesh.runner import pipe
+    from gpumesh.runner.pipe import SHARED_THRESHOLD
+    from gpumesh.worker.runners import AHEAD_BYTES
+
+    runner = Runner(0, {}, 1 << 20)
+    runner.ready, runner.task = True, _task("A")
+    big = QueuedTask(_task("B"), {"kind": "fn"}, [b"f", b"a", bytes(256 * 1024)])
+    small = QueuedTask(_task("C"), {"kind": "fn"}, [b"f", b"a" * 1000])
+    assert big.socket_bytes < AHEAD_BYTES and runner.fits_ahead(big)  # its frame: a memfd
+    inline = bytes(SHARED_THRESHOLD - 1)  # frames under the memfd's threshold: the socket
+    too_big = QueuedTask(_task("D"), {"kind": "fn"}, [b"f", inline, inline])
+    assert not runner.fits_ahead(too_big) and runner.fits_ahead(small)
+    monkeypatch.setattr(pipe, "_memfd_ok", False)
+    no_memfd = QueuedTask(_task("E"), {"kind": "fn"}, [b"f", b"a", bytes(256 * 1024)])
+    assert no_memfd.socket_bytes > 256 * 1024 and not runner.fits_ahead(no_memfd)
+
+
+def _fills_its_stdout_without_blocking(i):
+    import os as system
+    system.set_blocking(1, False)  # as node or asyncio leave a shared pipe
+    try:
+        while True:
+            system.write(1, b"A" * 4096)  # until the pipe is full: the agent reads later
+    except BlockingIOError:
+        return i
+
+
+def _prints_its_own(i):
+    import os as system
+    system.set_blocking(1, True)
+    print(f"{i}'s own line", flush=True)
+    return i
+
+
+def test_a_start_marker_waits_for_room_in_a_pipe_a_task_left_full_and_non_blocking(
+        live_agent):
+    # The marker's write failed (EAGAIN) and was dropped: from then on everything the runner
+    # printed, later tasks' output too, went out as the output of the task before.
+    agent, runner = live_agent, live_agent.runners[0]
+    _give(agent, 1, _fills_its_stdout_without_blocking)
+    _give(agent, 2, _prints_its_own)
+    assert [q.task.task_id for q, _ in runner.ahead] == ["task-2"]
+    # Nothing of its output read until the first result is written: the pipe is full when
+    # the runner marks the start of the task handed ahead.
+    assert select.select([runner.control], [], [], 20)[0]
+    _pump(agent, lambda: len(_results(agent)) == 2
+          and b"own line" in _output(agent).get("task-2", b""), "both results and the output")
+    _give(agent, 3, _prints_its_own)  # straight to the idle runner
+    _pump(agent, lambda: b"own line" in _output(agent).get("task-3", b""), "the third's output")
+    output = _output(agent)
+    assert output["task-1"] == b"A" * len(output["task-1"]) and len(output["task-1"]) >= 4096
+    assert output["task-2"] == b"2's own line\n" and output["task-3"] == b"3's own line\n"
