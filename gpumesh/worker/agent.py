@@ -89,6 +89,10 @@ RUNNER_NAP = 0.001
 # from a coordinator that does not answer (before protocol 1.6), lingers for it to go out (ms).
 GOODBYE_LINGER_MS = 1000
 RUNNER_READS = 256  # messages read from one runner in one turn, at most
+# ... and no further message is begun after this long: each may take up to READ_STALL to come
+# whole (runners.py), and a task that writes to its runner's socket could otherwise make one
+# turn wait that long for each of RUNNER_READS messages.
+RUNNER_READ_TIME = 0.05
 # A runner whose socket closed has this long to finish exiting (its descriptors close before
 # it can be reaped) before it is taken for one that runs on, and killed.
 DYING_GRACE = 1.0
@@ -814,6 +818,7 @@ class WorkerAgent:
         written: list[tuple[dict[str, Any], list[Any]]] = []
         closed = False
         broken = ""
+        budget = time.monotonic() + RUNNER_READ_TIME
         for _ in range(RUNNER_READS):
             try:
                 written.append(runner.receive())
@@ -823,7 +828,7 @@ class WorkerAgent:
             except BadRunnerMessage as exc:
                 broken = str(exc)
                 break
-            if not runner.has_message():
+            if not runner.has_message() or time.monotonic() > budget:
                 break
         self._handle_written(runner, written, now)
         if broken and runner.proc is proc:
@@ -901,8 +906,10 @@ class WorkerAgent:
         written: list[tuple[dict[str, Any], list[Any]]] = []
         broken = ""
         proc = runner.proc
+        budget = time.monotonic() + RUNNER_READ_TIME
         for _ in range(RUNNER_READS):  # a task that writes to its socket without end cannot
-            if runner.control is None or not runner.has_message():  # hold the loop here
+            if runner.control is None or not runner.has_message() \
+                    or time.monotonic() > budget:  # hold the loop here
                 break
             try:
                 written.append(runner.receive())

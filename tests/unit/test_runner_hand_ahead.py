@@ -689,3 +689,35 @@ def test_a_start_marker_waits_for_room_in_a_pipe_a_task_left_full_and_non_blocki
     output = _output(agent)
     assert output["task-1"] == b"A" * len(output["task-1"]) and len(output["task-1"]) >= 4096
     assert output["task-2"] == b"2's own line\n" and output["task-3"] == b"3's own line\n"
+
+
+def _trickles_messages(i):
+    import os as system
+    import struct
+    import sys as system_module
+    import time as clock
+
+    import msgpack as packer
+
+    control = int(system_module.argv[1])
+    body = packer.packb({"ready": True})
+    for _ in range(3):  # each message's head, then its rest a while later (within READ_STALL)
+        system.write(control, struct.pack("<III", 1, 2, 8 + len(body)))
+        clock.sleep(0.8)
+        system.write(control, struct.pack("<Q", len(body)) + body)
+    clock.sleep(20)  # until the test stops it
+    return i
+
+
+def test_one_turn_begins_no_further_runner_message_after_a_slow_one(live_agent):
+    # Each message may take READ_STALL to come whole, and the agent read up to RUNNER_READS
+    # of them in one turn: a task that trickled messages into its socket held the loop past
+    # the coordinator's patience (5 s of silence), its runner alive.
+    agent, runner = live_agent, live_agent.runners[0]
+    _give(agent, 1, _trickles_messages)
+    assert select.select([runner.control], [], [], 20)[0]  # the first head is there
+    read = []
+    receive = runner.receive
+    runner.receive = lambda: read.append(1) or receive()  # type: ignore[method-assign]
+    agent._on_runner_message(runner, time.time())
+    assert len(read) == 1  # one message's wait (0.8 s), not three
