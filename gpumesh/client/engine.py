@@ -814,7 +814,7 @@ class Engine:
 
     def _settle_result(self, sub: _Submission, task_id: str, msg: Message, now: float) -> None:
         future = sub.future
-        if future.done():
+        if future.done() and not future.cancelled():
             return  # settled already (only the engine thread settles, and only once)
         future.task_id = task_id
         future.worker = str(msg.header.get("worker", ""))[:ID_CHARS]

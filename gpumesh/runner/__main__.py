@@ -12,6 +12,7 @@ Before the first task the runner cuts its own environment down to what tasks may
 
 from __future__ import annotations
 
+import io
 import os
 import select
 import signal
@@ -114,14 +115,17 @@ def _settle_output() -> None:
         stream = getattr(sys, name)
         try:
             stream.flush()
-            usable = not stream.closed
+            usable = not getattr(stream, "closed", False)  # a task's own tee may have none
         except Exception:  # closed, None, or a replacement of the task's that fails
             usable = False
         if not usable:
             # The descriptors stay open (the interpreter's own streams do not close them):
-            # a new text layer over each, unbuffered as -u made the first.
-            setattr(sys, name, open(fd, "w", encoding="utf-8",  # noqa: SIM115 - it stays
-                                    errors="backslashreplace", closefd=False, buffering=1))
+            # a new text layer over each, written through as -u made the first.
+            original = getattr(sys, f"__{name}__", None)
+            setattr(sys, name, io.TextIOWrapper(
+                io.FileIO(fd, "w", closefd=False), write_through=True,
+                encoding=getattr(original, "encoding", None) or "utf-8",
+                errors=getattr(original, "errors", None) or "backslashreplace"))
 
 
 class _Inbox:
@@ -167,16 +171,16 @@ def _mark_start(nonce: Any) -> None:
     so the agent tells its output from the previous task's."""
     if isinstance(nonce, str) and 0 < len(nonce) <= 64 and nonce.isalnum():
         marker = MARKER + nonce.encode() + b"\x00"
+        deadline = time.monotonic() + MARKER_WAIT  # for both: the task's timeout has begun
         for fd in (1, 2):
-            _write_marker(fd, marker)
+            _write_marker(fd, marker, deadline)
 
 
-def _write_marker(fd: int, marker: bytes) -> None:
+def _write_marker(fd: int, marker: bytes, deadline: float) -> None:
     """Write a marker whole, waiting for room where an earlier task (or a child of it) made the
     pipe non-blocking and filled it. A marker left out made the agent take all that followed,
     later tasks' output too, for the task before it. (Under PIPE_BUF bytes, a pipe writes it
     whole or not at all.)"""
-    deadline = time.monotonic() + MARKER_WAIT
     while True:
         try:
             os.write(fd, marker)

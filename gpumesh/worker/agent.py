@@ -93,6 +93,9 @@ RUNNER_READS = 256  # messages read from one runner in one turn, at most
 # whole (runners.py), and a task that writes to its runner's socket could otherwise make one
 # turn wait that long for each of RUNNER_READS messages.
 RUNNER_READ_TIME = 0.05
+# A task past its timeout whose runner still has results waiting is read on for this long
+# before it is ruled late: the result waiting may be its own.
+LATE_GRACE = 2.0
 # A runner whose socket closed has this long to finish exiting (its descriptors close before
 # it can be reaped) before it is taken for one that runs on, and killed.
 DYING_GRACE = 1.0
@@ -886,8 +889,12 @@ class WorkerAgent:
                 # Its results may already be in the socket, unread (the agent reads a runner
                 # busy with tiny tasks once a millisecond): then the task that died or ran late
                 # is a later one than we thought, and the ones before it finished.
-                self._read_written(runner, now)
+                read_all = self._read_written(runner, now, dead=dead)
                 dead = runner.proc is not None and runner.proc.poll() is not None  # restarted?
+                if not read_all and not dead and runner.task is not None \
+                        and runner.task.deadline is not None \
+                        and now < runner.task.deadline + LATE_GRACE:
+                    continue  # results still waiting: read on before it is ruled late
             if dead:
                 self._runner_died(runner, now)
             elif runner.task is not None and _late(runner.task, now):
@@ -900,16 +907,22 @@ class WorkerAgent:
                     "message": f"the task ran past its timeout of {timeout:g}s and was stopped",
                     "traceback": ""}}, [], now)
 
-    def _read_written(self, runner: Runner, now: float) -> None:
+    def _read_written(self, runner: Runner, now: float, *, dead: bool) -> bool:
         """Handle the messages a runner wrote before it died or ran late, without waiting
-        (until a message makes the agent restart it: the new runner is not the one read)."""
+        (until a message makes the agent restart it: the new runner is not the one read).
+        Whether all that was waiting was read: from a live runner only RUNNER_READ_TIME's
+        worth, since a task that writes to its socket without end must not hold the loop
+        here; from a dead one all (it writes no more), so no result it wrote is lost."""
         written: list[tuple[dict[str, Any], list[Any]]] = []
         broken = ""
         proc = runner.proc
-        budget = time.monotonic() + RUNNER_READ_TIME
-        for _ in range(RUNNER_READS):  # a task that writes to its socket without end cannot
-            if runner.control is None or not runner.has_message() \
-                    or time.monotonic() > budget:  # hold the loop here
+        budget = math.inf if dead else time.monotonic() + RUNNER_READ_TIME
+        read_all = False
+        for _ in range(RUNNER_READS):
+            if runner.control is None or not runner.has_message():
+                read_all = True
+                break
+            if time.monotonic() > budget:
                 break
             try:
                 written.append(runner.receive())
@@ -921,6 +934,7 @@ class WorkerAgent:
         self._handle_written(runner, written, now)
         if broken and runner.proc is proc:
             self._runner_broke(runner, broken, now)
+        return read_all
 
     def _runner_broke(self, runner: Runner, why: str, now: float) -> None:
         """The runner wrote what cannot be read: it is alive but out of step, so it is killed,

@@ -54,10 +54,11 @@ PARTIAL_BYTES = 4096  # of a line still open, kept for the tail
 # Bytes on the socket handed ahead to one runner, at most: well inside a socket pair's buffer
 # (about 200 KiB), so a write never blocks the agent while the runner's current task runs (it
 # reads only between tasks; if that task filled its stdout meanwhile, agent and runner would
-# each wait for the other). A task bigger alone waits for the runner to be idle. Frames of
-# SHARED_THRESHOLD bytes or more go through a memfd and count only as their descriptor, where
-# memfd works.
+# each wait for the other). The first task ahead may take FIRST_AHEAD_BYTES alone; a bigger
+# one waits for the runner to be idle. Frames of SHARED_THRESHOLD bytes or more go through a
+# memfd and count only as their descriptor, where memfd works.
 AHEAD_BYTES = 64 * 1024
+FIRST_AHEAD_BYTES = 128 * 1024
 # Once a runner's message has begun, each further part of it must come within this long: a
 # runner stopped halfway must not hold the agent's loop past a few heartbeats (the coordinator
 # loses a worker silent for 5 s).
@@ -185,7 +186,8 @@ class Runner:
 
     def fits_ahead(self, queued: QueuedTask) -> bool:
         """Whether ``queued`` may be handed ahead without filling the socket (AHEAD_BYTES)."""
-        return self.ahead_bytes + queued.socket_bytes <= AHEAD_BYTES
+        room = AHEAD_BYTES if self.ahead else FIRST_AHEAD_BYTES
+        return self.ahead_bytes + queued.socket_bytes <= room
 
     def fds(self) -> list[tuple[int, str]]:
         """(file descriptor, what it is) pairs the agent polls."""

@@ -638,7 +638,6 @@ def test_what_is_handed_ahead_fits_the_socket_first_task_and_no_memfd_alike(monk
     # nothing even where memfd had failed and they went on the socket: the agent's write then
     # blocked while the runner's task ran, for good if that task filled its stdout meanwhile.
     from gpumesh.runner import pipe
-    from gpumesh.runner.pipe import SHARED_THRESHOLD
     from gpumesh.worker.runners import AHEAD_BYTES
 
     runner = Runner(0, {}, 1 << 20)
@@ -646,9 +645,16 @@ def test_what_is_handed_ahead_fits_the_socket_first_task_and_no_memfd_alike(monk
     big = QueuedTask(_task("B"), {"kind": "fn"}, [b"f", b"a", bytes(256 * 1024)])
     small = QueuedTask(_task("C"), {"kind": "fn"}, [b"f", b"a" * 1000])
     assert big.socket_bytes < AHEAD_BYTES and runner.fits_ahead(big)  # its frame: a memfd
-    inline = bytes(SHARED_THRESHOLD - 1)  # frames under the memfd's threshold: the socket
-    too_big = QueuedTask(_task("D"), {"kind": "fn"}, [b"f", inline, inline])
-    assert not runner.fits_ahead(too_big) and runner.fits_ahead(small)
+    inline = bytes(50 * 1024)  # frames under the memfd's threshold go on the socket
+    first_only = QueuedTask(_task("D"), {"kind": "fn"}, [b"f", inline, inline])
+    assert runner.fits_ahead(first_only) and runner.fits_ahead(small)
+    too_big = QueuedTask(_task("F"), {"kind": "fn"}, [b"f", inline, inline, inline])
+    assert not runner.fits_ahead(too_big)
+    runner.ahead_bytes = small.socket_bytes
+    runner.ahead.append((small, "nonce"))  # with one ahead, the rest share AHEAD_BYTES
+    assert not runner.fits_ahead(first_only)
+    runner.ahead.clear()
+    runner.ahead_bytes = 0
     monkeypatch.setattr(pipe, "_memfd_ok", False)
     no_memfd = QueuedTask(_task("E"), {"kind": "fn"}, [b"f", b"a", bytes(256 * 1024)])
     assert no_memfd.socket_bytes > 256 * 1024 and not runner.fits_ahead(no_memfd)
@@ -682,10 +688,11 @@ def test_a_start_marker_waits_for_room_in_a_pipe_a_task_left_full_and_non_blocki
     # Nothing of its output read until the first result is written: the pipe is full when
     # the runner marks the start of the task handed ahead.
     assert select.select([runner.control], [], [], 20)[0]
+    # (print writes the line and its newline apart: the agent may read between the two)
     _pump(agent, lambda: len(_results(agent)) == 2
-          and b"own line" in _output(agent).get("task-2", b""), "both results and the output")
+          and b"own line\n" in _output(agent).get("task-2", b""), "both results and the output")
     _give(agent, 3, _prints_its_own)  # straight to the idle runner
-    _pump(agent, lambda: b"own line" in _output(agent).get("task-3", b""), "the third's output")
+    _pump(agent, lambda: b"own line\n" in _output(agent).get("task-3", b""), "the third's output")
     output = _output(agent)
     assert output["task-1"] == b"A" * len(output["task-1"]) and len(output["task-1"]) >= 4096
     assert output["task-2"] == b"2's own line\n" and output["task-3"] == b"3's own line\n"
@@ -721,3 +728,69 @@ def test_one_turn_begins_no_further_runner_message_after_a_slow_one(live_agent):
     runner.receive = lambda: read.append(1) or receive()  # type: ignore[method-assign]
     agent._on_runner_message(runner, time.time())
     assert len(read) == 1  # one message's wait (0.8 s), not three
+
+
+def _exits_at_once(i):
+    import os as system
+    system._exit(3)
+
+
+def test_the_results_a_dead_runner_wrote_are_all_read_however_long_it_takes(live_agent,
+                                                                            monkeypatch):
+    # The read before a dead runner is ruled dead stopped after RUNNER_READ_TIME like a live
+    # one's: a result it wrote before it died was left unread, and its task ran again.
+    from gpumesh.worker import agent as agent_module
+
+    agent, runner = live_agent, live_agent.runners[0]
+    _give(agent, 1)
+    _give(agent, 2, _exits_at_once)  # handed ahead: it runs once the first has written
+    assert [q.task.task_id for q, _ in runner.ahead] == ["task-2"]
+    runner.proc.wait(timeout=20)
+    monkeypatch.setattr(agent_module, "RUNNER_READ_TIME", 0.0)  # no time at all to read
+    agent._check_runners(time.time())
+    assert _results(agent) == {"task-1": "ok", "task-2": "crashed"}
+
+
+def test_the_output_streams_a_task_left_are_kept_when_they_work_and_made_anew_when_not(
+        monkeypatch):
+    import io
+
+    from gpumesh.runner.__main__ import _settle_output
+
+    class Tee:  # a user's own, as often written: write and flush, no ``closed``
+        def __init__(self):
+            self.seen = []
+
+        def write(self, text):
+            self.seen.append(text)
+
+        def flush(self):
+            pass
+
+    tee = Tee()
+    monkeypatch.setattr(sys, "stdout", tee)
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    _settle_output()
+    assert sys.stdout is tee
+    assert sys.stderr is not closed and sys.stderr.fileno() == 2
+    assert sys.stderr.write_through  # what it writes goes at once, as under -u
+
+
+def test_a_late_task_whose_result_waits_unread_is_read_before_it_is_ruled_late(live_agent,
+                                                                              monkeypatch):
+    # The read before a late task is stopped is cut short (RUNNER_READ_TIME): a result still
+    # waiting may be the task's own, so it is read on for a while before the task times out.
+    from gpumesh.worker import agent as agent_module
+
+    agent, runner = live_agent, live_agent.runners[0]
+    _give(agent, 1, napping(0.0), timeout=0.2)
+    assert select.select([runner.control], [], [], 20)[0]  # its result is written, unread
+    monkeypatch.setattr(agent_module, "RUNNER_READ_TIME", 0.0)  # no time at all to read
+    later = runner.task.deadline + 0.5  # past its timeout, within LATE_GRACE
+    agent._check_runners(later)
+    assert _results(agent) == {}  # not ruled late yet
+    agent._on_runner_message(runner, later)
+    agent._check_runners(later)
+    assert _results(agent) == {"task-1": "ok"}
