@@ -65,7 +65,9 @@ log = logging.getLogger("gpumesh.client")
 # queued behind them, not lost (a huge one-shot .map was once sent three times over).
 RESEND_AFTER = 2.0
 MAX_FUNCTIONS = 64  # entries of one SUBMIT's function table (the coordinator's limit)
-IDS_PER_MESSAGE = 20_000
+# Task ids in one CANCEL, FETCH or RESULT_ACK: at the longest an id may be (ID_CHARS), 12,000
+# take about 790 KB, inside the coordinator's 1 MiB header (20,000 would not be).
+IDS_PER_MESSAGE = 12_000
 # Results are acknowledged together, at most this long after the first came, instead of one
 # RESULT_ACK per loop turn: a message costs both sides far more than the ids in it, and the
 # coordinator merely keeps a result a few milliseconds longer.

@@ -367,3 +367,13 @@ def test_tasks_that_end_mid_line_cannot_grow_the_open_lines_for_good(capsys):
 def test_a_welcome_whose_limits_leave_no_room_for_a_task_keeps_the_clients_own(engine, limits):
     engine.welcome = limits
     assert engine._message_room() == engine.settings.limits.message_room
+
+
+def test_a_message_of_task_ids_fits_the_coordinators_header_at_the_longest_ids():
+    # ACCEPTED may name ids up to ID_CHARS long; a RESULT_ACK of a full message of them went
+    # over the coordinator's header limit, and every acknowledgement in it was dropped.
+    from gpumesh.client.engine import IDS_PER_MESSAGE
+    from gpumesh.protocol.headers import ID_CHARS
+
+    frames = encode(Command.RESULT_ACK, {"tasks": ["t" * ID_CHARS] * IDS_PER_MESSAGE})
+    assert len(frames[2]) <= Limits().max_header_bytes
