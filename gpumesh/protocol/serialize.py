@@ -4,9 +4,9 @@ Buffers of 64 KiB or more that pickle hands over as PickleBuffers (numpy arrays,
 tensors) leave the pickle stream as out-of-band frames, so they are sent and received without a
 copy. Smaller ones stay in-band, where copying is cheaper than the bookkeeping. ``bytes`` of
 that size go out-of-band too, where ``dumps`` finds them (``_BigBytes``; pickle writes them
-in-band): 64 MiB of them cost 27-40 ms to pickle on the test machine, and nothing out of band. cloudpickle is
-used because user functions and classes usually live in ``__main__``, which stdlib pickle would
-send by a name the worker lacks.
+in-band): 64 MiB of them cost 27-40 ms to pickle on the test machine, and nothing out of band.
+cloudpickle is used because user functions and classes usually live in ``__main__``, which
+stdlib pickle would send by a name the worker lacks.
 
 torch's own pickling of a tensor writes its storage in-band through ``torch.save``: 0.4 s to
 pickle 64 MiB on the test machine, and 0.3 s to read it back. A plain CPU tensor is pickled here
