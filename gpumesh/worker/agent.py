@@ -89,10 +89,7 @@ RUNNER_NAP = 0.001
 # from a coordinator that does not answer (before protocol 1.6), lingers for it to go out (ms).
 GOODBYE_LINGER_MS = 1000
 RUNNER_READS = 256  # messages read from one runner in one turn, at most
-# ... and no further message is begun after this long: each may take up to READ_STALL to come
-# whole (runners.py), and a task that writes to its runner's socket could otherwise make one
-# turn wait that long for each of RUNNER_READS messages.
-RUNNER_READ_TIME = 0.05
+RUNNER_READ_TIME = 0.05  # ... and none begun after this long (_read_runner says why)
 # A task past its timeout whose runner still has results waiting is read on for this long
 # before it is ruled late: the result waiting may be its own.
 LATE_GRACE = 2.0
@@ -818,26 +815,36 @@ class WorkerAgent:
         left unread for a while has written several results)."""
         proc = runner.proc
         runner.read_at = now
+        written, ended, why = self._read_runner(runner, time.monotonic() + RUNNER_READ_TIME,
+                                                waiting=True)
+        self._handle_written(runner, written, now)
+        if ended == "broken" and runner.proc is proc:
+            self._runner_broke(runner, why, now)
+        elif ended == "closed" and runner.proc is proc:
+            self._runner_died(runner, now)
+
+    @staticmethod
+    def _read_runner(runner: Runner, budget: float, *, waiting: bool = False
+                     ) -> tuple[list[tuple[dict[str, Any], list[Any]]], str, str]:
+        """The messages waiting on a runner's socket, RUNNER_READS at most and none begun
+        after ``budget`` (monotonic): each may take READ_STALL to come whole, and a task that
+        writes to its runner's socket without end must not hold the loop. ``waiting``: poll
+        said one is there. Also how the read ended: "all" (nothing left), "more" (cut short),
+        "closed", or "broken" with the reason."""
         written: list[tuple[dict[str, Any], list[Any]]] = []
-        closed = False
-        broken = ""
-        budget = time.monotonic() + RUNNER_READ_TIME
-        for _ in range(RUNNER_READS):
+        for count in range(RUNNER_READS):
+            if count or not waiting:
+                if runner.control is None or not runner.has_message():
+                    return written, "all", ""
+                if time.monotonic() > budget:
+                    return written, "more", ""
             try:
                 written.append(runner.receive())
             except PipeClosed:
-                closed = True
-                break
+                return written, "closed", ""
             except BadRunnerMessage as exc:
-                broken = str(exc)
-                break
-            if not runner.has_message() or time.monotonic() > budget:
-                break
-        self._handle_written(runner, written, now)
-        if broken and runner.proc is proc:
-            self._runner_broke(runner, broken, now)
-        elif closed and runner.proc is proc:
-            self._runner_died(runner, now)
+                return written, "broken", str(exc)
+        return written, "more", ""
 
     def _handle_written(self, runner: Runner, written: list[tuple[dict[str, Any], list[Any]]],
                         now: float) -> None:
@@ -911,30 +918,15 @@ class WorkerAgent:
         """Handle the messages a runner wrote before it died or ran late, without waiting
         (until a message makes the agent restart it: the new runner is not the one read).
         Whether all that was waiting was read: from a live runner only RUNNER_READ_TIME's
-        worth, since a task that writes to its socket without end must not hold the loop
-        here; from a dead one all (it writes no more), so no result it wrote is lost."""
-        written: list[tuple[dict[str, Any], list[Any]]] = []
-        broken = ""
+        worth; from a dead one all (it writes no more), so no result it wrote is lost. Its
+        death, if the socket closed, is the caller's to handle."""
         proc = runner.proc
         budget = math.inf if dead else time.monotonic() + RUNNER_READ_TIME
-        read_all = False
-        for _ in range(RUNNER_READS):
-            if runner.control is None or not runner.has_message():
-                read_all = True
-                break
-            if time.monotonic() > budget:
-                break
-            try:
-                written.append(runner.receive())
-            except PipeClosed:
-                break  # the rest is the death, which the caller handles
-            except BadRunnerMessage as exc:
-                broken = str(exc)
-                break
+        written, ended, why = self._read_runner(runner, budget)
         self._handle_written(runner, written, now)
-        if broken and runner.proc is proc:
-            self._runner_broke(runner, broken, now)
-        return read_all
+        if ended == "broken" and runner.proc is proc:
+            self._runner_broke(runner, why, now)
+        return ended == "all"
 
     def _runner_broke(self, runner: Runner, why: str, now: float) -> None:
         """The runner wrote what cannot be read: it is alive but out of step, so it is killed,
