@@ -177,7 +177,8 @@ def parse_advertisement(name: str, port: Any, addresses: Iterable[str],
         return None
     mesh = _text(props, "mesh")
     proto = _text(props, "proto")
-    if not re.fullmatch(r"[0-9a-f]{12}", mesh) or not proto.isdigit() or len(proto) > 4:
+    # ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
+    if not re.fullmatch(r"[0-9a-f]{12}", mesh) or not re.fullmatch(r"[0-9]{1,4}", proto):
         return None
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         return None
@@ -352,9 +353,15 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
     browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change])
 
     def take(name: str, info: Any) -> bool:
-        """Keep the advertisement ``info`` resolved for ``name``; True when it is ``want``'s."""
-        entry = parse_advertisement(name, info.port, info.parsed_addresses(),
-                                    dict(info.properties or {}))
+        """Keep the advertisement ``info`` resolved for ``name``; True when it is ``want``'s.
+        Any host on the LAN writes these records: one that cannot be read is skipped, on
+        the cache's path and the network's alike (a browse never fails for a peer's data)."""
+        try:
+            entry = parse_advertisement(name, info.port, info.parsed_addresses(),
+                                        dict(info.properties or {}))
+        except Exception as exc:
+            log.debug("skipped an advertisement that cannot be read (%s)", exc)
+            return False
         if entry is None:
             return False
         wanted = want is not None and entry.mesh == want

@@ -69,6 +69,7 @@ def test_an_advertisement_parses_only_when_every_field_holds():
         (8000, ["10.0.0.5"], {**GOOD, b"mesh": b"0123456789ab" * 100}),
         (8000, ["10.0.0.5"], {**GOOD, b"proto": b"1e9"}),
         (8000, ["10.0.0.5"], {**GOOD, b"proto": b"\xff"}),
+        (8000, ["10.0.0.5"], {**GOOD, b"proto": "²".encode()}),  # a digit int() refuses
         (0, ["10.0.0.5"], GOOD), (70000, ["10.0.0.5"], GOOD), (True, ["10.0.0.5"], GOOD),
         ("8000", ["10.0.0.5"], GOOD),
         (8000, [], GOOD), (8000, ["not an address", "0.0.0.0"], GOOD),
@@ -164,12 +165,14 @@ def test_an_advertised_version_is_quoted_in_advice_only_when_it_is_a_version(mon
     assert "install the gpumesh version it runs here" in str(info.value)
 
 
-def fake_lan(monkeypatch, names: list, adverts: dict[str, dict[bytes, bytes | None]]):
+def fake_lan(monkeypatch, names: list, adverts: dict[str, dict[bytes, bytes | None]],
+             answers: dict[str, dict[bytes, bytes | None]] | None = None):
     """zeroconf as a LAN would look to ``browse``: ``names`` announced in order (a float: a
     pause of that many seconds, the rest then coming from another thread); those in
-    ``adverts`` came with their records (in the cache), the rest never resolve, each ask
-    waiting out its time as zeroconf's does. Returns the names asked for (``asked``) and
-    those whose ask was stopped before its time was out (``cancelled``)."""
+    ``adverts`` came with their records (in the cache), those in ``answers`` resolve when
+    asked for on the network, the rest never resolve, each ask waiting out its time as
+    zeroconf's does. Returns the names asked for (``asked``) and those whose ask was stopped
+    before its time was out (``cancelled``)."""
 
     import zeroconf
     from zeroconf import asyncio as zeroconf_asyncio
@@ -209,6 +212,9 @@ def fake_lan(monkeypatch, names: list, adverts: dict[str, dict[bytes, bytes | No
 
         async def async_request(self, zc, timeout):
             lan.asked.append(self.name)
+            if answers and self.name in answers:
+                self.properties = answers[self.name]
+                return True
             try:
                 await asyncio.sleep(timeout / 1000)  # no answer comes
             except asyncio.CancelledError:
@@ -231,6 +237,26 @@ def test_names_that_never_resolve_do_not_hold_the_coordinator_back(monkeypatch, 
     assert [f.name for f in found] == [ours]
     assert lan.asked == bogus[:1]  # one ask at most: the coordinator came before it ended
     assert wait_for(lambda: lan.cancelled == bogus[:1], what="the ask stopped")
+
+
+def test_a_record_that_resolves_on_the_network_with_hostile_fields_is_skipped(monkeypatch,
+                                                                            fake_zeroconf):
+    # Its proto "²" passed str.isdigit() and then failed int(): `gpumesh join` and `gpumesh
+    # discover` stopped with a traceback for one record any host on the LAN could send.
+    ours = "desk." + discovery.SERVICE_TYPE
+    hostile = "bogus." + discovery.SERVICE_TYPE
+    lan = fake_lan(monkeypatch, [hostile, 0.2, ours], {ours: GOOD},
+                   answers={hostile: {**GOOD, b"proto": "²".encode()}})
+    found = discovery.browse(10.0, ["192.0.2.1"], want="0123456789ab", settle=0.1)
+    assert [f.name for f in found] == [ours] and lan.asked == [hostile]
+    real = discovery.parse_advertisement
+
+    def broken(*args):
+        raise ValueError("a parse that fails")
+
+    monkeypatch.setattr(discovery, "parse_advertisement", broken)  # whatever else may raise
+    assert discovery.browse(0.5, ["192.0.2.1"], settle=0.1) == []
+    monkeypatch.setattr(discovery, "parse_advertisement", real)
 
 
 def test_other_meshes_adverts_cannot_crowd_out_the_one_wanted(monkeypatch, fake_zeroconf):
