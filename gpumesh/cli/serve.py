@@ -248,9 +248,14 @@ def serve(
     if tailscale:
         host, tailnet = tailscale_bind(settings, host, host_ip)
     from_saved = []
+    opened_before = None  # a saved bind beyond loopback, not taken again without being asked
     if host is None and not settings.host_given and own is not None and own.host is not None:
-        host = own.host
-        from_saved.append("address")
+        if is_loopback(own.host):
+            host = own.host
+            from_saved.append("address")
+        else:
+            # "No flag at all is loopback only": opening the port is asked for each time.
+            opened_before = own.host
     if port is None and own is not None and own.port is not None:
         port = own.port
         from_saved.append("port")
@@ -313,6 +318,10 @@ def serve(
     if from_saved:
         click.echo(f"   ({' and '.join(from_saved)} as this machine's coordinator saved them; "
                    "--host and --port choose others)")
+    if opened_before is not None:
+        click.echo(f"   (the last coordinator here was bound to {opened_before}; without --host "
+                   f"it is loopback only: pass --host {opened_before} to let other machines "
+                   "join again)")
     if generated:
         click.echo(f"   Token: {token}")
         click.echo("   (generated for you; set GPUMESH_TOKEN or pass --token-file to choose one)")

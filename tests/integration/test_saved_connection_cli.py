@@ -182,3 +182,20 @@ def test_join_with_nothing_saved_and_no_token_says_how_to_get_one(tmp_path):
                           timeout=60)
     assert done.returncode == 1
     assert "no token" in done.stderr and "gpumesh setup" in done.stderr
+
+
+def test_a_saved_bind_beyond_loopback_is_not_taken_again_without_being_asked(tmp_path):
+    # "No flag at all is loopback only": a plain serve after one with --host 0.0.0.0 bound
+    # 0.0.0.0 again, while the exposed banner gave that command as the loopback one.
+    home = tmp_path / "home"
+    env = _env(home)
+    first, output = _until_ready(["serve", "--port", "0", "--no-self-worker"], env)
+    assert first, output
+    config = json.loads((home / "config.json").read_text())
+    config["serve"]["host"] = "0.0.0.0"  # as a serve --host 0.0.0.0 saves it; none is bound
+    (home / "config.json").write_text(json.dumps(config))
+    port, output = _until_ready(["serve", "--no-self-worker"], env)
+    assert port == first, output
+    assert f"Coordinator listening on 127.0.0.1:{first}" in output, output
+    assert "the last coordinator here was bound to 0.0.0.0; without --host it is loopback " \
+           "only: pass --host 0.0.0.0" in output, output
