@@ -3,10 +3,12 @@
 - Host: only the names this server answers to (loopback names, the bound address, and on a
   wildcard bind this machine's names and any IP literal), so a DNS-rebinding page cannot
   reach a loopback dashboard under its own name.
-- Login: off loopback, the mesh token (compared with ``hmac.compare_digest``; failed tries
-  limited per address and in all) opens a session: a random cookie, HttpOnly and
-  SameSite=Strict, and Secure over TLS (off loopback the page is HTTPS: tls.py). On loopback
-  any visit gets a session, for its CSRF token only.
+- Login: the mesh token (compared with ``hmac.compare_digest``; failed tries limited per
+  address and in all) opens a session: a random cookie, HttpOnly and SameSite=Strict, and
+  Secure over TLS (off loopback the page is HTTPS: tls.py). On loopback the link the dashboard
+  prints opens one too: its ``?key=`` is random, new with every start and printed only to the
+  user who started it. Any other account on the machine can reach 127.0.0.1 but holds neither
+  (the token is in files only its owner reads).
 - Actions: POST with the session's CSRF token in ``X-CSRF-Token`` and an ``Origin`` of this
   very server, on loopback too: any page the user visits can POST to 127.0.0.1.
 
@@ -60,6 +62,9 @@ class Guard:
         self.host = host
         self.port = port
         self.login_required = not is_loopback(host)
+        # The printed link's key (loopback only: off it the link would travel in a URL to
+        # another machine); compared in constant time, 144 random bits.
+        self.key = secrets.token_urlsafe(18)
         self.cookie = f"gpumesh_dashboard_{port}"  # cookies ignore ports: one name per port
         self._secret = secrets.token_bytes(32)  # signs CSRF tokens; new with every start
         self._sessions: dict[str, Session] = {}
@@ -154,6 +159,11 @@ class Guard:
                       if now - t < FAILURE_WINDOW]
             mine = [t for t in self._failures.get(address, []) if now - t < FAILURE_WINDOW]
         return len(mine) >= FAILURES_PER_ADDRESS or len(recent) >= FAILURES_IN_ALL
+
+    def key_ok(self, given: str) -> bool:
+        """Whether ``given`` is the printed link's key, and such a link opens a session here."""
+        return not self.login_required and hmac.compare_digest(
+            given.encode("utf-8", "replace"), self.key.encode())
 
     def check_token(self, address: str, given: str) -> bool:
         """Whether ``given`` is the mesh token; a wrong one is counted against ``address``."""

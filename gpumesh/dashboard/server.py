@@ -12,6 +12,7 @@ import json
 import logging
 import socket
 import ssl
+import sys
 import threading
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
@@ -30,6 +31,10 @@ log = logging.getLogger("gpumesh.dashboard")
 
 DEFAULT_PORT = 8265
 MAX_BODY = 4096
+# The one cookie this server sets is about 60 bytes. A longer header is not parsed: the
+# standard library's cookie parser takes quadratic time on some inputs (CVE-2024-7592, fixed
+# in Python 3.11.10 and 3.12.6), and it ran before any login (60,000 bytes: 19 s of CPU).
+MAX_COOKIE_HEADER = 4096
 MAX_STREAMS = 32  # browsers watching at once; each holds a thread
 # Connections served at once, each a thread: beyond this a new one is closed before anything
 # of it is read (anybody on the network can open them, before any check).
@@ -55,7 +60,9 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 LOGIN_MESSAGES = {"failed": "That is not this mesh's token.",
-                  "blocked": "Too many wrong tokens: wait a minute and try again."}
+                  "blocked": "Too many wrong tokens: wait a minute and try again.",
+                  "key": "That link is not this dashboard's: its key changes each time the "
+                         "dashboard starts. Open the link it printed last, or enter the token."}
 
 
 def _assets() -> dict[str, bytes]:
@@ -86,6 +93,18 @@ class _Server(ThreadingHTTPServer):
         except BaseException:
             self._give_slot(address)  # its thread never started
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that resets or drops its connection mid-answer is its own business: a line
+        at debug, not a traceback on stderr (which any peer could repeat at will, around
+        --json-logs). Anything else is a bug of ours and is logged with its traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.debug("a connection from %s ended early: %s",
+                      for_terminal(_address_key(client_address)), exc)
+        else:
+            log.exception("the dashboard failed to answer %s",
+                          for_terminal(_address_key(client_address)))
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -150,11 +169,14 @@ class Dashboard:
 
     @property
     def url(self) -> str:
+        """The page's address; on loopback with the key that opens a session (print it only
+        to the user who started the dashboard)."""
         host = self.guard.host
         shown = "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
         scheme = self.guard.scheme
-        return (f"{scheme}://[{shown}]:{self.port}/" if ":" in shown
-                else f"{scheme}://{shown}:{self.port}/")
+        key = "" if self.guard.login_required else f"?key={self.guard.key}"
+        return (f"{scheme}://[{shown}]:{self.port}/{key}" if ":" in shown
+                else f"{scheme}://{shown}:{self.port}/{key}")
 
     def serve_forever(self) -> None:
         self._serving = True
@@ -238,8 +260,11 @@ class Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.SEE_OTHER, b"", "text/plain", {"Location": where, **(headers or {})})
 
     def _sid(self) -> str | None:
+        header = self.headers.get("Cookie", "")
+        if len(header) > MAX_COOKIE_HEADER:
+            return None  # no session: the page asks to log in or opens a new one
         try:
-            jar = SimpleCookie(self.headers.get("Cookie", ""))
+            jar = SimpleCookie(header)
         except CookieError:
             return None
         morsel = jar.get(self.dashboard.guard.cookie)
@@ -277,7 +302,7 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path == "/favicon.ico":  # the pages say href="data:,"; a direct ask gets nothing
             self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
         elif url.path == "/login":
-            if not guard.login_required:
+            if sid is not None:
                 self._redirect("/")
                 return
             message = LOGIN_MESSAGES.get(url.query, "")
@@ -285,10 +310,16 @@ class Handler(BaseHTTPRequestHandler):
                 b"<!--MESSAGE-->", message.encode())  # a fixed text: nothing is echoed
             self._send(HTTPStatus.OK, page, "text/html")
         elif url.path == "/":
-            if sid is None and guard.login_required:
-                self._redirect("/login")
+            key = parse_qs(url.query).get("key", [""])[0] if url.query else ""
+            if key:  # the printed link: a session from its key, and the key off the address bar
+                if sid is not None:
+                    self._redirect("/")
+                elif guard.key_ok(key):
+                    self._redirect("/", {"Set-Cookie": guard.set_cookie(guard.open_session())})
+                else:
+                    self._redirect("/login?key")
             elif sid is None:
-                self._static("/", {"Set-Cookie": guard.set_cookie(guard.open_session())})
+                self._redirect("/login")
             else:
                 self._static("/")
         elif sid is None:
@@ -400,9 +431,6 @@ class Handler(BaseHTTPRequestHandler):
     def _login(self, body: bytes) -> None:
         guard = self.dashboard.guard
         address = self.client_address[0]
-        if not guard.login_required:
-            self._redirect("/")
-            return
         if guard.login_blocked(address):
             self._redirect("/login?blocked")
             return

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from conftest import wait_for
@@ -109,6 +110,14 @@ class Browser:
         return self.request("POST", path, json.dumps(data).encode(),
                             Content_Type="application/json", **headers)
 
+    def open_link(self, url: str) -> http.client.HTTPResponse:
+        """Open the link the dashboard printed, as its user's browser does: its key buys a
+        session cookie, and the redirect takes the key off the address bar."""
+        parts = urlsplit(url)
+        response, _ = self.request("GET", f"{parts.path}?{parts.query}")
+        assert response.status == 303 and response.headers["Location"] == "/", response.status
+        return response
+
     def csrf(self) -> str:
         response, data = self.request("GET", "/api/session")
         assert response.status == 200
@@ -118,6 +127,9 @@ class Browser:
 def test_the_page_has_its_security_headers_and_a_strict_cookie(served):
     dashboard, _ = served
     browser = Browser(dashboard.port)
+    flags = [part.strip() for part in browser.open_link(dashboard.url).headers[
+        "Set-Cookie"].split(";")]
+    assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= set(flags)
     response, body = browser.request("GET", "/")
     assert response.status == 200 and b"/app.js" in body
     csp = response.headers["Content-Security-Policy"]
@@ -125,8 +137,6 @@ def test_the_page_has_its_security_headers_and_a_strict_cookie(served):
     assert "frame-ancestors 'none'" in csp
     assert response.headers["X-Content-Type-Options"] == "nosniff"
     assert response.headers["X-Frame-Options"] == "DENY"
-    flags = [part.strip() for part in response.headers["Set-Cookie"].split(";")]
-    assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= set(flags)
     assert b"<script>" not in body.replace(b'<script src="/app.js" defer></script>', b"")
 
 
@@ -138,13 +148,13 @@ def test_a_foreign_host_header_is_refused(served, host):
     response, _ = browser.request("GET", "/")
     assert response.status == 421
     browser.host = f"localhost:{dashboard.port}"
-    assert browser.request("GET", "/")[0].status == 200
+    assert browser.request("GET", "/login")[0].status == 200
 
 
 def test_actions_need_the_csrf_token_and_this_origin_even_on_loopback(served):
     dashboard, stub = served
     browser = Browser(dashboard.port)
-    browser.request("GET", "/")
+    browser.open_link(dashboard.url)
     csrf = browser.csrf()
     origin = f"http://127.0.0.1:{dashboard.port}"
     refused = [
@@ -158,7 +168,7 @@ def test_actions_need_the_csrf_token_and_this_origin_even_on_loopback(served):
     ]
     assert [r.status for r, _ in refused] == [403] * 5 and stub.cancelled == []
     other = Browser(dashboard.port)  # another session's token does not open this one
-    other.request("GET", "/")
+    other.open_link(dashboard.url)
     assert other.post("/api/cancel", {"job": "j"}, Origin=origin,
                       X_CSRF_Token=csrf)[0].status == 403
     response, body = browser.post("/api/cancel", {"job": "j", "force": True}, Origin=origin,
@@ -180,7 +190,7 @@ def test_a_resume_the_workers_owner_overrules_is_reported_as_held(served):
     stub.state, stub.owner_holds = "paused", True
     dashboard.monitor.steer_wait = 1.0  # how long the answer waits for a state that won't come
     browser = Browser(dashboard.port)
-    browser.request("GET", "/")
+    browser.open_link(dashboard.url)
     wait_for(lambda: dashboard.monitor._state_of("w1") == "paused", 10, "the paused worker")
     response, body = browser.post("/api/worker", {"worker": "w1", "action": "resume"},
                                   Origin=f"http://127.0.0.1:{dashboard.port}",
@@ -193,7 +203,9 @@ def test_the_favicon_is_no_404(served):
     dashboard, _ = served
     response, body = Browser(dashboard.port).request("GET", "/favicon.ico")
     assert response.status == 204 and body == b""
-    page = Browser(dashboard.port).request("GET", "/")[1]
+    browser = Browser(dashboard.port)
+    browser.open_link(dashboard.url)
+    page = browser.request("GET", "/")[1]
     assert b'<link rel="icon" href="data:,">' in page  # img-src allows data: (the CSP)
 
 
@@ -238,6 +250,55 @@ def test_failed_logins_are_limited(served):
     assert response.headers["Location"] == "/login?blocked" and not browser.cookie
 
 
+def test_on_loopback_only_the_printed_link_or_the_token_opens_the_page(served):
+    # Every account on the machine reaches 127.0.0.1; a visit used to get a session by itself,
+    # so another local user could read job data, cancel jobs and drain workers.
+    dashboard, stub = served
+    origin = f"http://127.0.0.1:{dashboard.port}"
+    stranger = Browser(dashboard.port)
+    response, _ = stranger.request("GET", "/")
+    assert response.status == 303 and response.headers["Location"] == "/login"
+    assert not stranger.cookie and stranger.request("GET", "/api/session")[0].status == 401
+    response, _ = stranger.request("GET", "/?key=" + "A" * len(dashboard.guard.key))
+    assert response.headers["Location"] == "/login?key" and not stranger.cookie
+    assert b"its key changes" in stranger.request("GET", "/login?key")[1]
+    assert stranger.post("/api/cancel", {"job": "j"}, Origin=origin)[0].status == 401
+    assert stub.cancelled == []
+    # The printed link opens it; the mesh token at the login page too.
+    Browser(dashboard.port).open_link(dashboard.url)
+    user = Browser(dashboard.port)
+    response, _ = user.request("POST", "/login", f"token={TOKEN}".encode(), Origin=origin,
+                               Content_Type="application/x-www-form-urlencoded")
+    assert response.headers["Location"] == "/" and user.cookie
+    assert user.request("GET", "/")[0].status == 200
+    assert user.request("GET", "/login")[0].status == 303  # already in
+    # Off loopback no link is printed with a key, and a key opens nothing.
+    dashboard.guard.login_required = True
+    assert "?key=" not in dashboard.url
+    response, _ = Browser(dashboard.port).request("GET", "/?key=" + dashboard.guard.key)
+    assert response.headers["Location"] == "/login?key"
+
+
+def test_a_cookie_header_too_long_to_parse_opens_no_session(served):
+    # The standard library's cookie parser is quadratic on some inputs (CVE-2024-7592): a
+    # 60,000-byte header cost 19 s of CPU before any login.
+    dashboard, _ = served
+    browser = Browser(dashboard.port)
+    browser.open_link(dashboard.url)
+    assert browser.request("GET", "/api/session")[0].status == 200
+    browser.cookie += "; pad=" + "\\" * 4096  # the session's own cookie leads it
+    assert browser.request("GET", "/api/session")[0].status == 401
+
+
+def test_a_peer_that_drops_its_connection_leaves_no_traceback(served, capsys):
+    dashboard, _ = served
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        dashboard.httpd.handle_error(None, ("127.0.0.1", 5555))
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_bind_beyond_loopback_requires_login():
     assert Guard(TOKEN, "0.0.0.0", 8265).login_required
     assert Guard(TOKEN, "192.0.2.7", 8265).login_required
@@ -257,9 +318,11 @@ def test_gpumesh_dashboard_prints_its_url_serves_and_stops(mesh_env):
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        found = re.search(r"(http://127\.0\.0\.1:(\d+)/\?key=[\w-]+)", line)
         assert found, line
-        browser = Browser(int(found.group(1)))
+        browser = Browser(int(found.group(2)))
+        assert browser.request("GET", "/")[0].status == 303  # not without the link's key
+        browser.open_link(found.group(1))
         assert browser.request("GET", "/")[0].status == 200
         assert browser.request("GET", "/api/session")[0].status == 200
         proc.send_signal(signal.SIGINT)
@@ -298,13 +361,16 @@ def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_i
         def dashboard_line() -> re.Match[str] | None:
             while not lines.empty():
                 seen.append(lines.get())
-                found = re.search(rf"Dashboard on {scheme}://127\.0\.0\.1:(\d+)/", seen[-1])
+                found = re.search(rf"Dashboard on ({scheme}://127\.0\.0\.1:(\d+)/\?key=[\w-]+)",
+                                  seen[-1])
                 if found:
                     return found
             return None
 
-        port = int(wait_for(dashboard_line, 30, "the dashboard's URL").group(1))  # type: ignore[attr-defined]
+        link = wait_for(dashboard_line, 30, "the dashboard's URL")
+        port = int(link.group(2))  # type: ignore[attr-defined]
         browser = Browser(port, trust=trust)
+        browser.open_link(link.group(1))  # type: ignore[attr-defined]
         assert browser.request("GET", "/")[0].status == 200
         assert browser.request("GET", "/api/session")[0].status == 200
         proc.send_signal(signal.SIGINT)
