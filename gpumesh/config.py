@@ -93,16 +93,23 @@ def _addresses(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     return addresses
 
 
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+YEAR = 365 * 86400.0  # the longest any duration setting may be, in seconds
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float, high: float = YEAR) -> float:
+    """A positive number from ``env``; at most ``high``, since a huge one overflows where it is
+    used (a poll's milliseconds, a byte count) instead of failing here with its name."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
+        raise ConfigError(f"{name}={raw[:40]!r} is not a number") from None
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be a finite number greater than zero")
+        raise ConfigError(f"{name}={raw[:40]!r} must be a finite number greater than zero")
+    if value > high:
+        raise ConfigError(f"{name}={raw[:40]!r} is more than the {high:g} it may be at most")
     return value
 
 
@@ -233,7 +240,7 @@ class Settings:
         env = os.environ if environ is None else environ
         home = Path(env.get("GPUMESH_HOME") or Path.home() / ".gpumesh").expanduser()
         timing = Timing(
-            heartbeat=_env_float(env, "GPUMESH_HEARTBEAT", Timing.heartbeat),
+            heartbeat=_env_float(env, "GPUMESH_HEARTBEAT", Timing.heartbeat, high=3600.0),
             lease_ttl=_env_float(env, "GPUMESH_LEASE_TTL", Timing.lease_ttl),
             pending_timeout=_env_float(env, "GPUMESH_PENDING_TIMEOUT", Timing.pending_timeout),
             connect_timeout=_env_float(env, "GPUMESH_CONNECT_TIMEOUT", Timing.connect_timeout),
@@ -258,9 +265,10 @@ class Settings:
             timing=timing,
             limits=Limits(
                 max_queued_bytes=int(2**30 * _env_float(
-                    env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30)),
+                    env, "GPUMESH_MAX_QUEUED_GB", Limits.max_queued_bytes / 2**30, high=1e6)),
                 queue_memory_bytes=int(2**20 * _env_float(
-                    env, "GPUMESH_QUEUE_MEMORY_MB", Limits.queue_memory_bytes / 2**20))),
+                    env, "GPUMESH_QUEUE_MEMORY_MB", Limits.queue_memory_bytes / 2**20,
+                    high=1e9))),
         )
 
     def with_timing(self, **changes: Any) -> Settings:

@@ -239,6 +239,18 @@ def test_from_env_non_finite_number_is_config_error(value: str, tmp_path: Path) 
         Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_HEARTBEAT": value})
 
 
+@pytest.mark.parametrize("name, value", [
+    ("GPUMESH_HEARTBEAT", "1e20"),  # an OverflowError in zmq_poll
+    ("GPUMESH_LEASE_TTL", "1e300"),
+    ("GPUMESH_MAX_QUEUED_GB", "1e300"),  # an OverflowError from int(inf) in from_env
+    ("GPUMESH_QUEUE_MEMORY_MB", "1e300"),
+])
+def test_from_env_huge_number_is_config_error_naming_it(name: str, value: str,
+                                                        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"{name}=.* at most"):
+        Settings.from_env({"GPUMESH_HOME": str(tmp_path), name: value})
+
+
 def test_with_timing_replaces_only_the_given_fields(tmp_path: Path) -> None:
     settings = Settings.from_env({"GPUMESH_HOME": str(tmp_path), "GPUMESH_HEARTBEAT": "0.5"})
     changed = settings.with_timing(lease_ttl=3.0)

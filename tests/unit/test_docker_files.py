@@ -128,7 +128,8 @@ def test_dockerignore_keeps_local_state_out_and_what_pip_needs_in() -> None:
 
     for path in (".venv/bin/python", ".git/HEAD", "gpumesh/__pycache__/x.pyc",
                  "bench/results/run.json", "gpumesh.egg-info/PKG-INFO", ".mypy_cache/x",
-                 ".pytest_cache/x", ".hypothesis/x", ".ruff_cache/x", "build/lib/x"):
+                 ".pytest_cache/x", ".hypothesis/x", ".ruff_cache/x", "build/lib/x",
+                 "mesh.token", "token", ".env", ".gpumesh/config.json"):  # secrets
         assert ignored(path), path
     needed = ["pyproject.toml", "README.md", "LICENSE", "gpumesh/__init__.py",
               "gpumesh/cli/main.py", "gpumesh/py.typed"]
