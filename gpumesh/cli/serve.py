@@ -58,6 +58,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
 def _home_display(path: Path) -> str:
     home = str(Path.home())
     text = str(path)
@@ -244,6 +251,14 @@ def serve(
     if reused and own is not None:
         token = own.token
     generated = token is None
+    # A generated token is printed once, to the terminal of the user who ran serve; output
+    # that is not a terminal (a log, journald, `docker logs`) would keep it for anyone who
+    # reads that. It goes to the saved token file instead, and without one it would be lost.
+    shown = _is_terminal()
+    if generated and not shown and not save:
+        fail("no token given, and with --no-save and output that is not a terminal a "
+             "generated one would be written into a log or lost: set GPUMESH_TOKEN or pass "
+             "--token-file (make one with 'gpumesh token --file mesh.token')")
     tailnet: str | None = None
     if tailscale:
         host, tailnet = tailscale_bind(settings, host, host_ip)
@@ -322,9 +337,12 @@ def serve(
         click.echo(f"   (the last coordinator here was bound to {opened_before}; without --host "
                    f"it is loopback only: pass --host {opened_before} to let other machines "
                    "join again)")
-    if generated:
+    if generated and shown:
         click.echo(f"   Token: {token}")
         click.echo("   (generated for you; set GPUMESH_TOKEN or pass --token-file to choose one)")
+    elif generated:
+        click.echo(f"   Token: <generated> (saved in {_home_display(token_path)}; not printed, "
+                   "since this output is not a terminal)")
     elif reused and own is not None:
         click.echo(f"   Token: <your token> (the one saved in {_home_display(own.where)}, "
                    "reused; never printed)")

@@ -107,26 +107,44 @@ def test_verbose_lines_from_several_threads_stay_whole(tmp_path):
 
 
 def test_serve_no_save_without_a_token_never_says_saved(tmp_path):
+    # On a terminal (a pseudo-terminal here) the generated token is shown once, as the user
+    # who ran serve is the one reading it.
+    import pty
+
     env = {**os.environ, "GPUMESH_HOME": str(tmp_path), "GPUMESH_TOKEN": "", "GPUMESH_URL": ""}
+    leader, follower = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "gpumesh", "serve", "--port", "0",
-                             "--no-save", "--no-self-worker"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             "--no-save", "--no-self-worker", "--no-color"], env=env,
+                            stdout=follower, stderr=follower, start_new_session=True)
+    os.close(follower)
     out = ""
     try:
         deadline = time.time() + 30
         while "Self-check" not in out:
             assert time.time() < deadline, out
-            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            ready, _, _ = select.select([leader], [], [], 0.5)
             if ready:
-                line = proc.stdout.readline()  # type: ignore[union-attr]
-                assert line, out
-                out += line
+                chunk = os.read(leader, 4096)
+                assert chunk, out
+                out += chunk.decode(errors="replace").replace("\r\n", "\n")
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(10)
-        proc.stdout.close()  # type: ignore[union-attr]
+        os.close(leader)
     said = [line for line in out.splitlines() if "saved" in line.lower()]
     assert said == ["   (not saved: give it to 'gpumesh join' as GPUMESH_TOKEN or --token-file)"]
+    assert "generated for you" in out
+    assert not (tmp_path / "config.json").exists() and not (tmp_path / "token").exists()
+
+
+def test_serve_never_writes_a_generated_token_into_output_that_is_not_a_terminal(tmp_path):
+    # A log, journald or `docker logs` would keep it for whoever reads them.
+    env = {**os.environ, "GPUMESH_HOME": str(tmp_path), "GPUMESH_TOKEN": "", "GPUMESH_URL": ""}
+    done = subprocess.run([sys.executable, "-m", "gpumesh", "serve", "--port", "0", "--no-save",
+                           "--no-self-worker"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "Token:" not in done.stdout + done.stderr
+    assert "set GPUMESH_TOKEN or pass --token-file" in done.stdout + done.stderr
     assert not (tmp_path / "config.json").exists() and not (tmp_path / "token").exists()
 
 

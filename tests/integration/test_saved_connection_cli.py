@@ -133,11 +133,14 @@ def test_a_workers_saved_token_is_not_a_coordinators(tmp_path):
     write_token_file(home / "token", theirs)
     port, output = _until_ready(["serve", "--port", "0", "--no-self-worker"], _env(home))
     assert port, "serve did not start"
-    assert "generated for you" in output
+    # Its output is not a terminal: the new token is in the saved file, not in the output.
+    assert f"Token: <generated> (saved in {home / 'token'}; not printed" in output
     assert "replacing the token saved there before" in output
     made = (home / "token").read_text().strip()
     different = made != theirs
     assert different
+    leaked = _leaks(made)
+    assert not leaked, "serve printed the token it generated into a pipe"
 
 
 def test_plain_join_uses_the_saved_url_token_and_slots(tmp_path, mesh_env):
