@@ -242,7 +242,9 @@ class SharedFolder:
 
     def verifies(self, proof: Any) -> bool:
         """Whether a peer's echoed proof is this folder's."""
-        return isinstance(proof, str) and hmac.compare_digest(proof, self.proof)
+        # compare_digest takes str of ASCII only: any other text raised TypeError.
+        return isinstance(proof, str) and proof.isascii() and hmac.compare_digest(proof,
+                                                                                   self.proof)
 
     # ----------------------------------------------------------------- frames
 

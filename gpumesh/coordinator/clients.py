@@ -269,9 +269,10 @@ class ClientSide:
             self.ledger.cancel_task(task, now)
 
     def _own(self, client: ClientSession, ids: TaskIds) -> list[Task]:
-        """The listed tasks that this client submitted: others' ids are ignored."""
+        """The listed tasks that this client submitted, each once: others' ids are ignored (a
+        RESULT_ACK naming one twice forgot it twice, and the second time failed)."""
         tasks = self.ledger.tasks
-        return [task for task in (tasks.get(t) for t in ids.tasks)
+        return [task for task in (tasks.get(t) for t in dict.fromkeys(ids.tasks))
                 if task is not None and task.client_id == client.client_id]
 
     # ----------------------------------------------------------------- queries and control

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from ..protocol import ResultEncoding
 from .state import Task, TaskState
 
@@ -216,10 +218,15 @@ def _preview(encoding: Any, payload: Sequence[Any]) -> Any:
     text = data.decode("utf-8", "replace")
     if encoding == ResultEncoding.TEXT.value:
         return text
+    # A task's output is anyone's: deep nesting (RecursionError) or an integer past 64 bits
+    # (msgpack cannot pack it, and the summary goes into every status answer and the journal)
+    # is shown as the text it is.
     try:
-        return json.loads(text)
-    except ValueError:
+        value = json.loads(text)
+        msgpack.packb(value, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError, RecursionError):
         return text
+    return value
 
 
 def find_job(jobs: dict[str, Job], key: str, *, unique_name: bool = False) -> Job | str:

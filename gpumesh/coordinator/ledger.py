@@ -698,7 +698,10 @@ class Ledger:
         for lease_id, task_id in leases.items():
             task = self.tasks.get(task_id)
             if task is not None and task.lease_id == lease_id:
-                self.requeue(task, worker, now, why, infra=infra)
+                try:
+                    self.requeue(task, worker, now, why, infra=infra)
+                except Exception:  # a bug of ours stops this task, not the worker's later ones
+                    log.exception("could not put task %s back in the queue", task_id)
 
     def cancel_on_worker(self, task: Task) -> None:
         worker = self.workers.get(task.worker_id)

@@ -97,7 +97,10 @@ class WorkerSide:
             # At most what it can run and queue: a held task beyond that is a finished one
             # (its result comes right after WELCOME and is taken then, see `result`) or a
             # claim on work this worker never had.
-            if task is not None and self._may_claim(task, lease_id, worker_id) \
+            # One lease holds one task: a second task named under it would be in no lease
+            # table, so it would never expire nor run again.
+            if task is not None and lease_id not in claimed \
+                    and self._may_claim(task, lease_id, worker_id) \
                     and len(claimed) < worker.slots + worker.prefetch:
                 self._claim(task, lease_id, worker_id, now)
                 claimed[lease_id] = task_id
@@ -206,6 +209,7 @@ class WorkerSide:
         task = ledger.tasks.get(res.task)
         ack = {"task": res.task, "lease": res.lease}
         if task is not None and res.status in (ResultStatus.OK, ResultStatus.ERROR) \
+                and worker.leases.get(res.lease, task.task_id) == task.task_id \
                 and self._result_claims(task, res.lease, worker.worker_id):
             # Finished before the restart and not claimed in the HELLO: its result is the
             # claim, so the work is not done twice. Only a result of the task's own: a crash

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
@@ -131,6 +132,8 @@ def choice(header: Mapping[str, Any], name: str, kind: type[E], *,
     if value is default and default is not _REQUIRED:
         return value
     try:
+        if not isinstance(value, str):  # Enum's own error message repr()s the whole value
+            raise TypeError(name)
         return kind(value)
     except (ValueError, TypeError):
         allowed = ", ".join(repr(v.value) for v in kind)
@@ -210,5 +213,11 @@ def int_list(header: Mapping[str, Any], name: str, *, max_items: int, low: int =
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    """A peer's value, shortened for an error message; reprlib stops at a few levels and
+    items, where repr() of a 1,000-deep list raised RecursionError (and cost its whole size)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40

@@ -99,11 +99,12 @@ class WorkerInfo:
             memory=_size(info, "memory"),
             gpus=gpus,
             python=python,
-            python_full=f.text(info, "python_full", max_len=VERSION_CHARS, default=""),
-            platform=f.text(info, "platform", max_len=VERSION_CHARS, default=""),
-            cloudpickle=f.text(info, "cloudpickle", max_len=VERSION_CHARS, default=""),
-            gpumesh=f.text(info, "gpumesh", max_len=VERSION_CHARS, default=""),
-            torch=f.text(info, "torch", max_len=VERSION_CHARS, default=None),
+            # Versions other users see (`gpumesh doctor`, `workers`): no escape codes.
+            python_full=_version_text(info, "python_full") or "",
+            platform=_version_text(info, "platform") or "",
+            cloudpickle=_version_text(info, "cloudpickle") or "",
+            gpumesh=_version_text(info, "gpumesh") or "",
+            torch=_version_text(info, "torch", default=None),
             score=f.number(info, "score", low=0.0, high=1e12, default=0.0),
             gflops=f.number(info, "gflops", low=0.0, high=1e12, default=None),
             bandwidth_gbps=f.number(info, "bandwidth_gbps", low=0.0, high=1e12, default=None),
@@ -122,7 +123,7 @@ def _gpu(position: int, raw: Any) -> GpuInfo:
         index=f.integer(raw, "index", low=0, high=4095, default=position),
         name=_shown(raw, "name"),
         vram=_size(raw, "vram"),
-        backend=f.text(raw, "backend", max_len=16, default=""),
+        backend=_printable(f.text(raw, "backend", max_len=16, default="")),
     )
 
 
@@ -132,6 +133,11 @@ def _shown(data: Mapping[str, Any], name: str, max_len: int = NAME_CHARS) -> str
     if not value.isprintable():
         raise f.malformed(f"{name!r} must be printable text")
     return value
+
+
+def _version_text(info: Mapping[str, Any], name: str, default: str | None = "") -> str | None:
+    value = f.text(info, name, max_len=VERSION_CHARS, default=default)
+    return value if value is None else _printable(value)
 
 
 def _printable(label: str) -> str:

@@ -543,3 +543,52 @@ def test_pieces_hold_the_restore_grace_only_while_a_task_is_left_to_claim(broker
     assert again.heard_piece(W, 14.9)  # a result of this run's lease, in pieces
     again.tick(15.0)
     assert again._restoring is False  # nothing restored is left: the grace ends on time
+
+
+@pytest.mark.parametrize("output", [b"[" * 1500 + b"]" * 1500,  # RecursionError in json.loads
+                                    b"265252859812191058636308480000000"])  # a 108-bit int
+def test_a_script_output_the_summary_cannot_hold_as_a_value_is_shown_as_text(broker, output):
+    # Deep JSON stopped finish() half done (no RESULT, no ack, the job never ended); a 2**64+
+    # integer went into the job's summary, which msgpack could not pack for any status query.
+    tasks = submit(broker, 2)
+    broker.dispatch(0.0)
+    result(broker, tasks[0], payload=output)
+    assert broker.tasks[tasks[0]].state is TaskState.DONE
+    assert sent(broker, Command.RESULT, C)[-1]["task"] == tasks[0]
+    broker.handle(C2, msg(Command.QUERY, {"qid": 3, "what": "status", "job": "job1"}), 1.0)
+    view = sent(broker, Command.REPLY, C2)[-1]["data"]
+    assert view["tasks"][0]["result"] == output.decode()
+    broker.handle(C, msg(Command.RESULT_ACK, {"tasks": [tasks[0]]}), 1.0)
+    assert tasks[0] not in broker.tasks  # collected: the journal row was written
+
+
+def test_an_id_named_twice_in_one_result_ack_collects_it_and_the_rest(broker):
+    hello_worker(broker, W2, "w2")
+    tasks = submit(broker, 2)
+    broker.dispatch(0.0)
+    for task_id in tasks:
+        result(broker, task_id, routing=W if broker.tasks[task_id].worker_id == "w1" else W2)
+    broker.handle(C, msg(Command.RESULT_ACK, {"tasks": [tasks[0], tasks[0], tasks[1]]}), 1.0)
+    assert sent(broker, Command.ERROR) == []
+    assert tasks[0] not in broker.tasks and tasks[1] not in broker.tasks
+
+
+def test_one_lease_claims_one_restored_task_in_a_hello_or_by_a_result(broker):
+    # A HELLO naming one lease for two restored tasks left the first leased in no lease
+    # table: it never expired, never ran again. A result under a lease already holding
+    # another task did the same.
+    store = broker.store
+    first, second, third = submit(broker, 3)
+    store.commit()
+    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    restarted.restore(10.0)
+    old = (1 << 40) | 7
+    hello_worker(restarted, W, "w1", slots=2, now=11.0, held=[[first, old], [second, old]])
+    (welcome,) = sent(restarted, Command.WELCOME, W)
+    assert welcome["abort"] == [old] and restarted.workers["w1"].leases == {old: first}
+    assert restarted.tasks[second].state is TaskState.RESTORED  # runs again, later
+    restarted.handle(W, msg(Command.RESULT, {"task": third, "lease": old, "status": "ok",
+                                             "encoding": "json"}, [b"1"]), 11.1)
+    assert sent(restarted, Command.RESULT_ACK, W)[-1]["disposition"] == "rejected"
+    assert restarted.workers["w1"].leases == {old: first}
+    assert restarted.tasks[third].state is TaskState.RESTORED

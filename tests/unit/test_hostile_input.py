@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import secrets
 
 import msgpack
 import pytest
@@ -457,6 +458,50 @@ def test_display_strings_with_terminal_escapes_are_refused(info):
     b = new_broker(Store(":memory:"))
     b.handle(W, msg(Command.HELLO, {**worker_hello(), "info": info}), 0.0)
     assert "w1" not in b.workers
+
+
+def test_version_strings_other_users_see_lose_their_terminal_escapes():
+    # `gpumesh doctor` printed them as they came: a worker could write into the terminal of
+    # whoever looked at the mesh.
+    escape = "\x1b]0;owned\x07\x1b[2J"
+    b = new_broker(Store(":memory:"))
+    info = {"python": "3.11", "gpumesh": "0.1" + escape, "torch": escape, "platform": escape,
+            "python_full": escape, "cloudpickle": escape,
+            "gpus": [{"name": "A100", "backend": "cuda" + escape[:5]}]}
+    b.handle(W, msg(Command.HELLO, {**worker_hello(), "info": info}), 0.0)
+    shown = b.workers["w1"].info
+    texts = [shown.gpumesh, shown.torch, shown.platform, shown.python_full, shown.cloudpickle,
+             shown.gpus[0].backend]
+    assert all(text.isprintable() for text in texts), texts
+    assert shown.gpumesh == "0.1?]0;owned??[2J"
+
+
+def test_a_hostile_value_in_a_field_is_named_shortly_in_the_error(broker):
+    # repr() of a 1,000-deep list raised RecursionError while the error message was made.
+    deep: list = []
+    for _ in range(1000):
+        deep = [deep]
+    broker.handle(b"x", msg(Command.HELLO, {"role": deep, "id": "x"}), 0.0)
+    error = sent(broker, Command.ERROR)[-1]
+    assert error["code"] == "malformed" and len(error["message"]) < 300
+    assert "could not handle" not in error["message"]  # what a bug of ours is answered with
+
+
+def test_a_heartbeat_proof_in_any_text_is_checked_without_failing(caplog):
+    # compare_digest() takes ASCII text only: "é" raised TypeError, the heartbeat was lost.
+    from gpumesh.sharedmem import SharedFolder
+
+    folder = SharedFolder.create(secrets.token_hex(8), "")
+    try:
+        store = Store(":memory:")
+        b = Broker(store, Timing(), Limits(), epoch=store.next_epoch(), now=0.0, shm=folder)
+        b.handle(W, msg(Command.HELLO, worker_hello()), 0.0)
+        b.outbox.clear()
+        b.handle(W, msg(Command.HEARTBEAT, {"leases": [], "shm": "é" * 64}), 1.0)
+        assert sent(b, Command.ERROR) == [] and "Traceback" not in caplog.text
+        assert b.workers["w1"].last_seen == 1.0 and not b.workers["w1"].shm
+    finally:
+        folder.close()
 
 
 def test_output_of_a_task_that_already_finished_is_not_forwarded(broker):
