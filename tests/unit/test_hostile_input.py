@@ -567,3 +567,23 @@ def test_one_function_called_again_and_again_is_parsed_once_and_a_big_spec_every
     for seq in range(6, 9):
         assert [s for s, _ in submit(broker, {"env": big_env}, seq=seq)] == [seq]
     assert len(parses) == 1 + 3
+
+
+def test_kinds_of_tasks_no_longer_queued_are_forgotten_while_the_mesh_is_busy(broker):
+    # Each distinct requirement set queued was kept until the mesh went idle, and judged
+    # against every worker each second: a client cycling through new ones made that check cost
+    # most of the loop's second on a mesh that is never idle.
+    broker.handle(W2, msg(Command.HELLO, worker_hello(
+        "w2", info={"python": "3.11", "cores": 4, "memory": 2**40})), 0.0)  # runs them all
+    specs = [{"seq": seq, "nf": 0, "kind": "script", "name": "a.py", "req": {"memory": seq}}
+             for seq in range(1, 501)]
+    broker.handle(C, msg(Command.SUBMIT, {"job": "j1", "tasks": specs}), 0.0)
+    ids = [task for _, task in sent(broker, Command.ACCEPTED)[-1]["accepted"]]
+    broker.handle(C, msg(Command.CANCEL, {"tasks": ids}), 0.0)
+    broker.handle(C, msg(Command.RESULT_ACK, {"tasks": ids}), 0.0)
+    broker.dispatch(0.0)  # the cancelled tasks' queue entries go
+    assert len(broker.ledger.kinds) >= 500 and len(broker.ledger.pending) == 0
+    for routing in (W, W2):
+        broker.handle(routing, msg(Command.HEARTBEAT, {"leases": []}), 100.0)
+    broker._fail_unschedulable(100.0)
+    assert len(broker.ledger.kinds) == 0
