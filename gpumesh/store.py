@@ -619,14 +619,17 @@ class Store:
         return frames
 
     def close(self) -> None:
-        self.commit()
-        if self._checkpointer is not None:
-            self._checkpointer.stop()
-            self._checkpointer = None
-        self._db.close()
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        """Commit and close; a commit that fails (a full disk) still closes, then raises."""
+        try:
+            self.commit()
+        finally:
+            if self._checkpointer is not None:
+                self._checkpointer.stop()
+                self._checkpointer = None
+            self._db.close()
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
 
 
 _INSERT_TASK = (

@@ -435,7 +435,8 @@ def serve(
             os.close(ready_fd)
         while not stop.wait(0.5):
             if not loop.is_alive():
-                fail("the coordinator loop stopped unexpectedly; see the log above")
+                fail(coordinator.stopped_because
+                     or "the coordinator loop stopped unexpectedly; see the log above")
             if page is not None and page.poll() is not None:
                 say("[mesh] the dashboard stopped (see above); the coordinator keeps running")
                 page = None

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import secrets
 import shutil
+import sqlite3
 import tempfile
 import threading
 import time
@@ -75,6 +76,8 @@ class Coordinator:
         # restores; a bad token raises below, from the second call, before anything binds.
         stretching = stretch_in_background(token)
         self.host = host
+        self.db_path = db_path
+        self.stopped_because: str | None = None  # why run() ended by itself, for serve to say
         # A journal in memory (``--db :memory:``, a throwaway mesh) keeps big payloads in files
         # of its own, in a temporary folder removed at close, rather than in its memory twice.
         self._scratch = (Path(tempfile.mkdtemp(prefix="gpumesh-journal-"))
@@ -154,6 +157,15 @@ class Coordinator:
             self.store.commit()
             self._flush(time.time(), everything=True)
             self.ledger.remove_unneeded_files()
+        except sqlite3.Error as exc:
+            # A full disk, a journal removed or made read-only: going on would acknowledge
+            # work that is not journaled. Nothing acknowledged so far is lost.
+            self.stopped_because = (
+                f"the journal {self.db_path} could not be written ({exc}), so the coordinator "
+                "stopped rather than acknowledge work it cannot keep. Free disk space (or "
+                "fix the file's permissions) and start serve again: the journal brings back "
+                "every task it accepted")
+            log.error("%s", self.stopped_because)
         finally:
             self.close()
 
@@ -406,7 +418,10 @@ class Coordinator:
         self._router.close(linger=CLOSE_LINGER_MS)
         self._auth.stop()
         self._ctx.term()
-        self.store.close()
+        try:
+            self.store.close()
+        except sqlite3.Error as exc:  # what run() stopped for, said there already
+            log.debug("the journal closed without its last commit: %s", exc)
         if self.ledger.shm is not None:
             self.ledger.shm.close()
         self._remove_scratch()

@@ -4,6 +4,8 @@ nothing held for long, the order to each peer kept. Everything else goes before 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from gpumesh.config import Limits, Settings
@@ -178,3 +180,21 @@ def test_a_worker_that_returned_results_gets_queued_work_before_the_next_submit_
         coordinator._router = real
     assert events[0] == (b"w", ["handle RESULT"]) and events[-1] == (b"c", ["handle SUBMIT"])
     assert (b"w", [Command.TASK]) in events[1:-1]  # task 2, before the SUBMIT was read
+
+
+def test_a_journal_that_cannot_be_written_stops_the_loop_with_what_to_do(coordinator):
+    # A full disk raised out of the loop's commit: serve said only "stopped unexpectedly".
+    import sqlite3
+
+    def full(*args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    coordinator.store.commit = full
+    loop = threading.Thread(target=coordinator.run, daemon=True)
+    loop.start()
+    loop.join(10)
+    assert not loop.is_alive()
+    said = coordinator.stopped_because or ""
+    assert "could not be written (database or disk is full)" in said
+    assert "Free disk space" in said and "start serve again" in said
+    assert coordinator.sent == []  # nothing acknowledged that is not in the journal
