@@ -29,6 +29,9 @@ MAX_GRANTS = 16  # leases remembered per task: late results of that many attempt
 # without input, so a million empty tasks are not free.
 MIN_TASK_BYTES = 1024
 FUNCTION_CACHE_SIZE = 1024  # distinct pickled functions kept once for the queue
+# And their bytes together: 1,024 functions of 1 MiB each held 1 GiB after their tasks were
+# gone, outside any client's quota.
+FUNCTION_CACHE_BYTES = 64 * 1024 * 1024
 MAX_SHARED_FUNCTION = 1024 * 1024  # bigger ones are rare, and copied per task anyway
 REDELIVER_AFTER = 1.0  # seconds before a result is sent again to the same connection
 
@@ -383,8 +386,11 @@ class FunctionCache:
     the one its spec names (a client cannot make another's task run its function), and the
     cache is bounded (an evicted function stays with the tasks that hold it)."""
 
-    def __init__(self, size: int = FUNCTION_CACHE_SIZE) -> None:
+    def __init__(self, size: int = FUNCTION_CACHE_SIZE,
+                 max_bytes: int = FUNCTION_CACHE_BYTES) -> None:
         self._size = size
+        self._max_bytes = max_bytes
+        self.nbytes = 0
         self._by_digest: OrderedDict[str, bytes] = OrderedDict()
 
     def intern(self, frame: Any, digest: str) -> Any:
@@ -405,6 +411,8 @@ class FunctionCache:
         if len(data) > MAX_SHARED_FUNCTION:
             return frame
         self._by_digest[digest] = data
-        if len(self._by_digest) > self._size:
-            self._by_digest.popitem(last=False)
+        self.nbytes += len(data)
+        while len(self._by_digest) > self._size or (self.nbytes > self._max_bytes
+                                                    and len(self._by_digest) > 1):
+            self.nbytes -= len(self._by_digest.popitem(last=False)[1])
         return data

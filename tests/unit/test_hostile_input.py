@@ -587,3 +587,19 @@ def test_kinds_of_tasks_no_longer_queued_are_forgotten_while_the_mesh_is_busy(br
         broker.handle(routing, msg(Command.HEARTBEAT, {"leases": []}), 100.0)
     broker._fail_unschedulable(100.0)
     assert len(broker.ledger.kinds) == 0
+
+
+def test_the_function_cache_is_bounded_in_bytes_as_well_as_in_count():
+    # 1,024 distinct functions of 1 MiB each stayed in it, 1 GiB, after their tasks were gone.
+    from gpumesh.coordinator.state import FunctionCache
+    from gpumesh.protocol.serialize import function_digest
+
+    cache = FunctionCache(size=1024, max_bytes=4 * 2**20)
+    kept = []
+    for n in range(10):
+        data = bytes([n]) * 2**20
+        kept.append(cache.intern(data, function_digest(data)))
+    assert cache.nbytes <= 4 * 2**20 and len(cache._by_digest) == 4
+    assert all(len(k) == 2**20 for k in kept)  # each task still got its function
+    newest = bytes([9]) * 2**20
+    assert cache.intern(newest, function_digest(newest)) is kept[-1]  # still shared
