@@ -73,6 +73,7 @@ __all__ = ["Broker", "Event"]
 # Placement classes (distinct requirements) one dispatch pass may find unplaceable before it
 # stops: each costs a look at every worker with credit, every turn.
 MAX_PASSED_OVER = 1000
+TRACEBACKS_PER_MINUTE = 10  # of failures handle() contained; the rest are logged at debug
 # Input bytes let go of or read back from blob files after which the C heap is trimmed, at
 # most once a second: glibc keeps big freed buffers for reuse once it has raised its mmap
 # threshold past their size (a queue of 8 MiB inputs let go of stayed resident without it).
@@ -113,6 +114,7 @@ class Broker:
         # whose acknowledgements let more go since the server last asked.
         self.outflow = Outflow(limits)
         self.pieces_acked: set[bytes] = set()
+        self._tracebacks: list[float] = []  # when handle() last logged one, for the bound
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -299,11 +301,25 @@ class Broker:
             ledger.error(routing, exc.code, f"bad {msg.command.name}: {exc.detail}",
                          qid_of(msg.header))
         except Exception as exc:  # a bug of ours: contained to this one message
-            log.exception("failed to handle %s from peer %s", msg.command.name, routing.hex())
+            if self._may_log_traceback(now):
+                log.exception("failed to handle %s from peer %s", msg.command.name,
+                              routing.hex())
+            else:  # a peer repeating what trips it would fill the log with tracebacks
+                log.debug("failed to handle %s from peer %s: %r", msg.command.name,
+                          routing.hex(), exc)
             ledger.count_malformed(routing)
             ledger.error(routing, ErrorCode.MALFORMED,
                          f"the coordinator could not handle this {msg.command.name} "
                          f"({type(exc).__name__}); it was dropped", qid_of(msg.header))
+
+    def _may_log_traceback(self, now: float) -> bool:
+        """At most TRACEBACKS_PER_MINUTE tracebacks of contained failures a minute."""
+        recent = [t for t in self._tracebacks if now - t < 60.0]
+        self._tracebacks = recent
+        if len(recent) >= TRACEBACKS_PER_MINUTE:
+            return False
+        recent.append(now)
+        return True
 
     def _on_batch(self, routing: bytes, batch: Message, now: float) -> None:
         """Each message of a BATCH as if it came alone: one bad message is answered alone."""

@@ -603,3 +603,21 @@ def test_the_function_cache_is_bounded_in_bytes_as_well_as_in_count():
     assert all(len(k) == 2**20 for k in kept)  # each task still got its function
     newest = bytes([9]) * 2**20
     assert cache.intern(newest, function_digest(newest)) is kept[-1]  # still shared
+
+
+def test_a_peer_tripping_a_bug_again_and_again_leaves_a_bounded_number_of_tracebacks(
+        broker, monkeypatch, caplog):
+    from gpumesh.coordinator.broker import TRACEBACKS_PER_MINUTE
+
+    def explode(*args):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(broker.worker_side, "heartbeat", explode)
+    with caplog.at_level(logging.DEBUG, "gpumesh.coordinator"):
+        for n in range(100):
+            broker.handle(W, msg(Command.HEARTBEAT, {"leases": []}), 1.0 + n / 100)
+    assert caplog.text.count("Traceback") == TRACEBACKS_PER_MINUTE
+    assert len(sent(broker, Command.ERROR)) == 100  # each one still answered
+    caplog.clear()
+    broker.handle(W, msg(Command.HEARTBEAT, {"leases": []}), 70.0)  # a minute on
+    assert caplog.text.count("Traceback") == 1
