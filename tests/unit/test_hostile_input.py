@@ -621,3 +621,12 @@ def test_a_peer_tripping_a_bug_again_and_again_leaves_a_bounded_number_of_traceb
     caplog.clear()
     broker.handle(W, msg(Command.HEARTBEAT, {"leases": []}), 70.0)  # a minute on
     assert caplog.text.count("Traceback") == 1
+
+
+def test_a_prefetch_beyond_what_the_protocol_allows_is_refused_at_hello():
+    # docs/protocol.md says 0-256 (join's own bound); the coordinator took up to 1,000.
+    b = new_broker(Store(":memory:"))
+    b.handle(W, msg(Command.HELLO, worker_hello(prefetch=257)), 0.0)
+    assert "w1" not in b.workers and sent(b, Command.ERROR)[-1]["code"] == "malformed"
+    b.handle(W, msg(Command.HELLO, worker_hello(prefetch=256)), 0.0)
+    assert "w1" in b.workers
