@@ -31,6 +31,9 @@ DEFAULT_HOST = "127.0.0.1"
 CONFIG_FILE = "config.json"
 
 _URL_SCHEMES = ("tcp", "gpumesh", "http", "https")
+# A DNS name (RFC 1123 labels, a trailing dot allowed) or an IPv4 address; IPv6 is bracketed.
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                        r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9a-fA-F:.]+)\]|(?P<host>[^:/\[\]]+))(?::(?P<port>\d+))?/?$")
 
 
@@ -70,6 +73,10 @@ def parse_url(url: str) -> Endpoint:
     if not match:
         raise ConfigError(f"cannot read a host and port from {url!r}: use tcp://HOST:PORT")
     host = match.group("v6") or match.group("host")
+    if match.group("host") and not _HOST_NAME.fullmatch(host):
+        # ZeroMQ would refuse it later with a traceback ("a b", "*", ";").
+        raise ConfigError(f"{host[:64]!r} in {url[:80]!r} is not a host name or an IP address: "
+                          "use tcp://HOST:PORT, e.g. tcp://192.168.1.20:8000")
     port = int(match.group("port") or DEFAULT_PORT)
     if not 0 < port < 65536:
         raise ConfigError(f"port {port} in {url!r} is out of range (1-65535)")

@@ -79,8 +79,8 @@ def tailscale_ip(timeout: float = TAILSCALE_TIMEOUT, binary: str | None = None) 
         address = ipaddress.IPv4Address(lines[0])
     except ValueError:
         raise TunnelError(f"--tailscale: 'tailscale ip -4' answered {_quote(lines[0])!r}, not an "
-                          "IPv4 address. Check 'tailscale status', or pass the address yourself "
-                          "with --host-ip") from None
+                          "IPv4 address. Check 'tailscale status', or bind the address yourself "
+                          "with --host ADDRESS instead of --tailscale") from None
     if address.is_unspecified or address.is_multicast:
         raise TunnelError(f"--tailscale: 'tailscale ip -4' answered {address}, which no machine "
                           "can dial. Check 'tailscale status', then try again")

@@ -7,6 +7,7 @@ journal once, then send the acknowledgements (ACCEPTED, RESULT_ACK) the commit m
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import logging
@@ -127,6 +128,11 @@ class Coordinator:
                 self.port = port
         except zmq.ZMQError as exc:
             self.close()
+            if exc.errno == errno.EADDRNOTAVAIL or exc.errno == zmq.ENODEV:
+                raise ConfigError(
+                    f"cannot listen on {host}:{port}: {exc.strerror}. {host} is not an address "
+                    "of this machine: bind 0.0.0.0 (every address) or one this machine has "
+                    "('ip addr', 'ipconfig')") from None
             raise ConfigError(
                 f"cannot listen on {host}:{port}: {exc.strerror}. Is another coordinator running? "
                 "Pick another port with --port"

@@ -90,6 +90,10 @@ def test_endpoint_zmq_form() -> None:
         "::1",
         "[::1",
         "tcp://h:80/path",
+        "tcp://a b:8000",  # hosts ZeroMQ refuses later, with a traceback
+        "*:8000",
+        "tcp://;:1",
+        "tcp://" + "x" * 300 + ":8000",
     ],
 )
 def test_parse_url_rejects(url: str) -> None:

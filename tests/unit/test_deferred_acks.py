@@ -198,3 +198,12 @@ def test_a_journal_that_cannot_be_written_stops_the_loop_with_what_to_do(coordin
     assert "could not be written (database or disk is full)" in said
     assert "Free disk space" in said and "start serve again" in said
     assert coordinator.sent == []  # nothing acknowledged that is not in the journal
+
+
+def test_a_bind_address_this_machine_lacks_is_named_as_such(tmp_path):
+    # It said "Is another coordinator running? Pick another port": no port would do.
+    from gpumesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="192.0.2.1 is not an address of this machine"):
+        Coordinator(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}), new_token(),
+                    host="192.0.2.1", port=0, db_path=tmp_path / "journal.db")
