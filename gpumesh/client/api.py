@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -135,7 +137,10 @@ class GPUMesh:
     def _require(self) -> Engine:
         if not self.connect():
             engine = self._engine
-            if engine is not None and engine.refused:
+            unresolved = _unresolved(self.endpoint.host)
+            if unresolved:
+                what = unresolved
+            elif engine is not None and engine.refused:
                 what = "nothing is listening there (connection refused)"
             else:
                 what = f"no coordinator answered within {self.connect_timeout:g}s"
@@ -674,3 +679,21 @@ def _resolve(settings: Settings, url: str | None, token: str | None) -> tuple[En
             raise ConfigError(f"{missing}; nor was one found on the LAN: {exc}") from None
         log.info("found this mesh's coordinator on the LAN: %s", found)
         return parse_url(found), chosen
+
+
+def _unresolved(host: str) -> str:
+    """Why ``host`` does not resolve, when it is a name that does not; "" otherwise (ZeroMQ
+    reports a name it cannot look up as a refused connection)."""
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return (f"the name {host} does not resolve ({exc.strerror}): check its spelling, or "
+                "use the machine's IP address")
+    except OSError:
+        return ""
+    return ""

@@ -128,7 +128,7 @@ class Coordinator:
                 self.port = port
         except zmq.ZMQError as exc:
             self.close()
-            if exc.errno == errno.EADDRNOTAVAIL or exc.errno == zmq.ENODEV:
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.ENODEV):
                 raise ConfigError(
                     f"cannot listen on {host}:{port}: {exc.strerror}. {host} is not an address "
                     "of this machine: bind 0.0.0.0 (every address) or one this machine has "

@@ -53,3 +53,21 @@ def test_gather_countdown_wakes_on_the_last_result_or_the_first_failure():
     cancelled[0].cancel()
     assert watch.failed
     assert _Countdown([]).changed.is_set()
+
+
+def test_a_coordinator_name_that_does_not_resolve_is_said_to_be_so(monkeypatch):
+    # ZeroMQ reports a name it cannot look up as a refused connection: "nothing is listening
+    # there" sent the user after a coordinator instead of the typo. (No lookup leaves this
+    # machine here: getaddrinfo is replaced.)
+    import socket
+
+    from gpumesh.client import api
+
+    def no_such_name(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(api.socket, "getaddrinfo", no_such_name)
+    assert "does not resolve (Name or service not known)" in api._unresolved("gpu-boxx")
+    assert api._unresolved("192.0.2.7") == "" and api._unresolved("::1") == ""
+    monkeypatch.setattr(api.socket, "getaddrinfo", lambda *a, **k: [])
+    assert api._unresolved("gpu-box") == ""
