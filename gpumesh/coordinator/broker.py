@@ -446,16 +446,6 @@ class Broker:
         return bool(ledger.pending) and any(
             w.credit > 0 and w.state is WorkerState.ALIVE for w in ledger.workers.values())
 
-    def freed_credit(self, routing: bytes) -> bool:
-        """Pending tasks and the worker at ``routing`` (which just sent results) has credit:
-        one look at that worker, cheap enough after every message it sends."""
-        ledger = self.ledger
-        if not ledger.pending:
-            return False
-        worker = ledger.session_at(routing)
-        return isinstance(worker, WorkerSession) and worker.credit > 0 \
-            and worker.state is WorkerState.ALIVE
-
     def dispatch(self, now: float) -> int:
         """Hand pending tasks to workers with credit. Returns how many were sent."""
         ledger = self.ledger

@@ -47,7 +47,6 @@ from .waiting import Waiter
 log = logging.getLogger("gpumesh.coordinator")
 
 BATCH = 2000
-RESULTS = frozenset({Command.RESULT, Command.BATCH})
 TURN_BUDGET = 0.1  # seconds of message handling per loop turn
 # ACCEPTED and RESULT_ACK are the only messages that promise something is in the journal, so
 # they alone wait for the turn's commit; everything else goes before it, and a worker starts a
@@ -236,14 +235,10 @@ class Coordinator:
                 broker.handle(routing, msg, now)  # contains its own failures
                 # After handle: a worker's first HELLO is counted once its session exists.
                 broker.count_traffic(routing, payload_nbytes(frames) - len(routing), up=True)
-            if msg.command in RESULTS and broker.freed_credit(routing) or \
-                    msg.command is Command.SUBMIT and broker.work_waits_for_idle_workers():
+            if msg.command is Command.SUBMIT and broker.work_waits_for_idle_workers():
                 # A single call, or a .map's first chunk (the client makes it small), starts on
                 # idle workers before the rest of what arrived is read: the acknowledgements
                 # behind a client's SUBMIT, the rest of a batch. They share this turn's commit.
-                # And a worker whose results freed credit gets work now, not after the client's
-                # next SUBMIT (20-60 ms to accept 500 tasks), which the ROUTER reads before
-                # that worker's next message.
                 self._contained("hand out tasks", broker.dispatch, now)
                 self._send_ahead(now)
 

@@ -132,56 +132,6 @@ def test_files_dropped_in_a_turn_are_removed_after_its_commit(coordinator):
         coordinator.ledger.shm = real  # closed with the coordinator, its folder removed
 
 
-def test_a_worker_that_returned_results_gets_queued_work_before_the_next_submit_is_read(
-        coordinator):
-    # The ROUTER reads its peers in turn: a client's big SUBMITs (tens of ms each to accept)
-    # alternate with a worker's results. Work waits for that worker once its results freed
-    # credit, so it goes out then, not after the SUBMIT behind them.
-    import zmq
-
-    limits = Limits()
-    broker = coordinator.broker
-    hello = {"role": "worker", "id": "w1", "slots": 1, "credit": 1, "proto": [1, 1],
-             "info": {"python": "3.11"}}
-    broker.handle(b"w", decode(encode(Command.HELLO, hello), limits), 100.0)
-    broker.handle(b"c", decode(encode(Command.HELLO, {"role": "client", "id": "c1",
-                                                      "proto": [1, 1]}), limits), 100.0)
-    specs = [{"seq": seq, "nf": 1, "kind": "script", "name": "a.py"} for seq in (1, 2)]
-    broker.handle(b"c", decode(encode(Command.SUBMIT, {"tasks": specs}, [b"p", b"p"]), limits),
-                  100.0)
-    broker.dispatch(100.0)
-    (lease, task), = broker.workers["w1"].leases.items()
-    coordinator._end_turn(100.0)
-    coordinator.sent.clear()
-    events = coordinator.sent
-    handle = broker.handle
-
-    def handling(routing, msg, now):
-        events.append((routing, [f"handle {msg.command.name}"]))
-        handle(routing, msg, now)
-
-    broker.handle = handling  # type: ignore[method-assign]
-    result = encode(Command.RESULT, {"task": task, "lease": lease, "status": "ok",
-                                     "encoding": "text", "granted": 2}, [b"v"])
-    later = encode(Command.SUBMIT, {"tasks": [{"seq": 3, "nf": 1, "kind": "script",
-                                               "name": "a.py"}]}, [b"p"])
-    arrived = [[b"w", *result], [b"c", *later]]
-
-    class Router:
-        def recv_multipart(self, flags=0, copy=True):
-            if not arrived:
-                raise zmq.Again()
-            return [zmq.Frame(bytes(part)) for part in arrived.pop(0)]
-
-    real, coordinator._router = coordinator._router, Router()
-    try:
-        coordinator._drain(100.1)
-    finally:
-        coordinator._router = real
-    assert events[0] == (b"w", ["handle RESULT"]) and events[-1] == (b"c", ["handle SUBMIT"])
-    assert (b"w", [Command.TASK]) in events[1:-1]  # task 2, before the SUBMIT was read
-
-
 def test_a_journal_that_cannot_be_written_stops_the_loop_with_what_to_do(coordinator):
     # A full disk raised out of the loop's commit: serve said only "stopped unexpectedly".
     import sqlite3
