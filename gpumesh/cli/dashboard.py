@@ -46,7 +46,14 @@ def run(settings: Settings, *, url: str | None, token: str | None, host: str, po
     if exit_with_parent:
         stop_with_parent(stop.set)
     thread = dashboard.start()
-    ok(f"Dashboard on {dashboard.url} (mesh {endpoint.zmq})")
+    if dashboard.guard.login_required or _is_terminal():
+        ok(f"Dashboard on {dashboard.url} (mesh {endpoint.zmq})")
+    else:
+        # The link's key opens the page to whoever reads it: a log, journald or `docker logs`
+        # may be read by others than the user who started the dashboard.
+        ok(f"Dashboard on {dashboard.url.split('?', 1)[0]} (mesh {endpoint.zmq})")
+        click.echo("   Log in with the mesh token (the link with its key is printed only to a "
+                   "terminal)")
     if tls is not None:
         made = "made now, " if tls[1].generated else ""
         click.echo(f"   HTTPS with {tls[1].cert} ({made}SHA-256 fingerprint {tls[1].fingerprint})")
@@ -73,3 +80,10 @@ def start_child(url: str, token: str, host: str, port: int, cert: str | None = N
     args = [sys.executable, "-m", "gpumesh", *child_log_flags(), "dashboard", "--url", url,
             "--dashboard-host", host, "--dashboard-port", str(port), *tls, "--exit-with-parent"]
     return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
+
+
+def _is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False

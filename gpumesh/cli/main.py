@@ -398,14 +398,16 @@ def dashboard(dashboard_host: str, dashboard_port: int, dashboard_cert: str | No
     """Serve a live web page of the mesh: workers and their GPU/CPU use, jobs, failures,
     throughput and latency, the coordinator's health.
 
-    Bound to loopback by default (plain HTTP). Bound to another address, the page is HTTPS
+    Bound to loopback by default (plain HTTP), where it opens from the link it prints to the
+    terminal (a random key, new each start) or with the mesh token at its login page: every
+    account on the machine reaches 127.0.0.1. Bound to another address, the page is HTTPS
     (--dashboard-cert/--dashboard-key, or a self-signed certificate made with openssl, whose
     fingerprint is printed) and asks for the mesh token before it shows anything. Cancel and
     drain from the page act as this machine's user@host.
 
     \b
     Examples:
-      gpumesh dashboard                               # http://127.0.0.1:8265/
+      gpumesh dashboard                               # http://127.0.0.1:8265/?key=...
       gpumesh dashboard --url tcp://192.0.2.10:8000 --token-file mesh.token
       gpumesh dashboard --dashboard-host 0.0.0.0      # HTTPS; others log in with the token
       ssh -L 8265:127.0.0.1:8265 HOST                 # or keep it on loopback, reach it so

@@ -73,6 +73,8 @@ __all__ = ["Broker", "Event"]
 # Placement classes (distinct requirements) one dispatch pass may find unplaceable before it
 # stops: each costs a look at every worker with credit, every turn.
 MAX_PASSED_OVER = 1000
+KINDS_REBUILD_OVER = 64  # kinds of queued task beyond which they are counted again ...
+KINDS_REBUILD = 30.0  # ... at most this often (seconds): it costs a pass over the queue
 TRACEBACKS_PER_MINUTE = 10  # of failures handle() contained; the rest are logged at debug
 # Input bytes let go of or read back from blob files after which the C heap is trimmed, at
 # most once a second: glibc keeps big freed buffers for reuse once it has raised its mmap
@@ -114,7 +116,8 @@ class Broker:
         # whose acknowledgements let more go since the server last asked.
         self.outflow = Outflow(limits)
         self.pieces_acked: set[bytes] = set()
-        self._tracebacks: list[float] = []  # when handle() last logged one, for the bound
+        self._tracebacks: list[float] = []
+        self._kinds_rebuilt = now  # when _fail_unschedulable last counted the queued kinds  # when handle() last logged one, for the bound
 
     # The ledger's state, by the names the server loop, monitors and tests use.
     @property
@@ -646,10 +649,12 @@ class Broker:
         cutoff = now - limit
         if self._no_workers_at > cutoff:
             return  # a worker came back less than the timeout ago: nothing can be due yet
-        if len(ledger.kinds) > len(ledger.pending) + 16:
+        if len(ledger.kinds) > KINDS_REBUILD_OVER and now - self._kinds_rebuilt >= KINDS_REBUILD:
             # Kinds are added as tasks queue and forgotten only here or when the mesh is idle:
             # a mesh never idle kept every kind it ever queued (200,000 cancelled ones took
-            # 0.95 s of this second's check), though most have nothing queued any more.
+            # 0.95 s of this second's check), though most have nothing queued any more. The
+            # queue's length cannot tell: it counts the entries of cancelled tasks too.
+            self._kinds_rebuilt = now
             ledger.kinds = {(task.requirements, task.portable, task.local_only)
                             for task in (ledger.tasks.get(entry[2]) for entry in ledger.pending)
                             if task is not None and task.state is TaskState.PENDING}

@@ -99,6 +99,8 @@ class WorkerSide:
             # claim on work this worker never had.
             # One lease holds one task: a second task named under it would be in no lease
             # table, so it would never expire nor run again.
+            if claimed.get(lease_id) == task_id:
+                continue  # the same pair named twice: claimed once, and not aborted
             if task is not None and lease_id not in claimed \
                     and self._may_claim(task, lease_id, worker_id) \
                     and len(claimed) < worker.slots + worker.prefetch:

@@ -79,7 +79,8 @@ class Monitor:
         self._stop.set()
         with self._changed:
             self._changed.notify_all()
-        if self._thread is not None:
+        # Not yet started (a dashboard closed as it starts): it sees the stop when it does.
+        if self._thread is not None and self._thread.ident is not None:
             self._thread.join(5)
 
     @property

@@ -10,12 +10,12 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import re
 import socket
 import ssl
 import sys
 import threading
 from http import HTTPStatus
-from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
@@ -31,10 +31,6 @@ log = logging.getLogger("gpumesh.dashboard")
 
 DEFAULT_PORT = 8265
 MAX_BODY = 4096
-# The one cookie this server sets is about 60 bytes. A longer header is not parsed: the
-# standard library's cookie parser takes quadratic time on some inputs (CVE-2024-7592, fixed
-# in Python 3.11.10 and 3.12.6), and it ran before any login (60,000 bytes: 19 s of CPU).
-MAX_COOKIE_HEADER = 4096
 MAX_STREAMS = 32  # browsers watching at once; each holds a thread
 # Connections served at once, each a thread: beyond this a new one is closed before anything
 # of it is read (anybody on the network can open them, before any check).
@@ -237,8 +233,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         # The request line is anybody's on the network, before any check: written out, not
-        # passed to the terminal that shows the log.
-        log.debug("%s %s", self.address_string(), for_terminal(format % args))
+        # passed to the terminal that shows the log. Without its query: the printed link's
+        # key travels in one, and a log may be read by others than the user who started it.
+        line = format % args
+        if "?" in line:
+            line = _QUERY.sub(" ", line)
+        log.debug("%s %s", self.address_string(), for_terminal(line))
 
     # ----------------------------------------------------------------- plumbing
 
@@ -260,15 +260,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.SEE_OTHER, b"", "text/plain", {"Location": where, **(headers or {})})
 
     def _sid(self) -> str | None:
-        header = self.headers.get("Cookie", "")
-        if len(header) > MAX_COOKIE_HEADER:
-            return None  # no session: the page asks to log in or opens a new one
-        try:
-            jar = SimpleCookie(header)
-        except CookieError:
-            return None
-        morsel = jar.get(self.dashboard.guard.cookie)
-        return self.dashboard.guard.session(morsel.value if morsel else None)
+        return self.dashboard.guard.session(
+            cookie_value(self.headers.get("Cookie", ""), self.dashboard.guard.cookie))
 
     def _body(self) -> bytes | None:
         try:
@@ -440,3 +433,19 @@ class Handler(BaseHTTPRequestHandler):
             self._redirect("/login?failed")
             return
         self._redirect("/", {"Set-Cookie": guard.set_cookie(guard.open_session())})
+
+
+_QUERY = re.compile(r"\?\S*\s")  # a request line's query, up to the space before HTTP/1.x
+
+
+def cookie_value(header: str, name: str) -> str | None:
+    """The value of cookie ``name`` in a Cookie header, read in one pass. Not SimpleCookie:
+    the standard library's parser takes quadratic time on some inputs (CVE-2024-7592, fixed in
+    Python 3.11.10 and 3.12.6) and ran before any login (60,000 bytes: 19 s of CPU). Other
+    servers on 127.0.0.1 set cookies the browser sends here too, so the header may be long;
+    this server's own value is URL-safe text and needs no unquoting."""
+    for part in header.split(";"):
+        key, sep, value = part.partition("=")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None

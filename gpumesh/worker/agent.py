@@ -121,7 +121,7 @@ class WorkerAgent:
         # (auto) queues only while recent tasks are short, and only as deep as PREFETCH_HORIZON.
         self.auto_prefetch = prefetch is None
         self.prefetch = (min(AUTO_PREFETCH_PER_SLOT * slots, MAX_PREFETCH) if prefetch is None
-                         else max(prefetch, 0))  # the most it may hold: announced in HELLO
+                         else min(max(prefetch, 0), MAX_PREFETCH))  # announced in HELLO
         self._mean_run: float | None = None  # moving average of task run time, seconds
         self._mean_bytes = 0.0  # moving average of a task's input, bytes
         self._granted_depth = 0  # the prefetch depth included in what was granted so far

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import queue
 import re
+import select
 import signal
 import socket
 import ssl
@@ -26,6 +28,7 @@ from conftest import wait_for
 
 from gpumesh.dashboard import Dashboard, tls
 from gpumesh.dashboard.guard import FAILURES_PER_ADDRESS, Guard
+from gpumesh.dashboard.server import cookie_value as dashboard_cookie_value
 
 TOKEN = "salt.s3cret-token-for-the-dashboard-tests"
 
@@ -279,15 +282,19 @@ def test_on_loopback_only_the_printed_link_or_the_token_opens_the_page(served):
     assert response.headers["Location"] == "/login?key"
 
 
-def test_a_cookie_header_too_long_to_parse_opens_no_session(served):
-    # The standard library's cookie parser is quadratic on some inputs (CVE-2024-7592): a
-    # 60,000-byte header cost 19 s of CPU before any login.
+def test_a_long_cookie_header_is_read_in_one_pass_and_keeps_the_session(served):
+    # The standard library's cookie parser is quadratic on some inputs (CVE-2024-7592): 60,000
+    # bytes cost 19 s of CPU before any login. Refusing long headers instead locked out a
+    # browser carrying other 127.0.0.1 servers' cookies (Jupyter's), in a silent login loop.
     dashboard, _ = served
-    browser = Browser(dashboard.port)
+    browser = Browser(dashboard.port, timeout=5)
     browser.open_link(dashboard.url)
+    own = browser.cookie
+    browser.cookie = "; ".join([f"username-127-0-0-1-{n}=" + "x" * 300 for n in range(12)]
+                               + [own, "pad=" + "\\" * 30_000])
     assert browser.request("GET", "/api/session")[0].status == 200
-    browser.cookie += "; pad=" + "\\" * 4096  # the session's own cookie leads it
-    assert browser.request("GET", "/api/session")[0].status == 401
+    assert dashboard_cookie_value(f"a=1; {own}; b=2", dashboard.guard.cookie) == \
+        own.split("=", 1)[1]
 
 
 def test_a_peer_that_drops_its_connection_leaves_no_traceback(served, capsys):
@@ -308,7 +315,49 @@ def test_a_bind_beyond_loopback_requires_login():
     assert Guard(TOKEN, "::1", 8265).host_ok("[::1]:8265")
 
 
-def test_gpumesh_dashboard_prints_its_url_serves_and_stops(mesh_env):
+def test_gpumesh_dashboard_prints_its_link_to_a_terminal_serves_and_stops(mesh_env):
+    import pty
+
+    coordinator = mesh_env.start_coordinator()
+    env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "dashboard", "--url", coordinator.url,
+         "--dashboard-port", "0"], env=env, stdout=follower, stderr=follower)
+    os.close(follower)
+    out = ""
+
+    def read_some() -> str:
+        nonlocal out
+        if select.select([leader], [], [], 0.2)[0]:
+            try:
+                out += os.read(leader, 4096).decode(errors="replace")
+            except OSError:  # the terminal closed with the process
+                pass
+        return out
+
+    try:
+        found = wait_for(lambda: re.search(r"(http://127\.0\.0\.1:(\d+)/\?key=[\w-]+)",
+                                           read_some()), 30, "the dashboard's link")
+        browser = Browser(int(found.group(2)))  # type: ignore[union-attr]
+        assert browser.request("GET", "/")[0].status == 303  # not without the link's key
+        browser.open_link(found.group(1))  # type: ignore[union-attr]
+        assert browser.request("GET", "/")[0].status == 200
+        assert browser.request("GET", "/api/session")[0].status == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        wait_for(lambda: "dashboard stopped" in read_some(), 10, "the goodbye")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    assert mesh_env.token not in out
+
+
+def test_the_dashboard_key_stays_out_of_output_that_is_not_a_terminal_and_of_logs(
+        mesh_env, caplog):
+    # A log, journald or `docker logs` may be read by others than the user who started it.
     coordinator = mesh_env.start_coordinator()
     env = {**os.environ, **mesh_env.env, "GPUMESH_TOKEN": mesh_env.token}
     proc = subprocess.Popen(
@@ -317,22 +366,32 @@ def test_gpumesh_dashboard_prints_its_url_serves_and_stops(mesh_env):
         text=True)
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        found = re.search(r"(http://127\.0\.0\.1:(\d+)/\?key=[\w-]+)", line)
-        assert found, line
-        browser = Browser(int(found.group(2)))
-        assert browser.request("GET", "/")[0].status == 303  # not without the link's key
-        browser.open_link(found.group(1))
-        assert browser.request("GET", "/")[0].status == 200
-        assert browser.request("GET", "/api/session")[0].status == 200
+        line = proc.stdout.readline() + proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert found and "?key=" not in line and "Log in with the mesh token" in line, line
+        browser = Browser(int(found.group(1)))
+        origin = f"http://127.0.0.1:{found.group(1)}"
+        response, _ = browser.request("POST", "/login", f"token={mesh_env.token}".encode(),
+                                      Origin=origin,
+                                      Content_Type="application/x-www-form-urlencoded")
+        assert response.headers["Location"] == "/" and browser.request("GET", "/")[0].status == 200
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=15)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0 and "dashboard stopped" in rest
     assert mesh_env.token not in line + rest
+    # Nor does a request line with the key reach the log.
+    stub = StubMesh()
+    dashboard = Dashboard(stub, TOKEN, port=0, interval=0.2)  # type: ignore[arg-type]
+    dashboard.start()
+    try:
+        with caplog.at_level(logging.DEBUG, "gpumesh.dashboard"):
+            Browser(dashboard.port).open_link(dashboard.url)
+        assert "GET /" in caplog.text and dashboard.guard.key not in caplog.text
+    finally:
+        dashboard.close()
 
 
 @pytest.mark.parametrize("with_tls", [False, True], ids=["http", "given-certificate"])
@@ -361,16 +420,19 @@ def test_serve_dashboard_starts_the_page_beside_the_coordinator_and_stops_with_i
         def dashboard_line() -> re.Match[str] | None:
             while not lines.empty():
                 seen.append(lines.get())
-                found = re.search(rf"Dashboard on ({scheme}://127\.0\.0\.1:(\d+)/\?key=[\w-]+)",
-                                  seen[-1])
+                found = re.search(rf"Dashboard on {scheme}://127\.0\.0\.1:(\d+)/", seen[-1])
                 if found:
                     return found
             return None
 
         link = wait_for(dashboard_line, 30, "the dashboard's URL")
-        port = int(link.group(2))  # type: ignore[attr-defined]
+        port = int(link.group(1))  # type: ignore[attr-defined]
         browser = Browser(port, trust=trust)
-        browser.open_link(link.group(1))  # type: ignore[attr-defined]
+        # Its output is a pipe, not a terminal: no key is printed, the token logs in.
+        response, _ = browser.request("POST", "/login", f"token={TOKEN}".encode(),
+                                      Origin=f"{scheme}://127.0.0.1:{port}",
+                                      Content_Type="application/x-www-form-urlencoded")
+        assert response.headers["Location"] == "/", response.status
         assert browser.request("GET", "/")[0].status == 200
         assert browser.request("GET", "/api/session")[0].status == 200
         proc.send_signal(signal.SIGINT)

@@ -3,7 +3,7 @@ these machines): what the image runs and as whom, what compose requires and publ
 
 from __future__ import annotations
 
-import fnmatch
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +120,32 @@ def test_dockerignore_keeps_local_state_out_and_what_pip_needs_in() -> None:
                 if line.strip() and not line.startswith("#")]
     assert not any(p.startswith("!") for p in patterns)  # the check below ignores exceptions
 
+    def docker_pattern(pattern: str) -> re.Pattern[str]:
+        """Docker's matching: from the context's root; ``*`` and ``?`` stay inside one path
+        segment, ``**/`` spans any number; a matched folder takes what is in it along."""
+        out, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                out, i = out + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                out, i = out + ".*", i + 2
+            elif pattern[i] in "*?":
+                out, i = out + ("[^/]*" if pattern[i] == "*" else "[^/]"), i + 1
+            else:
+                out, i = out + re.escape(pattern[i]), i + 1
+        return re.compile(out + "(?:/.*)?$")
+
+    compiled = [docker_pattern(p) for p in patterns]
+
     def ignored(path: str) -> bool:
-        parts = path.split("/")
-        prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
-        return any(fnmatch.fnmatch(prefix, p.removeprefix("**/")) or fnmatch.fnmatch(prefix, p)
-                   for p in patterns for prefix in prefixes)
+        return any(c.match(path) for c in compiled)
 
     for path in (".venv/bin/python", ".git/HEAD", "gpumesh/__pycache__/x.pyc",
                  "bench/results/run.json", "gpumesh.egg-info/PKG-INFO", ".mypy_cache/x",
                  ".pytest_cache/x", ".hypothesis/x", ".ruff_cache/x", "build/lib/x",
-                 "mesh.token", "token", ".env", ".gpumesh/config.json"):  # secrets
+                 # secrets, at the root or in any folder (`*` does not cross a "/")
+                 "mesh.token", "token", ".env", ".gpumesh/config.json",
+                 "examples/mesh.token", "deploy/.env", "a/b/token"):
         assert ignored(path), path
     needed = ["pyproject.toml", "README.md", "LICENSE", "gpumesh/__init__.py",
               "gpumesh/cli/main.py", "gpumesh/py.typed"]

@@ -572,21 +572,30 @@ def test_one_function_called_again_and_again_is_parsed_once_and_a_big_spec_every
 def test_kinds_of_tasks_no_longer_queued_are_forgotten_while_the_mesh_is_busy(broker):
     # Each distinct requirement set queued was kept until the mesh went idle, and judged
     # against every worker each second: a client cycling through new ones made that check cost
-    # most of the loop's second on a mesh that is never idle.
+    # most of the loop's second on a mesh that is never idle. A backlog of live tasks keeps
+    # the cancelled ones' queue entries (dispatch stops when credit runs out).
+    from gpumesh.coordinator.broker import KINDS_REBUILD
+
     broker.handle(W2, msg(Command.HELLO, worker_hello(
         "w2", info={"python": "3.11", "cores": 4, "memory": 2**40})), 0.0)  # runs them all
+    backlog = [{"seq": seq, "nf": 0, "kind": "script", "name": "a.py"} for seq in range(1, 51)]
+    broker.handle(C, msg(Command.SUBMIT, {"job": "j1", "tasks": backlog}), 0.0)
+    broker.dispatch(0.0)  # the workers' credit is used up: the rest stays queued
     specs = [{"seq": seq, "nf": 0, "kind": "script", "name": "a.py", "req": {"memory": seq}}
-             for seq in range(1, 501)]
+             for seq in range(100, 600)]
     broker.handle(C, msg(Command.SUBMIT, {"job": "j1", "tasks": specs}), 0.0)
     ids = [task for _, task in sent(broker, Command.ACCEPTED)[-1]["accepted"]]
     broker.handle(C, msg(Command.CANCEL, {"tasks": ids}), 0.0)
     broker.handle(C, msg(Command.RESULT_ACK, {"tasks": ids}), 0.0)
-    broker.dispatch(0.0)  # the cancelled tasks' queue entries go
-    assert len(broker.ledger.kinds) >= 500 and len(broker.ledger.pending) == 0
+    broker.dispatch(0.0)
+    assert len(broker.ledger.kinds) > 500 and len(broker.ledger.pending) > 500
+    now = max(KINDS_REBUILD, Timing().pending_timeout) + 1.0
     for routing in (W, W2):
-        broker.handle(routing, msg(Command.HEARTBEAT, {"leases": []}), 100.0)
-    broker._fail_unschedulable(100.0)
-    assert len(broker.ledger.kinds) == 0
+        broker.handle(routing, msg(Command.HEARTBEAT, {"leases": [
+            lease for lease, _ in broker.workers["w1" if routing == W else "w2"]
+            .leases.items()]}), now)
+    broker._fail_unschedulable(now)
+    assert len(broker.ledger.kinds) == 1  # the backlog's
 
 
 def test_the_function_cache_is_bounded_in_bytes_as_well_as_in_count():
@@ -630,3 +639,37 @@ def test_a_prefetch_beyond_what_the_protocol_allows_is_refused_at_hello():
     assert "w1" not in b.workers and sent(b, Command.ERROR)[-1]["code"] == "malformed"
     b.handle(W, msg(Command.HELLO, worker_hello(prefetch=256)), 0.0)
     assert "w1" in b.workers
+
+
+def test_a_hello_naming_one_held_pair_twice_keeps_that_lease(tmp_path):
+    # The second copy of the pair put the lease just claimed among the ones to abort: the
+    # worker dropped a task the coordinator thought it ran, until the lease expired.
+    store = Store(str(tmp_path / "j.db"))
+    try:
+        b = new_broker(store)
+        ((_, task_id),) = submit(b, {})
+        store.commit()
+        restarted = new_broker(store, now=10.0)
+        old = (1 << 40) | 3
+        restarted.handle(W, msg(Command.HELLO, worker_hello(
+            held=[[task_id, old], [task_id, old]])), 11.0)
+        (welcome,) = sent(restarted, Command.WELCOME, W)
+        assert welcome["abort"] == [] and restarted.workers["w1"].leases == {old: task_id}
+    finally:
+        store.close()
+
+
+def test_a_worker_agent_never_announces_more_prefetch_than_a_hello_may_carry(tmp_path):
+    # One made in Python with prefetch=1000 was refused at every HELLO, for good.
+    from gpumesh.config import Settings, parse_url
+    from gpumesh.protocol.headers import MAX_PREFETCH
+    from gpumesh.worker.agent import WorkerAgent
+
+    agent = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                        parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=1, info={},
+                        local_control=False, prefetch=1000)
+    try:
+        assert agent.prefetch == MAX_PREFETCH
+    finally:
+        agent.link.close()
+        agent._ctx.term()

@@ -507,7 +507,7 @@ async function start() {
   const session = await response.json();
   csrf = session.csrf;
   const logout = document.getElementById("logout");
-  logout.hidden = !session.login_required;
+  logout.hidden = false;  // a session is a credential on loopback too (the link's key opens one)
   logout.addEventListener("click", async () => { await post("/logout", {}).catch(() => null); location.href = "/login"; });
   document.getElementById("job-close").addEventListener("click", () => {
     openJob = null; openTask = null;
