@@ -87,6 +87,7 @@ def test_chaos_loop_kill_9_workers_repeatedly(mesh_env, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its own waits allow 1,200 s; it took 130-137 s on a slow hour here
 def test_chaos_loop_for_minutes(mesh_env, tmp_path):
     _chaos_loop(mesh_env, tmp_path, n=3000, delay=0.1, min_kills=60)
 
@@ -127,5 +128,6 @@ def test_twenty_clients_at_once_while_workers_churn(mesh_env, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 4,000 tasks under churn: past the default 120 s on a slow machine
 def test_twenty_clients_with_big_jobs_while_workers_churn(mesh_env, tmp_path):
     _many_clients(mesh_env, tmp_path, clients=20, per_client=200)
