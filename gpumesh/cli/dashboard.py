@@ -13,7 +13,7 @@ import click
 from ..config import Settings
 from ..errors import MeshError
 from .lifecycle import stop_with_parent
-from .output import child_log_flags, fail, ok
+from .output import child_log_flags, fail, is_terminal, ok
 
 
 def run(settings: Settings, *, url: str | None, token: str | None, host: str, port: int,
@@ -46,7 +46,7 @@ def run(settings: Settings, *, url: str | None, token: str | None, host: str, po
     if exit_with_parent:
         stop_with_parent(stop.set)
     thread = dashboard.start()
-    if dashboard.guard.login_required or _is_terminal():
+    if dashboard.guard.login_required or is_terminal():
         ok(f"Dashboard on {dashboard.url} (mesh {endpoint.zmq})")
     else:
         # The link's key opens the page to whoever reads it: a log, journald or `docker logs`
@@ -80,10 +80,3 @@ def start_child(url: str, token: str, host: str, port: int, cert: str | None = N
     args = [sys.executable, "-m", "gpumesh", *child_log_flags(), "dashboard", "--url", url,
             "--dashboard-host", host, "--dashboard-port", str(port), *tls, "--exit-with-parent"]
     return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
-
-
-def _is_terminal() -> bool:
-    try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):  # replaced or closed
-        return False

@@ -90,3 +90,12 @@ def setup_logging(verbose: bool, json_logs: bool) -> None:
     # Under --json-logs the mesh's life lines (INFO, gpumesh.events) are part of the log.
     root.setLevel(logging.DEBUG if verbose else logging.INFO if json_logs else logging.WARNING)
     root.propagate = False
+
+
+def is_terminal() -> bool:
+    """Whether stdout is a terminal: secrets (a generated token, the dashboard's link key) are
+    printed only there, never into a log or a pipe others may read."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False

@@ -43,7 +43,7 @@ from ..tokens import (
 )
 from ..worker import devices
 from .lifecycle import stop_with_parent
-from .output import child_log_flags, fail, ok, say
+from .output import child_log_flags, fail, is_terminal, ok, say
 from .tokens import save_kdf
 
 TOKEN_FILE = "token"
@@ -55,13 +55,6 @@ def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
-
-
-def _is_terminal() -> bool:
-    try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):  # replaced or closed
         return False
 
 
@@ -254,7 +247,7 @@ def serve(
     # A generated token is printed once, to the terminal of the user who ran serve; output
     # that is not a terminal (a log, journald, `docker logs`) would keep it for anyone who
     # reads that. It goes to the saved token file instead, and without one it would be lost.
-    shown = _is_terminal()
+    shown = is_terminal()
     if generated and not shown and not save:
         fail("no token given, and with --no-save and output that is not a terminal a "
              "generated one would be written into a log or lost: set GPUMESH_TOKEN or pass "

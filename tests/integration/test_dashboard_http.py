@@ -287,7 +287,7 @@ def test_a_long_cookie_header_is_read_in_one_pass_and_keeps_the_session(served):
     # bytes cost 19 s of CPU before any login. Refusing long headers instead locked out a
     # browser carrying other 127.0.0.1 servers' cookies (Jupyter's), in a silent login loop.
     dashboard, _ = served
-    browser = Browser(dashboard.port, timeout=5)
+    browser = Browser(dashboard.port)
     browser.open_link(dashboard.url)
     own = browser.cookie
     browser.cookie = "; ".join([f"username-127-0-0-1-{n}=" + "x" * 300 for n in range(12)]
