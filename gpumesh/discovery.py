@@ -210,6 +210,39 @@ def _zeroconf(interfaces: Sequence[str]) -> Any:
     return Zeroconf(interfaces=list(interfaces), ip_version=IPVersion.V4Only)
 
 
+def _browsing_zeroconf(interfaces: Sequence[str]) -> Any:
+    """A Zeroconf on ``interfaces``, leaving out those whose multicast sockets this machine
+    refuses (an address it no longer has, an adapter without multicast). Raises ConfigError,
+    saying what to do, when none is left: zeroconf's own OSError was a traceback from
+    ``discover``, ``join`` and ``setup``."""
+    from .errors import ConfigError
+
+    try:
+        return _zeroconf(interfaces)
+    except OSError as exc:
+        failure = exc
+    usable = []
+    for address in interfaces if len(interfaces) > 1 else ():
+        try:
+            _zeroconf([address]).close()
+        except OSError:
+            continue
+        usable.append(address)
+    if usable:
+        log.warning("cannot look for coordinators on %s (%s): looking on %s only",
+                    ", ".join(a for a in interfaces if a not in usable),
+                    failure.strerror or failure, ", ".join(usable))
+        try:
+            return _zeroconf(usable)
+        except OSError as exc:
+            failure = exc
+    raise ConfigError(
+        f"cannot look for coordinators on {', '.join(interfaces)}: "
+        f"{failure.strerror or failure}. Set GPUMESH_DISCOVERY_INTERFACES to this machine's "
+        "address on the coordinator's network, or give the coordinator's URL, e.g. "
+        "'gpumesh join tcp://HOST:8000'") from None
+
+
 class Advertiser:
     """Advertise a coordinator while it runs. Registration probes the LAN for about 1.7 s, so
     it happens in the background; a failure is logged, never fatal (joining by URL works)."""
@@ -324,7 +357,8 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
     """The gpumesh coordinators advertised on ``interfaces`` within ``timeout`` seconds.
 
     With ``want`` (a mesh fingerprint), it returns ``settle`` seconds after the first
-    advertisement of that mesh, instead of waiting out the timeout.
+    advertisement of that mesh, instead of waiting out the timeout. Raises ConfigError when
+    this machine cannot listen for advertisements on any of ``interfaces``.
     """
     from zeroconf import ServiceBrowser, ServiceStateChange
     from zeroconf.asyncio import AsyncServiceInfo as ServiceInfo
@@ -349,7 +383,7 @@ def browse(timeout: float, interfaces: Sequence[str], *, want: str | None = None
     unresolved: collections.deque[str] = collections.deque()
     asked: set[str] = set()
     ask: _Ask | None = None
-    zc = _zeroconf(interfaces)
+    zc = _browsing_zeroconf(interfaces)
     browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change])
 
     def take(name: str, info: Any) -> bool:

@@ -29,7 +29,10 @@ def discover(settings: Settings, token: str | None, timeout: float, as_json: boo
     if not as_json:
         click.echo(f"Looking for gpumesh coordinators on {', '.join(interfaces)} "
                    f"({timeout:g}s)...", err=True)
-    found = browse(timeout, interfaces)
+    try:
+        found = browse(timeout, interfaces)
+    except MeshError as exc:
+        fail(str(exc))
     local = adapters()
     if as_json:
         click.echo(json.dumps([_entry(f, ours, local) for f in found], indent=2))

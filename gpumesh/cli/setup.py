@@ -347,7 +347,11 @@ class _Wizard:
         with self.console.status(f"Looking for this mesh's coordinator on the LAN "
                                  f"({', '.join(interfaces)}, up to {timeout:g}s)…"):
             fingerprint = derive_keys(token).fingerprint
-            found = browse(timeout, interfaces, want=fingerprint)
+            try:
+                found = browse(timeout, interfaces, want=fingerprint)
+            except MeshError as exc:
+                self.console.print(f"{exc}.")
+                return None, False
         ours = [f for f in found if f.mesh == fingerprint and f.proto == MAJOR]
         if not ours:
             others = len([f for f in found if f.mesh != fingerprint])

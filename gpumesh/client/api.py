@@ -529,7 +529,8 @@ class GPUMesh:
     def lan_urls(self, timeout: float = 3.0) -> list[str]:
         """The URLs this mesh's coordinator advertises on the LAN (what another machine
         dials), nearest subnet first; empty when it is not advertised (bound to loopback, or
-        discovery off). Browses the LAN for up to ``timeout`` seconds."""
+        discovery off). Browses the LAN for up to ``timeout`` seconds; raises ConfigError when
+        this machine cannot listen for advertisements on any of its LAN addresses."""
         from ..discovery import adapters, browse
         from ..security import derive_keys
 

@@ -4,6 +4,7 @@ loopback only (TESTING.md: the root namespace never multicasts on a real interfa
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import types
 
@@ -12,6 +13,7 @@ from conftest import wait_for
 
 from gpumesh import discovery
 from gpumesh.discovery import Adapter, Found, classify
+from gpumesh.errors import ConfigError
 from gpumesh.protocol import MAJOR
 from gpumesh.security import derive_keys
 
@@ -287,3 +289,63 @@ def test_copies_of_the_wanted_meshs_advert_are_bounded_too(monkeypatch, fake_zer
     fake_lan(monkeypatch, list(copies), copies)
     found = discovery.browse(10.0, ["192.0.2.1"], want="0123456789ab", settle=0.2)
     assert len(found) == discovery.MAX_WANTED
+
+
+def refusing_zeroconf(monkeypatch, refused: set[str]) -> list[list[str]]:
+    """``_zeroconf`` as zeroconf behaves where joining the multicast group on an address fails
+    (an address this machine no longer has: errno 19, as measured); returns the interface
+    lists it was made with."""
+    made: list[list[str]] = []
+
+    def make(interfaces):
+        made.append(list(interfaces))
+        if refused & set(interfaces):
+            raise OSError(19, "No such device")
+        return type("Z", (), {"close": lambda self: None})()
+
+    monkeypatch.setattr(discovery, "_zeroconf", make)
+    return made
+
+
+def test_a_browse_where_no_interface_can_listen_says_what_to_do(monkeypatch):
+    # zeroconf's OSError went out of browse(): 'gpumesh discover' and 'join' without a URL
+    # ended in a traceback on such a machine.
+    refusing_zeroconf(monkeypatch, {"192.0.2.7"})
+    with pytest.raises(ConfigError) as caught:
+        discovery.browse(0.1, ["192.0.2.7"])
+    text = str(caught.value)
+    assert "192.0.2.7" in text and "No such device" in text
+    assert "GPUMESH_DISCOVERY_INTERFACES" in text and "gpumesh join tcp://" in text
+
+
+def test_a_browse_leaves_out_the_interfaces_that_cannot_listen(monkeypatch, caplog):
+    made = refusing_zeroconf(monkeypatch, {"192.0.2.7"})
+    browsed = []
+
+    class Browser:
+        def __init__(self, zc, service_type, handlers):
+            browsed.append(zc)
+
+        def cancel(self):
+            pass
+
+    import zeroconf
+
+    monkeypatch.setattr(zeroconf, "ServiceBrowser", Browser)
+    with caplog.at_level(logging.WARNING, logger="gpumesh.discovery"):
+        assert discovery.browse(0.1, ["192.0.2.7", "198.51.100.3"]) == []
+    assert made[-1] == ["198.51.100.3"] and len(browsed) == 1
+    assert "192.0.2.7" in caplog.text and "looking on 198.51.100.3 only" in caplog.text
+
+
+def test_discover_turns_a_browse_that_cannot_listen_into_one_line(monkeypatch):
+    from click.testing import CliRunner
+
+    from gpumesh.cli.main import cli
+
+    refusing_zeroconf(monkeypatch, {"192.0.2.7"})
+    result = CliRunner().invoke(cli, ["discover", "--timeout", "0.5"],
+                                env={"GPUMESH_DISCOVERY_INTERFACES": "192.0.2.7"})
+    assert result.exit_code == 1
+    assert "cannot look for coordinators on 192.0.2.7" in result.output
+    assert isinstance(result.exception, SystemExit)  # fail()'s exit, not an OSError
