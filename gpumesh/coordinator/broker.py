@@ -382,6 +382,7 @@ class Broker:
             session.shm = False  # until this session's HEARTBEAT proves it reads the folder
             if isinstance(session, ClientSession):
                 session.hello_at = now
+                session.new_session()
         ledger.send(routing, Command.WELCOME, welcome)
 
     def _worker_result(self, worker: WorkerSession, msg: Message, now: float) -> None:

@@ -243,6 +243,7 @@ class ClientSide:
 
     def result_ack(self, client: ClientSession, ids: TaskIds, now: float) -> None:
         for task in self._own(client, ids):
+            client.read_back_acknowledged(task.task_id)
             if not task.state.terminal:
                 continue
             if task.state is TaskState.DONE:
@@ -252,6 +253,8 @@ class ClientSide:
                 task.collected = True
                 task.result_payload, task.result_file = [], None
                 self.ledger.drop_shared(task.result_header)
+        if client.read_back_waiting:
+            self.ledger.deliver_read_backs(client, now)
 
     def fetch(self, client: ClientSession, ids: TaskIds, now: float) -> None:
         missing = []

@@ -77,6 +77,13 @@ MOVE_INTO_FOLDER_BYTES = 1024 * 1024
 # descriptor each until sent, however long it waits behind another; beyond this many, one is
 # read back whole as before, so the coordinator never runs short of descriptors for its sockets.
 MAX_SPAN_FILES = 64
+# Results read back whole from their blob files (64 KiB-8 MiB, or bigger for a client that does
+# not read pieces) go to one client this many bytes at a time: the rest wait until it
+# acknowledges those. A FETCH of 10,000 such results read them all in one turn (1 GiB of 100 KB
+# results at once, into the outbox). One sent and not acknowledged within READ_BACK_EXPIRY
+# seconds counts no more (a slow link then reads at that pace).
+READ_BACK_WINDOW = 64 << 20
+READ_BACK_EXPIRY = 30.0
 FUNCTIONS_PER_WORKER = KEPT_FUNCTIONS  # functions a worker keeps per session (then afresh)
 MAX_DISTINCT_REQUIREMENTS = 10_000  # shared Requirements objects kept (then started afresh)
 
@@ -607,11 +614,15 @@ class Ledger:
             return  # kept until the client comes back and FETCHes it
         header = {**task.result_header, "task": task.task_id, "seq": task.seq}
         reading: weakref.ref[Any] | None = None
+        # From its file a piece at a time only where the frames go as they are, in pieces:
+        # outgoing() joins and reads back shared frames (a header with shm), and a client
+        # on this machine gets the result whole, as before (as a worker's input, `lease`).
+        in_pieces = client.pieces and not client.maps_shared and "shm" not in header
+        whole = task.result_file if task.result_file is not None and not (
+            in_pieces and _spans_pay(task.result_file)) else None
+        if whole is not None and not self._room_to_read_back(client, task, whole, now):
+            return  # sent as the client acknowledges what went before it
         try:
-            # From its file a piece at a time only where the frames go as they are, in pieces:
-            # outgoing() joins and reads back shared frames (a header with shm), and a client
-            # on this machine gets the result whole, as before (as a worker's input, `lease`).
-            in_pieces = client.pieces and not client.maps_shared and "shm" not in header
             read_back = "shm" in header and not client.maps_shared
             frames = self.result_frames(task, in_pieces)
             payload = self.outgoing(header, frames, client.maps_shared)
@@ -644,7 +655,44 @@ class Ledger:
                                 "message": f"the task finished, but its result is lost: {exc}"}}
             payload = []
         task.delivered = (client.routing, now, reading)
+        if whole is not None and payload and task.task_id not in client.read_back:
+            client.read_back[task.task_id] = (whole.nbytes, now)
+            client.read_back_bytes += whole.nbytes
         self.send(client.routing, Command.RESULT, header, payload)
+
+    def _room_to_read_back(self, client: ClientSession, task: Task, blob: BlobRef, now: float
+                           ) -> bool:
+        """Whether ``task``'s result, to be read back whole from ``blob``, may go to ``client``
+        now: within READ_BACK_WINDOW bytes of such results sent to it and not acknowledged
+        (always the first one). Otherwise it waits in line (``deliver_read_backs``). Sent ones
+        that go unacknowledged for READ_BACK_EXPIRY count no more: a client that never
+        acknowledges cannot hold the line forever."""
+        if task.task_id in client.read_back:
+            return True  # asked for again: its bytes are counted already
+        while client.read_back:  # oldest first
+            task_id, (_, sent) = next(iter(client.read_back.items()))
+            if now - sent < READ_BACK_EXPIRY:
+                break
+            client.read_back_acknowledged(task_id)
+        if client.read_back_bytes and client.read_back_bytes + blob.nbytes > READ_BACK_WINDOW:
+            client.read_back_waiting[task.task_id] = None
+            return False
+        client.read_back_waiting.pop(task.task_id, None)
+        return True
+
+    def deliver_read_backs(self, client: ClientSession, now: float) -> None:
+        """Send the results that wait for room in ``client``'s read-back window, in order, as
+        far as it has room (each one either goes or waits again at the front)."""
+        while client.read_back_waiting and client.routing is not None:
+            task_id = next(iter(client.read_back_waiting))
+            task = self.tasks.get(task_id)
+            if task is None or task.collected or task.result_file is None \
+                    or task.result_header is None or task.client_id != client.client_id:
+                del client.read_back_waiting[task_id]
+                continue
+            self.deliver(task, now)
+            if task_id in client.read_back_waiting:
+                return  # still no room: the rest wait behind it
 
     def deliver_deferred(self, now: float) -> None:
         """Deliver the results ``deliver`` held back for a proof of shared memory, once due."""

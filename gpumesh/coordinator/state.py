@@ -320,6 +320,23 @@ class ClientSession:
     shm: bool = False  # it proved it shares this machine's memory folder (gpumesh.sharedmem)
     shmlock: bool = False  # it locks the shared files it maps (its HELLO said so)
     hello_at: float = 0.0  # its session's HELLO: a client on this machine proves ``shm`` after
+    # Results read back whole from their blob files and sent in this session, not acknowledged
+    # yet (task id -> (bytes, when sent)), and those that wait for room among them, in order
+    # (Ledger.deliver): a FETCH of thousands of results on disk read them all in one turn.
+    read_back: dict[str, tuple[int, float]] = field(default_factory=dict)
+    read_back_bytes: int = 0
+    read_back_waiting: dict[str, None] = field(default_factory=dict)
+
+    def new_session(self) -> None:
+        """What was sent in the last session is the client's to ask for again (FETCH)."""
+        self.read_back.clear()
+        self.read_back_bytes = 0
+        self.read_back_waiting.clear()
+
+    def read_back_acknowledged(self, task_id: str) -> None:
+        size = self.read_back.pop(task_id, None)
+        if size is not None:
+            self.read_back_bytes = max(self.read_back_bytes - size[0], 0)
 
     @property
     def owner(self) -> str:

@@ -488,3 +488,68 @@ def test_a_big_result_on_disk_goes_to_a_client_that_reads_pieces_as_spans_of_its
         assert b"".join(fetched(b, task_id, 5.0)) == result
     b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 7.0)
     assert b"".join(fetched(b, task_id, 7.0)) == result
+
+
+def results_for_a_client_that_left(db: Path, count: int) -> tuple[Broker, list[str]]:
+    b = make(db)
+    b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": count,
+                                    "credit": count, "proto": [1, 1],
+                                    "info": {"python": "3.11", "cores": count}}), 0.0)
+    ids = [submit(b, seq, b"small input") for seq in range(1, count + 1)]
+    assert b.dispatch(0.0) == count
+    b.handle(C, msg(Command.DISCONNECT, {}), 1.0)  # the laptop closes
+    for n, task_id in enumerate(ids):
+        finish_with(b, task_id, bytes([n]) * BIG, 2.0)
+    assert all(b.tasks[t].result_file is not None for t in ids)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 3.0)
+    b.outbox.clear()
+    return b, ids
+
+
+def results_sent(b: Broker) -> list[int]:
+    """The results sent since the outbox was last cleared, by their first byte; then clear."""
+    got = [bytes(m.payload[0])[0] for m in sent(b, Command.RESULT)]
+    b.outbox.clear()
+    return got
+
+
+def test_a_fetch_of_many_results_on_disk_reads_them_back_as_the_client_takes_them(
+        tmp_path, monkeypatch):
+    # A FETCH of every result of a big job (a client back after its laptop slept, or after a
+    # coordinator restart) read all of them back from disk in one turn, into the outbox at
+    # once: 10,000 results of 100 KB, 1 GB. Now a window of them goes, and the rest follow as
+    # the client acknowledges.
+    from gpumesh.coordinator import ledger
+
+    monkeypatch.setattr(ledger, "READ_BACK_WINDOW", 3 * BIG)
+    b, ids = results_for_a_client_that_left(tmp_path / "journal.db", 8)
+    reads = []
+    read_blob = b.store.read_blob
+    monkeypatch.setattr(b.store, "read_blob", lambda blob: reads.append(blob) or read_blob(blob))
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.0)
+    assert results_sent(b) == [0, 1, 2] and len(reads) == 3
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.5)  # asked again: no more
+    assert results_sent(b) == [] and len(reads) == 3
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[:2]}), 4.0)
+    assert results_sent(b) == [3, 4]
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[2:5]}), 4.1)
+    assert results_sent(b) == [5, 6, 7] and len(reads) == 8
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[5:]}), 4.2)
+    assert all(b.tasks.get(t) is None or b.tasks[t].collected for t in ids)
+
+
+def test_results_sent_and_never_acknowledged_hold_the_line_only_so_long(tmp_path, monkeypatch):
+    from gpumesh.coordinator import ledger
+
+    monkeypatch.setattr(ledger, "READ_BACK_WINDOW", 2 * BIG)
+    b, ids = results_for_a_client_that_left(tmp_path / "journal.db", 4)
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.0)
+    assert results_sent(b) == [0, 1]
+    later = 3.0 + ledger.READ_BACK_EXPIRY
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids[2:]}), later)
+    assert results_sent(b) == [2, 3]
+    # A new session starts with an empty window: what the last one was sent is asked for again.
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), later + 1)
+    b.outbox.clear()
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), later + 1)
+    assert results_sent(b) == [0, 1]
