@@ -51,7 +51,13 @@ from ..protocol import (
     serialize,
 )
 from ..protocol.fields import for_terminal
-from ..protocol.headers import ID_CHARS
+from ..protocol.headers import (
+    ID_CHARS,
+    MAX_DIAGNOSIS,
+    MAX_ERROR_MESSAGE,
+    MAX_ERROR_TYPE,
+    MAX_TRACEBACK,
+)
 from ..protocol.refs import Ref, parse_refs, ref_names, shared_bytes
 from ..security import derive_keys
 from ..session import Session
@@ -991,8 +997,10 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     A script's result is JSON or text and is never unpickled, whatever the header says: only a
     function's submitter, who sent the function, unpickles what comes back for it."""
     status = header.get("status")
-    task_id = str(header.get("task", ""))
-    worker = str(header.get("worker", ""))
+    # Text from the worker is printed (an exception, its traceback): any escape code in it is
+    # written out, not acted on by the user's terminal (for_terminal), and ids stay ids.
+    task_id = for_terminal(str(header.get("task", ""))[:ID_CHARS])
+    worker = for_terminal(str(header.get("worker", ""))[:ID_CHARS])
     split = header.get("split")
     payload = serialize.join_frames(payload, split if isinstance(split, list) else None)
     refs = parse_refs(header.get("shm"), len(payload)) if not script else ()
@@ -1008,13 +1016,14 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
             raise TaskError(f"task {task_id}: the worker sent a script result that is not JSON "
                             "or text; it was not read", task_id=task_id)
         return serialize.loads(serialize.writable(payload))
-    diagnosis = str(header.get("diagnosis", ""))
+    diagnosis = _peer_text(header.get("diagnosis", ""), MAX_DIAGNOSIS)
     error = header.get("error")
     if not isinstance(error, dict):
         error = {}
     if status == ResultStatus.ERROR.value:
-        remote_tb = str(error.get("traceback", ""))
-        message = str(error.get("message", "the task raised an exception"))
+        remote_tb = _peer_text(error.get("traceback", ""), MAX_TRACEBACK)
+        message = _peer_text(error.get("message", "the task raised an exception"),
+                             MAX_ERROR_MESSAGE)
         if payload and not script:
             try:
                 original = serialize.loads(payload)
@@ -1025,18 +1034,26 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
                 # An attribute of our own on the user's exception type.
                 original.remote_traceback = remote_tb  # type: ignore[attr-defined]
                 raise original
-        raise RemoteError(message, remote_type=str(error.get("type", "Exception")),
+        raise RemoteError(message,
+                          remote_type=_peer_text(error.get("type", "Exception"), MAX_ERROR_TYPE),
                           remote_traceback=remote_tb, task_id=task_id, worker=worker)
     if status == ResultStatus.TIMEOUT.value:
-        raise TaskTimeout(str(error.get("message", "the task timed out")), task_id=task_id,
-                          worker=worker)
+        raise TaskTimeout(_peer_text(error.get("message", "the task timed out"),
+                                     MAX_ERROR_MESSAGE), task_id=task_id, worker=worker)
     if status == ResultStatus.CRASHED.value:
         raise RunnerCrashed(f"task {task_id} failed: {diagnosis}", task_id=task_id, worker=worker)
     if status == ResultStatus.UNSCHEDULABLE.value:
         raise Unschedulable(diagnosis, task_id=task_id)
     if status == ResultStatus.CANCELLED.value:
         raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
-    raise TaskError(f"task {task_id} ended with status {status!r}: {diagnosis}", task_id=task_id)
+    raise TaskError(f"task {task_id} ended with status {for_terminal(repr(status)[:64])}: "
+                    f"{diagnosis}", task_id=task_id)
+
+
+def _peer_text(value: Any, limit: int) -> str:
+    """A free-text field of a RESULT as it may be printed: at most ``limit`` characters (what
+    the coordinator keeps of it), control characters written out."""
+    return for_terminal(str(value)[:limit])
 
 
 def _pairs(value: Any, size: int) -> list[list[Any]]:

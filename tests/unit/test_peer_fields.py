@@ -377,3 +377,31 @@ def test_a_message_of_task_ids_fits_the_coordinators_header_at_the_longest_ids()
 
     frames = encode(Command.RESULT_ACK, {"tasks": ["t" * ID_CHARS] * IDS_PER_MESSAGE})
     assert len(frames[2]) <= Limits().max_header_bytes
+
+
+def test_a_task_error_is_printed_with_its_escape_codes_written_out_and_its_size_bounded():
+    # The worker's text went into the exception the user's terminal prints as it came: an
+    # escape code in it (a hostile worker's, or bytes in the task's own message) acted on the
+    # terminal (title, colours, OSC 52 clipboard writes). Ids and texts are also cut to what
+    # the coordinator keeps of them.
+    from gpumesh.client.engine import decode_result
+    from gpumesh.errors import RemoteError, RunnerCrashed, TaskTimeout
+    from gpumesh.protocol.headers import MAX_ERROR_MESSAGE
+
+    esc = "\x1b]52;c;ZXZpbA==\x07\x1b[2J"
+    header = {"status": "error", "task": "t1" + esc, "worker": "w" * 500,
+              "error": {"type": "Boom" + esc, "message": esc + "x" * (2 * MAX_ERROR_MESSAGE),
+                        "traceback": "Traceback:\n  line\n" + esc}}
+    with pytest.raises(RemoteError) as caught:
+        decode_result(header, [])
+    shown = str(caught.value)
+    assert "\x1b" not in shown and "\x07" not in shown and "\\x1b" in shown
+    assert "Traceback:\n  line\n" in shown  # newlines stay: a traceback reads as one
+    assert len(caught.value.args[0]) <= MAX_ERROR_MESSAGE + 64
+    assert "\x1b" not in caught.value.task_id and len(caught.value.worker) <= 64
+    with pytest.raises(TaskTimeout) as timed_out:
+        decode_result({"status": "timeout", "error": {"message": "late" + esc}}, [])
+    assert "\x1b" not in str(timed_out.value)
+    with pytest.raises(RunnerCrashed) as crashed:
+        decode_result({"status": "crashed", "diagnosis": "gone" + esc}, [])
+    assert "\x1b" not in str(crashed.value)
