@@ -217,10 +217,13 @@ def _browsing_zeroconf(interfaces: Sequence[str]) -> Any:
     ``discover``, ``join`` and ``setup``."""
     from .errors import ConfigError
 
+    interfaces = list(dict.fromkeys(interfaces))
+    # Only the reason is kept, not the exception: its traceback holds zeroconf's half-made
+    # socket open until the garbage collector finds the cycle.
     try:
         return _zeroconf(interfaces)
     except OSError as exc:
-        failure = exc
+        failure = exc.strerror or str(exc)
     usable = []
     for address in interfaces if len(interfaces) > 1 else ():
         try:
@@ -230,17 +233,16 @@ def _browsing_zeroconf(interfaces: Sequence[str]) -> Any:
         usable.append(address)
     if usable:
         log.warning("cannot look for coordinators on %s (%s): looking on %s only",
-                    ", ".join(a for a in interfaces if a not in usable),
-                    failure.strerror or failure, ", ".join(usable))
+                    ", ".join(a for a in interfaces if a not in usable), failure,
+                    ", ".join(usable))
         try:
             return _zeroconf(usable)
         except OSError as exc:
-            failure = exc
+            failure = exc.strerror or str(exc)
     raise ConfigError(
-        f"cannot look for coordinators on {', '.join(interfaces)}: "
-        f"{failure.strerror or failure}. Set GPUMESH_DISCOVERY_INTERFACES to this machine's "
-        "address on the coordinator's network, or give the coordinator's URL, e.g. "
-        "'gpumesh join tcp://HOST:8000'") from None
+        f"cannot look for coordinators on {', '.join(interfaces)}: {failure}. Give the "
+        "coordinator's URL, e.g. 'gpumesh join tcp://HOST:8000', or set "
+        "GPUMESH_DISCOVERY_INTERFACES to this machine's address on the coordinator's network")
 
 
 class Advertiser:

@@ -382,7 +382,7 @@ class Broker:
             session.shm = False  # until this session's HEARTBEAT proves it reads the folder
             if isinstance(session, ClientSession):
                 session.hello_at = now
-                session.new_session()
+                session.new_session(now)
         ledger.send(routing, Command.WELCOME, welcome)
 
     def _worker_result(self, worker: WorkerSession, msg: Message, now: float) -> None:
@@ -539,6 +539,8 @@ class Broker:
         _guarded("drop pieces nobody takes", self._drop_stalled_pieces, now)
         _guarded("deliver results held for a proof of shared memory", ledger.deliver_deferred,
                  now)
+        _guarded("send results waiting for an acknowledgement that does not come",
+                 ledger.expire_read_backs, now)
         silence = ledger.timing.silence_limit
         for client in ledger.clients.values():
             if client.routing is not None and now - client.last_seen > silence:

@@ -243,7 +243,7 @@ class ClientSide:
 
     def result_ack(self, client: ClientSession, ids: TaskIds, now: float) -> None:
         for task in self._own(client, ids):
-            client.read_back_acknowledged(task.task_id)
+            client.read_back_acknowledged(task.task_id, now)
             if not task.state.terminal:
                 continue
             if task.state is TaskState.DONE:

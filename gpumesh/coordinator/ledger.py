@@ -80,8 +80,8 @@ MAX_SPAN_FILES = 64
 # Results read back whole from their blob files (64 KiB-8 MiB, or bigger for a client that does
 # not read pieces) go to one client this many bytes at a time: the rest wait until it
 # acknowledges those. A FETCH of 10,000 such results read them all in one turn (1 GiB of 100 KB
-# results at once, into the outbox). One sent and not acknowledged within READ_BACK_EXPIRY
-# seconds counts no more (a slow link then reads at that pace).
+# results at once, into the outbox). Those sent and not acknowledged count no more after
+# READ_BACK_EXPIRY seconds without any acknowledgement while others wait (expire_read_backs).
 READ_BACK_WINDOW = 64 << 20
 READ_BACK_EXPIRY = 30.0
 FUNCTIONS_PER_WORKER = KEPT_FUNCTIONS  # functions a worker keeps per session (then afresh)
@@ -159,6 +159,7 @@ class Ledger:
         # Results delivered and not journaled yet, oldest first (task id -> HeldResult).
         self.held_results: dict[str, HeldResult] = {}
         self.deferred_deliveries: dict[str, float] = {}  # task id -> when to deliver it again
+        self.read_back_clients: set[str] = set()  # clients with results waiting in line
         # The inputs that are in blob files and also in memory, within a budget (inputs.py).
         self.inputs = JournaledInputs(limits.queue_memory_bytes)
         # Bytes of inputs and results let go of, or read back from blob files (and sent), since
@@ -620,8 +621,9 @@ class Ledger:
         in_pieces = client.pieces and not client.maps_shared and "shm" not in header
         whole = task.result_file if task.result_file is not None and not (
             in_pieces and _spans_pay(task.result_file)) else None
-        if whole is not None and not self._room_to_read_back(client, task, whole, now):
-            return  # sent as the client acknowledges what went before it
+        if whole is not None and not self._room_to_read_back(client, task, whole):
+            return  # sent as the client acknowledges what went before it (or on its way)
+        client.read_back_waiting.discard(task.task_id)  # it goes now, however it goes
         try:
             read_back = "shm" in header and not client.maps_shared
             frames = self.result_frames(task, in_pieces)
@@ -655,44 +657,68 @@ class Ledger:
                                 "message": f"the task finished, but its result is lost: {exc}"}}
             payload = []
         task.delivered = (client.routing, now, reading)
-        if whole is not None and payload and task.task_id not in client.read_back:
-            client.read_back[task.task_id] = (whole.nbytes, now)
+        if whole is not None and payload:
+            if not client.read_back:
+                client.read_back_moved = now  # the wait for an acknowledgement starts now
+            client.read_back[task.task_id] = whole.nbytes
             client.read_back_bytes += whole.nbytes
         self.send(client.routing, Command.RESULT, header, payload)
 
-    def _room_to_read_back(self, client: ClientSession, task: Task, blob: BlobRef, now: float
-                           ) -> bool:
+    def _room_to_read_back(self, client: ClientSession, task: Task, blob: BlobRef) -> bool:
         """Whether ``task``'s result, to be read back whole from ``blob``, may go to ``client``
         now: within READ_BACK_WINDOW bytes of such results sent to it and not acknowledged
-        (always the first one). Otherwise it waits in line (``deliver_read_backs``). Sent ones
-        that go unacknowledged for READ_BACK_EXPIRY count no more: a client that never
-        acknowledges cannot hold the line forever."""
+        (always the first one). Otherwise it waits in line (``deliver_read_backs``). One sent
+        in this session and not acknowledged is on its way: asked for again, it is not read
+        and sent again (a client asking every second and reading nothing would otherwise
+        grow the outbox by the window each time)."""
         if task.task_id in client.read_back:
-            return True  # asked for again: its bytes are counted already
-        while client.read_back:  # oldest first
-            task_id, (_, sent) = next(iter(client.read_back.items()))
-            if now - sent < READ_BACK_EXPIRY:
-                break
-            client.read_back_acknowledged(task_id)
-        if client.read_back_bytes and client.read_back_bytes + blob.nbytes > READ_BACK_WINDOW:
-            client.read_back_waiting[task.task_id] = None
             return False
-        client.read_back_waiting.pop(task.task_id, None)
+        if client.read_back_bytes and client.read_back_bytes + blob.nbytes > READ_BACK_WINDOW:
+            if task.task_id not in client.read_back_waiting:
+                client.read_back_waiting.add(task.task_id)
+                client.read_back_line.append(task.task_id)
+                self.read_back_clients.add(client.client_id)
+            return False
         return True
 
     def deliver_read_backs(self, client: ClientSession, now: float) -> None:
         """Send the results that wait for room in ``client``'s read-back window, in order, as
-        far as it has room (each one either goes or waits again at the front)."""
-        while client.read_back_waiting and client.routing is not None:
-            task_id = next(iter(client.read_back_waiting))
+        far as it has room (the first that has none stays first in line)."""
+        line, waiting = client.read_back_line, client.read_back_waiting
+        while line and client.routing is not None:
+            task_id = line[0]
+            if task_id not in waiting:
+                line.popleft()  # sent or dropped meanwhile
+                continue
             task = self.tasks.get(task_id)
             if task is None or task.collected or task.result_file is None \
                     or task.result_header is None or task.client_id != client.client_id:
-                del client.read_back_waiting[task_id]
+                waiting.discard(task_id)
                 continue
             self.deliver(task, now)
-            if task_id in client.read_back_waiting:
+            if task_id in waiting:
                 return  # still no room: the rest wait behind it
+        if not waiting:
+            line.clear()
+            self.read_back_clients.discard(client.client_id)
+
+    def expire_read_backs(self, now: float) -> None:
+        """A client whose window has had no room made in it for READ_BACK_EXPIRY seconds (a
+        result it dropped unacknowledged, one lost on the way) gets a fresh window: the
+        results waiting in line go on. A slow link keeps acknowledging, so it never gets
+        here while results still move."""
+        for client_id in list(self.read_back_clients):
+            client = self.clients.get(client_id)
+            if client is None or not client.read_back_waiting:
+                self.read_back_clients.discard(client_id)
+                if client is not None:
+                    client.read_back_line.clear()
+                continue
+            if client.routing is not None and now - client.read_back_moved >= READ_BACK_EXPIRY:
+                client.read_back.clear()
+                client.read_back_bytes = 0
+                client.read_back_moved = now
+                self.deliver_read_backs(client, now)
 
     def deliver_deferred(self, now: float) -> None:
         """Deliver the results ``deliver`` held back for a proof of shared memory, once due."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -321,22 +321,28 @@ class ClientSession:
     shmlock: bool = False  # it locks the shared files it maps (its HELLO said so)
     hello_at: float = 0.0  # its session's HELLO: a client on this machine proves ``shm`` after
     # Results read back whole from their blob files and sent in this session, not acknowledged
-    # yet (task id -> (bytes, when sent)), and those that wait for room among them, in order
-    # (Ledger.deliver): a FETCH of thousands of results on disk read them all in one turn.
-    read_back: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # yet (task id -> bytes), and those that wait for room among them (Ledger.deliver): a
+    # FETCH of thousands of results on disk read them all in one turn. The line is a deque
+    # (in order) and a set (what is in it); an id taken out of the set is skipped when reached.
+    read_back: dict[str, int] = field(default_factory=dict)
     read_back_bytes: int = 0
-    read_back_waiting: dict[str, None] = field(default_factory=dict)
+    read_back_line: deque[str] = field(default_factory=deque)
+    read_back_waiting: set[str] = field(default_factory=set)
+    read_back_moved: float = 0.0  # when the window last had room made in it (or was opened)
 
-    def new_session(self) -> None:
+    def new_session(self, now: float) -> None:
         """What was sent in the last session is the client's to ask for again (FETCH)."""
         self.read_back.clear()
         self.read_back_bytes = 0
+        self.read_back_line.clear()
         self.read_back_waiting.clear()
+        self.read_back_moved = now
 
-    def read_back_acknowledged(self, task_id: str) -> None:
+    def read_back_acknowledged(self, task_id: str, now: float) -> None:
         size = self.read_back.pop(task_id, None)
         if size is not None:
-            self.read_back_bytes = max(self.read_back_bytes - size[0], 0)
+            self.read_back_bytes = max(self.read_back_bytes - size, 0)
+            self.read_back_moved = now
 
     @property
     def owner(self) -> str:

@@ -490,7 +490,8 @@ def test_a_big_result_on_disk_goes_to_a_client_that_reads_pieces_as_spans_of_its
     assert b"".join(fetched(b, task_id, 7.0)) == result
 
 
-def results_for_a_client_that_left(db: Path, count: int) -> tuple[Broker, list[str]]:
+def results_for_a_client_that_left(db: Path, count: int, size: int = BIG, *, pieces: bool = False
+                                   ) -> tuple[Broker, list[str]]:
     b = make(db)
     b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": count,
                                     "credit": count, "proto": [1, 1],
@@ -499,16 +500,28 @@ def results_for_a_client_that_left(db: Path, count: int) -> tuple[Broker, list[s
     assert b.dispatch(0.0) == count
     b.handle(C, msg(Command.DISCONNECT, {}), 1.0)  # the laptop closes
     for n, task_id in enumerate(ids):
-        finish_with(b, task_id, bytes([n]) * BIG, 2.0)
+        result = bytes([n]) * size
+        wire, layout = serialize.split_frames([result], Limits().chunk_bytes)  # as a worker sends
+        header = {"task": task_id, "lease": b.tasks[task_id].lease_id, "status": "ok",
+                  "granted": 1}
+        if layout is not None:
+            header["split"] = layout
+        b.handle(W, msg(Command.RESULT, header, wire), 2.0)
     assert all(b.tasks[t].result_file is not None for t in ids)
-    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 3.0)
+    hello = {"role": "client", "id": "c1", "proto": [1, 1]}
+    b.handle(C, msg(Command.HELLO, {**hello, "pieces": True} if pieces else hello), 3.0)
     b.outbox.clear()
     return b, ids
 
 
 def results_sent(b: Broker) -> list[int]:
     """The results sent since the outbox was last cleared, by their first byte; then clear."""
-    got = [bytes(m.payload[0])[0] for m in sent(b, Command.RESULT)]
+    got = []
+    for _, frames in b.outbox:
+        if frames[1] != bytes([Command.RESULT]):
+            continue
+        first = frames[3]
+        got.append(first.read(0, 1)[0] if hasattr(first, "read") else bytes(first)[0])
     b.outbox.clear()
     return got
 
@@ -528,28 +541,60 @@ def test_a_fetch_of_many_results_on_disk_reads_them_back_as_the_client_takes_the
     monkeypatch.setattr(b.store, "read_blob", lambda blob: reads.append(blob) or read_blob(blob))
     b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.0)
     assert results_sent(b) == [0, 1, 2] and len(reads) == 3
-    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.5)  # asked again: no more
+    # Asked again later, what is on its way is not read and sent again, nor the rest.
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 9.0)
     assert results_sent(b) == [] and len(reads) == 3
-    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[:2]}), 4.0)
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[:2]}), 10.0)
     assert results_sent(b) == [3, 4]
-    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[2:5]}), 4.1)
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": []}), 10.1)  # no room made: nothing goes
+    assert results_sent(b) == []
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[2:5]}), 10.2)
     assert results_sent(b) == [5, 6, 7] and len(reads) == 8
-    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[5:]}), 4.2)
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[5:]}), 10.3)
     assert all(b.tasks.get(t) is None or b.tasks[t].collected for t in ids)
+    assert not b.ledger.read_back_clients
 
 
 def test_results_sent_and_never_acknowledged_hold_the_line_only_so_long(tmp_path, monkeypatch):
+    # A client drops a result it cannot match without acknowledging it: the window must not
+    # stay full for the rest of the session (a real client does not FETCH again in it).
     from gpumesh.coordinator import ledger
 
     monkeypatch.setattr(ledger, "READ_BACK_WINDOW", 2 * BIG)
     b, ids = results_for_a_client_that_left(tmp_path / "journal.db", 4)
     b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.0)
     assert results_sent(b) == [0, 1]
-    later = 3.0 + ledger.READ_BACK_EXPIRY
-    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids[2:]}), later)
+    b.handle(C, msg(Command.HEARTBEAT, {}), 3.0 + ledger.READ_BACK_EXPIRY - 1)
+    b.tick(3.0 + ledger.READ_BACK_EXPIRY - 1)
+    assert results_sent(b) == []
+    b.handle(C, msg(Command.HEARTBEAT, {}), 3.0 + ledger.READ_BACK_EXPIRY)
+    b.tick(3.0 + ledger.READ_BACK_EXPIRY)
     assert results_sent(b) == [2, 3]
     # A new session starts with an empty window: what the last one was sent is asked for again.
-    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), later + 1)
+    later = 4.0 + ledger.READ_BACK_EXPIRY
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), later)
     b.outbox.clear()
-    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), later + 1)
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), later)
     assert results_sent(b) == [0, 1]
+
+
+def test_a_result_that_waited_as_whole_and_then_goes_in_pieces_leaves_the_line(
+        tmp_path, monkeypatch):
+    # Whether a big result goes as spans of its file depends on descriptors to spare: one that
+    # waited in line as a whole read-back and then went as spans stayed in line, and was sent
+    # again at every acknowledgement.
+    from gpumesh.coordinator import ledger
+    from gpumesh.fileio import SharedFd
+    from gpumesh.protocol.pieces import STREAM_BYTES
+
+    monkeypatch.setattr(ledger, "READ_BACK_WINDOW", STREAM_BYTES)
+    b, ids = results_for_a_client_that_left(tmp_path / "journal.db", 3, STREAM_BYTES,
+                                            pieces=True)
+    monkeypatch.setattr(SharedFd, "opened", ledger.MAX_SPAN_FILES)  # none to spare
+    b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.0)
+    assert results_sent(b) == [0]
+    monkeypatch.setattr(SharedFd, "opened", 0)  # descriptors free again
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[:1]}), 4.0)
+    assert results_sent(b) == [1, 2]  # as spans: nothing waits for them
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": []}), 4.1)
+    assert results_sent(b) == [] and not b.ledger.read_back_clients
