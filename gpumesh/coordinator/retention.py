@@ -47,8 +47,9 @@ class Retention:
 
     def sweep(self, now: float) -> None:
         """Bound memory: results of clients gone for ``result_ttl`` are dropped, and the oldest
-        uncollected ones go first when they exceed MAX_RETAINED_RESULT_BYTES; finished jobs
-        beyond MAX_JOBS are forgotten, oldest first."""
+        of those and of the failures kept for a retry (a connected owner's too) go first when
+        they exceed MAX_RETAINED_RESULT_BYTES; finished jobs beyond MAX_JOBS are forgotten,
+        oldest first."""
         ttl = self.ledger.timing.result_ttl
         absent: list[Task] = []
         for task in list(self.ledger.tasks.values()):
@@ -56,6 +57,10 @@ class Retention:
                 continue
             owner = self.ledger.clients.get(task.client_id)
             if owner is not None and owner.routing is not None:
+                if task.collected:
+                    # A failure its connected owner has: kept only for `gpumesh retry`, and
+                    # counted in the cap too (a session of failing tasks kept every input).
+                    absent.append(task)
                 continue
             last_seen = owner.last_seen if owner is not None else task.finished_at
             if now - max(last_seen, task.finished_at) > ttl:

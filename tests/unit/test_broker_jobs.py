@@ -414,6 +414,30 @@ def test_inputs_kept_for_retry_count_against_the_byte_cap(broker, monkeypatch):
     assert [t for t in tasks if t in broker.tasks] == tasks[1:]  # 3 x 100+ over 250: one went
 
 
+def test_a_connected_clients_failures_kept_for_retry_count_against_the_byte_cap(broker,
+                                                                              monkeypatch):
+    # A client that stays connected (a notebook open for days) collects each failure, and the
+    # failed task stays so it can be retried, its input with it: the sweep passed over every
+    # connected owner, so those inputs grew without bound (a full disk stops the coordinator).
+    # Its results not yet acknowledged are on their way to it, and stay.
+    monkeypatch.setattr("gpumesh.coordinator.retention.MAX_RETAINED_RESULT_BYTES", 250)
+    specs = [{"seq": 1 + i, "nf": 1, "kind": "script"} for i in range(4)]
+    broker.handle(C, msg(Command.SUBMIT, {"job": "big", "name": "big", "tasks": specs},
+                         [b"i" * 100] * 4), 0.0)
+    tasks = [task_id for _, task_id in sent(broker, Command.ACCEPTED)[-1]["accepted"]]
+    for i, task_id in enumerate(tasks):
+        hello_worker(broker, W, "w1", now=float(i))
+        broker.dispatch(float(i))
+        result(broker, task_id, status="error" if i < 3 else "ok", payload=b"r" * 100,
+               now=float(i))
+    broker.handle(C, msg(Command.RESULT_ACK, {"tasks": tasks[:3]}), 4.0)  # it has the failures
+    assert all(broker.tasks[t].collected for t in tasks[:3])
+    broker.sweep(6.0)
+    assert [t for t in tasks if t in broker.tasks] == tasks[1:]  # the oldest failure went
+    assert not broker.tasks[tasks[3]].collected  # the unacknowledged result stays
+    assert control(broker, "retry", "big", routing=C)["retried"] == 2
+
+
 def test_of_two_attempts_running_at_a_restart_the_first_result_counts(broker):
     # Attempt 1 on w1 and attempt 2 (a re-queue) on w2 when the coordinator died: w2's HELLO
     # claims the task first, then w1 sends the result it had finished. It is as good: taken,
