@@ -396,18 +396,26 @@ def test_another_owners_job_needs_force_and_the_refusal_names_the_owner(broker):
     assert control(broker, "cancel", "job1", routing=C3, force=True)["cancelled"] == 2
 
 
+def tasks_of_100_bytes_run(broker: Broker, statuses: list[str], result_payload: bytes
+                           ) -> list[str]:
+    """A job "big" of one task per status, each with 100 bytes of input, run one after the
+    other (a second apart) and ended with that status."""
+    specs = [{"seq": 1 + i, "nf": 1, "kind": "script"} for i in range(len(statuses))]
+    broker.handle(C, msg(Command.SUBMIT, {"job": "big", "name": "big", "tasks": specs},
+                         [b"i" * 100] * len(statuses)), 0.0)
+    tasks = [task_id for _, task_id in sent(broker, Command.ACCEPTED)[-1]["accepted"]]
+    for i, (task_id, status) in enumerate(zip(tasks, statuses, strict=True)):
+        hello_worker(broker, W, "w1", now=float(i))
+        broker.dispatch(float(i))
+        result(broker, task_id, status=status, payload=result_payload, now=float(i))
+    return tasks
+
+
 def test_inputs_kept_for_retry_count_against_the_byte_cap(broker, monkeypatch):
     # A failed task keeps its input for `gpumesh retry` (in the shared-memory folder, RAM):
     # an absent client's failed tasks cannot hold more than the cap through their inputs.
     monkeypatch.setattr("gpumesh.coordinator.retention.MAX_RETAINED_RESULT_BYTES", 250)
-    specs = [{"seq": 1 + i, "nf": 1, "kind": "script"} for i in range(3)]
-    broker.handle(C, msg(Command.SUBMIT, {"job": "big", "name": "big", "tasks": specs},
-                         [b"i" * 100] * 3), 0.0)
-    tasks = [task_id for _, task_id in sent(broker, Command.ACCEPTED)[-1]["accepted"]]
-    for i, task_id in enumerate(tasks):
-        hello_worker(broker, W, "w1", now=float(i))
-        broker.dispatch(float(i))
-        result(broker, task_id, status="error", payload=b"", now=float(i))
+    tasks = tasks_of_100_bytes_run(broker, ["error"] * 3, result_payload=b"")
     assert all(broker.tasks[t].kept_bytes >= 100 for t in tasks)  # the input, not the result
     broker.handle(C, msg(Command.DISCONNECT, {}), 5.0)
     broker.sweep(6.0)
@@ -421,15 +429,8 @@ def test_a_connected_clients_failures_kept_for_retry_count_against_the_byte_cap(
     # connected owner, so those inputs grew without bound (a full disk stops the coordinator).
     # Its results not yet acknowledged are on their way to it, and stay.
     monkeypatch.setattr("gpumesh.coordinator.retention.MAX_RETAINED_RESULT_BYTES", 250)
-    specs = [{"seq": 1 + i, "nf": 1, "kind": "script"} for i in range(4)]
-    broker.handle(C, msg(Command.SUBMIT, {"job": "big", "name": "big", "tasks": specs},
-                         [b"i" * 100] * 4), 0.0)
-    tasks = [task_id for _, task_id in sent(broker, Command.ACCEPTED)[-1]["accepted"]]
-    for i, task_id in enumerate(tasks):
-        hello_worker(broker, W, "w1", now=float(i))
-        broker.dispatch(float(i))
-        result(broker, task_id, status="error" if i < 3 else "ok", payload=b"r" * 100,
-               now=float(i))
+    tasks = tasks_of_100_bytes_run(broker, ["error", "error", "error", "ok"],
+                                   result_payload=b"r" * 100)
     broker.handle(C, msg(Command.RESULT_ACK, {"tasks": tasks[:3]}), 4.0)  # it has the failures
     assert all(broker.tasks[t].collected for t in tasks[:3])
     broker.sweep(6.0)
