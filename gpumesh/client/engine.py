@@ -82,9 +82,10 @@ CHUNK = 500  # tasks per SUBMIT
 FIRST_CHUNK = 16  # tasks in a batch's first SUBMIT
 ACK_BATCH = 1000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
 BUSY_RETRY = 10.0  # seconds between retries of submissions refused by the queue quota
-# A result this process could not read for want of descriptors or memory is asked for again
-# after this long (the coordinator sends one again at most once a second anyway).
-REFETCH_AFTER = 2.0
+# A result this process could not read for want of descriptors or memory is read again from the
+# message it came in after this long (its shared files stay until it is acknowledged). Asking
+# the coordinator for it again found nothing once a result read back from disk was on its way.
+REDECODE_AFTER = 2.0
 # A query the coordinator refused as over its request rate (20 a second per client) is asked
 # again after this long, doubling to QUERY_RETRY_MAX, until the caller's own timeout.
 QUERY_RETRY = 0.1
@@ -256,7 +257,8 @@ class Engine:
         self._qids = itertools.count(1)
         self._outstanding: dict[int, _Submission] = {}
         self._by_task: dict[str, _Submission] = {}
-        self._refetch: dict[str, float] = {}  # task id -> when to FETCH its result again
+        # Results not readable for now: task id -> (when to read it again, its RESULT).
+        self._redecode: dict[str, tuple[float, Message]] = {}
         self._queries: dict[int, _Query] = {}
         self._acks: list[str] = []  # results to acknowledge, sent together (ACK_DELAY)
         self._acks_since = 0.0  # when the oldest of them arrived
@@ -737,6 +739,7 @@ class Engine:
             self.on_connect()
         # A new session: ask again for what was accepted, send again what was not, and repeat
         # cancels the old session may have lost.
+        self._redecode.clear()  # what the old session sent is asked for again here
         accepted = [sub.task_id for sub in self._outstanding.values() if sub.task_id]
         if accepted:
             self._send_ids(Command.FETCH, accepted, qid=0)
@@ -825,7 +828,7 @@ class Engine:
         if future.done() and not future.cancelled():
             return  # settled already (only the engine thread settles, and only once)
         future.task_id = task_id
-        future.worker = str(msg.header.get("worker", ""))[:ID_CHARS]
+        future.worker = for_terminal(str(msg.header.get("worker", ""))[:ID_CHARS])
         attempts = msg.header.get("attempts")  # nothing read here may raise: the future waits
         future.attempts = attempts if type(attempts) is int and attempts >= 0 else 0
         if future.cancel_requested:
@@ -835,15 +838,15 @@ class Engine:
                                   script=sub.spec.get("kind") == "script", shm=self._shm)
         except SharedFrameBusy as exc:
             # Its frames are there, but this process is short of descriptors or memory now:
-            # not acknowledged (the coordinator keeps them), and asked for again shortly.
-            log.warning("cannot read the result of task %s yet (%s): asking for it again",
-                        task_id, exc)
+            # not acknowledged (the coordinator keeps them), and read again shortly.
+            log.warning("cannot read the result of task %s yet (%s): trying again in %gs",
+                        task_id, exc, REDECODE_AFTER)
             if self._acks and self._acks[-1] == task_id:
                 self._acks.pop()
             sub.task_id = task_id  # matched by its seq, or already this id: one key only
             self._outstanding[sub.seq] = sub
             self._by_task[task_id] = sub
-            self._refetch[task_id] = now + REFETCH_AFTER
+            self._redecode[task_id] = (now + REDECODE_AFTER, msg)
         except BaseException as exc:  # the remote exception, rebuilt
             _settle(future.set_exception, exc)
         else:
@@ -937,12 +940,10 @@ class Engine:
         """While a session is up: send again what was refused as busy, or never answered."""
         if self._parked and now - self._last_unpark >= BUSY_RETRY:
             self._unpark(now, len(self._parked))
-        if self._refetch:
-            due = [task_id for task_id, when in self._refetch.items() if when <= now]
+        if self._redecode:
+            due = [task_id for task_id, (when, _) in self._redecode.items() if when <= now]
             for task_id in due:
-                del self._refetch[task_id]
-            if due:
-                self._send_ids(Command.FETCH, due, qid=0)
+                self._on_result(self._redecode.pop(task_id)[1], now)
         if self._queries:
             self._retry_queries(now)
         if now - self._last_resend_check >= RESEND_AFTER / 4:
@@ -1052,8 +1053,11 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
 
 def _peer_text(value: Any, limit: int) -> str:
     """A free-text field of a RESULT as it may be printed: at most ``limit`` characters (what
-    the coordinator keeps of it), control characters written out."""
-    return for_terminal(str(value)[:limit])
+    the coordinator keeps of it) after control characters are written out. A line a progress
+    bar rewrote with carriage returns keeps what a terminal would have shown: its last part."""
+    lines = str(value)[:limit].split("\n")
+    text = "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in lines)
+    return for_terminal(text)[:limit]
 
 
 def _pairs(value: Any, size: int) -> list[list[Any]]:

@@ -16,8 +16,9 @@ from .ledger import Ledger
 from .state import Task, WorkerState
 
 RETENTION_SWEEP = 10.0  # seconds between sweeps for results nobody will collect
-# What absent clients' finished tasks hold, all together: uncollected results, and the inputs
-# of those that did not succeed (kept for `gpumesh retry`).
+# What finished tasks hold, all together: absent clients' uncollected results, and the inputs
+# of those that did not succeed (kept for `gpumesh retry`), whoever owns them. One cap for all:
+# one user's failing job can push out another's oldest retry inputs.
 MAX_RETAINED_RESULT_BYTES = 2 * 1024**3
 MIN_JOB_AGE = 60.0  # seconds a finished job is kept even over MAX_JOBS (a .map sends batches)
 
@@ -68,11 +69,12 @@ class Retention:
             else:
                 absent.append(task)
         retained = sum(t.kept_bytes for t in absent)
-        for task in sorted(absent, key=lambda t: t.finished_at):
-            if retained <= MAX_RETAINED_RESULT_BYTES:
-                break
-            retained -= task.kept_bytes
-            self.forget(task, now)
+        if retained > MAX_RETAINED_RESULT_BYTES:  # sorted only then: failures kept for retry
+            for task in sorted(absent, key=lambda t: t.finished_at):  # never expire by age
+                if retained <= MAX_RETAINED_RESULT_BYTES:
+                    break
+                retained -= task.kept_bytes
+                self.forget(task, now)
         finished = sorted((j for j in self.ledger.jobs.values() if j.finished_at is not None),
                           key=lambda j: max(j.finished_at or 0.0, j.last_activity))
         excess = len(self.ledger.jobs) - MAX_JOBS

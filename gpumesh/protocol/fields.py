@@ -12,6 +12,7 @@ import enum
 import math
 import re
 import reprlib
+import unicodedata
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
@@ -36,7 +37,10 @@ def for_terminal(text: str) -> str:
     them, are written out as ``\\x1b`` rather than sent to the terminal to act on."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+    # Spaces other than ASCII's (no-break, ideographic: Zs) are not printable to Python but
+    # act on nothing: French and CJK text keeps them.
+    return "".join(c if c.isprintable() or c in "\n\t" or unicodedata.category(c) == "Zs"
+                   else repr(c)[1:-1] for c in text)
 
 
 def malformed(detail: str) -> ProtocolError:

@@ -120,6 +120,8 @@ def test_another_users_task_error_and_output_cannot_act_on_the_terminal_that_sho
     assert "error: boom\\x1b]0;owned\\x07\\x1b[2J" in summary
     assert "result: line 1\n\\x1b[31mred\tcell\\r" in summary  # newlines and tabs stay
     assert for_terminal("plain text, ünïcode") == "plain text, ünïcode"
+    # Spaces Python calls unprintable (no-break, ideographic) act on nothing: kept as they are.
+    assert for_terminal("prix\u00a0: 3\x1b, 東京\u3000駅") == "prix\u00a0: 3\\x1b, 東京\u3000駅"
 
 
 def test_a_worker_id_with_escape_codes_is_refused_at_hello(broker):
@@ -399,6 +401,13 @@ def test_a_task_error_is_printed_with_its_escape_codes_written_out_and_its_size_
     assert "Traceback:\n  line\n" in shown  # newlines stay: a traceback reads as one
     assert len(caught.value.args[0]) <= MAX_ERROR_MESSAGE + 64
     assert "\x1b" not in caught.value.task_id and len(caught.value.worker) <= 64
+    # A progress bar's line, rewritten with carriage returns, reads as a terminal showed it.
+    with pytest.raises(RemoteError) as progress:
+        decode_result({"status": "error", "error": {
+            "type": "X", "message": "m",
+            "traceback": "epoch 1:  10%\repoch 1:  50%\repoch 1: 100%\r\nTraceback:\r\n  boom"}},
+            [])
+    assert progress.value.remote_traceback == "epoch 1: 100%\nTraceback:\n  boom"
     with pytest.raises(TaskTimeout) as timed_out:
         decode_result({"status": "timeout", "error": {"message": "late" + esc}}, [])
     assert "\x1b" not in str(timed_out.value)

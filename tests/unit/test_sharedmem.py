@@ -723,12 +723,15 @@ def test_a_result_read_back_is_not_read_again_for_a_fetch_while_it_waits_to_go(b
     assert len(sent(broker, C, Command.RESULT)) == 1
 
 
-def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_asked_for_again(
+def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_read_again(
         folder, tmp_path, monkeypatch):
     # It became the caller's error while its acknowledgement told the coordinator to drop it.
+    # Then it was asked for again with a FETCH, which a coordinator does not answer while a
+    # copy read back from disk is on its way: it is read again from the RESULT it came in
+    # (its shared files stay until it is acknowledged), and nothing is asked for.
     import socket
 
-    from gpumesh.client.engine import REFETCH_AFTER, Engine
+    from gpumesh.client.engine import REDECODE_AFTER, Engine
     from gpumesh.config import Endpoint, Settings
     from gpumesh.protocol import serialize
 
@@ -750,14 +753,15 @@ def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_asked_for_ag
         restore = descriptors_run_out(monkeypatch, folder)
         engine._on_result(decode(result, LIMITS), 1.0)
         assert not future.done() and "t1" not in engine._acks
-        fetched: list[list[str]] = []
-        monkeypatch.setattr(engine, "_send_ids", lambda command, ids, **extra: fetched.append(
+        asked: list[list[str]] = []
+        monkeypatch.setattr(engine, "_send_ids", lambda command, ids, **extra: asked.append(
             [command.name, *ids]))
-        engine._timers(1.0 + REFETCH_AFTER)
-        assert fetched == [["FETCH", "t1"]] and engine._refetch == {}
+        engine._timers(1.0 + REDECODE_AFTER)  # still short: it waits again
+        assert not future.done() and "t1" in engine._redecode
         restore()
-        engine._on_result(decode(result, LIMITS), 1.0 + REFETCH_AFTER + 0.1)  # sent again
+        engine._timers(1.0 + 2.5 * REDECODE_AFTER)
         assert future.result(timeout=5) == value and engine._acks[-1] == "t1"
+        assert asked == [] and engine._redecode == {}
     finally:
         engine.close()
 
