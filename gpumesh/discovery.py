@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import errno
 import ipaddress
 import logging
 import queue
@@ -223,7 +224,7 @@ def _browsing_zeroconf(interfaces: Sequence[str]) -> Any:
     try:
         return _zeroconf(interfaces)
     except OSError as exc:
-        failure = exc.strerror or str(exc)
+        failure, cause = exc.strerror or str(exc), exc.errno
     usable = []
     for address in interfaces if len(interfaces) > 1 else ():
         try:
@@ -238,11 +239,17 @@ def _browsing_zeroconf(interfaces: Sequence[str]) -> Any:
         try:
             return _zeroconf(usable)
         except OSError as exc:
-            failure = exc.strerror or str(exc)
+            failure, cause = exc.strerror or str(exc), exc.errno
+    if cause in (errno.EADDRINUSE, errno.EACCES, errno.EPERM):
+        # Not the addresses: the mDNS port (5353) or multicast itself is kept from this user.
+        advice = ("another program may hold the mDNS port 5353 without sharing it, or a "
+                  "firewall or sandbox keeps multicast from this user")
+    else:
+        advice = ("set GPUMESH_DISCOVERY_INTERFACES to this machine's address on the "
+                  "coordinator's network")
     raise ConfigError(
         f"cannot look for coordinators on {', '.join(interfaces)}: {failure}. Give the "
-        "coordinator's URL, e.g. 'gpumesh join tcp://HOST:8000', or set "
-        "GPUMESH_DISCOVERY_INTERFACES to this machine's address on the coordinator's network")
+        f"coordinator's URL, e.g. 'gpumesh join tcp://HOST:8000'; or {advice}")
 
 
 class Advertiser:

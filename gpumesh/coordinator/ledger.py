@@ -81,7 +81,8 @@ MAX_SPAN_FILES = 64
 # not read pieces) go to one client this many bytes at a time: the rest wait until it
 # acknowledges those. A FETCH of 10,000 such results read them all in one turn (1 GiB of 100 KB
 # results at once, into the outbox). Those sent and not acknowledged count no more after
-# READ_BACK_EXPIRY seconds without any acknowledgement while others wait (expire_read_backs).
+# READ_BACK_EXPIRY seconds without any acknowledgement while others wait, from a client that
+# acknowledged others since (expire_read_backs).
 READ_BACK_WINDOW = 64 << 20
 READ_BACK_EXPIRY = 30.0
 FUNCTIONS_PER_WORKER = KEPT_FUNCTIONS  # functions a worker keeps per session (then afresh)
@@ -703,10 +704,12 @@ class Ledger:
             self.read_back_clients.discard(client.client_id)
 
     def expire_read_backs(self, now: float) -> None:
-        """A client whose window has had no room made in it for READ_BACK_EXPIRY seconds (a
-        result it dropped unacknowledged, one lost on the way) gets a fresh window: the
-        results waiting in line go on. A slow link keeps acknowledging, so it never gets
-        here while results still move."""
+        """A client whose window has had no room made in it for READ_BACK_EXPIRY seconds, and
+        that acknowledged some since it was last started afresh (it reads, but left some
+        unacknowledged: ones it dropped), gets a fresh window: the results waiting in line go
+        on. One that acknowledges nothing reads nothing: it gets no more until it does, or
+        until its next session. A slow link keeps acknowledging, so it never gets here while
+        results still move."""
         for client_id in list(self.read_back_clients):
             client = self.clients.get(client_id)
             if client is None or not client.read_back_waiting:
@@ -714,10 +717,12 @@ class Ledger:
                 if client is not None:
                     client.read_back_line.clear()
                 continue
-            if client.routing is not None and now - client.read_back_moved >= READ_BACK_EXPIRY:
+            if client.routing is not None and client.read_back_taken \
+                    and now - client.read_back_moved >= READ_BACK_EXPIRY:
                 client.read_back.clear()
                 client.read_back_bytes = 0
                 client.read_back_moved = now
+                client.read_back_taken = False
                 self.deliver_read_backs(client, now)
 
     def deliver_deferred(self, now: float) -> None:

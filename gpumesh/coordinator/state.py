@@ -329,6 +329,7 @@ class ClientSession:
     read_back_line: deque[str] = field(default_factory=deque)
     read_back_waiting: set[str] = field(default_factory=set)
     read_back_moved: float = 0.0  # when the window last had room made in it (or was opened)
+    read_back_taken: bool = False  # it acknowledged one since the window was last started afresh
 
     def new_session(self, now: float) -> None:
         """What was sent in the last session is the client's to ask for again (FETCH)."""
@@ -337,12 +338,14 @@ class ClientSession:
         self.read_back_line.clear()
         self.read_back_waiting.clear()
         self.read_back_moved = now
+        self.read_back_taken = False
 
     def read_back_acknowledged(self, task_id: str, now: float) -> None:
         size = self.read_back.pop(task_id, None)
         if size is not None:
             self.read_back_bytes = max(self.read_back_bytes - size, 0)
             self.read_back_moved = now
+            self.read_back_taken = True
 
     @property
     def owner(self) -> str:

@@ -291,16 +291,17 @@ def test_copies_of_the_wanted_meshs_advert_are_bounded_too(monkeypatch, fake_zer
     assert len(found) == discovery.MAX_WANTED
 
 
-def refusing_zeroconf(monkeypatch, refused: set[str]) -> list[list[str]]:
+def refusing_zeroconf(monkeypatch, refused: set[str], error: OSError | None = None
+                      ) -> list[list[str]]:
     """``_zeroconf`` as zeroconf behaves where joining the multicast group on an address fails
-    (an address this machine no longer has: errno 19, as measured); returns the interface
-    lists it was made with."""
+    (an address this machine no longer has: errno 19, as measured), or ``error``; returns the
+    interface lists it was made with."""
     made: list[list[str]] = []
 
     def make(interfaces):
         made.append(list(interfaces))
         if refused & set(interfaces):
-            raise OSError(19, "No such device")
+            raise error or OSError(19, "No such device")
         return type("Z", (), {"close": lambda self: None})()
 
     monkeypatch.setattr(discovery, "_zeroconf", make)
@@ -316,6 +317,18 @@ def test_a_browse_where_no_interface_can_listen_says_what_to_do(monkeypatch):
     text = str(caught.value)
     assert "192.0.2.7" in text and "No such device" in text
     assert "GPUMESH_DISCOVERY_INTERFACES" in text and "gpumesh join tcp://" in text
+
+
+def test_a_browse_refused_for_another_reason_than_its_addresses_does_not_blame_them(
+        monkeypatch):
+    import errno
+
+    refusing_zeroconf(monkeypatch, {"192.0.2.7"}, OSError(errno.EADDRINUSE, "Address in use"))
+    with pytest.raises(ConfigError) as caught:
+        discovery.browse(0.1, ["192.0.2.7"])
+    text = str(caught.value)
+    assert "Address in use" in text and "5353" in text and "gpumesh join tcp://" in text
+    assert "GPUMESH_DISCOVERY_INTERFACES" not in text
 
 
 def test_a_browse_leaves_out_the_interfaces_that_cannot_listen(monkeypatch, caplog):

@@ -557,25 +557,32 @@ def test_a_fetch_of_many_results_on_disk_reads_them_back_as_the_client_takes_the
 
 def test_results_sent_and_never_acknowledged_hold_the_line_only_so_long(tmp_path, monkeypatch):
     # A client drops a result it cannot match without acknowledging it: the window must not
-    # stay full for the rest of the session (a real client does not FETCH again in it).
+    # stay full for the rest of the session (a real client does not FETCH again in it). One
+    # that acknowledges nothing at all reads nothing: it is not sent window after window.
     from gpumesh.coordinator import ledger
 
     monkeypatch.setattr(ledger, "READ_BACK_WINDOW", 2 * BIG)
-    b, ids = results_for_a_client_that_left(tmp_path / "journal.db", 4)
+    expiry = ledger.READ_BACK_EXPIRY
+    b, ids = results_for_a_client_that_left(tmp_path / "journal.db", 5)
+
+    def tick(now: float) -> list[int]:
+        b.handle(C, msg(Command.HEARTBEAT, {}), now)
+        b.tick(now)
+        return results_sent(b)
+
     b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), 3.0)
     assert results_sent(b) == [0, 1]
-    b.handle(C, msg(Command.HEARTBEAT, {}), 3.0 + ledger.READ_BACK_EXPIRY - 1)
-    b.tick(3.0 + ledger.READ_BACK_EXPIRY - 1)
-    assert results_sent(b) == []
-    b.handle(C, msg(Command.HEARTBEAT, {}), 3.0 + ledger.READ_BACK_EXPIRY)
-    b.tick(3.0 + ledger.READ_BACK_EXPIRY)
-    assert results_sent(b) == [2, 3]
+    assert tick(3.0 + expiry) == []  # nothing acknowledged: nothing more
+    b.handle(C, msg(Command.RESULT_ACK, {"tasks": ids[:1]}), 4.0 + expiry)  # 1 is dropped
+    assert results_sent(b) == [2]
+    assert tick(4.0 + 2 * expiry - 1) == []
+    assert tick(4.0 + 2 * expiry) == [3, 4]  # the window afresh: 1 and 2 count no more
     # A new session starts with an empty window: what the last one was sent is asked for again.
-    later = 4.0 + ledger.READ_BACK_EXPIRY
+    later = 5.0 + 2 * expiry
     b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), later)
     b.outbox.clear()
     b.handle(C, msg(Command.FETCH, {"qid": 0, "tasks": ids}), later)
-    assert results_sent(b) == [0, 1]
+    assert results_sent(b) == [1, 2]
 
 
 def test_a_result_that_waited_as_whole_and_then_goes_in_pieces_leaves_the_line(
