@@ -76,16 +76,25 @@ FAST = {
 }
 
 
-def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> object:
-    """Poll until ``condition()`` is truthy; fail the test with ``what`` at the deadline."""
+def poll_until(condition: Callable[[], object], timeout: float) -> object | None:
+    """Poll until ``condition()`` is truthy and return its value; None at the deadline (for
+    waits whose end without it is an outcome of its own, not a failure)."""
     deadline = time.time() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.time() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+            return None
         time.sleep(0.05)
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> object:
+    """Poll until ``condition()`` is truthy; fail the test with ``what`` at the deadline."""
+    value = poll_until(condition, timeout)
+    if value is None:
+        pytest.fail(f"timed out after {timeout}s waiting for {what}")
+    return value
 
 
 @contextlib.contextmanager

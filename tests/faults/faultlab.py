@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 import pytest
+from conftest import poll_until
 
 HERE = Path(__file__).parent
 GUARD = "10.250.0.0/16"
@@ -152,15 +153,17 @@ def _netns_pids(name: str) -> list[int]:
 
 
 def _delete_netns(name: str) -> None:
-    for _ in range(50):
-        pids = _netns_pids(name)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+    poll_until(lambda: not _kill_all_in(name), 2.5)  # then deleted whatever is left
     _ip("netns", "del", name, check=False)
+
+
+def _kill_all_in(name: str) -> bool:
+    """SIGKILL every process in namespace ``name``; whether there were any."""
+    pids = _netns_pids(name)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return bool(pids)
 
 
 def our_namespaces() -> list[str]:

@@ -9,12 +9,11 @@ import os
 import random
 import socket
 import subprocess
-import time
 
 import psutil
 import pytest
 import zmq
-from conftest import wait_for
+from conftest import poll_until, wait_for
 from faultlab import (
     HERE,
     Driver,
@@ -195,12 +194,10 @@ def _flood_locks_out(mesh_env, where, attempt: int) -> bool:
         report = json.loads(out)
         assert report["outcomes"].get("ok", 0) == 0
         attacker = lab.address("attacker")
-        deadline = time.time() + 3  # a lockout is logged at once; none comes later
-        lockouts: list[dict] = []
-        while not lockouts and time.time() < deadline:
-            lockouts = [e for e in _log_entries(log_path)
-                        if f"refusing handshakes from {attacker} " in e["message"]]
-            time.sleep(0.1)
+        # A lockout is logged at once; none comes later.
+        lockouts: list[dict] = poll_until(
+            lambda: [e for e in _log_entries(log_path)
+                     if f"refusing handshakes from {attacker} " in e["message"]], 3) or []
         text = log_path.read_text(errors="replace")
         assert mesh_env.token not in text
         assert mesh_env.token.split(".", 1)[-1] not in text

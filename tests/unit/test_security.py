@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import zmq
+from conftest import poll_until
 from zmq.utils import z85
 
 from gpumesh import security
@@ -197,7 +198,6 @@ def test_a_child_forked_mid_stretch_stretches_for_itself(monkeypatch):
     import hashlib
     import os
     import threading
-    import time
 
     from gpumesh import security
 
@@ -223,16 +223,12 @@ def test_a_child_forked_mid_stretch_stretches_for_itself(monkeypatch):
             os._exit(0)
         except BaseException:
             os._exit(1)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
+    ended = poll_until(lambda: (waited := os.waitpid(pid, os.WNOHANG))[0] and waited, 10)
+    if ended is None:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         raise AssertionError("the forked child waited forever for its parent's stretch")
+    _, status = ended
     release.set()
     thread.join(5)
     assert os.waitstatus_to_exitcode(status) == 0
