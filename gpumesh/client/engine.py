@@ -828,7 +828,7 @@ class Engine:
         if future.done() and not future.cancelled():
             return  # settled already (only the engine thread settles, and only once)
         future.task_id = task_id
-        future.worker = for_terminal(str(msg.header.get("worker", ""))[:ID_CHARS])
+        future.worker = str(msg.header.get("worker", ""))[:ID_CHARS]
         attempts = msg.header.get("attempts")  # nothing read here may raise: the future waits
         future.attempts = attempts if type(attempts) is int and attempts >= 0 else 0
         if future.cancel_requested:
@@ -998,10 +998,6 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     A script's result is JSON or text and is never unpickled, whatever the header says: only a
     function's submitter, who sent the function, unpickles what comes back for it."""
     status = header.get("status")
-    # Text from the worker is printed (an exception, its traceback): any escape code in it is
-    # written out, not acted on by the user's terminal (for_terminal), and ids stay ids.
-    task_id = for_terminal(str(header.get("task", ""))[:ID_CHARS])
-    worker = for_terminal(str(header.get("worker", ""))[:ID_CHARS])
     split = header.get("split")
     payload = serialize.join_frames(payload, split if isinstance(split, list) else None)
     refs = parse_refs(header.get("shm"), len(payload)) if not script else ()
@@ -1014,9 +1010,15 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
             text = _frame_bytes(payload[0]).decode("utf-8") if payload else ""
             return json.loads(text) if encoding == ResultEncoding.JSON.value else text
         if script:
+            task_id = _peer_text(header.get("task", ""), ID_CHARS)
             raise TaskError(f"task {task_id}: the worker sent a script result that is not JSON "
                             "or text; it was not read", task_id=task_id)
         return serialize.loads(serialize.writable(payload))
+    # From here on the worker's text is printed (an exception, its traceback): any escape code
+    # in it is written out, not acted on by the user's terminal. (Not on the path above: a
+    # result that succeeded prints none of it, and that path runs for every task.)
+    task_id = _peer_text(header.get("task", ""), ID_CHARS)
+    worker = _peer_text(header.get("worker", ""), ID_CHARS)
     diagnosis = _peer_text(header.get("diagnosis", ""), MAX_DIAGNOSIS)
     error = header.get("error")
     if not isinstance(error, dict):

@@ -242,8 +242,10 @@ class ClientSide:
     # ----------------------------------------------------------------- results
 
     def result_ack(self, client: ClientSession, ids: TaskIds, now: float) -> None:
+        reading = bool(client.read_back)  # results read back from disk on their way to it
         for task in self._own(client, ids):
-            client.read_back_acknowledged(task.task_id, now)
+            if reading:
+                client.read_back_acknowledged(task.task_id, now)
             if not task.state.terminal:
                 continue
             if task.state is TaskState.DONE:

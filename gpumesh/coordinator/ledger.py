@@ -624,7 +624,8 @@ class Ledger:
             in_pieces and _spans_pay(task.result_file)) else None
         if whole is not None and not self._room_to_read_back(client, task, whole):
             return  # sent as the client acknowledges what went before it (or on its way)
-        client.read_back_waiting.discard(task.task_id)  # it goes now, however it goes
+        if client.read_back_waiting:  # (a set's look-up skipped for every other delivery)
+            client.read_back_waiting.discard(task.task_id)  # it goes now, however it goes
         try:
             read_back = "shm" in header and not client.maps_shared
             frames = self.result_frames(task, in_pieces)
