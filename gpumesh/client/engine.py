@@ -197,6 +197,7 @@ class _Submission:
     task_id: str = ""
     sent_at: float = 0.0
     busy: bool = False  # refused for now by the coordinator's per-client quota: sent again later
+    leads: bool = True  # of its job's first batch (False: a later part of the same .map)
     # Its big frames as left in a shared-memory folder: (folder path, frames, references).
     shared: tuple[str, list[Any], Sequence[Ref]] | None = None
 
@@ -222,6 +223,7 @@ class _Query:
 class _Batch:
     job: str
     name: str = ""
+    leads: bool = True  # its job's first batch: its first SUBMIT is small (FIRST_CHUNK)
     items: list[tuple[dict[str, Any], list[Any], TaskFuture]] = field(default_factory=list)
 
 
@@ -300,15 +302,17 @@ class Engine:
         """True when connecting keeps failing at once: nothing listens at the address."""
         return not self.ever_connected and self._link.refusals >= 3
 
-    def submit(self, items: list[tuple[dict[str, Any], list[Any]]], job: str = "", name: str = ""
-               ) -> list[TaskFuture]:
-        """Queue tasks (spec, payload frames) as one job; returns their futures in order."""
+    def submit(self, items: list[tuple[dict[str, Any], list[Any]]], job: str = "", name: str = "",
+               *, continues: bool = False) -> list[TaskFuture]:
+        """Queue tasks (spec, payload frames) as one job; returns their futures in order.
+        ``continues``: more of a job whose first tasks were queued already (a .map handed over
+        in parts as it is pickled), whose SUBMITs are then all full-sized."""
         self._check_usable()
         if len(job) > ID_CHARS or not job.isprintable():
             # The coordinator would refuse the whole SUBMIT, again at every re-send.
             raise ConfigError(f"the job id {job[:80]!r} must be printable text of at most "
                               f"{ID_CHARS} characters")
-        batch = _Batch(job, name)
+        batch = _Batch(job, name, leads=not continues)
         futures = []
         for spec, frames in items:
             future = TaskFuture(self._cancel_hook)
@@ -505,7 +509,8 @@ class Engine:
                 for spec, frames, future in command.items:
                     seq = next(self._seq)
                     future.seq = seq
-                    sub = _Submission(seq, spec, frames, future, command.job, command.name)
+                    sub = _Submission(seq, spec, frames, future, command.job, command.name,
+                                      leads=command.leads)
                     self._outstanding[seq] = sub
                     batches.append(sub)
             elif isinstance(command, _Query):
@@ -562,8 +567,9 @@ class Engine:
             chunk: list[_Submission] = []
             size = header = wire_bytes = wire_frames = 0
             # A small first chunk: the coordinator starts it on idle workers while it still
-            # journals the rest (a 200-task .map's first task began after 40 ms, now ~8).
-            most = FIRST_CHUNK
+            # journals the rest (a 200-task .map's first task began after 40 ms, now ~8). A
+            # later part of a .map handed over as it was pickled goes in full SUBMITs.
+            most = FIRST_CHUNK if group[0].leads else CHUNK
             for sub in group:
                 if sub.future.cancel_requested and not sub.sent_at:
                     # Cancelled while the chunks before it went (big frames take a while to

@@ -60,6 +60,21 @@ def test_map_items_other_than_dicts_keep_the_base_options():
     assert [(c[0], c[1], c[2]) for c in calls] == [((-1,), {}, base), ((2,), {}, base)]
 
 
+def test_map_items_of_every_shape_become_the_same_calls_however_they_mix():
+    import collections
+    import types
+
+    Point = collections.namedtuple("Point", "x y")
+    base = TaskOptions()
+    items = [1, Point(2, 3), [4], types.MappingProxyType({"a": 5}), (6, 7), 8,
+             collections.OrderedDict(b=9, cost=2), {"c": 10}, "s", Point(11, 12)]
+    calls = plan_calls(lambda *a, **k: None, items, base)
+    assert [(c[0], c[1]) for c in calls] == [
+        ((1,), {}), ((2, 3), {}), (([4],), {}), ((), {"a": 5}), ((6, 7), {}), ((8,), {}),
+        ((), {"b": 9}), ((), {"c": 10}), (("s",), {}), ((11, 12), {})]
+    assert calls[6][2].cost == 2.0 and all(c[2] is base for i, c in enumerate(calls) if i != 6)
+
+
 def test_a_script_payload_reaches_the_script_without_scheduler_keys():
     payload, options = scheduler_options({"x": 1, "cost": 3.0}, TaskOptions())
     spec, frames = script_task("s.py", b"print(1)", payload, options)
@@ -200,12 +215,14 @@ class _RecordingEngine:
 
     def __init__(self):
         self.batches = []
+        self.continues = []
         self.futures = []
 
-    def submit(self, items, job, name):
+    def submit(self, items, job, name, *, continues=False):
         from gpumesh.client.engine import TaskFuture
 
         self.batches.append(len(items))
+        self.continues.append(continues)
         made = [TaskFuture() for _ in items]
         self.futures += made
         return made
@@ -226,10 +243,25 @@ def test_a_big_batch_sends_its_first_calls_before_pickling_the_rest():
     engine = _RecordingEngine()
     futures = _submit(engine, [((i,), {}) for i in range(100)])
     assert engine.batches == [FIRST_CHUNK, 100 - FIRST_CHUNK] and futures == engine.futures
+    assert engine.continues == [False, True]  # the rest goes in full SUBMITs
     assert len({f.job for f in futures}) == 1 and futures[0].job  # one job
     engine = _RecordingEngine()
     _submit(engine, [((i,), {}) for i in range(10)])
-    assert engine.batches == [10]
+    assert engine.batches == [10] and engine.continues == [False]
+    engine = _RecordingEngine()
+    _submit(engine, [])
+    assert engine.batches == [0]
+
+
+def test_a_big_batch_goes_a_submit_at_a_time_as_it_is_pickled():
+    from gpumesh.client.engine import CHUNK, FIRST_CHUNK
+
+    engine = _RecordingEngine()
+    count = FIRST_CHUNK + 2 * CHUNK + 7
+    futures = _submit(engine, [((i,), {}) for i in range(count)])
+    assert engine.batches == [FIRST_CHUNK, CHUNK, CHUNK, 7]
+    assert engine.continues == [False, True, True, True]
+    assert futures == engine.futures and len({f.job for f in futures}) == 1
 
 
 def test_a_batch_whose_later_call_cannot_pickle_cancels_what_it_sent_and_raises():
@@ -268,3 +300,31 @@ def test_a_module_function_is_pickled_once_and_a_closure_every_call():
     # Bound methods carry their object: never cached either.
     words = ["a"]
     assert PickledFunction.of(words.copy) is not PickledFunction.of(words.copy)
+
+
+def test_a_maps_first_submit_is_small_and_its_later_parts_go_in_full_submits(tmp_path):
+    import socket
+
+    from gpumesh.client.engine import CHUNK, FIRST_CHUNK, Engine, TaskFuture, _Submission
+    from gpumesh.config import Endpoint, Settings
+
+    with socket.socket() as probe:  # a loopback port nobody listens on: nothing is sent
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    try:
+        chunks: list[int] = []
+        engine._send_chunk = lambda job, chunk, now: chunks.append(len(chunk))
+
+        def subs(count, leads):
+            return [_Submission(seq, {"kind": "fn"}, [b"x"], TaskFuture(), "j1", "m", leads=leads)
+                    for seq in range(count)]
+
+        engine._send_submissions(subs(FIRST_CHUNK + CHUNK + 3, leads=True), 0.0)
+        assert chunks == [FIRST_CHUNK, CHUNK, 3]
+        chunks.clear()
+        engine._send_submissions(subs(CHUNK + 3, leads=False), 0.0)  # a later part of it
+        assert chunks == [CHUNK, 3]
+    finally:
+        engine.close()
