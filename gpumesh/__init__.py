@@ -20,6 +20,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -104,23 +105,38 @@ def _register_joblib(joblib: Any) -> None:
 
 class _JoblibWatch(importlib.abc.MetaPathFinder):
     """Registers the joblib backend once joblib is imported, so importing gpumesh never
-    imports joblib (runners and the CLI start fast) and needs no joblib installed."""
+    imports joblib (runners and the CLI start fast) and needs no joblib installed.
+
+    It stays on ``sys.meta_path`` until joblib's module has run: a probe such as
+    ``importlib.util.find_spec("joblib")`` (how libraries check for optional packages) asks
+    for a spec that is never executed, and must not use the watch up."""
+
+    def __init__(self) -> None:
+        self._finding = threading.local()  # inside our own find_spec: let the others answer
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "joblib":
+        if name != "joblib" or getattr(self._finding, "on", False):
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._finding.on = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding.on = False
         loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
+        if loader is None or not hasattr(loader, "exec_module") \
+                or getattr(loader, "_gpumesh_watched", False):
+            return spec  # no loader to watch, or one watched already (a finder that reuses it)
         original = loader.exec_module
+        watch = self
 
         def exec_module(module: Any) -> None:
             original(module)
+            if watch in sys.meta_path:
+                sys.meta_path.remove(watch)
             _register_joblib(module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
+        loader._gpumesh_watched = True  # type: ignore[attr-defined]
         return spec
 
 

@@ -19,7 +19,14 @@ from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
 from ..protocol.fields import for_terminal
 from ..protocol.ids import HexIds
-from .engine import CHUNK, FIRST_CHUNK, Engine, TaskFuture
+from .engine import (
+    CHUNK,
+    FIRST_CHUNK,
+    Engine,
+    TaskFuture,
+    on_io_thread,
+    refuse_wait_on_io_thread,
+)
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
 from .portable import SourceForm, source_form
 from .remotetb import localize_error
@@ -259,7 +266,9 @@ class GPUMesh:
             # Pushed by the coordinator: no round trip on the way of every call.
             return {p for p in engine.worker_pythons if p and p != PYTHON}
         now = time.time()
-        if now - self._pythons_at > PYTHONS_CACHE:
+        # A call made in a done-callback (joblib sends its next batch from one) runs on the
+        # I/O thread, which cannot wait for an answer it would read itself: the last listing.
+        if now - self._pythons_at > PYTHONS_CACHE and not on_io_thread():
             try:
                 listing = self._require().query("workers")
             except MeshError:
@@ -329,6 +338,8 @@ class GPUMesh:
                 fallback: Callable[[int], Any] | None) -> list[Any]:
         started = time.time()
         deadline = None if timeout is None else started + timeout
+        if on_io_thread() and not all(f.done() for f in futures):
+            refuse_wait_on_io_thread("waiting for a .map's results")
         watch = _Countdown(futures)
         noticed = self.quiet
         while True:

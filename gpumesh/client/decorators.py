@@ -125,13 +125,31 @@ class MeshFunction(Generic[P, R]):
             for index, (args, kwargs, _) in enumerate(calls):
                 yield index, await asyncio.to_thread(self.fn, *args, **kwargs)
             return
-        futures = mesh.submit_calls(self.fn, calls, self.options)
-        waiting = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
+        # Pickling every item (and planning the .map) happens off the event loop, which
+        # would otherwise stand still for it.
+        futures = await _off_loop(mesh.submit_calls, self.fn, calls, self.options)
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Queue[int] = asyncio.Queue()
+
+        def tell(index: int) -> Callable[[Any], None]:
+            def done(_: Any) -> None:
+                try:
+                    loop.call_soon_threadsafe(finished.put_nowait, index)
+                except RuntimeError:
+                    pass  # the loop is closed: nobody iterates any more
+            return done
+
+        # One callback per future and a queue, not asyncio.wait over everything still out
+        # after each result: that is quadratic in the number of items.
+        for index, future in enumerate(futures):
+            future.add_done_callback(tell(index))
         try:
-            while waiting:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                for finished in sorted(done, key=waiting.__getitem__):
-                    yield waiting.pop(finished), finished.result()
+            for _ in range(len(futures)):
+                index = await finished.get()
+                future = futures[index]
+                if future.cancelled():
+                    raise asyncio.CancelledError(f"task {index} of the amap was cancelled")
+                yield index, future.result()
         finally:
             for future in futures:
                 future.cancel()
@@ -281,3 +299,18 @@ def _source_of(mesh: GPUMesh | DefaultMesh) -> MeshSource:
 
 accelerate = Accelerate()
 mesh = DefaultMesh()
+
+
+async def _off_loop(submit: Callable[..., list[TaskFuture]], *args: Any) -> list[TaskFuture]:
+    """``submit(*args)`` in a thread, awaited. Cancelled meanwhile, the tasks it sent are
+    cancelled as soon as it returns: nobody is left to collect them."""
+    sending = asyncio.ensure_future(asyncio.to_thread(submit, *args))
+    try:
+        return await asyncio.shield(sending)
+    except asyncio.CancelledError:
+        def cancel_sent(done: asyncio.Future[list[TaskFuture]]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                for future in done.result():
+                    future.cancel()
+        sending.add_done_callback(cancel_sent)
+        raise

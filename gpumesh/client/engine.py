@@ -21,6 +21,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import _base  # the states a Future moves through
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,25 @@ from ..sharedmem import SharedFolder, SharedFrameBusy, big_enough_to_share, mate
 from ..transport import DealerLink, LinkEvent
 
 log = logging.getLogger("gpumesh.client")
+
+# The engines' I/O threads. A future's done-callbacks run there (as an executor's run in the
+# thread that finished the call): one that waits there for another result, or asks the
+# coordinator something, waits for the very thread that would answer.
+_IO_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def on_io_thread() -> bool:
+    """Whether this code runs on a client engine's I/O thread (in a done-callback)."""
+    return threading.current_thread() in _IO_THREADS
+
+
+def refuse_wait_on_io_thread(what: str) -> None:
+    """RuntimeError on an engine's I/O thread, where waiting for ``what`` never ends."""
+    if on_io_thread():
+        raise RuntimeError(
+            f"{what} from a done-callback would wait forever: the callback runs on gpumesh's "
+            "client I/O thread, which is what delivers the answer. Wait in a thread of your "
+            "own, or chain another add_done_callback")
 
 # An unaccepted submission is sent again only when the coordinator has accepted nothing for
 # this long: it answers SUBMITs in order, so while acceptances keep coming, later ones are
@@ -177,6 +197,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
         """Until done or ``timeout``, on an event of this wait's own (concurrent.futures.wait):
         the future's lock is a plain lock (_FutureLock), nothing to wait on."""
         if not self.done():
+            refuse_wait_on_io_thread("waiting for a mesh task's result")
             concurrent.futures.wait([self], timeout)
 
     def __await__(self) -> Any:
@@ -276,7 +297,9 @@ class Engine:
                                 self._link, self)
         self._poll = zmq.Poller()
         self._polled: tuple[Any, ...] = ()  # the sockets self._poll watches
+        self._stopped = False  # the I/O thread has ended: nobody else reads _commands
         self._thread = threading.Thread(target=self._run, name="gpumesh-client", daemon=True)
+        _IO_THREADS.add(self._thread)
         self._thread.start()
 
     # ----------------------------------------------------------------- public, any thread
@@ -349,6 +372,7 @@ class Engine:
         return answer
 
     def _ask(self, query: _Query, what: str, timeout: float) -> Any:
+        refuse_wait_on_io_thread(f"asking the coordinator ({what})")
         self._check_usable()
         self._command(query)
         try:
@@ -385,6 +409,11 @@ class Engine:
     def _command(self, command: Any) -> None:
         self._commands.put(command)
         self._wake()
+        if self._stopped:
+            # close() ended the I/O thread between the caller's _check_usable() and the put:
+            # what was queued would wait forever.
+            self._fail_commands(self.fatal or MeshError(
+                "this mesh connection is closed: create a new GPUMesh"))
 
     def _wake(self) -> None:
         try:
@@ -422,6 +451,8 @@ class Engine:
             self._wake_r.close()
             self._wake_w.close()
             self._ctx.term()
+            # Before the last drain: a command queued after it is failed by its sender.
+            self._stopped = True
             self._fail_all(MeshError("the mesh connection was closed before this task finished"))
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -436,6 +467,11 @@ class Engine:
             if not q.future.done():
                 _settle(q.future.set_exception, exc)
         self._queries.clear()
+        self._fail_commands(exc)
+
+    def _fail_commands(self, exc: BaseException) -> None:
+        """The futures of what is queued for the I/O thread, failed with ``exc`` (any thread:
+        each command is taken once)."""
         while True:
             try:
                 command = self._commands.get_nowait()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from .api import GPUMesh, new_job_id
-from .engine import TaskFuture
+from .engine import TaskFuture, refuse_wait_on_io_thread
 from .tasks import TaskOptions
 
 T = TypeVar("T")
@@ -137,6 +137,9 @@ class MeshExecutor(concurrent.futures.Executor):
                 self._mesh.close()
             return
         if wait:
+            # A done-callback runs on the client's I/O thread, which delivers the results this
+            # would wait for (as a pool thread cannot join itself: the same RuntimeError).
+            refuse_wait_on_io_thread("shutdown(wait=True)")
             thread.join()
 
     # ----------------------------------------------------------------- the dispatcher thread
@@ -183,16 +186,23 @@ class MeshExecutor(concurrent.futures.Executor):
 
     def _send(self, batch: list[_Call]) -> None:
         # Consecutive calls of one function go as one submission (one pickled function).
-        for _, group in itertools.groupby(batch, key=lambda c: id(c.fn)):
-            calls = list(group)
+        groups = [list(group) for _, group in itertools.groupby(batch, key=lambda c: id(c.fn))]
+        batch.clear()
+        while groups:
+            calls = groups.pop(0)
             try:
                 tasks = self._mesh.submit_calls(calls[0].fn, [(c.args, c.kwargs) for c in calls],
                                                 self._options, job=self._job, name=self._name)
             except BaseException as exc:
-                for call in calls:
-                    call.future.set_exception(exc)
+                if len(calls) > 1:
+                    # One call that cannot be sent (an argument that does not pickle) fails
+                    # alone, as it would have had it been submitted a moment apart: the group
+                    # goes again a call at a time (what went of it was cancelled).
+                    groups[:0] = [[call] for call in calls]
+                    continue
+                calls[0].future.set_exception(exc)
                 with self._changed:
-                    self._sending -= len(calls)
+                    self._sending -= 1
                 continue
             with self._changed:
                 self._running.update(tasks)
@@ -200,7 +210,6 @@ class MeshExecutor(concurrent.futures.Executor):
             for call, task in zip(calls, tasks, strict=True):
                 task.add_done_callback(_Relay(self, call.future).done)
             del calls  # no reference to the arguments once they are on their way
-        batch.clear()
 
     def _finished(self, task: TaskFuture) -> None:
         with self._changed:

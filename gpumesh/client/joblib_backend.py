@@ -25,12 +25,13 @@ from joblib._parallel_backends import (  # joblib's documented extension point l
     SequentialBackend,
 )
 
+from ..errors import ConfigError, MeshError
 from .api import GPUMesh, new_job_id
 from .tasks import TaskOptions
 
 NAME = "gpumesh"
-
-
+# joblib calls a backend's submit() since 1.5; before, apply_async() with other callbacks.
+JOBLIB_NEEDED = (1, 5)
 
 SLOTS_FRESH = 1.0  # seconds a mesh's slot count is reused
 _SLOTS: weakref.WeakKeyDictionary[GPUMesh, tuple[float, int]] = weakref.WeakKeyDictionary()
@@ -57,6 +58,7 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         self.options = options or TaskOptions()
         self._futures: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
+        self._aborted = False  # this Parallel call failed: a batch sent now is cancelled
         self._job = ""
 
     def __reduce__(self) -> Any:
@@ -92,12 +94,19 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         known = _SLOTS.get(mesh)
         if known is not None and now - known[0] < SLOTS_FRESH:
             return known[1]
-        slots = sum(int(w.get("slots", 1) or 1) for w in mesh.workers() if w.get("alive")) or 1
+        try:
+            workers = mesh.workers()
+        except MeshError:
+            # The coordinator did not answer in time (or went): joblib and scikit-learn ask
+            # this to size their work, not to run it; the last count, or one, will do.
+            return known[1] if known is not None else 1
+        slots = sum(int(w.get("slots", 1) or 1) for w in workers if w.get("alive")) or 1
         _SLOTS[mesh] = (now, slots)
         return slots
 
     def configure(self, n_jobs: int = 1, parallel: Any = None, prefer: str | None = None,
                   require: str | None = None, **kwargs: Any) -> int:
+        _check_joblib_version()
         if require == "sharedmem":
             # Mesh tasks share no memory with the caller: joblib then runs the call here.
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
@@ -109,15 +118,37 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
                                                 inner_max_num_threads=self.inner_max_num_threads))
         self.parallel = parallel
         self._job = new_job_id()
+        with self._lock:
+            self._aborted = False
         return self.effective_n_jobs(n_jobs)
+
+    def start_call(self) -> None:
+        """Each ``Parallel`` call (several under one ``with Parallel(...) as p``): the last
+        one's abort is over."""
+        super().start_call()
+        with self._lock:
+            self._aborted = False
 
     def submit(self, func: Any, callback: Any = None) -> concurrent.futures.Future[Any]:
         assert self.mesh is not None
         name = getattr(self.parallel, "_backend_name", "") or "joblib"
-        future = self.mesh.submit_calls(func, [((), {})], self.options, job=self._job,
-                                        name=f"joblib {name}")[0]
+        future: concurrent.futures.Future[Any]
+        try:
+            future = self.mesh.submit_calls(func, [((), {})], self.options, job=self._job,
+                                            name=f"joblib {name}")[0]
+        except Exception as exc:
+            # A batch that cannot be sent (an argument that does not pickle). joblib sends
+            # its later batches from the callback of an earlier one, where a raise would be
+            # only logged and the batch wait forever: the error goes through its future,
+            # and joblib raises it as it would a task's.
+            future = concurrent.futures.Future()
+            future.set_exception(exc)
         with self._lock:
-            self._futures.add(future)
+            aborted = self._aborted
+            if not aborted:
+                self._futures.add(future)
+        if aborted:
+            future.cancel()  # sent as joblib aborted: nobody will collect it
         future.add_done_callback(self._forget)
         if callback is not None:
             future.add_done_callback(callback)
@@ -134,6 +165,7 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         """A batch failed: what is still pending or running on the mesh is cancelled there."""
         with self._lock:
             futures, self._futures = list(self._futures), set()
+            self._aborted = True
         for future in futures:
             future.cancel()  # the engine sends CANCEL: pending never start, running stop
 
@@ -144,6 +176,19 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         # Inside a mesh task, a nested Parallel runs in that task: a task that waited on other
         # tasks could hold every slot of a small mesh and wait forever.
         return SequentialBackend(nesting_level=(self.nesting_level or 0) + 1), None
+
+
+def _check_joblib_version() -> None:
+    import joblib
+
+    try:
+        version = tuple(int(part) for part in joblib.__version__.split(".")[:2])
+    except ValueError:
+        return  # a development build: assume it is recent
+    if version < JOBLIB_NEEDED:
+        raise ConfigError(
+            f"gpumesh's joblib backend needs joblib {'.'.join(map(str, JOBLIB_NEEDED))} or "
+            f"later, and this is joblib {joblib.__version__}: pip install -U joblib")
 
 
 def register() -> None:

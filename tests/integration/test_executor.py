@@ -43,3 +43,65 @@ def test_an_executor_of_its_own_closes_its_connection(mesh_env, monkeypatch):
     with pytest.raises(ValueError):
         MeshExecutor(mesh_env.coordinator.url, mesh_env.token, max_workers=0)
     assert isinstance(pool, concurrent.futures.Executor)
+
+
+def test_a_call_that_cannot_be_sent_fails_alone_not_the_calls_sent_with_it(mesh_env):
+    import threading
+
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    with client.executor(max_workers=8) as pool:
+        # Held back until all four are queued: the dispatcher takes them as one group.
+        with pool._changed:
+            futures = [pool.submit(square, x) for x in (1, 2, threading.Lock(), 4)]
+        assert futures[0].result(timeout=30) == 1 and futures[1].result(timeout=30) == 4
+        with pytest.raises(TypeError, match="pickle"):
+            futures[2].result(timeout=30)
+        assert futures[3].result(timeout=30) == 16
+
+
+def test_waiting_in_a_done_callback_raises_instead_of_hanging_the_connection(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    seen: list[BaseException | None] = []
+    done = concurrent.futures.Future()
+
+    def waits(_):
+        try:
+            slow = client.submit(square, 3)
+            try:
+                slow.result(timeout=30)  # delivered by the thread this callback runs on
+            except RuntimeError as exc:
+                seen.append(exc)
+            try:
+                client.workers()
+            except RuntimeError as exc:
+                seen.append(exc)
+        finally:
+            done.set_result(True)
+
+    client.submit(square, 2).add_done_callback(waits)
+    assert done.result(timeout=30)
+    errors = [e for e in seen if e is not None]
+    assert len(errors) == 2 and all("done-callback" in str(e) for e in errors)
+    # The connection still works: the I/O thread was never stuck.
+    assert client.submit(square, 5).result(timeout=30) == 25
+
+    pool = client.executor(max_workers=2)
+    raised = concurrent.futures.Future()
+
+    def shuts_down(_):
+        try:
+            pool.shutdown(wait=True)
+        except RuntimeError as exc:
+            raised.set_result(exc)
+        else:
+            raised.set_result(None)
+
+    pool.submit(square, 6).add_done_callback(shuts_down)
+    assert "shutdown(wait=True)" in str(raised.result(timeout=30))
+    assert client.submit(square, 7).result(timeout=30) == 49

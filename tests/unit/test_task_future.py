@@ -241,3 +241,129 @@ def test_a_queued_task_holds_few_objects_for_the_garbage_collector(tmp_path):
         assert per_task <= 8, f"{per_task:.1f} objects tracked per queued task"
     finally:
         engine.close()
+
+
+def test_a_submit_racing_close_fails_its_futures_instead_of_leaving_them_pending(tmp_path):
+    import socket
+
+    from gpumesh.client.engine import Engine, TaskFuture, _Batch
+    from gpumesh.config import Endpoint, Settings
+    from gpumesh.errors import MeshError
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    engine.close()
+    assert not engine._thread.is_alive()
+    # What submit() does once past its _check_usable(), after close() finished.
+    future = TaskFuture()
+    batch = _Batch("j1")
+    batch.items.append(({"kind": "fn"}, [b"x"], future))
+    engine._command(batch)
+    with pytest.raises(MeshError, match="closed"):
+        future.result(timeout=5)
+
+
+class _StandInSource:
+    """A MeshFunction's source whose mesh hands out TaskFutures the test settles itself."""
+
+    def __init__(self, submit):
+        from types import SimpleNamespace
+
+        self._mesh = SimpleNamespace(submit_calls=submit, endpoint="tcp://127.0.0.1:1",
+                                     connect=lambda: True)
+        self._settings = SimpleNamespace(verbose=False, local_only=False)
+
+    def settings(self):
+        return self._settings
+
+    def mesh(self):
+        return self._mesh
+
+    def has_worker(self, mesh):
+        return True
+
+
+def test_amap_yields_every_result_once_as_it_finishes_and_cancels_the_rest_when_left():
+    import threading
+
+    from gpumesh.client.decorators import MeshFunction
+    from gpumesh.client.tasks import TaskOptions
+
+    futures: list[TaskFuture] = []
+
+    def submit(fn, calls, options):
+        futures.extend(TaskFuture() for _ in calls)
+        return list(futures)
+
+    fn = MeshFunction(abs, _StandInSource(submit), TaskOptions())
+
+    async def main():
+        seen = []
+        stream = fn.amap(range(6))
+        settler = None
+        async for index, value in stream:
+            seen.append((index, value))
+            if settler is None:  # the rest finish on another thread, in reverse order
+                def settle():
+                    for i in (5, 3, 1):
+                        futures[i].set_result(-i)
+                settler = threading.Thread(target=settle)
+                settler.start()
+            if len(seen) == 4:
+                break
+        await stream.aclose()
+        return seen
+
+    async def first():
+        while not futures:
+            await asyncio.sleep(0.001)
+        futures[2].set_result(-2)
+
+    async def both():
+        results = await asyncio.gather(main(), first())
+        return results[0]
+
+    seen = asyncio.run(both())
+    assert seen[0] == (2, -2) and sorted(seen[1:]) == [(1, -1), (3, -3), (5, -5)]
+    assert [f.cancelled() for f in futures] == [True, False, False, False, True, False]
+
+
+def test_amap_cancelled_while_its_items_are_sent_cancels_what_was_sent():
+    import threading
+
+    from gpumesh.client.decorators import MeshFunction
+    from gpumesh.client.tasks import TaskOptions
+
+    release = threading.Event()
+    sent: list[TaskFuture] = []
+
+    def submit(fn, calls, options):  # slow to pickle: the caller gives up meanwhile
+        release.wait(5)
+        sent.extend(TaskFuture() for _ in calls)
+        return list(sent)
+
+    fn = MeshFunction(abs, _StandInSource(submit), TaskOptions())
+
+    async def consume():
+        async for _ in fn.amap(range(3)):
+            pass
+
+    async def main():
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        # The loop ran on while the items were sent (pickling off the loop thread).
+        assert not sent
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        release.set()
+        for _ in range(500):
+            if sent and all(f.cancelled() for f in sent):
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert len(sent) == 3 and all(f.cancelled() for f in sent)
