@@ -53,15 +53,19 @@ class Endpoint:
         return self.zmq
 
 
-def parse_url(url: str) -> Endpoint:
+def parse_url(url: str, token: str | None = None) -> Endpoint:
     """Parse ``tcp://h:p``, ``gpumesh://h:p``, ``http://h:p`` or bare ``h:p`` / ``h``.
 
     All spellings name the same ZeroMQ endpoint; ``http://`` survives from the spec's first
-    transport and is accepted without complaint.
+    transport and is accepted without complaint. A URL that is the mesh's ``token`` (or holds
+    it), or whose host looks like a token, is refused without being quoted: taken for a host,
+    it would be printed by every retry and sent to DNS.
     """
     text = url.strip()
     if not text:
         raise ConfigError("empty coordinator URL: pass one like tcp://192.0.2.10:8000")
+    if _holds_token(text, token):
+        raise ConfigError(_TOKEN_AS_URL)
     if "://" in text:
         scheme, _, rest = text.partition("://")
         if scheme.lower() not in _URL_SCHEMES:
@@ -73,6 +77,8 @@ def parse_url(url: str) -> Endpoint:
     if not match:
         raise ConfigError(f"cannot read a host and port from {url!r}: use tcp://HOST:PORT")
     host = match.group("v6") or match.group("host")
+    if match.group("host") and _looks_like_token(host):
+        raise ConfigError(_TOKEN_AS_URL)
     if match.group("host") and not _HOST_NAME.fullmatch(host):
         # ZeroMQ would refuse it later with a traceback ("a b", "*", ";").
         raise ConfigError(f"{host[:64]!r} in {url[:80]!r} is not a host name or an IP address: "
@@ -81,6 +87,34 @@ def parse_url(url: str) -> Endpoint:
     if not 0 < port < 65536:
         raise ConfigError(f"port {port} in {url!r} is out of range (1-65535)")
     return Endpoint(host, port)
+
+
+_GENERATED_TOKEN = re.compile(r"rand-[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{20,}")
+_TOKEN_AS_URL = (
+    "the coordinator URL given is a token, not an address (it is not shown here, nor dialled): "
+    "pass the coordinator's address as the URL (tcp://HOST:PORT, what 'gpumesh serve' prints) "
+    "and the token with --token-file PATH or GPUMESH_TOKEN")
+
+
+def _holds_token(text: str, token: str | None) -> bool:
+    """Whether ``text`` holds the token's secret (or the whole token)."""
+    if not token:
+        return False
+    secret = token.strip().rpartition(".")[2]
+    return token.strip() in text or (len(secret) >= 8 and secret in text)
+
+
+def _looks_like_token(host: str) -> bool:
+    """A host name shaped as ``gpumesh token`` makes them (``rand-`` and a salt, then a long
+    random secret), or with a label no host has: 24 characters or more mixing upper case,
+    lower case and digits (a URL-safe base64 secret)."""
+    if _GENERATED_TOKEN.fullmatch(host):
+        return True
+    for label in host.split("."):
+        if (len(label) >= 24 and any(c.isupper() for c in label)
+                and any(c.islower() for c in label) and any(c.isdigit() for c in label)):
+            return True
+    return False
 
 
 def _env_bool(value: str | None) -> bool:
@@ -306,7 +340,7 @@ class Settings:
                 "no token configured: set GPUMESH_TOKEN, pass --token-file PATH, or run "
                 "'gpumesh serve' / 'gpumesh join' on this machine first"
             )
-        return parse_url(chosen_url), chosen_token
+        return parse_url(chosen_url, chosen_token), chosen_token
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
             click.echo(f"[worker] no URL given: dialling the saved coordinator {saved.url} "
                        "(from the connection saved here; pass a URL to dial another)")
             rediscover = again_on_lan(settings, token)
-        endpoint = parse_url(url)
+        endpoint = parse_url(url, token)
     except MeshError as exc:
         fail(str(exc))
         return

@@ -103,6 +103,33 @@ def test_parse_url_rejects(url: str) -> None:
     assert str(info.value)  # says something
 
 
+@pytest.mark.parametrize("weak", [False, True])
+def test_a_token_given_as_the_url_is_refused_and_never_quoted(tmp_path: Path, weak: bool) -> None:
+    from gpumesh.tokens import new_token, with_salt
+
+    token = with_salt("hunter2secret") if weak else new_token()
+    for url in (token, f"tcp://{token}:8000", f"http://{token}"):
+        # Given with the token (join, a client): refused whatever its shape.
+        settings = _settings(tmp_path, GPUMESH_URL=url, GPUMESH_TOKEN=token)
+        with pytest.raises(ConfigError, match="is a token, not an address") as info:
+            settings.resolve_connection()
+        assert token not in str(info.value) and token.split(".")[1] not in str(info.value)
+    if not weak:  # another mesh's token, or none known: a generated one is told by its shape
+        with pytest.raises(ConfigError, match="is a token, not an address") as info:
+            parse_url(new_token())
+        with pytest.raises(ConfigError, match="is a token, not an address"):
+            parse_url("tcp://" + new_token().split(".")[1].replace("_", "a").replace("-", "b")
+                      + "Aa1:8000")
+
+
+@pytest.mark.parametrize("host", ["192.168.1.20", "myhost.local", "DESKTOP-AB12CDE",
+                                  "ip-10-0-0-1.ec2.internal", "3f2a9c1b7d4e5f60718293a4b5c6d7e8",
+                                  "gpu-box-01.lab.example.org", "random-host.lan",
+                                  "rand-box.lan", "rand-12345678.example"])
+def test_host_names_are_not_taken_for_tokens(host: str) -> None:
+    assert parse_url(f"tcp://{host}:8000").host == host
+
+
 def test_parse_url_error_names_the_scheme() -> None:
     with pytest.raises(ConfigError, match="ftp"):
         parse_url("ftp://h:21")
