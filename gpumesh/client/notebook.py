@@ -2,7 +2,11 @@
 
 ``%%mesh`` runs the cell as usual (its output shows as any cell's), then wraps every function
 the cell itself defined with ``@mesh``: calling it, or its ``.map``, runs on the mesh. What the
-cell imports or merely names again stays as it was. A cell that raises fails as any cell does,
+cell imports or merely names again stays as it was. Within the cell itself, a function is
+already the mesh's through ``.map``, ``.submit``, ``.aio``, ``.amap`` and ``.to`` (the spec's
+``results = preprocess.map(...)`` in the cell that defines it), while a plain call still runs
+here: a helper the cell calls, or applies as a decorator, as it defines the rest, runs as
+written. A cell that raises fails as any cell does,
 with its own error (nbclient and "Run all" stop there). What a task prints appears in the cell
 that called it. The stop button raises KeyboardInterrupt in the waiting call, which cancels that
 call's tasks on the mesh.
@@ -10,12 +14,17 @@ call's tasks on the mesh.
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import linecache
 import types
 from typing import Any
 
-from .decorators import MeshFunction, mesh
+from .decorators import MeshFunction, _plain, mesh
+
+# The name the cell's code calls, after each function it defines, to make it _CellFunction.
+_AS_CELL_FUNCTION = "__gpumesh_cell_function__"
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -29,13 +38,23 @@ def _cell_magic(ipython: Any) -> Any:
         # The cell's own ExecutionResult: the inner run_cell replaces the displayhook's, and the
         # kernel's reply (ok or error) is read from this one.
         outer = ipython.displayhook.exec_result
+        transformers = getattr(ipython, "ast_transformers", None)
+        marking = _MarkDefinitions()
+        ipython.user_ns[_AS_CELL_FUNCTION] = _CellFunction.of
+        if transformers is not None:
+            transformers.append(marking)
         try:
             result = ipython.run_cell(cell)
         finally:
             ipython.displayhook.exec_result = outer
+            if transformers is not None and marking in transformers:
+                transformers.remove(marking)
+            ipython.user_ns.pop(_AS_CELL_FUNCTION, None)
         source = _lines(ipython.transform_cell(cell))
         for name, value in list(ipython.user_ns.items()):
-            if (isinstance(value, types.FunctionType) and before.get(name) is not value
+            if isinstance(value, _CellFunction):
+                ipython.user_ns[name] = mesh(value.fn)
+            elif (isinstance(value, types.FunctionType) and before.get(name) is not value
                     and not isinstance(value, MeshFunction)
                     and _defined_in(value, ipython.user_module.__name__, source)):
                 ipython.user_ns[name] = mesh(value)
@@ -63,3 +82,59 @@ def _defined_in(fn: types.FunctionType, module: str, source: list[str]) -> bool:
         return False
     code = getattr(inspect.unwrap(fn), "__code__", None)
     return code is not None and linecache.getlines(code.co_filename) == source
+
+
+class _CellFunction:
+    """A function of a ``%%mesh`` cell while that cell runs: called, it runs here (a helper, a
+    decorator the cell applies); its ``.map``, ``.submit``, ``.aio``, ``.amap`` and ``.to`` are
+    the mesh's. After the cell it is replaced by ``mesh(fn)``; pickled, it is the function."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self._on_mesh: MeshFunction[Any, Any] | None = None
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        """``value`` as a cell function when it is a plain function, else as it is (a name the
+        decorators made into something else)."""
+        if isinstance(value, types.FunctionType):
+            return cls(value)
+        return value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_plain, (self.fn,))
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+    def _mesh(self) -> MeshFunction[Any, Any]:
+        if self._on_mesh is None:
+            self._on_mesh = mesh(self.fn)
+        return self._on_mesh
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("map", "submit", "aio", "amap", "to"):
+            return getattr(self._mesh(), name)
+        raise AttributeError(name)
+
+
+class _MarkDefinitions(ast.NodeTransformer):
+    """After each function the cell defines at its top level, ``name = mark(name)``."""
+
+    def visit_Module(self, node: ast.Module) -> ast.Module:
+        body: list[ast.stmt] = []
+        for statement in node.body:
+            body.append(statement)
+            if isinstance(statement, ast.FunctionDef):
+                name = statement.name
+                mark = ast.Assign(
+                    targets=[ast.Name(id=name, ctx=ast.Store())],
+                    value=ast.Call(func=ast.Name(id=_AS_CELL_FUNCTION, ctx=ast.Load()),
+                                   args=[ast.Name(id=name, ctx=ast.Load())], keywords=[]))
+                body.append(ast.copy_location(mark, statement))
+        node.body = body
+        return ast.fix_missing_locations(node)

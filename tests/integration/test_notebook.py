@@ -145,6 +145,36 @@ def test_mesh_cell_wraps_only_the_functions_it_defines(mesh_env, monkeypatch):
     assert "a/b [1, 4, 9] [8]" in out, out
 
 
+def test_the_spec_s_mesh_cell_maps_the_function_it_defines_in_that_same_cell(mesh_env,
+                                                                            monkeypatch):
+    nbformat = require("nbformat")
+    nbclient = require("nbclient")
+    require("ipykernel")
+    _two_workers_for_the_kernel(mesh_env, monkeypatch)
+    cells = [
+        "%load_ext gpumesh",
+        # The spec's example, with the process that ran each chunk.
+        "%%mesh\nimport os\n"
+        "def preprocess(chunk_id, rows):\n"
+        "    return {'chunk': chunk_id, 'rows': rows * rows, 'pid': os.getpid()}\n\n"
+        "def helper(fn):\n    fn.tag = 'kept'\n    return fn\n\n"
+        "@helper\ndef tagged(x):\n    return x\n\n"
+        "results = preprocess.map([{'chunk_id': i, 'rows': 100 + i} for i in range(6)])\n"
+        "print([r['chunk'] for r in results], results[1]['rows'],\n"
+        "      os.getpid() in {r['pid'] for r in results}, tagged.tag)",
+        "from gpumesh.client.decorators import MeshFunction\n"
+        "print([type(f).__name__ for f in (preprocess, helper, tagged)], tagged.map([7]))",
+    ]
+    notebook = _run_notebook(cells, nbformat, nbclient)
+
+    def text(cell):
+        return "".join(o.get("text", "") for o in cell.outputs if o["output_type"] == "stream")
+
+    # On the mesh (not this kernel's process), and the cell's helper ran here as it was used.
+    assert "[0, 1, 2, 3, 4, 5] 10201 False kept" in text(notebook.cells[1]), text(notebook.cells[1])
+    assert "['MeshFunction', 'MeshFunction', 'MeshFunction'] [7]" in text(notebook.cells[2])
+
+
 def test_a_failing_mesh_cell_fails_the_notebook_with_its_error(mesh_env, monkeypatch):
     nbformat = require("nbformat")
     nbclient = require("nbclient")
