@@ -204,7 +204,8 @@ class WorkerSession:
     last_seen: float
     granted: int = 0
     sent: int = 0
-    prefetch: int = 0  # tasks it may hold queued beyond its slots
+    prefetch: int = 0  # tasks it may hold queued beyond its slots (now: CREDIT's depth)
+    prefetch_max: int = 0  # ... at most (its HELLO's prefetch)
     leases: dict[int, str] = field(default_factory=dict)  # lease id -> task id
     state: WorkerState = WorkerState.ALIVE
     last_assigned: int = 0

@@ -85,6 +85,7 @@ class WorkerSide:
             worker.slots, worker.last_seen, worker.state = hello.slots, now, WorkerState.ALIVE
             worker.departed = ""
         worker.granted, worker.sent, worker.prefetch = hello.credit, 0, hello.prefetch
+        worker.prefetch_max = hello.prefetch
         worker.fnref, worker.functions = hello.fnref, set()  # a new session keeps none yet
         worker.control = hello.control
         worker.mode = hello.mode
@@ -186,6 +187,10 @@ class WorkerSide:
 
     def credit(self, worker: WorkerSession, credit: Credit, now: float) -> None:
         worker.granted = max(worker.granted, credit.granted)
+        if credit.depth is not None:
+            # Its tasks turned long (or short again): what it may hold queued follows, so a
+            # grant made while they were short does not keep sending it work it would queue.
+            worker.prefetch = min(credit.depth, worker.prefetch_max)
         before, worker.mode = worker.mode, credit.mode
         self._release(worker, credit.release, now)
         if worker.mode is not before:

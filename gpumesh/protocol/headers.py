@@ -274,6 +274,9 @@ class Credit:
     granted: int
     mode: WorkerMode
     release: tuple[int, ...]
+    # How many tasks it holds queued beyond its slots from now on (since 1.7; None: as its
+    # HELLO's prefetch said). Lowered when its tasks turned long, raised when short again.
+    depth: int | None = None
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any], current: WorkerMode) -> Credit:
@@ -281,6 +284,7 @@ class Credit:
             granted=f.integer(h, "granted", low=0, high=f.INT64),
             mode=_mode(h, current),
             release=f.int_list(h, "release", max_items=MAX_IDS, default=()),
+            depth=f.integer(h, "depth", low=0, high=MAX_PREFETCH, default=None),
         )
 
 

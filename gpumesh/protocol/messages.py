@@ -22,7 +22,7 @@ from ..config import Limits
 
 MAGIC = b"GPM"
 MAJOR = 1
-MINOR = 8
+MINOR = 9
 SIGNATURE = MAGIC + bytes([MAJOR])
 
 

@@ -342,6 +342,7 @@ class WorkerAgent:
                     self._on_runner_output(runner, what)
         self._check_runners(now)
         self._start_queued(now)  # what it hands ahead goes with the next turn's first flush
+        self._hand_back_waiting(now)
         self._follow_move()
         self.session.tick(now)
         if self.mode is WorkerMode.DRAINING:
@@ -381,6 +382,12 @@ class WorkerAgent:
         waits += [runner.read_at + RUNNER_NAP - now for runner in self.runners
                   if runner.control is not None and runner.control.fileno() in self._napping]
         idle = any(r.idle for r in self.runners)
+        if not idle and self._granted_depth and self.runners and (
+                self.queue or any(r.ahead for r in self.runners)) \
+                and all(r.task is not None for r in self.runners):
+            # When the last slot's task has run PREFETCH_HORIZON: what waits goes back then.
+            waits.append(max(r.task.started for r in self.runners  # type: ignore[union-attr]
+                             ) + PREFETCH_HORIZON - now)
         for runner in self.runners:
             if runner.task is not None and runner.task.deadline is not None:
                 waits.append(runner.task.deadline - now)
@@ -516,10 +523,32 @@ class WorkerAgent:
             self._pending_release.extend(release)
             return
         header: dict[str, Any] = {"granted": self.granted, "draining": self.draining,
-                                  "mode": self.mode.value}
+                                  "mode": self.mode.value, "depth": self._granted_depth}
         if release:
             header["release"] = list(release)
         self.link.post(encode(Command.CREDIT, header))
+
+    def _hand_back_waiting(self, now: float) -> None:
+        """Tasks queued here (or handed ahead) while every slot runs a task that has turned out
+        long go back to the coordinator unstarted, and the depth it may send goes to 0: they
+        were granted while tasks were short, and would wait here while another worker idles.
+        As tasks finish the slots take new ones, one each; short tasks raise the depth again."""
+        if self.mode is not WorkerMode.ACTIVE or not self.runners or not self._granted_depth:
+            return
+        if not self.queue and not any(r.ahead for r in self.runners):
+            return
+        if any(r.task is None or _running_for(r, now) < PREFETCH_HORIZON for r in self.runners):
+            return  # a slot is free or about to be: _start_queued places what waits
+        released = [queued.task.lease_id for queued in self.queue]
+        self.queue.clear()
+        for runner in self.runners:
+            # The runner restarts once its task ends, so a dropped one never runs there.
+            released += [queued.task.lease_id for queued in runner.drop_ahead()]
+        # The grant stays (the coordinator keeps the largest it heard; what it may send is
+        # now bounded by the depth this CREDIT gives, 0).
+        self._granted_depth = 0
+        log.info("handed %d queued task(s) back: every slot runs a long task", len(released))
+        self.send_credit(release=released)
 
     def free_slots(self) -> int:
         busy = len(self._held_tasks())
@@ -544,7 +573,10 @@ class WorkerAgent:
         depth = self.prefetch_depth()
         if depth > self._granted_depth:
             self.granted += depth - self._granted_depth
+            raised_from_zero = not self._granted_depth
             self._granted_depth = depth
+            if raised_from_zero:
+                self.send_credit()  # the coordinator holds its depth at 0 since a hand-back
         elif depth < self._granted_depth:
             self.granted -= 1
             self._granted_depth -= 1

@@ -102,3 +102,31 @@ def test_a_worker_and_a_client_on_other_pythons_are_told_so_when_they_join(mesh_
     finally:
         worker.terminate()
         worker.communicate(timeout=15)
+
+
+def test_tasks_queued_behind_long_ones_go_to_a_worker_that_joins_idle(mesh_env, tmp_path):
+    from dashboard_tasks import pause
+
+    mesh_env.start_coordinator()
+    first = mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    # A run of instant tasks: the worker grants a deep prefetch (64 a slot).
+    assert client.map(abs, range(-40, 0)) == list(range(40, 0, -1))
+    gate = tmp_path / "gate"
+    futures = client.submit_calls(pause, [((60, str(gate)), {})] * 4)
+
+    def running(worker_id: str) -> int:
+        return next((int(w.get("running", 0)) for w in client.workers()
+                     if w["id"] == worker_id), -1)
+
+    # All four went to the only worker: two run, two wait there, then go back (0.2 s in).
+    wait_for(lambda: client.status(tasks=False)["counts"].get("running", 0) >= 2,
+             what="the long tasks started")
+    wait_for(lambda: running(first.worker_id) == 2, what="the two waiting tasks handed back")
+    second = mesh_env.add_worker(slots=2)
+    wait_for(lambda: running(second.worker_id) == 2,
+             what="the worker that joined idle running the two that waited")
+    assert running(first.worker_id) == 2
+    gate.touch()
+    assert [f.result(timeout=60) for f in futures] == [60] * 4

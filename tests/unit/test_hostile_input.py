@@ -673,3 +673,23 @@ def test_a_worker_agent_never_announces_more_prefetch_than_a_hello_may_carry(tmp
     finally:
         agent.link.close()
         agent._ctx.term()
+
+
+def test_a_worker_s_depth_bounds_what_it_is_sent_and_a_bad_one_is_refused():
+    b = new_broker(Store(":memory:"))
+    b.handle(W, msg(Command.HELLO, {**worker_hello(slots=2, credit=2 + 64), "prefetch": 64}), 0.0)
+    for seq in range(1, 101):
+        submit(b, {}, seq=seq)
+    assert b.dispatch(0.0) == 66  # its slots and the prefetch it granted
+    worker = b.workers["w1"]
+    # Its tasks turned long: it hands 64 back and says it holds nothing queued from now on.
+    released = [lease for lease in worker.leases][2:]
+    b.handle(W, msg(Command.CREDIT, {"granted": 66, "release": released, "depth": 0}), 0.1)
+    assert len(worker.leases) == 2 and b.dispatch(0.1) == 0  # not sent straight back
+    for bad in (-1, 257, "64", 2.5, True):
+        b.handle(W, msg(Command.CREDIT, {"granted": 66, "depth": bad}), 0.2)
+        assert "depth" in sent(b, Command.ERROR, W)[-1]["message"]
+    assert worker.prefetch == 0
+    # Short again: a depth above its HELLO's prefetch counts as that prefetch.
+    b.handle(W, msg(Command.CREDIT, {"granted": 200, "depth": 256}), 0.3)
+    assert worker.prefetch == 64 and b.dispatch(0.3) == 64
