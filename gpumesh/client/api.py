@@ -601,7 +601,10 @@ class GPUMesh:
 
     @staticmethod
     def add_worker(url: str, token: str | None = None, **options: Any) -> WorkerHandle:
-        """Start ``gpumesh join URL`` in the background; returns once it joined. Non-blocking."""
+        """Start ``gpumesh join URL`` in the background; returns once it joined. Non-blocking.
+        As ``join`` does, it benchmarks the machine (kept for 30 days per machine) so that the
+        scheduler ranks it by its score; ``benchmark=False`` skips that (score 0)."""
+        options.setdefault("benchmark", True)
         return start_worker(url, token=token, **options)
 
 

@@ -328,3 +328,13 @@ def test_a_maps_first_submit_is_small_and_its_later_parts_go_in_full_submits(tmp
         assert chunks == [CHUNK, 3]
     finally:
         engine.close()
+
+
+def test_add_worker_benchmarks_the_machine_as_join_does_unless_told_not_to(monkeypatch):
+    from gpumesh.client import api
+
+    calls = []
+    monkeypatch.setattr(api, "start_worker", lambda url, token=None, **o: calls.append(o))
+    api.GPUMesh.add_worker("tcp://127.0.0.1:1", token="t")
+    api.GPUMesh.add_worker("tcp://127.0.0.1:1", token="t", benchmark=False, slots=2)
+    assert calls == [{"benchmark": True}, {"benchmark": False, "slots": 2}]
