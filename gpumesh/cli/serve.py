@@ -342,6 +342,11 @@ def serve(
     elif added_salt:
         click.echo(f"   Token: {added_salt}.<your token> -- share it in this form: the salt "
                    "in front is not secret, and every worker and client needs it")
+        if not save:
+            # Nothing keeps the salt: the next start would draw another, and lock out every
+            # worker holding this one (a container run with --no-save restarts often).
+            click.echo(f"   Not saved (--no-save): start it again with the token in this form "
+                       f"(GPUMESH_TOKEN={added_salt}.<your token>) to keep the same mesh")
     else:
         click.echo("   Token: <your token> (as given; never printed)")
     if replaced:

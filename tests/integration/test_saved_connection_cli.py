@@ -202,3 +202,19 @@ def test_a_saved_bind_beyond_loopback_is_not_taken_again_without_being_asked(tmp
     assert f"Coordinator listening on 127.0.0.1:{first}" in output, output
     assert "the last coordinator here was bound to 0.0.0.0; without --host it is loopback " \
            "only: pass --host 0.0.0.0" in output, output
+
+
+def test_a_weak_token_salted_but_not_saved_says_how_to_keep_the_same_mesh(tmp_path):
+    import re
+
+    home = tmp_path / "home"
+    weak = "sunshine42"
+    port, output = _until_ready(
+        ["serve", "--no-self-worker", "--port", "0", "--weak-token", "--no-save"],
+        _env(home, GPUMESH_TOKEN=weak))
+    assert port, output
+    salt = re.search(r"Token: ([A-Za-z0-9_-]{11})\.<your token>", output)
+    assert salt is not None, output
+    assert (f"Not saved (--no-save): start it again with the token in this form "
+            f"(GPUMESH_TOKEN={salt.group(1)}.<your token>) to keep the same mesh") in output
+    assert not _leaks(weak) and not (home / "token").exists()
