@@ -125,6 +125,8 @@ class WorkerAgent:
         self._mean_run: float | None = None  # moving average of task run time, seconds
         self._mean_bytes = 0.0  # moving average of a task's input, bytes
         self._granted_depth = 0  # the prefetch depth included in what was granted so far
+        # The depth the coordinator bounds what it sends by: HELLO's prefetch, then CREDIT's.
+        self._announced_depth = 0
         self._posted_at: float | None = None  # when what the link holds unsent was first posted
         self._napping: set[int] = set()  # runner sockets left out of the poller for now
         self.info = info
@@ -405,6 +407,7 @@ class WorkerAgent:
         # coordinator restart (only leases a coordinator granted or re-claimed are accepted).
         held += [[result["task"], lease] for lease, (result, _) in self.unacked.items()]
         self._granted_depth = self.prefetch_depth()
+        self._announced_depth = self.prefetch  # what HELLO's prefetch bounds it by
         self.granted = self.free_slots()
         self.received = 0
         self.functions.clear()  # the coordinator starts its count of what we keep afresh too
@@ -524,6 +527,7 @@ class WorkerAgent:
             return
         header: dict[str, Any] = {"granted": self.granted, "draining": self.draining,
                                   "mode": self.mode.value, "depth": self._granted_depth}
+        self._announced_depth = self._granted_depth
         if release:
             header["release"] = list(release)
         self.link.post(encode(Command.CREDIT, header))
@@ -533,8 +537,9 @@ class WorkerAgent:
         long go back to the coordinator unstarted, and the depth it may send goes to 0: they
         were granted while tasks were short, and would wait here while another worker idles.
         As tasks finish the slots take new ones, one each; short tasks raise the depth again."""
-        if self.mode is not WorkerMode.ACTIVE or not self.runners or not self._granted_depth:
-            return
+        if self.mode is not WorkerMode.ACTIVE or not self.runners or not self._granted_depth \
+                or not self.auto_prefetch:
+            return  # (a fixed --prefetch is the owner's choice: its tasks wait here)
         if not self.queue and not any(r.ahead for r in self.runners):
             return
         if any(r.task is None or _running_for(r, now) < PREFETCH_HORIZON for r in self.runners):
@@ -573,10 +578,11 @@ class WorkerAgent:
         depth = self.prefetch_depth()
         if depth > self._granted_depth:
             self.granted += depth - self._granted_depth
-            raised_from_zero = not self._granted_depth
             self._granted_depth = depth
-            if raised_from_zero:
-                self.send_credit()  # the coordinator holds its depth at 0 since a hand-back
+            if depth > self._announced_depth:
+                # The coordinator bounds what it sends by the last depth it heard (CREDIT's;
+                # HELLO's prefetch before any): a grant alone would not lift that bound.
+                self.send_credit()
         elif depth < self._granted_depth:
             self.granted -= 1
             self._granted_depth -= 1

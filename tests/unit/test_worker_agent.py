@@ -19,11 +19,11 @@ from gpumesh.worker.control import ControlServer
 from gpumesh.worker.runners import QueuedTask, RunningTask
 
 
-def recording_agent(tmp_path, slots=1):
+def recording_agent(tmp_path, slots=1, **options):
     """A one-slot agent whose messages land, decoded, in ``agent.sent`` (never started)."""
     a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
                     parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=slots, info={},
-                    local_control=False)
+                    local_control=False, **options)
     a.sent = []
     a.link.send = lambda frames: a.sent.append(decode(frames, Limits())) or True
     a.link.post = lambda frames: a.sent.append(decode(frames, Limits()))  # flushed at once
@@ -511,3 +511,48 @@ def test_lease_ids_that_are_not_numbers_are_left_out_and_the_rest_of_the_message
     agent.session.on_message(decode(encode(Command.TASK, {"task": 7, "lease": 7,
                                                           "kind": "fn"}), Limits()), 3.0)
     assert not agent.queue and agent.runners[0].task is None  # neither could be reported
+
+
+@pytest.fixture
+def auto_agent(tmp_path):
+    """As ``agent``, with join's own prefetch (auto)."""
+    yield from recording_agent(tmp_path, prefetch=None)
+
+
+def test_the_depth_the_coordinator_bounds_sends_by_rises_with_the_agent_s_own(auto_agent):
+    agent = auto_agent
+    agent.session.hello()
+    assert sent(agent, Command.HELLO)[-1]["prefetch"] == 64  # the bound until a CREDIT lowers it
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
+    agent._note_run_time(0.004)  # short: a depth of 3 (0.01 s of them), within HELLO's bound
+    assert agent._granted_depth == 3 and sent(agent, Command.CREDIT) == []
+    agent.send_credit()  # any CREDIT says the depth: the coordinator's bound is now 3
+    assert sent(agent, Command.CREDIT)[-1]["depth"] == 3
+    for _ in range(30):
+        agent._note_run_time(0.00005)  # shorter still: the depth rises to 64, and is said
+    depths = [c["depth"] for c in sent(agent, Command.CREDIT)]
+    assert depths[-1] == agent._granted_depth == 64 and depths == sorted(depths)
+    agent.session.hello()  # a new session: HELLO's prefetch bounds it again, nothing more said
+    before = len(sent(agent, Command.CREDIT))
+    agent._note_run_time(0.00005)
+    assert len(sent(agent, Command.CREDIT)) == before
+
+
+def test_queued_tasks_go_back_once_every_slot_runs_a_long_task(auto_agent):
+    agent = auto_agent
+    agent.session.hello()
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
+    for _ in range(10):
+        agent._note_run_time(0.00005)
+    runner = agent.runners[0]
+    runner.task = RunningTask("running", 1, 10.0, None, {})
+    agent.queue.extend(QueuedTask(RunningTask(f"t{i}", 2 + i, 10.0, None, {}), {}, [])
+                       for i in range(3))
+    agent._hand_back_waiting(10.1)  # the running task is 0.1 s old: it may yet be short
+    assert len(agent.queue) == 3
+    agent._hand_back_waiting(10.3)
+    assert not agent.queue and agent._granted_depth == 0
+    credit = sent(agent, Command.CREDIT)[-1]
+    assert credit["release"] == [2, 3, 4] and credit["depth"] == 0
+    agent._note_run_time(0.00005)  # short tasks again: the depth rises, and is said
+    assert sent(agent, Command.CREDIT)[-1]["depth"] > 0
