@@ -244,6 +244,9 @@ def test_a_big_batch_sends_its_first_calls_before_pickling_the_rest():
     futures = _submit(engine, [((i,), {}) for i in range(100)])
     assert engine.batches == [FIRST_CHUNK, 100 - FIRST_CHUNK] and futures == engine.futures
     assert engine.continues == [False, True]  # the rest goes in full SUBMITs
+    engine = _RecordingEngine()
+    _submit(engine, [((i,), {}) for i in range(2000)])
+    assert engine.batches == [FIRST_CHUNK, 2000 - FIRST_CHUNK]  # the rest in one hand-over
     assert len({f.job for f in futures}) == 1 and futures[0].job  # one job
     engine = _RecordingEngine()
     _submit(engine, [((i,), {}) for i in range(10)])
@@ -251,17 +254,6 @@ def test_a_big_batch_sends_its_first_calls_before_pickling_the_rest():
     engine = _RecordingEngine()
     _submit(engine, [])
     assert engine.batches == [0]
-
-
-def test_a_big_batch_goes_a_submit_at_a_time_as_it_is_pickled():
-    from gpumesh.client.engine import CHUNK, FIRST_CHUNK
-
-    engine = _RecordingEngine()
-    count = FIRST_CHUNK + 2 * CHUNK + 7
-    futures = _submit(engine, [((i,), {}) for i in range(count)])
-    assert engine.batches == [FIRST_CHUNK, CHUNK, CHUNK, 7]
-    assert engine.continues == [False, True, True, True]
-    assert futures == engine.futures and len({f.job for f in futures}) == 1
 
 
 def test_a_batch_whose_later_call_cannot_pickle_cancels_what_it_sent_and_raises():
