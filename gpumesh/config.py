@@ -23,6 +23,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .tokens import new_token as new_token  # re-exported: callers have always found it here
+from .tokens import parse_token
 
 log = logging.getLogger("gpumesh.config")
 
@@ -97,24 +98,24 @@ _TOKEN_AS_URL = (
 
 
 def _holds_token(text: str, token: str | None) -> bool:
-    """Whether ``text`` holds the token's secret (or the whole token)."""
-    if not token:
+    """Whether ``text`` is the token or its secret, or holds either: a secret of 16 characters
+    or more anywhere in it, a shorter (weak) one only as the whole host (``gpubox01`` must not
+    refuse ``gpubox01.lab``)."""
+    if not token or not token.strip():
         return False
-    secret = token.strip().rpartition(".")[2]
-    return token.strip() in text or (len(secret) >= 8 and secret in text)
+    whole = token.strip()
+    secret = parse_token(whole).secret
+    if any(len(part) >= 16 and part in text for part in (whole, secret)):
+        return True
+    host = text.partition("://")[2] or text
+    return host.rsplit(":", 1)[0].strip("/") in (whole, secret)
 
 
 def _looks_like_token(host: str) -> bool:
-    """A host name shaped as ``gpumesh token`` makes them (``rand-`` and a salt, then a long
-    random secret), or with a label no host has: 24 characters or more mixing upper case,
-    lower case and digits (a URL-safe base64 secret)."""
-    if _GENERATED_TOKEN.fullmatch(host):
-        return True
-    for label in host.split("."):
-        if (len(label) >= 24 and any(c.isupper() for c in label)
-                and any(c.islower() for c in label) and any(c.isdigit() for c in label)):
-            return True
-    return False
+    """A host name shaped as ``gpumesh token`` makes them: ``rand-`` and a salt, a dot, then a
+    long random secret. (Long mixed-case labels are no sign: ``Johns-MacBook-Pro-16inch-2021``
+    is a host.)"""
+    return _GENERATED_TOKEN.fullmatch(host) is not None
 
 
 def _env_bool(value: str | None) -> bool:

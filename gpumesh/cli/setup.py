@@ -110,10 +110,11 @@ def port_problem(text: str, host: str = DEFAULT_HOST) -> str | None:
     return None
 
 
-def url_problem(text: str) -> str | None:
-    """Why ``text`` is not a coordinator URL (HOST:PORT, tcp://, gpumesh://); None when it is."""
+def url_problem(text: str, token: str | None = None) -> str | None:
+    """Why ``text`` is not a coordinator URL (HOST:PORT, tcp://, gpumesh://); None when it is.
+    With ``token``, the token pasted where the address goes is one (it is not repeated)."""
     try:
-        parse_url(text)
+        parse_url(text, token)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -373,7 +374,7 @@ class _Wizard:
         while True:
             url = parse_url(self.q.text(
                 "Coordinator address (HOST:PORT, tcp://HOST:PORT or gpumesh://HOST:PORT):",
-                validate=lambda text: url_problem(text) or True).unsafe_ask()).zmq
+                validate=lambda text: url_problem(text, token) or True).unsafe_ask(), token).zmq
             if not self.q.confirm("Check that it answers now?", default=True).unsafe_ask():
                 return url
             if self._answers(url, token):

@@ -338,6 +338,7 @@ class GPUMesh:
         started = time.time()
         deadline = None if timeout is None else started + timeout
         if on_io_thread() and not all(f.done() for f in futures):
+            self._cancel([f for f in futures if not f.done()])  # nobody would collect them
             refuse_wait_on_io_thread("waiting for a .map's results")
         watch = _Countdown(futures)
         noticed = self.quiet

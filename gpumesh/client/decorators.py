@@ -125,8 +125,8 @@ class MeshFunction(Generic[P, R]):
             for index, (args, kwargs, _) in enumerate(calls):
                 yield index, await asyncio.to_thread(self.fn, *args, **kwargs)
             return
-        # Pickling every item (and planning the .map) happens off the event loop, which
-        # would otherwise stand still for it.
+        # Pickling every item happens off the event loop, which would otherwise stand still
+        # for it (planning the calls, done above, is cheap).
         futures = await _off_loop(mesh.submit_calls, self.fn, calls, self.options)
         loop = asyncio.get_running_loop()
         finished: asyncio.Queue[int] = asyncio.Queue()

@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from .api import GPUMesh, new_job_id
-from .engine import TaskFuture, refuse_wait_on_io_thread
+from .engine import FIRST_CHUNK, TaskFuture, refuse_wait_on_io_thread
 from .tasks import TaskOptions
 
 T = TypeVar("T")
 
 _EXECUTORS: weakref.WeakSet[MeshExecutor] = weakref.WeakSet()
+GROUP = 4 * FIRST_CHUNK  # calls per submission, at most (GPUMesh.submit_calls sends none early)
 _EXITING = False
 
 
@@ -94,7 +95,7 @@ class MeshExecutor(concurrent.futures.Executor):
                 raise RuntimeError("cannot schedule new futures after shutdown")
             if _EXITING:
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
-            future: concurrent.futures.Future[T] = concurrent.futures.Future()
+            future: concurrent.futures.Future[T] = _CallFuture()
             call = _Call(future, fn, args, kwargs)
             if self._room() > 0 and not self._waiting:
                 # A free place takes the call at once, as an idle pool thread would: from now
@@ -185,8 +186,14 @@ class MeshExecutor(concurrent.futures.Executor):
         return batch
 
     def _send(self, batch: list[_Call]) -> None:
-        # Consecutive calls of one function go as one submission (one pickled function).
-        groups = [list(group) for _, group in itertools.groupby(batch, key=lambda c: id(c.fn))]
+        # Consecutive calls of one function go as one submission (one pickled function), of
+        # at most GROUP calls: submit_calls pickles a group that size whole before it sends any
+        # of it, so a call that cannot be pickled has sent nothing, and the group can go again
+        # a call at a time without running any call twice.
+        groups: list[list[_Call]] = []
+        for _, run in itertools.groupby(batch, key=lambda c: id(c.fn)):
+            same = list(run)
+            groups += [same[start:start + GROUP] for start in range(0, len(same), GROUP)]
         batch.clear()
         while groups:
             calls = groups.pop(0)
@@ -215,6 +222,21 @@ class MeshExecutor(concurrent.futures.Executor):
         with self._changed:
             self._running.discard(task)
             self._changed.notify_all()
+
+
+class _CallFuture(concurrent.futures.Future[Any]):
+    """An executor call's future. Its result is set on the client's I/O thread, where its
+    done-callbacks run too: waiting there for one not done would wait forever."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            refuse_wait_on_io_thread("waiting for an executor call's result")
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            refuse_wait_on_io_thread("waiting for an executor call's result")
+        return super().exception(timeout)
 
 
 class _Relay:

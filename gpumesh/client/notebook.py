@@ -4,8 +4,9 @@
 the cell itself defined with ``@mesh``: calling it, or its ``.map``, runs on the mesh. What the
 cell imports or merely names again stays as it was. Within the cell itself, a function is
 already the mesh's through ``.map``, ``.submit``, ``.aio``, ``.amap`` and ``.to`` (the spec's
-``results = preprocess.map(...)`` in the cell that defines it), while a plain call still runs
-here: a helper the cell calls, or applies as a decorator, as it defines the rest, runs as
+``results = preprocess.map(...)`` in the cell that defines it; a ``def`` at the cell's top
+level, not one inside an ``if`` or ``try``, which is wrapped after the cell), while a plain call
+still runs here: a helper the cell calls, or applies as a decorator, as it defines the rest, runs as
 written. A cell that raises fails as any cell does,
 with its own error (nbclient and "Run all" stop there). What a task prints appears in the cell
 that called it. The stop button raises KeyboardInterrupt in the waiting call, which cancels that

@@ -274,7 +274,7 @@ class Credit:
     granted: int
     mode: WorkerMode
     release: tuple[int, ...]
-    # How many tasks it holds queued beyond its slots from now on (since 1.7; None: as its
+    # How many tasks it holds queued beyond its slots from now on (since 1.9; None: as its
     # HELLO's prefetch said). Lowered when its tasks turned long, raised when short again.
     depth: int | None = None
 

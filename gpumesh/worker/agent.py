@@ -85,6 +85,9 @@ COALESCE_MAX = 64
 # the socket (safe there if it dies) and are read together, instead of a wake-up for each.
 AHEAD_DEEP = 64
 RUNNER_NAP = 0.001
+# A task handed ahead to a runner whose task has run this long goes back to the coordinator
+# (when every slot is busy): dropping it restarts the runner after its task.
+AHEAD_HAND_BACK = 2.0
 # How long a worker that is leaving waits for the coordinator to answer its DISCONNECT, or,
 # from a coordinator that does not answer (before protocol 1.6), lingers for it to go out (ms).
 GOODBYE_LINGER_MS = 1000
@@ -182,6 +185,7 @@ class WorkerAgent:
         self._goodbye_answered = False  # this session's coordinator answers a DISCONNECT
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
         self._pending_release: list[int] = []
+        self._hello_release: list[int] = []  # the releases the last HELLO carried
         self._started_at = 0.0
         self._hinted = False
         self._lost_at: float | None = None  # when the coordinator went silent (one outage)
@@ -384,12 +388,9 @@ class WorkerAgent:
         waits += [runner.read_at + RUNNER_NAP - now for runner in self.runners
                   if runner.control is not None and runner.control.fileno() in self._napping]
         idle = any(r.idle for r in self.runners)
-        if not idle and self._granted_depth and self.runners and (
-                self.queue or any(r.ahead for r in self.runners)) \
-                and all(r.task is not None for r in self.runners):
-            # When the last slot's task has run PREFETCH_HORIZON: what waits goes back then.
-            waits.append(max(r.task.started for r in self.runners  # type: ignore[union-attr]
-                             ) + PREFETCH_HORIZON - now)
+        hand_back = self._hand_back_due(now)
+        if hand_back is not None:
+            waits.append(hand_back - now)
         for runner in self.runners:
             if runner.task is not None and runner.task.deadline is not None:
                 waits.append(runner.task.deadline - now)
@@ -408,6 +409,7 @@ class WorkerAgent:
         held += [[result["task"], lease] for lease, (result, _) in self.unacked.items()]
         self._granted_depth = self.prefetch_depth()
         self._announced_depth = self.prefetch  # what HELLO's prefetch bounds it by
+        self._hello_release = list(self._pending_release)  # what this HELLO hands back
         self.granted = self.free_slots()
         self.received = 0
         self.functions.clear()  # the coordinator starts its count of what we keep afresh too
@@ -415,7 +417,7 @@ class WorkerAgent:
             "incarnation": self.incarnation, "slots": self.slots, "credit": self.granted,
             "prefetch": self.prefetch, "held": held, "info": self.info,
             "draining": self.draining, "mode": self.mode.value,
-            "release": list(self._pending_release), "fnref": True, "control": True,
+            "release": self._hello_release, "fnref": True, "control": True,
         }
 
     def heartbeat_header(self) -> dict[str, Any]:
@@ -532,27 +534,47 @@ class WorkerAgent:
             header["release"] = list(release)
         self.link.post(encode(Command.CREDIT, header))
 
+    def _hand_back_due(self, now: float) -> float | None:
+        """When ``_hand_back_waiting`` has something to do (now or later), or None: only in
+        auto prefetch (a fixed --prefetch is the owner's choice: its tasks wait here), while
+        active, and while every slot runs a task."""
+        if self.mode is not WorkerMode.ACTIVE or not self.auto_prefetch or not self.runners \
+                or any(r.task is None for r in self.runners):
+            return None
+        all_long = max(r.task.started for r in self.runners  # type: ignore[union-attr]
+                       ) + PREFETCH_HORIZON
+        due = [all_long] if self.queue or self._granted_depth else []
+        due += [max(r.task.started + AHEAD_HAND_BACK, all_long)  # type: ignore[union-attr]
+                for r in self.runners if r.ahead]
+        return min(due) if due else None
+
     def _hand_back_waiting(self, now: float) -> None:
-        """Tasks queued here (or handed ahead) while every slot runs a task that has turned out
-        long go back to the coordinator unstarted, and the depth it may send goes to 0: they
-        were granted while tasks were short, and would wait here while another worker idles.
-        As tasks finish the slots take new ones, one each; short tasks raise the depth again."""
-        if self.mode is not WorkerMode.ACTIVE or not self.runners or not self._granted_depth \
-                or not self.auto_prefetch:
-            return  # (a fixed --prefetch is the owner's choice: its tasks wait here)
-        if not self.queue and not any(r.ahead for r in self.runners):
+        """Once every slot runs a task that has turned out long (PREFETCH_HORIZON), what is
+        queued here goes back to the coordinator unstarted and the depth it may send goes to 0:
+        those tasks were granted while tasks were short, and would wait here while another
+        worker idles. As tasks finish the slots take new ones, one each; short tasks raise the
+        depth again. A task handed ahead to a runner goes back once that runner's task has run
+        AHEAD_HAND_BACK: the runner restarts after its task to skip it, which an occasional
+        slow task among short ones should not cost (a warm CUDA context, a loaded model)."""
+        due = self._hand_back_due(now)
+        if due is None or now < due:
             return
-        if any(r.task is None or _running_for(r, now) < PREFETCH_HORIZON for r in self.runners):
-            return  # a slot is free or about to be: _start_queued places what waits
-        released = [queued.task.lease_id for queued in self.queue]
-        self.queue.clear()
+        all_long = all(_running_for(r, now) >= PREFETCH_HORIZON for r in self.runners)
+        released: list[int] = []
+        if all_long:
+            released = [queued.task.lease_id for queued in self.queue]
+            self.queue.clear()
         for runner in self.runners:
-            # The runner restarts once its task ends, so a dropped one never runs there.
-            released += [queued.task.lease_id for queued in runner.drop_ahead()]
+            if runner.ahead and all_long and _running_for(runner, now) >= AHEAD_HAND_BACK:
+                released += [queued.task.lease_id for queued in runner.drop_ahead()]
+        if not all_long or (not released and not self._granted_depth):
+            return
         # The grant stays (the coordinator keeps the largest it heard; what it may send is
         # now bounded by the depth this CREDIT gives, 0).
         self._granted_depth = 0
-        log.info("handed %d queued task(s) back: every slot runs a long task", len(released))
+        if released:
+            log.info("handed %d queued task(s) back: every slot runs a long task",
+                     len(released))
         self.send_credit(release=released)
 
     def free_slots(self) -> int:
@@ -628,7 +650,13 @@ class WorkerAgent:
                                                       "shm": self.shm.proof}))
         dropped = sum(self._cancel(lease_id, now, report=False)
                       for lease_id in _lease_ids(h.get("abort")))
-        self._pending_release = []  # HELLO carried them; the coordinator has them back
+        # The HELLO carried those; the coordinator has them back. Any handed back since it
+        # went (a hand-back, a pause before the WELCOME) go now.
+        carried = set(self._hello_release)
+        self._pending_release = [lease for lease in self._pending_release if lease not in carried]
+        if self._pending_release:
+            self.send_credit(release=self._pending_release)
+            self._pending_release = []
         if dropped and not self.draining:
             # HELLO counted those slots as busy; they are free again. (A lease whose task
             # finished meanwhile was already credited when it reported.)

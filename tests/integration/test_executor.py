@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
+from conftest import poll_until, wait_for
 
 from gpumesh import MeshExecutor
 
@@ -105,3 +106,73 @@ def test_waiting_in_a_done_callback_raises_instead_of_hanging_the_connection(mes
     pool.submit(square, 6).add_done_callback(shuts_down)
     assert "shutdown(wait=True)" in str(raised.result(timeout=30))
     assert client.submit(square, 7).result(timeout=30) == 49
+
+
+def record(log: str, x: int) -> int:
+    with open(log, "a") as out:
+        out.write(f"{x}\n")
+    return x
+
+
+class FailsOnceTheFirstRan:
+    """An argument that cannot be pickled, and fails only once the calls sent ahead of it (a
+    group's first 16, if any went early) ran: a re-send of those would run them twice."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __reduce__(self):
+        poll_until(lambda: self.log.exists() and len(self.log.read_text().split()) >= 16, 10)
+        raise TypeError("cannot pickle this argument")
+
+
+def test_a_big_group_with_a_call_that_cannot_be_sent_runs_every_other_call_once(mesh_env,
+                                                                                tmp_path):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    log = tmp_path / "ran"
+    with client.executor(max_workers=500) as pool:
+        with pool._changed:  # all 150 queued first: the dispatcher takes them together
+            futures = [pool.submit(record, str(log), FailsOnceTheFirstRan(log) if x == 120 else x)
+                       for x in range(150)]
+        for x, future in enumerate(futures):
+            if x == 120:
+                with pytest.raises(TypeError, match="pickle"):
+                    future.result(timeout=60)
+            else:
+                assert future.result(timeout=60) == x
+    ran = sorted(int(line) for line in log.read_text().split())
+    assert ran == [x for x in range(150) if x != 120]  # each once: none sent twice
+
+
+def test_a_map_or_an_executor_result_waited_for_in_a_done_callback_raises(mesh_env):
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    pool = client.executor(max_workers=4)
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def waits(_):
+        errors = []
+        other = pool.submit(square, 9)
+        try:
+            other.result(timeout=30)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        try:
+            client.map(square, range(5))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        outcome.set_result(errors)
+
+    pool.submit(square, 3).add_done_callback(waits)
+    errors = outcome.result(timeout=30)
+    assert len(errors) == 2 and all("done-callback" in e for e in errors)
+    # The map's tasks were cancelled, not left running for nobody.
+    wait_for(lambda: client.status(tasks=False)["counts"].get("pending", 0)
+             + client.status(tasks=False)["counts"].get("running", 0) == 0,
+             what="nothing of the refused map left")
+    pool.shutdown()

@@ -539,6 +539,8 @@ def test_the_depth_the_coordinator_bounds_sends_by_rises_with_the_agent_s_own(au
 
 
 def test_queued_tasks_go_back_once_every_slot_runs_a_long_task(auto_agent):
+    from gpumesh.worker.agent import AHEAD_HAND_BACK
+
     agent = auto_agent
     agent.session.hello()
     agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
@@ -548,11 +550,45 @@ def test_queued_tasks_go_back_once_every_slot_runs_a_long_task(auto_agent):
     runner.task = RunningTask("running", 1, 10.0, None, {})
     agent.queue.extend(QueuedTask(RunningTask(f"t{i}", 2 + i, 10.0, None, {}), {}, [])
                        for i in range(3))
+    runner.ahead.append((QueuedTask(RunningTask("ahead", 9, 10.0, None, {}), {}, []), "n1"))
+    assert agent._poll_timeout() <= 200  # it wakes when the running task has run 0.2 s
     agent._hand_back_waiting(10.1)  # the running task is 0.1 s old: it may yet be short
     assert len(agent.queue) == 3
     agent._hand_back_waiting(10.3)
     assert not agent.queue and agent._granted_depth == 0
     credit = sent(agent, Command.CREDIT)[-1]
     assert credit["release"] == [2, 3, 4] and credit["depth"] == 0
+    # The one handed ahead stays with its runner (dropping it restarts the runner) until its
+    # task has run AHEAD_HAND_BACK: an occasional slow task keeps its runner warm.
+    assert runner.ahead and not runner.restart_after_task
+    agent._hand_back_waiting(10.0 + AHEAD_HAND_BACK + 0.1)
+    assert not runner.ahead and sent(agent, Command.CREDIT)[-1]["release"] == [9]
+    # A task that arrives after the hand-back goes back too; then nothing is due.
+    agent.queue.append(QueuedTask(RunningTask("late", 11, 13.0, None, {}), {}, []))
+    agent._hand_back_waiting(13.0)
+    assert not agent.queue and sent(agent, Command.CREDIT)[-1]["release"] == [11]
+    assert agent._hand_back_due(13.0) is None
     agent._note_run_time(0.00005)  # short tasks again: the depth rises, and is said
     assert sent(agent, Command.CREDIT)[-1]["depth"] > 0
+
+
+def test_a_fixed_prefetch_keeps_its_queue_and_the_agent_does_not_spin(tmp_path):
+    for agent in recording_agent(tmp_path, prefetch=2):
+        agent.session.hello()
+        agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), time.time())
+        runner = agent.runners[0]
+        runner.task = RunningTask("running", 1, time.time() - 5.0, None, {})
+        agent.queue.append(QueuedTask(RunningTask("t", 2, 0.0, None, {}), {}, []))
+        agent._hand_back_waiting(time.time())
+        assert len(agent.queue) == 1 and sent(agent, Command.CREDIT) == []
+        agent.session.last_heard = agent.session.last_heartbeat = time.time()
+        assert agent._poll_timeout() > 100  # no wake-up due for it: the loop sleeps
+
+
+def test_a_hand_back_made_between_hello_and_welcome_is_not_lost(auto_agent):
+    agent = auto_agent
+    agent.session.hello()
+    agent.send_credit(release=[5])  # before the WELCOME: pending, not in the HELLO sent
+    assert sent(agent, Command.HELLO)[-1]["release"] == []
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
+    assert sent(agent, Command.CREDIT)[-1]["release"] == [5]
