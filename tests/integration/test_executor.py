@@ -14,11 +14,17 @@ def square(x):
     return x * x
 
 
-def test_executor_map_in_chunks_shares_the_mesh_and_is_one_job(mesh_env):
+def _one_worker_mesh(mesh_env):
+    """A coordinator, one worker of two slots, and a client that has seen it join."""
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=2)
     client = mesh_env.client()
     mesh_env.wait_workers(1, client)
+    return client
+
+
+def test_executor_map_in_chunks_shares_the_mesh_and_is_one_job(mesh_env):
+    client = _one_worker_mesh(mesh_env)
     with client.executor(max_workers=2) as pool:
         assert list(pool.map(square, range(10), chunksize=4)) == [x * x for x in range(10)]
         assert pool.submit(square, 7).result(timeout=30) == 49
@@ -49,10 +55,7 @@ def test_an_executor_of_its_own_closes_its_connection(mesh_env, monkeypatch):
 def test_a_call_that_cannot_be_sent_fails_alone_not_the_calls_sent_with_it(mesh_env):
     import threading
 
-    mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=2)
-    client = mesh_env.client()
-    mesh_env.wait_workers(1, client)
+    client = _one_worker_mesh(mesh_env)
     with client.executor(max_workers=8) as pool:
         # Held back until all four are queued: the dispatcher takes them as one group.
         with pool._changed:
@@ -64,10 +67,7 @@ def test_a_call_that_cannot_be_sent_fails_alone_not_the_calls_sent_with_it(mesh_
 
 
 def test_waiting_in_a_done_callback_raises_instead_of_hanging_the_connection(mesh_env):
-    mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=2)
-    client = mesh_env.client()
-    mesh_env.wait_workers(1, client)
+    client = _one_worker_mesh(mesh_env)
     seen: list[BaseException | None] = []
     done = concurrent.futures.Future()
 
@@ -128,10 +128,7 @@ class FailsOnceTheFirstRan:
 
 def test_a_big_group_with_a_call_that_cannot_be_sent_runs_every_other_call_once(mesh_env,
                                                                                 tmp_path):
-    mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=2)
-    client = mesh_env.client()
-    mesh_env.wait_workers(1, client)
+    client = _one_worker_mesh(mesh_env)
     log = tmp_path / "ran"
     with client.executor(max_workers=500) as pool:
         with pool._changed:  # all 150 queued first: the dispatcher takes them together
@@ -148,10 +145,7 @@ def test_a_big_group_with_a_call_that_cannot_be_sent_runs_every_other_call_once(
 
 
 def test_a_map_or_an_executor_result_waited_for_in_a_done_callback_raises(mesh_env):
-    mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=2)
-    client = mesh_env.client()
-    mesh_env.wait_workers(1, client)
+    client = _one_worker_mesh(mesh_env)
     pool = client.executor(max_workers=4)
     outcome: concurrent.futures.Future = concurrent.futures.Future()
 

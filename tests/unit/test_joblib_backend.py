@@ -9,7 +9,6 @@ import pickle
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from conftest import require
@@ -37,7 +36,7 @@ class StandInMesh:
         pickle.dumps(func)
 
         def run():
-            time.sleep(0.01)
+            threading.Event().wait(0.01)  # a task's work: its result comes on this thread
             return func()
         return [self.pool.submit(run)]
 
