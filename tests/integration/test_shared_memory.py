@@ -101,6 +101,24 @@ def test_big_bytes_and_bytearrays_round_trip_as_themselves(mesh_env, shared):
         assert value[0] == data[0] ^ 0xFF and value[1:] == data[1:]
 
 
+def descendants(pid: int) -> set[int]:
+    """The processes below ``pid``, from /proc (its runners, for a worker agent)."""
+    parents: dict[int, int] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # The command name may hold spaces: the fields after its closing parenthesis.
+                parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
 def holders_of_owner_files() -> dict[str, set[int]]:
     """Each producer lock file (gpumesh/shmowners.py) in this user's folders: the processes
     holding it open, from /proc."""
@@ -131,7 +149,8 @@ def test_a_runner_writes_its_results_as_its_worker_which_keeps_them_until_sent(m
     mesh_env.wait_workers(1, client)
     results = client.map(checksum_after, [(a, 0.0) for a in arrays(2)], timeout=60)
     assert len(results) == 2
-    holders = set().union(*holders_of_owner_files().values())
+    ours = {os.getpid(), worker.pid, *descendants(worker.pid)}  # not another test's leftovers
+    holders = set().union(*holders_of_owner_files().values()) & ours
     assert holders == {os.getpid(), worker.pid}  # the client and the agent; no runner
 
 
