@@ -218,7 +218,7 @@ class _Submission:
     task_id: str = ""
     sent_at: float = 0.0
     busy: bool = False  # refused for now by the coordinator's per-client quota: sent again later
-    leads: bool = True  # of its job's first batch (False: a later part of the same .map)
+    leads: bool = True  # of its job's first batch (False: the rest of the same .map)
     # Its big frames as left in a shared-memory folder: (folder path, frames, references).
     shared: tuple[str, list[Any], Sequence[Ref]] | None = None
 
@@ -328,8 +328,8 @@ class Engine:
     def submit(self, items: list[tuple[dict[str, Any], list[Any]]], job: str = "", name: str = "",
                *, continues: bool = False) -> list[TaskFuture]:
         """Queue tasks (spec, payload frames) as one job; returns their futures in order.
-        ``continues``: more of a job whose first tasks were queued already (a .map handed over
-        in parts as it is pickled), whose SUBMITs are then all full-sized."""
+        ``continues``: more of a job whose first tasks were queued already (the rest of a big
+        .map, after its first FIRST_CHUNK), whose SUBMITs are then all full-sized."""
         self._check_usable()
         if len(job) > ID_CHARS or not job.isprintable():
             # The coordinator would refuse the whole SUBMIT, again at every re-send.
@@ -603,8 +603,8 @@ class Engine:
             chunk: list[_Submission] = []
             size = header = wire_bytes = wire_frames = 0
             # A small first chunk: the coordinator starts it on idle workers while it still
-            # journals the rest (a 200-task .map's first task began after 40 ms, now ~8). A
-            # later part of a .map handed over as it was pickled goes in full SUBMITs.
+            # journals the rest (a 200-task .map's first task began after 40 ms, now ~8). The
+            # rest of that .map, handed over once its first chunk went, goes in full SUBMITs.
             most = FIRST_CHUNK if group[0].leads else CHUNK
             for sub in group:
                 if sub.future.cancel_requested and not sub.sent_at:
