@@ -40,6 +40,10 @@ def run_system(system_type: type[System], params: Params, log: Callable[[str], N
         result["cold_start_s"] = cold_start(system)
         system.wait_ready()
         system.map(noop, list(range(params.warmup_tasks)))  # runners, imports, caches warm
+        # And the array type's own module in every worker (numpy takes 55-70 ms to import
+        # here): without this the 64 MiB column's first call, all --quick times, measured a
+        # fresh gpumesh runner importing numpy, which Ray's workers do as they start.
+        system.map(first_element, [filled(64, i % 8) for i in range(params.warmup_tasks)])
         steps: list[tuple[str, Callable[[System, Params], Result]]] = [
             ("throughput", throughput), ("round trip", round_trips),
             ("64 MiB", big_round_trip), ("sleep", sleep_efficiency),

@@ -24,7 +24,7 @@ class Params:
 
     @classmethod
     def quick(cls) -> Params:
-        return cls(tiny_tasks=2000, round_trips=100, big_repeats=1, mid_tasks=300)
+        return cls(tiny_tasks=2000, round_trips=100, big_repeats=2, mid_tasks=300)
 
     @property
     def ideal_sleep_seconds(self) -> float:

@@ -146,8 +146,27 @@ def targets_table(results: Results) -> list[str]:
             rows.append([target.text, "not measured", "–"])
         else:
             rows.append([target.text, outcome[0], "met" if outcome[1] else "**not met**"])
+    first = _first_big_call(systems, results.get("params", {}))
+    if first is not None:
+        rows.append(["64 MiB round trip ≥ Ray's MB/s, first call of that size (for reference: "
+                     "new shared-memory files)", first[0], "met" if first[1] else "**not met**"])
     rows += _head_to_head_targets(results.get("head_to_head", {}))
     return _table(["target", "measured (gpumesh)", ""], rows, "lll")
+
+
+def _first_big_call(systems: dict[str, dict[str, Any]], params: dict[str, Any]
+                    ) -> tuple[str, bool] | None:
+    """The 64 MiB target judged by each system's first call alone: the column takes the best
+    of its repeats, and a first call also pays for files (gpumesh) or store pages (Ray) that
+    later calls of the same size reuse."""
+    size = params.get("big_bytes")
+    mine = (systems.get(GPUMESH, {}).get("big_seconds") or [None])[0]
+    theirs = (systems.get("ray", {}).get("big_seconds") or [None])[0]
+    if not size or not mine or not theirs or len(systems[GPUMESH]["big_seconds"]) < 2:
+        return None  # one call only: the column is the first call already
+    mine_mb_s, theirs_mb_s = 2 * size / mine / 1e6, 2 * size / theirs / 1e6
+    r = mine_mb_s / theirs_mb_s
+    return f"{r:.2f}× ({number(mine_mb_s, 0)} vs {number(theirs_mb_s, 0)})", r >= 1.0
 
 
 HEAD_TO_HEAD_MEDIANS = ("tasks_ratio", "p50_ratio", "gpumesh_p99_ms")  # bench/headtohead.py
