@@ -35,7 +35,7 @@ _URL_SCHEMES = ("tcp", "gpumesh", "http", "https")
 # A DNS name (RFC 1123 labels, a trailing dot allowed) or an IPv4 address; IPv6 is bracketed.
 _HOST_NAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
                         r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
-_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9a-fA-F:.]+)\]|(?P<host>[^:/\[\]]+))(?::(?P<port>\d+))?/?$")
+_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9a-fA-F:.]+)\]|(?P<host>[^:/\[\]]+))(?::(?P<port>\d{1,5}))?/?$")
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,19 @@ def parse_url(url: str, token: str | None = None) -> Endpoint:
         scheme, _, rest = text.partition("://")
         if scheme.lower() not in _URL_SCHEMES:
             raise ConfigError(
-                f"unsupported URL scheme {scheme!r} in {url!r}: use tcp://HOST:PORT"
+                f"unsupported URL scheme {scheme[:32]!r} in {url[:80]!r}: use tcp://HOST:PORT"
             )
         text = rest
     match = _HOST_PORT.match(text)
     if not match:
-        raise ConfigError(f"cannot read a host and port from {url!r}: use tcp://HOST:PORT")
+        raise ConfigError(f"cannot read a host and port from {url[:80]!r}: use tcp://HOST:PORT")
     host = match.group("v6") or match.group("host")
+    if match.group("v6"):
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"[{host[:64]}] in {url[:80]!r} is not an IPv6 address: use "
+                              "tcp://[ADDRESS]:PORT, e.g. tcp://[fd00::20]:8000") from None
     if match.group("host") and _looks_like_token(host):
         raise ConfigError(_TOKEN_AS_URL)
     if match.group("host") and not _HOST_NAME.fullmatch(host):
@@ -86,7 +92,7 @@ def parse_url(url: str, token: str | None = None) -> Endpoint:
                           "use tcp://HOST:PORT, e.g. tcp://192.168.1.20:8000")
     port = int(match.group("port") or DEFAULT_PORT)
     if not 0 < port < 65536:
-        raise ConfigError(f"port {port} in {url!r} is out of range (1-65535)")
+        raise ConfigError(f"port {port} in {url[:80]!r} is out of range (1-65535)")
     return Endpoint(host, port)
 
 
@@ -328,9 +334,12 @@ class Settings:
         self, url: str | None = None, token: str | None = None
     ) -> tuple[Endpoint, str]:
         """Pick the coordinator and token: explicit values, then env vars, then the saved file."""
-        saved = self.saved_connection()
-        chosen_url = url or self.url or (saved.url if saved else None)
-        chosen_token = token or self.token or (saved.token if saved else None)
+        # The saved file only fills in what was not given: a damaged one must not stand in
+        # the way of an explicit --url and --token.
+        given_url, given_token = url or self.url, token or self.token
+        saved = None if given_url and given_token else self.saved_connection()
+        chosen_url = given_url or (saved.url if saved else None)
+        chosen_token = given_token or (saved.token if saved else None)
         if not chosen_url:
             raise ConfigError(
                 "no coordinator configured: pass --url, set GPUMESH_URL, or run "
@@ -483,6 +492,11 @@ def ensure_home(home: Path) -> Path:
     folder this user does not own, a shared one (sticky bit, like /tmp) and the home folder
     itself are left as they are, with a warning instead.
     """
+    if os.name == "nt":
+        # Windows has no mode bits to check: stat says 0777 for every writable folder and
+        # chmod cannot change that; the folder under the user's profile is theirs by its ACL.
+        home.mkdir(parents=True, exist_ok=True)
+        return home
     try:
         home.mkdir(parents=True, mode=0o700)
     except FileExistsError:

@@ -147,7 +147,10 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
 
 
 def loose_file_warning(path: str | os.PathLike[str]) -> str | None:
-    """A warning when a token file can be read by other users; None when it cannot."""
+    """A warning when a token file can be read by other users; None when it cannot (or on
+    Windows, where every file reads 0666 and chmod cannot change it: its ACL decides)."""
+    if os.name == "nt":
+        return None
     try:
         mode = os.stat(path).st_mode
     except OSError:

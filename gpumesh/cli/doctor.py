@@ -183,6 +183,13 @@ def check_config(settings: Settings) -> tuple[Check, str | None, str | None]:
     url = settings.url or (saved.url if saved else None)
     token = settings.token or (saved.token if saved else None)
     source = ("GPUMESH_URL" if settings.url else f"saved in {path}" if saved else None)
+    if url is not None:
+        try:
+            parse_url(url, token)
+        except ConfigError as exc:  # its message never quotes a URL that holds the token
+            return Check("config", "fault", f"the coordinator URL ({source}) cannot be used",
+                         (str(exc),), data={"path": str(path), "url": None,
+                                            "url_from": source}), None, token
     data: dict[str, Any] = {"path": str(path), "saved": saved is not None, "url": url,
                             "url_from": source, "token": "set" if token else "missing",
                             "token_from": "GPUMESH_TOKEN" if settings.token
@@ -210,6 +217,8 @@ def check_config(settings: Settings) -> tuple[Check, str | None, str | None]:
 
 
 def _loose(path: Path) -> str | None:
+    if os.name == "nt":
+        return None  # no mode bits there: every file reads 0666, and chmod cannot change it
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
     except OSError:
@@ -441,6 +450,13 @@ def report(environ: Mapping[str, str], *, url: str | None = None, token: str | N
     config, saved_url, saved_token = check_config(settings)
     url, token = url or saved_url, token or saved_token
     checks.append(config)
+    if url is not None and (url, token) != (saved_url, saved_token):
+        try:  # --url or --token given: check_config judged only the configured pair
+            parse_url(url, token)
+        except ConfigError as exc:
+            checks.append(Check("url", "fault", "the coordinator URL given cannot be used",
+                                (str(exc),)))
+            url = None
     connect = probes.connect or (lambda u, t, s: connect_and_list(u, t, s, settings))
     coordinator, listing = check_coordinator(url, token, timeout, connect)
     checks.append(coordinator)

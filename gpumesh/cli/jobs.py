@@ -14,7 +14,7 @@ from ..client.api import new_job_id
 from ..client.tasks import TaskOptions
 from ..errors import MeshError
 from ..protocol.fields import for_terminal
-from .output import color_enabled, fail, ok
+from .output import color_enabled, fail, json_text, ok
 
 BAR_WIDTH = 20
 WAIT_LISTING = 20  # --wait lists every task of a job up to this size, else only the failures
@@ -90,7 +90,7 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
         if "error" in task and state != "done":
             lines.append(f"    error: {for_terminal(str(task['error']))}")
         elif result is not None:
-            text = result if isinstance(result, str) else json.dumps(result, default=repr)
+            text = result if isinstance(result, str) else json_text(result, indent=None)
             lines.append(f"    result: {for_terminal(text)}")
     if status.get("tasks_not_shown"):
         lines.append(f"  ... and {status['tasks_not_shown']} more task(s), counted above")
@@ -146,7 +146,7 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
         return 0
     try:  # from the first line that says it was accepted: Ctrl+C stops the waiting only
         if not as_json:
-            ok(f"Submitted job {job_id} ({plural(len(futures), 'task')})")
+            ok(f"Submitted job {job_id}")  # the spec's line: the progress bar counts tasks
             click.echo(f"Job: {name or script} ({job_id})")
             click.echo("")
         status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
@@ -157,7 +157,7 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
         for task in status.get("tasks", []):
             if "result" not in task and task["id"] in results:
                 task["result"] = results[task["id"]]
-        click.echo(json.dumps(status, indent=2, default=repr))
+        click.echo(json_text(status))
     else:
         click.echo("")
         click.echo(job_summary(status, results, limit=WAIT_LISTING))
@@ -188,11 +188,21 @@ def _results_of(futures: list[Any]) -> dict[str, Any]:
 
 def _read_payloads(path: str) -> list[Any]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         fail(f"cannot read the payloads file {path}: {exc.strerror}")
     try:
+        text = raw.decode("utf-8-sig")  # a BOM, as Windows editors write, is no error
+    except UnicodeDecodeError:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        fail(f"{path} is not UTF-8 text" + (" (it is UTF-16, as PowerShell's > writes)"
+                                             if utf16 else "")
+             + ": save it as UTF-8 (in PowerShell: ... | Out-File -Encoding utf8 FILE)")
+    try:
         payloads = json.loads(text)
+    except RecursionError:
+        fail(f"{path} nests lists or objects too deeply to read: a list of flat payload "
+             "objects is what it must hold")
     except ValueError as exc:
         fail(f"{path} is not valid JSON ({exc}): it must hold a list of payload objects")
     if isinstance(payloads, list) and not all(isinstance(p, dict) for p in payloads):
@@ -207,7 +217,7 @@ def _read_payloads(path: str) -> list[Any]:
 def status(mesh: GPUMesh, job_id: str | None, as_json: bool) -> None:
     answer = mesh.status(job_id)
     if as_json:
-        click.echo(json.dumps(answer, indent=2, default=repr))
+        click.echo(json_text(answer))
     elif job_id:
         print_job(answer)
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import platform
 import sys
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from .._version import __version__
-from ..config import DEFAULT_PORT, Settings
+from ..config import DEFAULT_PORT, YEAR, Settings
 from ..errors import MeshError
-from .output import fail, setup_logging, worker_table
+from .output import fail, json_text, setup_logging, worker_table
 from .tokens import chosen_token, prime_key_cache, token_options
 
 if TYPE_CHECKING:
@@ -24,6 +24,20 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _T = TypeVar("_T")
 
 VERSION_LINE = f"gpumesh {__version__} ({platform.python_version()}, {platform.system()})"
+
+
+class _Seconds(click.FloatRange):
+    """A duration in seconds within a range: click's FloatRange lets "nan" through (no
+    comparison with NaN is true) and "inf" past a range without a top."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return number
 
 
 def _settings() -> Settings:
@@ -119,7 +133,7 @@ def cli(verbose: bool, json_logs: bool) -> None:
 @click.option("--slots", type=click.IntRange(1, 1024), default=None,
               help="Slots of the self-worker (default: one per GPU, else per core up to 4).")
 @click.option("--safe-mode", is_flag=True, help="Refuse pickled functions; accept scripts only.")
-@click.option("--pending-timeout", type=click.FloatRange(min=0.1), default=None,
+@click.option("--pending-timeout", type=_Seconds(0.1, YEAR), default=None,
               help="Seconds an unschedulable task waits before it fails (default 60).")
 @click.option("--no-save", is_flag=True, help="Do not save this connection as the default.")
 @click.option("--dashboard", is_flag=True,
@@ -273,7 +287,7 @@ def _with_client(url: str | None, token: str | None, work: Callable[[GPUMesh], _
               help="JSON file with a list of payloads: one task each, given to the script on stdin.")
 @click.option("--name", default=None, help="Job name shown by 'status' (default: the script path).")
 @click.option("--wait", is_flag=True, help="Show progress until the job ends, then every result.")
-@click.option("--timeout", type=click.FloatRange(min=0.001), default=None,
+@click.option("--timeout", type=_Seconds(0.001, YEAR), default=None,
               help="Seconds each task may run before it is stopped.")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Runs per task when workers die under it (a script error is not retried).")
@@ -420,7 +434,7 @@ def dashboard(dashboard_host: str, dashboard_port: int, dashboard_cert: str | No
 
 
 @cli.command()
-@click.option("--timeout", type=click.FloatRange(0.5, 60), default=3.0, show_default=True,
+@click.option("--timeout", type=_Seconds(0.5, 60), default=3.0, show_default=True,
               help="Seconds to listen for answers.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
 @token_options(envvar=False, what="(default: GPUMESH_TOKEN, then the saved one): marks its mesh")
@@ -464,7 +478,7 @@ def devices(as_json: bool, url: str | None, token: str | None) -> None:
     def show(client: GPUMesh) -> None:
         pool, listing = client.devices(), client.workers()
         if as_json:
-            click.echo(json.dumps(pool, indent=2))
+            click.echo(json_text(pool))
         else:
             click.echo(jobs.devices_table(pool, listing))
 
@@ -534,7 +548,7 @@ def workers(url: str | None, token: str | None, as_json: bool) -> None:
     """
     listing = _with_client(url, token, lambda c: c.workers())
     if as_json:
-        click.echo(json.dumps(listing, indent=2))
+        click.echo(json_text(listing))
     else:
         click.echo(worker_table(listing))
 
@@ -542,7 +556,7 @@ def workers(url: str | None, token: str | None, as_json: bool) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True,
               help="The same report as one JSON document on stdout (warnings on stderr).")
-@click.option("--timeout", type=click.FloatRange(0.5, 60), default=3.0, show_default=True,
+@click.option("--timeout", type=_Seconds(0.5, 60), default=3.0, show_default=True,
               help="Seconds to wait for the coordinator to answer.")
 @_connection
 def doctor(as_json: bool, timeout: float, url: str | None, token: str | None) -> None:

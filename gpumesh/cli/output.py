@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -46,6 +47,23 @@ def worker_table(workers: list[dict[str, Any]]) -> str:
         lines.append(f"  {w.get('device', 'CPU'):<5}{w['id'][:8]:<12}{w.get('hostname', ''):<18}"
                      f"score={score:<10}[{w.get('state', 'alive' if w.get('alive') else 'lost')}]")
     return "\n".join(lines) + "\n"
+
+
+def json_text(document: Any, indent: int | None = 2) -> str:
+    """``document`` as strict JSON for another program: NaN and infinities (a script's
+    diverged loss) become null, since JSON has no spelling for them and strict parsers
+    (JavaScript's, Go's) refuse Python's; what JSON cannot hold at all is shown by repr."""
+    return json.dumps(_finite(document), indent=indent, default=repr, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 class JsonFormatter(logging.Formatter):

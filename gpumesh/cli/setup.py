@@ -9,6 +9,7 @@ masked), not in the summary, not in the commands printed at the end (they name t
 
 from __future__ import annotations
 
+import errno
 import getpass
 import hmac
 import signal
@@ -98,16 +99,31 @@ def token_problem(text: str, *, serve: bool, token_path: str = "~/.gpumesh/token
 
 def port_problem(text: str, host: str = DEFAULT_HOST) -> str | None:
     """Why ``text`` is not a port a coordinator could bind on ``host`` now; None when it is."""
-    text = text.strip()
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    number = _number(text, 5)
+    if number is None or not 1 <= number <= 65535:
         return "a port is a number from 1 to 65535 (8000 is the usual one)"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
-            probe.bind((host, int(text)))
-        except OSError:
-            return (f"port {text} is in use on this machine (a coordinator running already?): "
-                    "choose another")
+            probe.bind((host, number))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {number} is in use on this machine (a coordinator running "
+                        "already?): choose another")
+            if exc.errno == errno.EACCES:
+                return (f"port {number} needs administrator rights on this machine (ports "
+                        "below 1024 do): choose one from 1024 up, such as 8000")
+            return f"port {number} cannot be used here ({exc.strerror}): choose another"
     return None
+
+
+def _number(text: str, digits: int) -> int | None:
+    """``text`` as a number of at most ``digits`` ASCII digits; None otherwise. (str.isdigit
+    says yes to "²", which int() refuses, and to thousands of digits, which int() refuses
+    too.)"""
+    text = text.strip()
+    if not text or len(text) > digits or not all("0" <= c <= "9" for c in text):
+        return None
+    return int(text)
 
 
 def url_problem(text: str, token: str | None = None) -> str | None:
@@ -121,8 +137,8 @@ def url_problem(text: str, token: str | None = None) -> str | None:
 
 
 def slots_problem(text: str) -> str | None:
-    text = text.strip()
-    if not text.isdigit() or not 1 <= int(text) <= 1024:
+    number = _number(text, 4)
+    if number is None or not 1 <= number <= 1024:
         return "slots is a number from 1 to 1024: how many tasks run here at once"
     return None
 

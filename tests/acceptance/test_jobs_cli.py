@@ -76,7 +76,7 @@ def test_the_spec_grid_search_prints_progress_and_the_summary(mesh_env):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     job = out.split("[OK] Submitted job ")[1].split()[0]
-    assert f"Job: examples/grid_search.py ({job})" in out
+    assert f"[OK] Submitted job {job}\nJob: examples/grid_search.py ({job})\n" in out  # spec's
     assert "#################### 100%  6/6 done" in out
     assert "  Status: finished\n  Counts: {'done': 6}" in out
     tasks = [line for line in out.splitlines() if line.startswith("  ✓ task ")]

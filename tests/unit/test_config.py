@@ -94,13 +94,16 @@ def test_endpoint_zmq_form() -> None:
         "*:8000",
         "tcp://;:1",
         "tcp://" + "x" * 300 + ":8000",
+        "tcp://h:" + "9" * 5000,  # int() refuses more than 4,300 digits
+        "tcp://[:::::]:8000",  # brackets that hold no IPv6 address
+        "tcp://[1.2.3]:8000",
     ],
 )
 def test_parse_url_rejects(url: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_url(url)
     assert isinstance(info.value, MeshError)
-    assert str(info.value)  # says something
+    assert str(info.value) and len(str(info.value)) < 400  # says something, and briefly
 
 
 @pytest.mark.parametrize("weak", [False, True])
@@ -478,6 +481,16 @@ def test_resolve_with_url_but_no_token_is_config_error(tmp_path: Path) -> None:
         settings.resolve_connection()
 
 
+def test_a_damaged_saved_file_does_not_stand_in_the_way_of_a_given_url_and_token(
+        tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not a config")
+    settings = _settings(tmp_path)
+    endpoint, token = settings.resolve_connection("tcp://h:2222", TOKEN)
+    assert (endpoint.zmq, token) == ("tcp://h:2222", TOKEN)
+    with pytest.raises(ConfigError, match="config"):  # the file is needed: it is read, and said
+        settings.resolve_connection("tcp://h:2222")
+
+
 def test_resolve_with_bad_url_is_config_error(tmp_path: Path) -> None:
     settings = _settings(tmp_path, GPUMESH_URL="ftp://env:2222", GPUMESH_TOKEN="t")
     with pytest.raises(ConfigError):
@@ -560,6 +573,29 @@ def test_a_shared_folder_is_never_tightened(tmp_path: Path,
         ensure_home(shared)
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
     assert "set GPUMESH_HOME to a private folder" in caplog.text
+
+
+def test_on_windows_home_is_made_and_no_mode_is_read(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # There stat reads 0777 for every writable folder and os has no geteuid.
+    import gpumesh.config
+
+    class Windows:
+        name = "nt"
+
+        def __getattr__(self, attribute: str) -> object:
+            if attribute == "geteuid":
+                raise AttributeError(attribute)
+            return getattr(os, attribute)
+
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o777)
+    monkeypatch.setattr(gpumesh.config, "os", Windows())
+    assert ensure_home(home) == home
+    assert ensure_home(tmp_path / "new" / "home").is_dir()
+    save_connection(home / "config.json", "tcp://h:1", TOKEN)
+    assert load_connection(home / "config.json") == SavedConnection("tcp://h:1", TOKEN)
 
 
 def test_save_connection_tightens_a_loose_home(tmp_path: Path) -> None:

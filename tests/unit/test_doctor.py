@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import gpumesh.tokens
 from gpumesh.cli import doctor
 from gpumesh.cli.doctor import Check, Probes, TorchFacts
 from gpumesh.config import Settings, save_connection
 from gpumesh.discovery import Adapter
 from gpumesh.errors import AuthenticationError, ConnectionFailed
 from gpumesh.sharedmem import FolderUsage
+from gpumesh.tokens import loose_file_warning, parse_token
 
 TOKEN = "abcdefghijk." + "S" * 32
 GiB = 1024**3
@@ -62,6 +65,45 @@ def test_config_reports_the_url_and_never_the_token(tmp_path):
     check, url, token = doctor.check_config(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}))
     assert check.status == "ok" and url == "tcp://127.0.0.1:8123" and token == TOKEN
     assert TOKEN not in json.dumps(doctor.as_document([check])) + doctor.render([check])
+
+
+def test_a_url_that_is_the_token_is_a_fault_and_never_shown_nor_dialled(tmp_path):
+    dialled: list[str] = []
+
+    def connect(url, token, timeout):
+        dialled.append(url)
+        return []
+
+    for environ, given in (({"GPUMESH_URL": TOKEN, "GPUMESH_TOKEN": TOKEN}, None),
+                           ({"GPUMESH_TOKEN": TOKEN}, f"tcp://{TOKEN}:8000")):
+        checks = doctor.report({"GPUMESH_HOME": str(tmp_path / "home"), **environ}, url=given,
+                               probes=_probes(connect=connect))
+        shown = json.dumps(doctor.as_document(checks)) + doctor.render(checks)
+        assert TOKEN not in shown and parse_token(TOKEN).secret not in shown
+        assert "is a token, not an address" in shown and doctor.exit_code(checks) == 1
+    assert dialled == []
+    checks = doctor.report({"GPUMESH_HOME": str(tmp_path / "home"), "GPUMESH_TOKEN": TOKEN},
+                           url="tcp://[1.2.3]:8000", probes=_probes(connect=connect))
+    assert "is not an IPv6 address" in doctor.render(checks) and dialled == []
+
+
+def test_windows_has_no_mode_bits_to_warn_about(tmp_path, monkeypatch):
+    save_connection(tmp_path / "config.json", "tcp://127.0.0.1:8123", TOKEN)
+    (tmp_path / "config.json").chmod(0o644)
+    (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "token").chmod(0o644)
+    assert loose_file_warning(tmp_path / "token") is not None
+    class Windows:  # os as gpumesh sees it there (pathlib here must stay POSIX)
+        name = "nt"
+
+        def __getattr__(self, attribute: str):
+            return getattr(os, attribute)
+
+    monkeypatch.setattr(doctor, "os", Windows())
+    monkeypatch.setattr(gpumesh.tokens, "os", Windows())
+    check, _, _ = doctor.check_config(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}))
+    assert check.status == "ok"
+    assert loose_file_warning(tmp_path / "token") is None
 
 
 def test_damaged_config_is_a_fault_and_missing_one_a_warning(tmp_path):

@@ -51,6 +51,27 @@ def test_ports_and_addresses_are_checked_as_serve_and_join_check_them():
     assert slots_problem("4") is None and slots_problem("0") and slots_problem("x")
 
 
+def test_odd_numbers_are_answered_not_raised():
+    # str.isdigit says yes to both; int() refuses them.
+    for text in ("²", "9" * 5000, "８０００"):
+        assert "number from 1 to 65535" in (port_problem(text) or ""), text
+        assert "number from 1 to 1024" in (slots_problem(text) or ""), text
+
+
+def test_a_port_that_needs_rights_is_not_called_in_use(monkeypatch):
+    import errno
+
+    from gpumesh.cli import setup
+
+    class Refusing(socket.socket):
+        def bind(self, address):
+            raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(setup.socket, "socket", Refusing)
+    said = port_problem("80") or ""
+    assert "administrator rights" in said and "in use" not in said
+
+
 @pytest.fixture
 def settings(tmp_path):
     return Settings(home=tmp_path / "home")
