@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -36,10 +37,9 @@ def run(settings: Settings, *, url: str | None, token: str | None, host: str, po
     try:
         dashboard = Dashboard(client, token, host=host, port=port,
                               tls=tls[0] if tls else None)
-    except OSError as exc:
+    except OSError as exc:  # socket.gaierror too: a host name that names nothing
         client.close()
-        fail(f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc}. Pick another "
-             "port with --dashboard-port")
+        fail(_bind_failure(host, port, exc))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -80,3 +80,15 @@ def start_child(url: str, token: str, host: str, port: int, cert: str | None = N
     args = [sys.executable, "-m", "gpumesh", *child_log_flags(), "dashboard", "--url", url,
             "--dashboard-host", host, "--dashboard-port", str(port), *tls, "--exit-with-parent"]
     return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
+
+
+def _bind_failure(host: str, port: int, exc: OSError) -> str:
+    """What went wrong binding the page's port, and the flag that fixes it."""
+    where = f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}. Pick another port with --dashboard-port"
+    if exc.errno == errno.EACCES:
+        return (f"{where}. Ports below 1024 need administrator rights: pick one from 1024 up "
+                "with --dashboard-port (8265 is the default)")
+    return (f"{where}. --dashboard-host must be an address of this machine (127.0.0.1, the "
+            "default, or 0.0.0.0 for all of its addresses)")

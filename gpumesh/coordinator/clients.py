@@ -12,6 +12,7 @@ holder who lies, who can run code on every worker anyway.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any, cast
@@ -47,6 +48,7 @@ _task_id = HexIds(12)  # 48 random bits a task, drawn 256 at a time
 _job_id = HexIds(12)  # for a SUBMIT that names no job
 
 REPLY_MARGIN = 4096  # bytes of a REPLY header kept for everything but its data
+EVENTS_PER_PAGE = 2000  # events one REPLY to an events query holds at most
 # What a task counts against the byte quotas at least: its record costs the coordinator memory
 # even without input, so a million empty tasks are not free.
 MAX_CLIENT_RECORDS = 10_000  # connected and gone together (results wait for gone ones)
@@ -301,8 +303,12 @@ class ClientSide:
             # Paged by sequence number, not by position: events arrive (and the oldest go)
             # between pages.
             since = max(q.since, q.page)
-            data = [[e.seq, e.time, e.kind, e.data] for e in ledger.events.since(since)]
-            self._answer(client, q.qid, data, 0, resume=lambda chunk: int(chunk[-1][0]))
+            # At most a page's worth unpacked: the log holds up to 11,000, and a monitor
+            # asking from 0 must not cost the loop all of them each time.
+            events = list(itertools.islice(ledger.events.since(since), EVENTS_PER_PAGE + 1))
+            data = [[e.seq, e.time, e.kind, e.data] for e in events[:EVENTS_PER_PAGE]]
+            self._answer(client, q.qid, data, 0, resume=lambda chunk: int(chunk[-1][0]),
+                         more_after=len(events) > EVENTS_PER_PAGE)
             return
         else:
             ledger.error(client.routing, ErrorCode.UNSUPPORTED, f"unknown query {q.what!r}", q.qid)
@@ -367,10 +373,12 @@ class ClientSide:
         return count
 
     def _answer(self, client: ClientSession, qid: int, data: Any, page: int,
-                resume: Callable[[list[Any]], int] | None = None) -> None:
+                resume: Callable[[list[Any]], int] | None = None, more_after: bool = False
+                ) -> None:
         """REPLY with ``data``, paged so that no REPLY passes the header limit: a list (or a
         status's ``tasks``) is sent from item ``page`` on, as many items as fit, and ``more``
-        says where the next page starts (``resume`` of the items sent, when given).
+        says where the next page starts (``resume`` of the items sent, when given), also
+        after the last item of ``data`` when ``more_after`` (``data`` is one page of more).
 
         Items are sized one by one, and only as many as fit: a query costs the size of one
         page, however big the whole answer is."""
@@ -396,7 +404,7 @@ class ClientSide:
         chunk = items[page:end]
         header: dict[str, Any] = {"qid": qid,
                                   "data": chunk if rest is None else {**rest, "tasks": chunk}}
-        if end < len(items):
+        if end < len(items) or (more_after and chunk):
             header["more"] = resume(chunk) if resume is not None else end
         self.ledger.send(client.routing, Command.REPLY, header)
 

@@ -86,8 +86,8 @@ class Guard:
         if not header or len(header) > 300:
             return False
         name, _, port = header.lower().rpartition(":")
-        if not name or "]" in port:  # no port given: browsers always send it for a non-80
-            name, port = header.lower(), "80"
+        if not name or "]" in port:  # no port: browsers leave out their scheme's default
+            name, port = header.lower(), "443" if self.tls else "80"
         if port != str(self.port):
             return False
         if name in self._names or (name.startswith("127.") and _is_ip(name)):

@@ -40,10 +40,19 @@ MAX_TASKS_SHOWN = 2000  # tasks of one job the page lists (the counts cover them
 # Longest wait between rounds while the mesh refuses this token / does not answer: each
 # failed round doubles the wait from the poll interval up to this.
 BACKOFF = {"token": 60.0, "unreachable": 10.0}
+# Job and task details browsers may ask for, a second, all together (a burst of as many): the
+# client's queries are the coordinator's to ration (20 a second), and the polls need theirs.
+ON_DEMAND_RATE = 8.0
+# health's time - uptime is the coordinator's start (both its wall clock): a restart moves it.
+RESTART_SLACK = 1.0
 BURST_LOOKBACK = 20  # recent events a task_finished may be folded into
 BURST_SECONDS = 60.0
 STEER_WAIT = 5.0  # seconds an action waits for the worker's new mode to show in a snapshot
 EXPECTED_STATE = {"drain": ("draining", "left"), "pause": ("paused",), "resume": ("alive",)}
+
+
+class TooManyRequests(Exception):
+    """Browsers asked for more details than ON_DEMAND_RATE: the poll's queries come first."""
 
 
 class Monitor:
@@ -68,6 +77,9 @@ class Monitor:
         self._jobs_lock = threading.Lock()
         self._down: tuple[str, float] | None = None  # (kind, since) while the mesh is unusable
         self._failed_rounds = 0
+        self._started: float | None = None  # when the coordinator started, by its health
+        self._allowance = ON_DEMAND_RATE  # details browsers may still ask for (a token bucket)
+        self._allowance_at = time.monotonic()
         self.steer_wait = STEER_WAIT
 
     def start(self) -> None:
@@ -108,7 +120,9 @@ class Monitor:
             kind = "token" if isinstance(exc, AuthenticationError) else "unreachable"
             self._failed(kind, now, exc)
             self._failed_rounds += 1
-            return min(self.interval * 2 ** self._failed_rounds, BACKOFF[kind])
+            # Capped before the power: 2.0 ** 1024 overflows, and an outage of a few hours
+            # (a laptop coordinator closed overnight) would end this thread for good.
+            return min(self.interval * 2 ** min(self._failed_rounds, 16), BACKOFF[kind])
         if self._down is not None:
             log.warning("dashboard: connected to the coordinator again")
         self._down, self._failed_rounds = None, 0
@@ -137,7 +151,7 @@ class Monitor:
             health: dict[str, Any] | None = client.health()
         except MeshError:
             health = None  # a coordinator older than protocol 1.5
-        if health is not None and int(health.get("events") or 0) < self._since:
+        if health is not None and self._restarted(health):
             self._since = 0  # the coordinator restarted: its events are numbered from 1 again
         events = client.events(self._since)
         latencies = []
@@ -160,6 +174,19 @@ class Monitor:
             "point": self.history[-1] if self.history else None, "error": None,
             "connected": True, "down_kind": None, "down_since": None,
         })
+
+    def _restarted(self, health: dict[str, Any]) -> bool:
+        """Whether the coordinator started again since the last poll: its start time moved (a
+        restart whose journaled tasks made more events than this monitor had seen, while it
+        waited to poll again, looks like no restart by the count), or its count went back."""
+        started = None
+        when, uptime = health.get("time"), health.get("uptime")
+        if isinstance(when, (int, float)) and isinstance(uptime, (int, float)):
+            started = float(when) - float(uptime)
+        last, self._started = self._started, started
+        if started is not None and last is not None and abs(started - last) > RESTART_SLACK:
+            return True
+        return int(health.get("events") or 0) < self._since
 
     def _note(self, seq: int, when: float, kind: str, data: dict[str, Any]) -> None:
         """Keep an event for the list. A task_finished of the same job and state as one of the
@@ -216,6 +243,7 @@ class Monitor:
             cached = self._jobs.get(job_id)
             if cached is not None and now < cached[0]:
                 return cached[1]
+        self._take_allowance()
         view = self.client.status(job_id)
         tasks = view.get("tasks") or []
         expires = now + min(JOB_CACHE + len(tasks) / 1000, MAX_JOB_CACHE)
@@ -231,7 +259,20 @@ class Monitor:
 
     def task(self, task_id: str) -> dict[str, Any]:
         """One task with its whole error and traceback (no cache: asked on a click)."""
+        self._take_allowance()
         return self.client.task_detail(task_id)
+
+    def _take_allowance(self) -> None:
+        """One on-demand query, or TooManyRequests: however many browsers ask, the poll keeps
+        its share of the client's query rate."""
+        with self._jobs_lock:
+            now = time.monotonic()
+            self._allowance = min(ON_DEMAND_RATE, self._allowance
+                                  + (now - self._allowance_at) * ON_DEMAND_RATE)
+            self._allowance_at = now
+            if self._allowance < 1.0:
+                raise TooManyRequests
+            self._allowance -= 1.0
 
     def cancel(self, job_id: str, force: bool) -> dict[str, Any]:
         cancelled = self.client.cancel_job(job_id, force=force)

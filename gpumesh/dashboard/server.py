@@ -25,7 +25,7 @@ from ..client import GPUMesh
 from ..errors import MeshError
 from ..protocol.fields import for_terminal
 from .guard import Guard
-from .monitor import Monitor
+from .monitor import Monitor, TooManyRequests
 
 log = logging.getLogger("gpumesh.dashboard")
 
@@ -276,7 +276,9 @@ class Handler(BaseHTTPRequestHandler):
     def _host_ok(self) -> bool:
         if self.dashboard.guard.host_ok(self.headers.get("Host")):
             return True
-        self._json(HTTPStatus.MISDIRECTED_REQUEST, {"error": "unknown Host"})
+        self._json(HTTPStatus.MISDIRECTED_REQUEST, {
+            "error": "unknown Host: open the page at the address the dashboard printed, or by "
+                     "this machine's IP address"})
         return False
 
     # ----------------------------------------------------------------- GET
@@ -321,7 +323,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.OK, {"csrf": guard.csrf(sid),
                                        "login_required": guard.login_required})
         elif url.path == "/api/stream":
-            self._stream()
+            self._stream(sid)
         elif url.path == "/api/job":
             job = parse_qs(url.query).get("id", [""])[0][:200]
             self._answer(lambda: self.dashboard.monitor.job(job))
@@ -338,10 +340,14 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, work: Any) -> None:
         try:
             self._json(HTTPStatus.OK, work())
+        except TooManyRequests:
+            self._json(HTTPStatus.TOO_MANY_REQUESTS, {
+                "error": "more details asked for than the mesh answers at once: try again in a "
+                         "moment"}, {"Retry-After": "1"})
         except MeshError as exc:  # the coordinator's words: they never hold the token
             self._json(HTTPStatus.CONFLICT, {"error": str(exc)[:1000]})
 
-    def _stream(self) -> None:
+    def _stream(self, sid: str) -> None:
         dashboard = self.dashboard
         with dashboard._lock:
             if dashboard.streams >= MAX_STREAMS:
@@ -359,7 +365,9 @@ class Handler(BaseHTTPRequestHandler):
             monitor = dashboard.monitor
             self._event("history", monitor.history_json())
             seen = -1
-            while not monitor.stopped:
+            # Until the session ends too (a log-out in another tab, its 12 hours over): the
+            # browser's reconnect then meets the login like any other request.
+            while not monitor.stopped and dashboard.guard.session(sid) is not None:
                 version = monitor.wait_change(seen, KEEPALIVE)
                 if version == seen:
                     self.wfile.write(b": keepalive\n\n")

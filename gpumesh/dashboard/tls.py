@@ -28,6 +28,7 @@ CERT_FILE = "dashboard-cert.pem"
 KEY_FILE = "dashboard-key.pem"
 CERT_DAYS = 825  # the longest a browser accepts for a server certificate
 OPENSSL_SECONDS = 30.0
+RENEW_SECONDS = 86400  # a certificate made here is made again this long before it expires
 
 
 class TLSUnavailable(ConfigError):
@@ -88,9 +89,11 @@ def _covers(cert: Path, dns: list[str], ips: list[str]) -> bool:
     if openssl is None:
         return True  # cannot tell; a mismatch only adds to the browser's warning
     try:
-        out = subprocess.run([openssl, "x509", "-noout", "-ext", "subjectAltName", "-in",
-                              str(cert)], capture_output=True, text=True,
-                             timeout=OPENSSL_SECONDS, check=True).stdout
+        # -checkend fails the command for a certificate that expires within a day: made
+        # again, rather than served expired after its 825 days.
+        out = subprocess.run([openssl, "x509", "-noout", "-checkend", str(RENEW_SECONDS),
+                              "-ext", "subjectAltName", "-in", str(cert)], capture_output=True,
+                             text=True, timeout=OPENSSL_SECONDS, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return False
     have: set[str] = set()
@@ -106,14 +109,20 @@ def _covers(cert: Path, dns: list[str], ips: list[str]) -> bool:
     return {*dns, *(str(ipaddress.ip_address(i)) for i in ips)} <= have
 
 
-def self_signed(home: Path, host: str) -> Certificate:
-    """The machine's self-signed pair in ``home``: reused when it covers ``host``, made by
-    ``openssl`` otherwise. TLSUnavailable when it has to be made and openssl is missing."""
+def self_signed(home: Path, host: str, *, remake: bool = False) -> Certificate:
+    """The machine's self-signed pair in ``home``: reused when it covers ``host`` and is not
+    about to expire (unless ``remake``), made by ``openssl`` otherwise. TLSUnavailable when
+    it has to be made and openssl is missing."""
     cert, key = home / CERT_FILE, home / KEY_FILE
     dns, ips = names_for(host)
-    if cert.is_file() and key.is_file() and _covers(cert, dns, ips):
-        os.chmod(key, 0o600)
-        return Certificate(cert, key, fingerprint(cert), generated=False)
+    if not remake and cert.is_file() and key.is_file() and _covers(cert, dns, ips):
+        try:
+            kept = Certificate(cert, key, fingerprint(cert), generated=False)
+        except (OSError, ValueError):
+            pass  # damaged: made again below
+        else:
+            os.chmod(key, 0o600)
+            return kept
     openssl = shutil.which("openssl")
     if openssl is None:
         raise TLSUnavailable(
@@ -163,4 +172,12 @@ def prepare(host: str, home: Path, cert: str | None, key: str | None
     from ..config import ensure_home
 
     chosen = self_signed(ensure_home(home), host)
-    return server_context(chosen.cert, chosen.key), chosen
+    try:
+        return server_context(chosen.cert, chosen.key), chosen
+    except ConfigError:
+        if chosen.generated:
+            raise
+        # A pair made here before that does not load: damaged, or the key of one start and
+        # the certificate of another that made theirs at the same moment. Made again.
+        chosen = self_signed(home, host, remake=True)
+        return server_context(chosen.cert, chosen.key), chosen

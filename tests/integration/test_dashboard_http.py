@@ -212,6 +212,41 @@ def test_the_favicon_is_no_404(served):
     assert b'<link rel="icon" href="data:,">' in page  # img-src allows data: (the CSP)
 
 
+def test_details_past_the_browsers_share_are_too_many_requests(served):
+    dashboard, _ = served
+    browser = Browser(dashboard.port)
+    browser.open_link(dashboard.url)
+    answers = [browser.request("GET", f"/api/job?id=j{i}") for i in range(30)]
+    assert answers[0][0].status == 200
+    refused = [(response, body) for response, body in answers if response.status == 429]
+    assert refused, [response.status for response, _ in answers]
+    response, body = refused[0]
+    assert response.headers["Retry-After"] == "1" and b"try again in a moment" in body
+
+
+def test_a_live_stream_ends_when_its_session_does(served):
+    dashboard, _ = served
+    browser = Browser(dashboard.port)
+    browser.open_link(dashboard.url)
+    csrf = browser.csrf()
+    stream = http.client.HTTPConnection("127.0.0.1", dashboard.port, timeout=10)
+    stream.request("GET", "/api/stream", headers={"Host": browser.host, "Cookie": browser.cookie})
+    response = stream.getresponse()
+    assert response.status == 200 and response.readline() == b"event: history\n"
+    origin = f"http://127.0.0.1:{dashboard.port}"
+    # Logged out in another tab: the open stream must not go on showing the mesh.
+    assert browser.post("/logout", {}, Origin=origin, X_CSRF_Token=csrf)[0].status == 200
+    ended = threading.Event()
+
+    def read_to_the_end() -> None:
+        response.read()  # returns once the server closes the stream
+        ended.set()
+
+    threading.Thread(target=read_to_the_end, daemon=True).start()
+    assert ended.wait(5), "the stream outlived its session"
+    stream.close()
+
+
 @pytest.mark.parametrize("served", [True], indirect=True)
 def test_off_loopback_the_token_is_asked_and_never_shown(served):
     dashboard, _ = served
@@ -497,6 +532,30 @@ def test_the_certificate_is_made_once_per_machine_with_a_private_key(tmp_path):
     assert other.generated and other.fingerprint != first.fingerprint
     assert not tls.self_signed(tmp_path, "192.0.2.7").generated
     assert "192.0.2.7" in tls.names_for("192.0.2.7")[1]
+
+
+def test_a_certificate_about_to_expire_is_made_again(tmp_path, monkeypatch):
+    need_openssl()
+    monkeypatch.setattr(tls, "CERT_DAYS", 1)  # expires within RENEW_SECONDS of being made
+    first = tls.self_signed(tmp_path, "127.0.0.1")
+    again = tls.self_signed(tmp_path, "127.0.0.1")
+    assert again.generated and again.fingerprint != first.fingerprint
+
+
+def test_a_pair_that_does_not_load_is_made_again(tmp_path):
+    # Two starts at one moment can leave one's key beside the other's certificate.
+    need_openssl()
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(mode=0o700)
+    elsewhere.mkdir()
+    first = tls.self_signed(home, "0.0.0.0")
+    other = tls.self_signed(elsewhere, "0.0.0.0")
+    first.key.write_bytes(other.key.read_bytes())
+    prepared = tls.prepare("0.0.0.0", home, None, None)
+    assert prepared is not None
+    context, chosen = prepared
+    assert chosen.generated and chosen.fingerprint not in (first.fingerprint, other.fingerprint)
+    assert isinstance(context, ssl.SSLContext)
 
 
 def test_over_tls_the_login_works_and_the_cookie_is_secure(tls_served):

@@ -122,6 +122,38 @@ def test_a_wrong_token_is_said_once_shown_as_such_and_retried_less_and_less(capl
     assert "connected to the coordinator again" in caplog.text
 
 
+def test_hours_of_outage_keep_the_poller_polling():
+    stub = Refusing(ConnectionFailed("cannot reach a coordinator at tcp://127.0.0.1:9"))
+    monitor = Monitor(stub, interval=1.0)  # type: ignore[arg-type]
+    delays = [monitor.round(10.0 + i) for i in range(1100)]  # 2.0 ** 1024 would overflow
+    assert set(delays[5:]) == {10.0}
+    stub.error = None
+    assert monitor.round(5000.0) == 1.0 and json.loads(monitor.encoded)["connected"] is True
+
+
+def test_a_restart_that_made_more_events_than_were_seen_is_still_a_restart():
+    class Restarting(Stub):
+        started = 1000.0
+
+        def health(self) -> dict[str, Any]:
+            return {**super().health(), "time": self.started + 50.0, "uptime": 50.0}
+
+    stub = Restarting()
+    monitor = Monitor(stub)  # type: ignore[arg-type]
+    stub.pending_events = [finished(seq, 0.1, "failed") for seq in range(1, 6)]
+    monitor.poll(10.0)
+    monitor.poll(11.0)
+    assert stub.asked_since[-1] == 5
+    # It restarted while the page waited, and its journaled tasks ran again: 700 events.
+    stub.started, stub.last_seq = 2000.0, 700
+    stub.pending_events = [finished(seq, 0.1, "failed") for seq in range(1, 701)]
+    monitor.poll(12.0)
+    assert stub.asked_since[-1] == 0  # from its first event, not from the old run's 5th
+    monitor.poll(13.0)
+    assert stub.asked_since[-1] == 700  # and no restart seen again while its start holds
+    assert len(monitor.snapshot["failures"]) == 50  # the new run's, the list's length
+
+
 def test_an_unreachable_coordinator_is_shown_since_when_and_its_figures_kept():
     stub = Refusing(ConnectionFailed("cannot reach a coordinator at tcp://127.0.0.1:9"))
     stub.error = None
@@ -181,3 +213,28 @@ def test_an_action_reports_the_workers_state_after_it_and_when_its_owner_holds_i
             monitor.stop()
         assert answer["state"] == ("alive" if obeys else "paused")
         assert answer["held"] is (not obeys)
+
+
+def test_browsers_asking_for_details_cannot_take_the_polls_share_of_queries():
+    from gpumesh.dashboard.monitor import ON_DEMAND_RATE, TooManyRequests
+
+    class Counting(Stub):
+        asked = 0
+
+        def task_detail(self, task_id: str) -> dict[str, Any]:
+            self.asked += 1
+            return {"id": task_id}
+
+    stub = Counting()
+    monitor = Monitor(stub)  # type: ignore[arg-type]
+    refused = 0
+    for i in range(200):  # a page (or a script with its cookie) asking in a loop
+        try:
+            monitor.task(f"t{i}") if i % 2 else monitor.job(f"job{i}")
+        except TooManyRequests:
+            refused += 1
+    answered = 200 - refused
+    assert ON_DEMAND_RATE <= answered <= ON_DEMAND_RATE + 2  # the burst (and what refilled)
+    assert stub.asked <= answered
+    monitor.poll(10.0)  # the poll's own queries are not rationed here
+    assert monitor.snapshot["connected"] is True

@@ -452,6 +452,38 @@ def test_events_are_paged_by_sequence_so_none_is_lost_between_pages():
     assert set(range(1, seen[-1] + 1)) <= set(seen)
 
 
+def test_an_events_query_unpacks_one_page_of_the_log_not_all_of_it(monkeypatch):
+    from gpumesh.coordinator import clients
+
+    monkeypatch.setattr(clients, "EVENTS_PER_PAGE", 50)  # pages that fit the header easily
+    b = new_broker(Store(":memory:"))
+    for i in range(120):
+        b.handle(b"w%d" % i, msg(Command.HELLO, worker_hello(f"w{i}")), 0.0)
+    last = b.ledger.events.last_seq
+    unpacked = []
+    real_since = b.ledger.events.since
+
+    def counting_since(seq):
+        for event in real_since(seq):
+            unpacked.append(event.seq)
+            yield event
+
+    monkeypatch.setattr(b.ledger.events, "since", counting_since)
+    seen: list[int] = []
+    page = 0
+    while True:
+        b.outbox.clear()
+        unpacked.clear()
+        b.handle(C, msg(Command.QUERY, {"qid": 4, "what": "events", "page": page}), 1.0)
+        reply = msgpack.unpackb(b.outbox[-1][1][2])
+        assert len(reply["data"]) <= 50 and len(unpacked) <= 51
+        seen += [e[0] for e in reply["data"]]
+        if "more" not in reply:
+            break
+        page = reply["more"]
+    assert seen == list(range(1, last + 1))  # the pages still join up: none lost, none twice
+
+
 @pytest.mark.parametrize("info", [{"hostname": "evil\x1b[2J"}, {"python": "3.11\n"},
                                   {"gpus": [{"name": "A100\x07"}]}])
 def test_display_strings_with_terminal_escapes_are_refused(info):
