@@ -135,6 +135,19 @@ class _FutureLock(_thread.RLock):  # type: ignore[misc]  # a C type mypy cannot 
         return False
 
 
+class _Waiters(list):  # type: ignore[type-arg]  # Future's own is an untyped list too
+    """A future's waiters: ``concurrent.futures.wait`` and ``as_completed`` add theirs here
+    just before they block. Added in a done-callback, on the engine's I/O thread, that wait
+    would never end (the thread that would deliver the result is the one waiting): refused
+    with what to do instead, rather than a client that hangs in silence."""
+
+    __slots__ = ()
+
+    def append(self, waiter: Any) -> None:
+        refuse_wait_on_io_thread("concurrent.futures.wait or as_completed on mesh futures")
+        super().append(waiter)
+
+
 class TaskFuture(concurrent.futures.Future[Any]):
     """A future for one task; ``task_id`` and ``worker`` are filled in as they become known."""
 
@@ -145,7 +158,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
         self._state = _base.PENDING
         self._result = None
         self._exception: BaseException | None = None
-        self._waiters: list[Any] = []
+        self._waiters: list[Any] = _Waiters()
         self._done_callbacks: list[Callable[[concurrent.futures.Future[Any]], object]] = []
         self.task_id = ""
         self.worker = ""

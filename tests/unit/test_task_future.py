@@ -206,6 +206,39 @@ def test_wait_and_as_completed_of_the_standard_library_work_with_them():
     assert done == set(futures) and not pending
 
 
+def test_the_standard_librarys_waits_in_a_done_callback_are_refused_not_hung():
+    # A done-callback runs on the engine's I/O thread: waiting there for another mesh result
+    # waits for the thread that would deliver it.
+    import concurrent.futures
+    import threading
+
+    from gpumesh.client import engine
+
+    pending, done = TaskFuture(), TaskFuture()
+    done.set_result(1)
+
+    def in_a_callback():
+        engine._IO_THREADS.add(threading.current_thread())
+        outcomes = []
+        for wait in (lambda: concurrent.futures.wait([pending, done], timeout=30),
+                     lambda: list(concurrent.futures.as_completed([pending], timeout=30))):
+            try:
+                wait()
+            except RuntimeError as exc:
+                outcomes.append(str(exc))
+        # What would not block is still answered there.
+        outcomes.append(concurrent.futures.wait([done], timeout=30).done == {done})
+        return outcomes
+
+    finished, outcome = _in_thread(in_a_callback)
+    assert finished.wait(10), "a wait in a done-callback hung"
+    first, second, answered = outcome[0][1]
+    assert "from a done-callback would wait forever" in first
+    assert "concurrent.futures.wait or as_completed" in second and answered is True
+    pending.set_result(2)  # and an ordinary thread's wait is as before
+    assert concurrent.futures.wait([pending], timeout=1).done == {pending}
+
+
 def test_a_queued_task_holds_few_objects_for_the_garbage_collector(tmp_path):
     # Every object a queued task keeps is scanned again by each full collection while a .map
     # runs, in the user's process: 18 of them a task made those collections cost 40-120 ms per
