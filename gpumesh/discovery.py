@@ -189,7 +189,11 @@ def parse_advertisement(name: str, port: Any, addresses: Iterable[str],
             ip = ipaddress.ip_address(address)
         except ValueError:
             continue
-        if ip.version == 4 and not ip.is_unspecified and not ip.is_multicast:
+        # Not 240.0.0.0/4 (reserved, the broadcast address among them): nobody listens there.
+        # Loopback stays: a coordinator advertised on loopback only is what the discovery
+        # tests use, and dialling this machine reaches no one else's.
+        if ip.version == 4 and not ip.is_unspecified and not ip.is_multicast \
+                and not ip.is_reserved:
             kept.append(str(ip))
     if not kept:
         return None
@@ -506,9 +510,13 @@ def find_coordinator(token: str, interfaces: Sequence[str], timeout: float) -> t
             f"the coordinator of this mesh on {other.host} runs gpumesh {other.version} "
             f"(protocol {other.proto}); this is gpumesh {__version__} (protocol {MAJOR}): "
             f"{advice}")
+    here = adapters()
     if len(compatible) > 1:
-        listed = "; ".join(f"{f.host} at {f.url}" for f in compatible)
+        # Each at its address nearest this machine: the first one it lists may be on a network
+        # this machine is not on.
+        listed = "; ".join(f"{f.host} at {f.urls(here)[0]}" for f in compatible)
         raise ConfigError(f"several coordinators of this mesh answered ({listed}): pass the "
-                          "one to join as a URL, e.g. 'gpumesh join " + compatible[0].url + "'")
+                          "one to join as a URL, e.g. 'gpumesh join "
+                          + compatible[0].urls(here)[0] + "'")
     chosen = compatible[0]
-    return chosen.urls(adapters())[0], chosen
+    return chosen.urls(here)[0], chosen

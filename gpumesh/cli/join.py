@@ -131,11 +131,13 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
     """Join until stopped. A missing URL, token or slot count comes from the saved
     connection (``with_saved``); with no URL saved either, the coordinator is found on the LAN."""
     rediscover = None
+    found_on_lan = False
     try:
         passed = passed_variables(pass_env)
         url, token, slots, saved = with_saved(settings, url, token, slots)
         if url is None:
             url, rediscover = discovered(settings, token)
+            found_on_lan = True
         elif saved is not None:
             click.echo(f"[worker] no URL given: dialling the saved coordinator {saved.url} "
                        "(from the connection saved here; pass a URL to dial another)")
@@ -187,7 +189,8 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
                             worker_id=identity.worker_id,
                             say=say, on_joined=joined,
                             gpu_indices=gpu_indices or None, prefetch=prefetch,
-                            pass_env=passed, rediscover=rediscover)
+                            pass_env=passed, rediscover=rediscover,
+                            found_on_lan=found_on_lan)
     except MeshError as exc:
         fail(str(exc))
         return

@@ -373,8 +373,8 @@ def serve(
                    f"--port {port}{token_arg}")
         click.echo("   (or set GPUMESH_HOST=0.0.0.0). Read the warning it prints before you do.")
     else:
-        _exposed_banner(host, port, advertised_addresses(host, host_ip), token_arg,
-                        tailnet=tailnet)
+        _exposed_banner(host, port, _advertised(settings, host, host_ip), token_arg,
+                        tailnet=tailnet, discovery=settings.discovery)
     if safe_mode:
         click.echo("   Safe mode: pickled functions are refused; only scripts are accepted.")
     if coordinator.restored:
@@ -486,22 +486,39 @@ def _public_banner(url: str, token_arg: str) -> None:
 def _advertise(settings: Settings, host: str, host_ip: str | None, port: int,
                token: str) -> Advertiser | None:
     """Advertise the mesh on the LAN when other machines can reach it (never on loopback)."""
-    addresses = advertised_addresses(host, host_ip)
+    addresses = _advertised(settings, host, host_ip)
     if not addresses or not settings.discovery:
         return None
     advertiser = Advertiser(port=port, addresses=addresses, fingerprint=derive_keys(token).fingerprint,
                             interfaces=settings.discovery_interfaces or addresses)
     advertiser.start()
-    click.echo(f"   Advertised on the LAN ({', '.join(addresses)}): 'gpumesh join' finds it "
+    click.echo(f"   Advertising on the LAN ({', '.join(addresses)}): 'gpumesh join' finds it "
                "without a URL (GPUMESH_DISCOVERY=0 turns this off)")
     return advertiser
 
 
+def _advertised(settings: Settings, host: str, host_ip: str | None) -> list[str]:
+    """The addresses other machines are told: GPUMESH_DISCOVERY_INTERFACES, when set, in
+    place of the LAN adapters' (a machine whose network is a VPN, or one of several LANs),
+    for a coordinator bound to every address and given no --host-ip."""
+    if binds_everywhere(host) and not host_ip and settings.discovery_interfaces:
+        return list(settings.discovery_interfaces)
+    return advertised_addresses(host, host_ip)
+
+
 def _exposed_banner(host: str, port: int, addresses: list[str], token_arg: str, *,
-                    tailnet: str | None = None) -> None:
+                    tailnet: str | None = None, discovery: bool = True) -> None:
     token_arg = token_arg or " --token-file FILE"
     if tailnet is not None:
         addresses = [tailnet]  # its join line is printed already, with the address
+    elif addresses and not discovery:
+        # Nothing advertises it (GPUMESH_DISCOVERY=0, as in the Docker image): a join without a
+        # URL would find nothing. (Marker files such as /.dockerenv are no sure sign of a
+        # container: VMs built from images have them too.)
+        click.echo(f"   Join from ANOTHER machine: gpumesh join tcp://{addresses[0]}:{port}"
+                   f"{token_arg}")
+        click.echo("   (LAN discovery is off, so the URL is needed; in a container, give the "
+                   f"Docker host's address and the port published for {port} instead)")
     elif addresses:
         click.echo(f"   Join from ANOTHER machine: gpumesh join{token_arg}")
         click.echo(f"   (or with the address: gpumesh join tcp://{addresses[0]}:{port}{token_arg};"

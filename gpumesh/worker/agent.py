@@ -111,7 +111,7 @@ class WorkerAgent:
         worker_id: str | None = None, gpu_indices: list[int] | None = None,
         on_joined: Callable[[str], None] | None = None, prefetch: int | None = 0,
         local_control: bool = True, pass_env: Sequence[str] = (),
-        rediscover: Callable[[], str | None] | None = None,
+        rediscover: Callable[[], str | None] | None = None, found_on_lan: bool = False,
     ) -> None:
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
@@ -195,7 +195,13 @@ class WorkerAgent:
         self._rediscover = rediscover
         self._browsing: threading.Thread | None = None
         self._moved_to: Endpoint | None = None
-        self._trusted: Endpoint | None = None  # the last address whose coordinator welcomed us
+        # Where to go back to when an address the LAN suggested stays silent or fails the
+        # handshake (anyone on the LAN can advertise the mesh's public fingerprint): the
+        # address given or saved, from the start (its coordinator may be down as this worker
+        # starts, and an impostor's suggestion must not replace it for good); then the last
+        # address whose coordinator welcomed us. None only for an address found on the LAN.
+        self._found_on_lan = found_on_lan
+        self._trusted: Endpoint | None = None if found_on_lan else endpoint
         self._dialled: Endpoint | None = None  # where the last HELLO went
         # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
         self.session = Session(Role.WORKER, self.worker_id, endpoint, settings.timing,
@@ -485,6 +491,12 @@ class WorkerAgent:
             return self.link.monitor_events()
         except AuthenticationError:
             trusted = self._trusted
+            if trusted is None and self._found_on_lan and not self.joined_once:
+                raise AuthenticationError(
+                    f"{self.endpoint}, found on the LAN, failed the handshake: either the token "
+                    "is not this mesh's, or another machine advertises itself as its "
+                    "coordinator. Pass the coordinator's URL: gpumesh join tcp://HOST:PORT "
+                    "--token-file FILE") from None
             if trusted is None or trusted == self.endpoint:
                 raise  # the address we were given, or the one that admitted us: a real refusal
             self.say(f"[worker] {self.endpoint}, found on the LAN, failed the handshake: it is "

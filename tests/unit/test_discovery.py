@@ -75,6 +75,7 @@ def test_an_advertisement_parses_only_when_every_field_holds():
         (0, ["10.0.0.5"], GOOD), (70000, ["10.0.0.5"], GOOD), (True, ["10.0.0.5"], GOOD),
         ("8000", ["10.0.0.5"], GOOD),
         (8000, [], GOOD), (8000, ["not an address", "0.0.0.0"], GOOD),
+        (8000, ["255.255.255.255", "240.0.0.1"], GOOD),  # nobody listens there
     ]
     for port, addresses, props in hostile:
         assert discovery.parse_advertisement("x", port, addresses, props) is None, (port, props)

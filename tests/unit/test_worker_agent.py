@@ -264,6 +264,61 @@ def test_a_worker_the_lan_sent_where_nobody_welcomes_it_alternates_with_the_addr
         a._ctx.term()
 
 
+def test_a_worker_started_while_its_saved_coordinator_is_down_is_not_diverted_for_good(
+        tmp_path):
+    # It has never been welcomed anywhere: the saved (or given) address is where it goes back
+    # to, whether the LAN's suggestion stays silent or fails the handshake.
+    from gpumesh.errors import AuthenticationError
+
+    saved, impostor = parse_url("tcp://127.0.0.1:9"), parse_url("tcp://127.0.0.1:19")
+    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}), saved, "t" * 32,
+                    slots=1, info={}, local_control=False, rediscover=lambda: "127.0.0.1:19")
+    try:
+        lines: list[str] = []
+        a.say = lines.append
+        a.on_hello()
+        a.on_lost(1.0, 1.0, was_welcomed=False)
+        a._browsing.join(5)
+        a._follow_move()
+        assert a.endpoint == impostor
+        a.on_hello()  # dialled, and silent
+        a.on_lost(2.0, 1.0, was_welcomed=False)
+        assert a.endpoint == a.link.endpoint == a.session.endpoint == saved
+        a._browsing.join(5)
+        a._follow_move()
+        assert a.endpoint == impostor
+
+        def refuse():
+            raise AuthenticationError("authentication failed")
+
+        a.link.monitor_events = refuse  # this one answers, with another mesh's keys
+        assert a._link_events() == []
+        assert a.endpoint == saved and "failed the handshake" in lines[-1]
+    finally:
+        a.link.close()
+        a._ctx.term()
+
+
+def test_an_address_found_on_the_lan_that_fails_the_handshake_says_to_pass_the_url(tmp_path):
+    from gpumesh.errors import AuthenticationError
+
+    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    parse_url("tcp://127.0.0.1:19"), "t" * 32, slots=1, info={},
+                    local_control=False, rediscover=lambda: None, found_on_lan=True)
+    try:
+        def refuse():
+            raise AuthenticationError("authentication failed: the token does not match")
+
+        a.link.monitor_events = refuse
+        with pytest.raises(AuthenticationError) as info:
+            a._link_events()
+        assert "found on the LAN, failed the handshake" in str(info.value)
+        assert "gpumesh join tcp://HOST:PORT" in str(info.value)
+    finally:
+        a.link.close()
+        a._ctx.term()
+
+
 def test_a_joining_worker_hears_how_it_differs_from_its_coordinator():
     from gpumesh._version import __version__
     from gpumesh.worker.agent import version_notes
