@@ -167,6 +167,10 @@ class Store:
         # Writes wait here until the turn's commit; consecutive writes of one statement go to
         # SQLite as one executemany, which costs a fraction of one call per row.
         self._runs: list[tuple[str, list[Sequence[Any]]]] = []
+        # A write that failed (a full disk, an I/O error): the transaction it was in is rolled
+        # back, and every later write or commit raises this, so nothing acknowledges work
+        # the journal does not hold (the coordinator stops on it).
+        self._failed: sqlite3.Error | None = None
 
     def _open(self, path: Path | str, synchronous: str) -> None:
         if str(path) != ":memory:":
@@ -279,32 +283,56 @@ class Store:
             runs.append((sql, [args]))
 
     def _flush(self) -> None:
-        """Apply the queued writes, in order, inside the open transaction."""
+        """Apply the queued writes, in order, inside the open transaction. A write that fails
+        for any reason but a refused row rolls the whole transaction back, and from then on
+        the store raises (``_failed``): half a turn's writes must never be committed, nor a
+        blob deleted whose dropping write was lost."""
+        if self._failed is not None:
+            raise self._failed
         if not self._runs:
             return
-        if not self._in_transaction:
-            self._db.execute("BEGIN")
-            self._in_transaction = True
         runs, self._runs = self._runs, []
-        for sql, rows in runs:
-            if len(rows) == 1:
-                self._apply_one(sql, rows[0])
-                continue
-            self._db.execute("SAVEPOINT run")
-            try:
-                self._db.executemany(sql, rows)
-            except sqlite3.IntegrityError:
-                # The broker guards against duplicates, so this is a bug: undo the run, apply its
-                # good rows one by one, keep the coordinator running and say what was refused.
-                self._db.execute("ROLLBACK TO run")
-                for row in rows:
-                    self._apply_one(sql, row)
-            self._db.execute("RELEASE run")
+        try:
+            if not self._in_transaction:
+                self._db.execute("BEGIN")
+                self._in_transaction = True
+            for sql, rows in runs:
+                if len(rows) == 1:
+                    self._apply_one(sql, rows[0])
+                    continue
+                self._db.execute("SAVEPOINT run")
+                try:
+                    self._db.executemany(sql, rows)
+                except sqlite3.IntegrityError:
+                    # Undo the run, apply its rows one by one: a task id that clashes with a
+                    # collected row's is made room for; anything else is a bug, said and skipped.
+                    self._db.execute("ROLLBACK TO run")
+                    for row in rows:
+                        self._apply_one(sql, row)
+                self._db.execute("RELEASE run")
+        except sqlite3.Error as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: sqlite3.Error) -> None:
+        log.error("the journal failed a write (%s): its open transaction is rolled back, and "
+                  "nothing more is written or acknowledged", exc)
+        self._failed = exc
+        if self._in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            self._in_transaction = False
+        # The rows that dropped these blobs were rolled back: they still name them. (Blobs
+        # written for rows that never were are swept as orphans when the journal opens.)
+        self._doomed = []
 
     def _apply_one(self, sql: str, row: Sequence[Any]) -> None:
         try:
             self._db.execute(sql, row)
         except sqlite3.IntegrityError as exc:
+            if sql is _INSERT_TASK and self._made_room_for(str(row[0])):
+                self._db.execute(sql, row)
+                return
             log.error("journal refused a write (%s): %s", exc, sql.split("(")[0])
             if sql is _INSERT_TASK and row[7] is not None:  # its blob belongs to no row
                 name = _ref_name(row[7])
@@ -313,6 +341,17 @@ class Store:
                     refs[0] = None
                 if name:
                     self._doomed.append(name)
+
+    def _made_room_for(self, task_id: str) -> bool:
+        """A new task whose random id is a collected task's, kept only as its job's summary
+        (the coordinator checks ids against the tasks it holds, not against those): the
+        summary goes, the new task is journaled. True when there was such a row."""
+        gone = self._db.execute("DELETE FROM tasks WHERE task_id = ? AND state = ?",
+                                (task_id, COLLECTED)).rowcount
+        if gone:
+            log.warning("a new task's id %s was a finished task's, kept as its job's summary: "
+                        "that summary was dropped", task_id)
+        return bool(gone)
 
     def _store_frames(self, frames: Sequence[Any]
                       ) -> tuple[bytes | None, bytes | None, BlobRef | None]:
@@ -497,7 +536,11 @@ class Store:
     def commit(self) -> None:
         self._flush()
         if self._in_transaction:
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._fail(exc)
+                raise
             self._in_transaction = False
             if self._checkpointer is not None:
                 self._checkpointer.note_commit()

@@ -52,6 +52,12 @@ class Retention:
         they exceed MAX_RETAINED_RESULT_BYTES; finished jobs beyond MAX_JOBS are forgotten,
         oldest first."""
         ttl = self.ledger.timing.result_ttl
+        # After a restart no owner of a restored result is known until it reconnects (its
+        # back-off reaches backoff_max, and a try takes a while): until then such results are
+        # neither expired nor evicted for the cap, and an owner not seen in this run counts
+        # as seen when the run began.
+        started = self.ledger.started_at
+        settling = now - started < 1.5 * self.ledger.timing.backoff_max + 10.0
         absent: list[Task] = []
         for task in list(self.ledger.tasks.values()):
             if not task.state.terminal:
@@ -63,13 +69,15 @@ class Retention:
                     # counted in the cap too (a session of failing tasks kept every input).
                     absent.append(task)
                 continue
-            last_seen = owner.last_seen if owner is not None else task.finished_at
+            if owner is None and settling:
+                continue
+            last_seen = owner.last_seen if owner is not None else started
             if now - max(last_seen, task.finished_at) > ttl:
                 self.forget(task, now)
             else:
                 absent.append(task)
         retained = sum(t.kept_bytes for t in absent)
-        if retained > MAX_RETAINED_RESULT_BYTES:  # sorted only then: failures kept for retry
+        if retained > MAX_RETAINED_RESULT_BYTES:  # sorted only then
             for task in sorted(absent, key=lambda t: t.finished_at):  # never expire by age
                 if retained <= MAX_RETAINED_RESULT_BYTES:
                     break

@@ -213,6 +213,30 @@ def test_uncollected_results_beyond_the_byte_cap_go_oldest_first(broker, monkeyp
     assert MAX_RETAINED_RESULT_BYTES > 150  # the real cap, untouched by the patch
 
 
+def test_after_a_restart_results_wait_for_their_owner_to_reconnect(monkeypatch):
+    # No owner is known right after a restart: its results were aged from their finish and
+    # counted against the cap at the first sweep, before the owner's back-off brought it back.
+    monkeypatch.setattr("gpumesh.coordinator.retention.MAX_RETAINED_RESULT_BYTES", 150)
+    store, timing = Store(":memory:"), Timing(result_ttl=100.0)
+    first = Broker(store, timing, Limits(), epoch=1, now=0.0)
+    first.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    tasks = submit(first, 3)
+    for i, task_id in enumerate(tasks):
+        hello_worker(first, W, "w1", now=float(i))
+        first.dispatch(float(i))
+        result(first, task_id, payload=b"x" * 100, now=float(i))
+    first.ledger.journal_held_results(3.0, everything=True)
+    store.commit()  # and then it died, its client connected and about to acknowledge them
+    second = Broker(store, timing, Limits(), epoch=2, now=1000.0)  # ttl long past their finish
+    second.restore(1000.0)
+    second.sweep(1010.0)
+    assert all(t in second.tasks for t in tasks)  # kept: the owner may be on its way back
+    second.sweep(1000.0 + 60.0)
+    assert sum(t in second.tasks for t in tasks) == 1  # then the cap, as for any absent owner
+    second.sweep(1000.0 + 101.0)
+    assert not any(t in second.tasks for t in tasks)  # and the ttl, counted from the restart
+
+
 def test_find_job_refuses_ambiguous_and_too_short_prefixes():
     jobs = {"abcd01": Job("abcd01", "a", "c", 1.0), "abcd02": Job("abcd02", "a", "c", 2.0)}
     assert "matches 2 jobs" in find_job(jobs, "abcd")

@@ -150,6 +150,23 @@ def test_a_journal_that_cannot_be_written_stops_the_loop_with_what_to_do(coordin
     assert coordinator.sent == []  # nothing acknowledged that is not in the journal
 
 
+def test_a_write_that_fails_mid_turn_acknowledges_nothing_of_that_turn(coordinator):
+    # A status query flushed the turn's writes and one failed (a full disk): the query's
+    # error was contained, and the turn's commit then committed what was applied before it.
+    import sqlite3
+
+    store = coordinator.store
+    store.add_job("j", "job", "c", 1.0)
+    _post(coordinator, b"c", Command.ACCEPTED)  # the acknowledgement of that write
+    store._write("INSERT INTO no_such_table VALUES (?)", (1,))  # fails as a full disk would
+    with pytest.raises(sqlite3.Error):
+        store.job_tasks("j", 10)  # inside Broker.handle, which contains it
+    with pytest.raises(sqlite3.Error):
+        coordinator._end_turn(100.0)  # the loop stops on it (run() says what to do)
+    assert coordinator.sent == []
+    assert store._db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == 0
+
+
 def test_a_bind_address_this_machine_lacks_is_named_as_such(tmp_path):
     # It said "Is another coordinator running? Pick another port": no port would do.
     from gpumesh.errors import ConfigError

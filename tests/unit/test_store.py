@@ -540,6 +540,52 @@ def test_a_refused_insert_does_not_leave_its_blob(store: Store, db_path: Path) -
     assert _blob_files(db_path) == []
 
 
+def test_a_failed_write_rolls_its_transaction_back_and_nothing_is_committed_after(
+        db_path: Path) -> None:
+    # A full disk or an I/O error mid-turn: committing the writes before it (and deleting the
+    # blobs the lost writes dropped) would acknowledge work the journal does not hold.
+    s = Store(db_path)
+    _add(s, task_id="kept", seq=1, payload=BIG)
+    s.commit()
+    s.collect_task("kept", {"id": "kept"})  # drops its blob: once committed, not before
+    _add(s, task_id="t1", seq=2)
+    s._write("INSERT INTO no_such_table VALUES (?)", (1,))  # fails as a full disk would
+    _add(s, task_id="t2", seq=3)
+    with pytest.raises(sqlite3.Error):
+        s.job_tasks("job-1", 10)  # a status query flushes the turn's writes
+    with pytest.raises(sqlite3.Error):
+        s.commit()  # and the turn's commit refuses: the coordinator stops on it
+    _add(s, task_id="t3", seq=4)
+    with pytest.raises(sqlite3.Error):
+        s.close()
+    (task,) = _reopen_and_load(db_path)
+    assert task.task_id == "kept" and task.state == "pending"  # as last committed
+    assert _whole_input(db_path, task) == BIG  # its blob was not deleted
+
+
+def test_a_new_task_whose_id_a_collected_task_had_is_journaled(db_path: Path, caplog) -> None:
+    # Task ids are 48 random bits checked against the tasks the coordinator holds, not
+    # against the summaries of collected ones the journal keeps: a clash must not lose the
+    # new task (its INSERT refused while ACCEPTED went out).
+    s = Store(db_path)
+    _add(s, task_id="same", seq=1, client="old", job_id="old-job")
+    s.collect_task("same", {"id": "same", "state": "done"})
+    s.commit()
+    _add(s, task_id="other", seq=7, client="new", job_id="new-job")
+    _add(s, task_id="same", seq=8, client="new", job_id="new-job")  # in a run of inserts
+    s.commit()
+    _add(s, task_id="alone", seq=1, client="old", job_id="old-job")
+    s.collect_task("alone", {"id": "alone"})
+    s.commit()
+    _add(s, task_id="alone", seq=9, client="new", job_id="new-job")  # an insert on its own
+    s.commit()
+    s.close()
+    rows = {t.task_id: t for t in _reopen_and_load(db_path)}
+    assert rows["same"].client_id == "new" and rows["same"].state == "pending"
+    assert rows["alone"].client_id == "new" and rows["same"].seq == 8
+    assert "was a finished task's" in caplog.text
+
+
 def test_in_memory_store_keeps_big_payloads_inline() -> None:
     s = Store(":memory:")
     try:
