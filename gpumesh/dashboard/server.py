@@ -7,6 +7,7 @@ every response carries a Content-Security-Policy without inline script, ``nosnif
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -209,6 +210,9 @@ class Handler(BaseHTTPRequestHandler):
         context = self.server.tls
         if context is not None:  # the handshake, here in this connection's thread
             self.request.settimeout(HANDSHAKE_SECONDS)
+            if self._plain_http():
+                self._refused = True
+                return
             try:
                 self.request = context.wrap_socket(self.request, server_side=True)
             except (OSError, ssl.SSLError, ValueError) as exc:  # silent, plain HTTP, or gone
@@ -217,6 +221,23 @@ class Handler(BaseHTTPRequestHandler):
                 self._refused = True
                 return  # nothing to read or write: handle() and finish() do nothing
         super().setup()
+
+    def _plain_http(self) -> bool:
+        """A browser that asked for http:// on the HTTPS port: told, in plain HTTP, to use
+        https:// (a TLS handshake starts with 0x16; a request with its method's letters)."""
+        try:
+            start = self.request.recv(8, socket.MSG_PEEK)
+        except OSError:
+            return False  # silent or gone: the handshake says so
+        if not start or not start[:1].isalpha():
+            return False
+        body = (b"This dashboard is served over HTTPS: put https:// in front of the address "
+                b"(the link the dashboard printed has it).\n")
+        with contextlib.suppress(OSError):
+            self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; "
+                                 b"charset=utf-8\r\nConnection: close\r\nContent-Length: "
+                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+        return True
 
     def handle(self) -> None:
         if not self._refused:

@@ -583,10 +583,12 @@ def test_over_tls_the_login_works_and_the_cookie_is_secure(tls_served):
     assert tls.hashlib.sha256(served).hexdigest().upper() == made.fingerprint.replace(":", "")
 
 
-def test_plain_http_to_the_tls_port_gets_nothing(tls_served):
+def test_plain_http_to_the_tls_port_is_told_to_use_https(tls_served):
+    # A browser given http:// got a reset connection and no word of why.
     dashboard, _ = tls_served
-    with pytest.raises((OSError, http.client.HTTPException)):
-        Browser(dashboard.port).request("GET", "/login")
+    response, body = Browser(dashboard.port).request("GET", "/login")
+    assert response.status == 400 and b"served over HTTPS: put https://" in body
+    assert b"csrf" not in body.lower() and TOKEN.encode() not in body  # nothing of the page
 
 
 def test_a_silent_client_does_not_hold_up_another(tls_served):
