@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import _base  # the states a Future moves through
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -659,7 +659,8 @@ class Engine:
         frames = _positive(self.welcome.get("max_frames"), limits.max_frames)
         if message_bytes <= limits.max_header_bytes or frames <= 3:
             return limits.message_room  # a message with no room for a task: not a real limit
-        return replace(limits, max_message_bytes=message_bytes, max_frames=frames).message_room
+        # Limits.message_room's arithmetic, without a new Limits for every submission.
+        return message_bytes - limits.max_header_bytes, frames - 3
 
     def _refuse_oversize(self, sub: _Submission, nbytes: int, frames: int, room_bytes: int,
                          room_frames: int) -> None:

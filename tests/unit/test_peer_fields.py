@@ -371,6 +371,15 @@ def test_a_welcome_whose_limits_leave_no_room_for_a_task_keeps_the_clients_own(e
     assert engine._message_room() == engine.settings.limits.message_room
 
 
+def test_a_welcomes_limits_give_the_room_its_limits_would(engine):
+    from dataclasses import replace
+
+    engine.welcome = {"max_message_bytes": 64 << 20, "max_frames": 500}
+    expected = replace(engine.settings.limits, max_message_bytes=64 << 20,
+                       max_frames=500).message_room
+    assert engine._message_room() == expected
+
+
 def test_a_message_of_task_ids_fits_the_coordinators_header_at_the_longest_ids():
     # ACCEPTED may name ids up to ID_CHARS long; a RESULT_ACK of a full message of them went
     # over the coordinator's header limit, and every acknowledgement in it was dropped.
