@@ -50,9 +50,53 @@ def _exit_with_parent() -> None:
                 os._exit(1)
 
 
+class _Start:
+    """What a task may change in the runner's own process and the next task must not inherit:
+    the working directory (README: a function task runs in the worker's start directory), the
+    import path, ``sys.stdout``/``sys.stderr`` and the descriptors 1 and 2 under them (the
+    pipes the agent reads each task's output from), kept as copies to put back."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.cwd = os.getcwd()
+        self.path = list(sys.path)
+        self.streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+        # Copies above 2, not inherited by what a task starts (os.dup's default).
+        self.fds = {fd: (os.dup(fd), _identity(fd)) for fd in (1, 2)}
+
+    def restore(self) -> None:
+        if os.getpid() != self.pid:
+            # A task's fork() that returned into this loop: two processes would answer the
+            # agent on one socket. The child goes, as a forked worker process would.
+            os._exit(0)
+        for fd, (copy, identity) in self.fds.items():
+            if _identity(fd) != identity:  # closed, or a file the task opened took its number
+                os.dup2(copy, fd)
+        try:
+            moved = os.getcwd() != self.cwd
+        except OSError:  # it went into a folder it then deleted
+            moved = True
+        if moved:
+            try:
+                os.chdir(self.cwd)
+            except OSError:
+                pass  # the start folder itself is gone: nothing better to go back to
+        if sys.path != self.path:
+            sys.path[:] = self.path
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 def main(argv: list[str]) -> int:
     threading.Thread(target=_exit_with_parent, name="gpumesh-parent-watch", daemon=True).start()
     sock = socket.socket(fileno=int(argv[0]))
+    start = _Start()
     base_env = base_environment(os.environ, argv[1:])
     set_environ(base_env)  # the interpreter has read its PYTHON* variables; tasks do not see them
     send_message(sock, [msgpack.packb({"ready": True})])
@@ -103,29 +147,40 @@ def main(argv: list[str]) -> int:
             if folder is not None and result_refs:
                 folder.remove(ref_names(result_refs))  # written, and now named by nothing
         del frames
-        _settle_output()
+        start.restore()  # first: a forked child leaves here, and fds 1 and 2 are the pipes
+        _settle_output(start)
         send_message(sock, [msgpack.packb(result_header, use_bin_type=True), *result_frames])
 
 
-def _settle_output() -> None:
-    """Flush what the task printed, and leave the next task a ``sys.stdout`` and ``sys.stderr``
-    that work: one that closed them (or set them to None) made the flush raise, the runner
-    exit, and its result be lost, on every worker it was retried on."""
+def _settle_output(start: _Start) -> None:
+    """Flush what the task printed, and leave the next task the runner's own ``sys.stdout``
+    and ``sys.stderr``, working: a task that replaced them (a StringIO it never put back)
+    would take every later task's output; one that closed them (or set them to None) made the
+    flush raise, the runner exit, and its result be lost, on every worker it was retried on."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         stream = getattr(sys, name)
         try:
             stream.flush()
-            usable = not getattr(stream, "closed", False)  # a task's own tee may have none
         except Exception:  # closed, None, or a replacement of the task's that fails
+            pass
+        if stream is not start.streams[name]:
+            setattr(sys, name, start.streams[name])  # the task's own goes with the task
+            stream = start.streams[name]
+        try:
+            stream.flush()
+            usable = not getattr(stream, "closed", False)
+        except Exception:
             usable = False
         if not usable:
-            # The descriptors stay open (the interpreter's own streams do not close them):
-            # a new text layer over each, written through as -u made the first.
+            # The descriptors are the pipes again (_Start.restore): a new text layer over
+            # each, written through as -u made the first, and kept as the runner's own.
             original = getattr(sys, f"__{name}__", None)
-            setattr(sys, name, io.TextIOWrapper(
+            fresh = io.TextIOWrapper(
                 io.FileIO(fd, "w", closefd=False), write_through=True,
                 encoding=getattr(original, "encoding", None) or "utf-8",
-                errors=getattr(original, "errors", None) or "backslashreplace"))
+                errors=getattr(original, "errors", None) or "backslashreplace")
+            setattr(sys, name, fresh)
+            start.streams[name] = fresh
 
 
 class _Inbox:

@@ -235,13 +235,18 @@ def _relay_stderr(pipe: Any, tail: deque[bytes]) -> None:
     """Copy the script's stderr to ours as it comes (the caller sees it live); keep the end."""
     kept = 0
     for chunk in iter(lambda: pipe.read1(65536), b""):
-        try:
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
-        except (OSError, ValueError):
+        try:  # fd 2 itself: whatever a task left in sys.stderr (one without .buffer)
+            _write_all(2, chunk)
+        except OSError:
             pass
         tail.append(chunk)
         kept += len(chunk)
         while kept - len(tail[0]) > STDERR_TAIL and len(tail) > 1:
             kept -= len(tail.popleft())
     pipe.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -592,6 +592,86 @@ def test_a_task_that_closes_its_output_still_reports_and_the_next_prints(live_ag
     assert _output(agent)["task-1"] == b"before 1\n" and runner.proc.pid == first_pid
 
 
+def _leaves_its_state(i):
+    import io
+    import os as system
+    import sys as system_module
+    import tempfile
+
+    gone = tempfile.mkdtemp()
+    system.chdir(gone)
+    system.rmdir(gone)  # the next task's getcwd() would fail
+    system_module.path.insert(0, "/gpumesh-test-nowhere")
+    system_module.stdout, system_module.stderr = io.StringIO(), io.StringIO()
+    system.close(1)  # and the descriptor under it: the next open() would take its number
+    return i
+
+
+def _says_where_it_runs(i):
+    import os as system
+    import sys as system_module
+
+    print(f"cwd={system.getcwd()} nowhere={'/gpumesh-test-nowhere' in system_module.path}",
+          flush=True)
+    print("to stderr", file=system_module.stderr, flush=True)
+    return i
+
+
+def test_what_a_task_changes_in_its_runner_is_put_back_for_the_next(live_agent):
+    # The README: a function task runs in the worker's start directory. A task's StringIO
+    # took every later task's output, a deleted folder failed their getcwd(), its sys.path
+    # steered their unpickling, and a closed fd 1 failed their prints as their own errors.
+    agent, runner = live_agent, live_agent.runners[0]
+    first_pid = runner.proc.pid
+    _give(agent, 1, _leaves_its_state)
+    _pump(agent, lambda: "task-1" in _results(agent), "its result")
+    _give(agent, 2, _says_where_it_runs)
+    _pump(agent, lambda: "task-2" in _results(agent)
+          and b"to stderr" in _output(agent).get("task-2", b""), "the next one's output")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
+    said = _output(agent)["task-2"]
+    assert f"cwd={os.getcwd()} nowhere=False".encode() in said
+    assert runner.proc.pid == first_pid  # the same runner: nothing was restarted for it
+
+
+def _forks_and_returns(i):
+    import os as system
+
+    system.fork()  # both return into the runner's loop
+    return i
+
+
+def test_a_task_whose_fork_returns_into_the_runner_answers_once(live_agent):
+    # Two processes answered the agent on one socket: the child's result was charged to the
+    # next task, and then both read the same socket.
+    agent = live_agent
+    _give(agent, 1, _forks_and_returns)
+    _give(agent, 2)
+    _pump(agent, lambda: len(_results(agent)) == 2 and b"end 2" in _output(agent).get(
+        "task-2", b""), "both results")
+    _give(agent, 3)
+    _pump(agent, lambda: len(_results(agent)) == 3, "a third")
+    results = [m.header["task"] for m in agent.sent if m.command is Command.RESULT]
+    assert results == ["task-1", "task-2", "task-3"]  # each once, in turn
+    assert _live_children(agent.runners[0].proc.pid) == []  # the fork's child went
+
+
+def _live_children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, zombies left out (/proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
 def _writes_without_end(i):
     import os as system
     import socket as sockets
@@ -751,7 +831,7 @@ def test_the_results_a_dead_runner_wrote_are_all_read_however_long_it_takes(live
     assert _results(agent) == {"task-1": "ok", "task-2": "crashed"}
 
 
-def test_the_output_streams_a_task_left_are_kept_when_they_work_and_made_anew_when_not(
+def test_the_output_streams_a_task_left_go_with_it_and_broken_ones_are_made_anew(
         monkeypatch):
     import io
 
@@ -767,15 +847,21 @@ def test_the_output_streams_a_task_left_are_kept_when_they_work_and_made_anew_wh
         def flush(self):
             pass
 
+    from gpumesh.runner.__main__ import _Start
+
+    start = _Start()
     tee = Tee()
-    monkeypatch.setattr(sys, "stdout", tee)
-    closed = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", tee)  # a task's own: it goes with the task
+    monkeypatch.setattr(sys, "stderr", start.streams["stderr"])
+    start.streams["stderr"] = closed = io.StringIO()  # the runner's own, closed by a task
     closed.close()
-    monkeypatch.setattr(sys, "stderr", closed)
-    _settle_output()
-    assert sys.stdout is tee
+    _settle_output(start)
+    assert sys.stdout is start.streams["stdout"] is not tee
     assert sys.stderr is not closed and sys.stderr.fileno() == 2
     assert sys.stderr.write_through  # what it writes goes at once, as under -u
+    assert start.streams["stderr"] is sys.stderr  # and it is the runner's own from now on
+    for copy, _ in start.fds.values():
+        os.close(copy)
 
 
 def test_a_late_task_whose_result_waits_unread_is_read_before_it_is_ruled_late(live_agent,
