@@ -153,7 +153,7 @@ class WorkerAgent:
             if gpu_indices:
                 # One GPU per slot: the runner sees exactly its own device as cuda:0.
                 index = gpu_indices[slot % len(gpu_indices)]
-                slot_env["CUDA_VISIBLE_DEVICES"] = str(index)
+                slot_env["CUDA_VISIBLE_DEVICES"] = visible_device(env, index)
                 found = by_index.get(index)
                 gpu = Gpu(str(found.get("name", "")), _size(found.get("vram"))) if found else None
             self.slot_gpus.append(gpu)
@@ -1143,6 +1143,18 @@ def _size(value: Any) -> int:
         return parse_size(value) if value is not None else 0
     except ValueError:
         return 0
+
+
+def visible_device(env: dict[str, str], index: int) -> str:
+    """What CUDA_VISIBLE_DEVICES names torch's device ``index`` as, for a runner: torch numbers
+    the devices this process sees, so where the owner started the worker with its own list
+    (``CUDA_VISIBLE_DEVICES=2,3 gpumesh join``: indexes, UUIDs or MIG ids), index 0 is that
+    list's first entry, not physical GPU 0."""
+    given = [part.strip() for part in env.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    given = [part for part in given if part]
+    if "CUDA_VISIBLE_DEVICES" in env and 0 <= index < len(given):
+        return given[index]
+    return str(index)
 
 
 def version_notes(info: dict[str, Any], welcome: dict[str, Any]) -> list[str]:

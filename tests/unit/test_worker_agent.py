@@ -125,6 +125,26 @@ def test_a_flood_on_the_control_channel_is_answered_a_turn_at_a_time(control, mo
     assert answers == 20  # each request its one reply
 
 
+def test_each_slot_is_pinned_to_its_gpu_as_the_owner_numbered_them(tmp_path, monkeypatch):
+    # torch numbers the GPUs this process sees: under the owner's CUDA_VISIBLE_DEVICES=2,3 its
+    # 0 and 1 are physical 2 and 3, and the runners were pinned to 0 and 1, which the owner
+    # had kept out.
+    from gpumesh.worker.agent import visible_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-8f3a,MIG-1/2/3")
+    a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=3, info={},
+                    gpu_indices=[0, 1, 2], local_control=False)
+    try:
+        pinned = [runner._env["CUDA_VISIBLE_DEVICES"] for runner in a.runners]
+        assert pinned == ["2", "GPU-8f3a", "MIG-1/2/3"]
+    finally:
+        a.link.close()
+        a._ctx.term()
+    assert visible_device({}, 1) == "1"  # no list of the owner's: torch's index is the GPU's
+    assert visible_device({"CUDA_VISIBLE_DEVICES": "5"}, 3) == "3"  # out of its list: as is
+
+
 def test_a_task_that_needs_a_gpu_model_starts_only_in_the_slot_pinned_to_it(tmp_path):
     gpus = [{"index": 0, "name": "NVIDIA T4", "vram": 16 * 10**9, "backend": "cuda"},
             {"index": 1, "name": "NVIDIA A100", "vram": 80 * 10**9, "backend": "cuda"}]
