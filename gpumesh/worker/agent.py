@@ -99,6 +99,7 @@ LATE_GRACE = 2.0
 # A runner whose socket closed has this long to finish exiting (its descriptors close before
 # it can be reaped) before it is taken for one that runs on, and killed.
 DYING_GRACE = 1.0
+DYING_READS = 64  # reads of a dead runner's output pipes at most: 4 MiB of its last words
 
 
 
@@ -847,6 +848,13 @@ class WorkerAgent:
                     self._report(queued.task, cancelled, [], now)
                 return True
         for runner in self.runners:
+            holds = (runner.task is not None and runner.task.lease_id == lease_id) or any(
+                queued.task.lease_id == lease_id for queued, _ in runner.ahead)
+            if holds and runner.control is not None:
+                # Results it wrote that are still unread first: with tasks handed ahead the
+                # runner may be past this one, and a task that finished is not cancelled (nor
+                # run again, with its side effects, once those behind it are requeued).
+                self._read_written(runner, now, dead=False)
             if any(queued.task.lease_id == lease_id for queued, _ in runner.ahead):
                 # Those handed ahead go together (the runner restarts after its task); the
                 # others go back to the front of the queue, in order.
@@ -1016,11 +1024,14 @@ class WorkerAgent:
             "task's code may have written to that socket"))
 
     def _runner_died(self, runner: Runner, now: float, what: str = "") -> None:
-        # Drain what it printed last: the diagnosis needs its final words.
+        # What it printed last goes to its task's client, and into the diagnosis: a bounded
+        # number of reads, since a process it started may live on and print without end.
         for stream in ("out", "err"):
-            if runner.proc is not None:
-                while runner.read_stream(stream) is not None:
-                    pass
+            for _ in range(DYING_READS):
+                if runner.proc is None or not self._on_runner_output(runner, stream):
+                    break
+        if runner.proc is not None and runner.proc.poll() is not None:
+            runner.kill_group()  # what its task started (a pool, a `yes`) dies with it
         task, runner.task = runner.task, None
         self._requeue_front(runner.take_back())  # handed ahead, never started
         code = runner.reap(timeout=DYING_GRACE)

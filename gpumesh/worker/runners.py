@@ -50,6 +50,7 @@ from ..runner.pipe import (
 from ..sharedmem import SharedFolder
 
 TAIL_LINES = 20
+REAP_READS = 16  # reads of an exited runner's pipes at most (1 MiB)
 PARTIAL_BYTES = 4096  # of a line still open, kept for the tail
 # Bytes on the socket handed ahead to one runner, at most: well inside a socket pair's buffer
 # (about 200 KiB), so a write never blocks the agent while the runner's current task runs (it
@@ -391,12 +392,26 @@ class Runner:
 
     def kill(self) -> None:
         """Stop the runner and everything it started (its process group)."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    self.proc.kill()
+            else:
+                self.kill_group()  # the runner is gone; what it started may not be
+        self.reap()
+
+    def kill_group(self) -> None:
+        """SIGKILL to what is left of the runner's process group once the runner itself has
+        died: its task's children would otherwise live on, holding memory and GPUs (and
+        writing into the runner's output pipes). Its number stays taken while any of them
+        lives, so it names no other process."""
+        if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
-                self.proc.kill()
-        self.reap()
+                pass
 
     def reap(self, timeout: float = 5.0) -> int | None:
         """Wait up to ``timeout`` for the runner to exit, then close its pipes and socket: its
@@ -409,11 +424,19 @@ class Runner:
             return None
         for pipe in (self.proc.stdout, self.proc.stderr):
             if pipe is not None and not pipe.closed:
-                try:
-                    rest = pipe.read() or b""
-                except (OSError, ValueError):
-                    rest = b""
-                self.tail.extend(rest.decode("utf-8", "replace").splitlines())
+                # What is left, up to a bound: a process that escaped its group may still
+                # write into the pipe, faster than it is read.
+                rest = bytearray()
+                for _ in range(REAP_READS):
+                    try:
+                        chunk = os.read(pipe.fileno(), _READ_SIZE)
+                    except OSError:  # BlockingIOError: nothing more now
+                        break
+                    if not chunk:
+                        break
+                    rest += chunk
+                self.tail.extend(bytes(rest[-_READ_SIZE:]).decode("utf-8", "replace")
+                                 .splitlines())
                 pipe.close()
         if self.control is not None:
             self.control.close()

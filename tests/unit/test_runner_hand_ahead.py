@@ -12,11 +12,13 @@ import select
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import cloudpickle
 import msgpack
 import pytest
+from conftest import wait_for
 from test_worker_agent import recording_agent
 
 from gpumesh.config import Limits
@@ -670,6 +672,62 @@ def _live_children(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(entry))
     return found
+
+
+def _dies_leaving_a_chatty_child(i):
+    import os as system
+    import subprocess as processes
+    import sys as system_module
+
+    processes.Popen([system_module.executable, "-c",
+                     "import sys\nwhile True: sys.stdout.write('x' * 4096)"])
+    quiet = processes.Popen([system_module.executable, "-c", "import time; time.sleep(60)"],
+                            stdout=processes.DEVNULL, stderr=processes.DEVNULL)
+    with open(f"/tmp/gpumesh-test-child-{system.getppid()}", "w") as told:
+        told.write(str(quiet.pid))
+    print("last words", flush=True)
+    system._exit(3)
+
+
+def test_a_runner_that_dies_takes_its_tasks_children_with_it_and_the_agent_goes_on(
+        live_agent):
+    # The children lived on (holding memory, a GPU), and one printing without end held the
+    # agent in its drain of the dead runner's pipes: no heartbeat, the worker lost.
+    agent = live_agent
+    told = f"/tmp/gpumesh-test-child-{os.getpid()}"
+    try:
+        _give(agent, 1, _dies_leaving_a_chatty_child)
+        _pump(agent, lambda: "task-1" in _results(agent), "its crash", timeout=30)
+        assert _results(agent) == {"task-1": "crashed"}
+        assert b"last words" in _output(agent).get("task-1", b"")  # forwarded, not dropped
+        child = int(Path(told).read_text())
+        # The chatty one dies of its closed pipe either way; the quiet one only if killed.
+        wait_for(lambda: not _alive(child), timeout=10,
+                 what="the task's child to die with its runner")
+        _give(agent, 2)
+        _pump(agent, lambda: "task-2" in _results(agent), "a task on the new runner")
+        assert _results(agent)["task-2"] == "ok"
+    finally:
+        if os.path.exists(told):
+            os.unlink(told)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_cancel_of_a_task_whose_result_is_written_reports_it_done(live_agent):
+    # With tasks handed ahead the runner may be past the one cancelled: it finished, and was
+    # reported cancelled (and those behind it run again).
+    agent, runner = live_agent, live_agent.runners[0]
+    _give(agent, 1, napping(0.0))
+    assert select.select([runner.control], [], [], 20)[0]  # its result is written, unread
+    assert not agent._cancel(1, time.time(), report=True)
+    assert _results(agent) == {"task-1": "ok"}
 
 
 def _writes_without_end(i):
