@@ -52,7 +52,7 @@ from ..protocol import (
     unbundle,
 )
 from ..protocol.pieces import Outflow
-from ..sharedmem import SharedFolder
+from ..sharedmem import ORPHAN_AGE, SharedFolder
 from ..store import COLLECTED, CORRUPT, Store, StoredTask
 from .clients import ClientSide
 from .jobs import Job, summarize
@@ -576,11 +576,14 @@ class Broker:
 
     def _sweep_orphans(self, now: float) -> None:
         """Remove the shared frames of producers that are gone which no task names: a client
-        killed before its SUBMIT was accepted, a worker killed before it sent its result. Not
-        those of unknown producers: one may belong to a SUBMIT parked for minutes."""
+        killed before its SUBMIT was accepted, a worker killed before it sent its result. Of
+        unknown producers only those written before this run began, and ORPHAN_AGE old (the
+        coordinator's own copies of a remote client's inputs, left by a restart: the journal
+        holds their bytes): one written since may belong to a SUBMIT parked for minutes."""
         shm = self.ledger.shm
         if shm is not None:
-            swept = shm.sweep(self.ledger.shared_files, now, unknown_after=None)
+            before_this_run = max(ORPHAN_AGE, now - self.ledger.started_at)
+            swept = shm.sweep(self.ledger.shared_files, now, unknown_after=before_this_run)
             if swept:
                 log.info("removed %d shared-memory file(s) whose writers are gone", swept)
 

@@ -565,6 +565,21 @@ def test_a_running_coordinator_sweeps_what_a_killed_client_left_and_keeps_what_i
     assert names(folder) == {sent_one, parked}
 
 
+def test_a_running_coordinator_sweeps_unknown_frames_left_from_before_it_started(
+        broker, folder):
+    # Its own copies of a remote client's inputs (named at random, with no owner) stayed
+    # after a restart until a later restart came ORPHAN_AGE after they were written: weeks of
+    # RAM, up to a GiB a task. The journal holds their bytes: the restored task needs none.
+    broker.ledger.started_at = time.time() - 2 * ORPHAN_AGE
+    left, written_since = "e" * 32, "d" * 32
+    for name, seconds in ((left, 3 * ORPHAN_AGE), (written_since, ORPHAN_AGE + 1)):
+        (folder.path / name).write_bytes(b"x")
+        age(folder, name, seconds)
+    broker.tick(time.time())
+    assert left not in names(folder)
+    assert written_since in names(folder)  # this run's: a parked SUBMIT's, maybe
+
+
 def test_the_sweep_leaves_what_this_turn_dropped_to_its_commit(broker, folder):
     # A task forgotten earlier in the turn no longer names its files, but the journal does
     # until the commit: a coordinator killed before it restarts from there.
