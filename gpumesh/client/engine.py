@@ -603,6 +603,7 @@ class Engine:
         for sub in subs:
             if sub.future.cancel_requested and not sub.sent_at:
                 self._outstanding.pop(sub.seq, None)  # cancelled before it was ever sent
+                self._unshare(sub)  # its files, written for a send that failed, name nothing
             else:
                 # A cancelled one that was sent may be durable already: sending it again gets
                 # its task id back (seq dedupe), and ACCEPTED then cancels it.
@@ -624,6 +625,7 @@ class Engine:
                     # Cancelled while the chunks before it went (big frames take a while to
                     # write: Ctrl+C of a map of big arrays must not wait for all of them).
                     self._outstanding.pop(sub.seq, None)
+                    self._unshare(sub)
                     continue
                 # What the task puts on the wire: its big frames in shared memory when they can
                 # go there (written once, whatever the re-sends), the rest in slices.

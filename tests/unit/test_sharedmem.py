@@ -781,6 +781,35 @@ def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_read_again(
         engine.close()
 
 
+def test_a_submission_cancelled_before_it_was_ever_sent_takes_its_files_with_it(
+        folder, tmp_path, monkeypatch):
+    # Its big frames went into the folder for a send that failed (the link's queue full);
+    # cancelled then, it was forgotten and its files stayed as long as the client lived.
+    import socket
+
+    from gpumesh.client.engine import Engine, TaskFuture, _Submission
+    from gpumesh.config import Endpoint, Settings
+
+    with socket.socket() as probe:  # a coordinator that never answers
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    try:
+        engine._shm = joined(folder)
+        monkeypatch.setattr(engine._link, "send", lambda frames: False)  # not sent
+        sub = _Submission(1, {"kind": "fn"}, [b"fn", BIG], TaskFuture(), "j1", "m")
+        engine._outstanding[1] = sub
+        engine._send_submissions([sub], 0.0)
+        assert names(folder) and not sub.sent_at  # written, for a send that did not happen
+        assert sub.future.cancel()
+        engine._send_submissions([sub], 1.0)
+        assert 1 not in engine._outstanding
+        assert names(folder) == set()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("failure", ["gone", "short of descriptors"])
 def test_a_worker_whose_result_it_cannot_read_back_reports_a_crash_and_stays_up(
         folder, monkeypatch, failure):
