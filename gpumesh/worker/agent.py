@@ -99,6 +99,12 @@ LATE_GRACE = 2.0
 # A runner whose socket closed has this long to finish exiting (its descriptors close before
 # it can be reaped) before it is taken for one that runs on, and killed.
 DYING_GRACE = 1.0
+# A runner that exits before it is ready is started again at once the first time, then after
+# START_BACKOFF seconds, doubling up to START_BACKOFF_MAX; the owner is told as it first waits.
+RETRY_FAILED_STARTS = 2
+SAY_FAILED_STARTS = 2
+START_BACKOFF = 0.5
+START_BACKOFF_MAX = 30.0
 DYING_READS = 64  # reads of a dead runner's output pipes at most: 4 MiB of its last words
 
 
@@ -399,6 +405,8 @@ class WorkerAgent:
         if hand_back is not None:
             waits.append(hand_back - now)
         for runner in self.runners:
+            if runner.start_at is not None:
+                waits.append(runner.start_at - time.monotonic())
             if runner.task is not None and runner.task.deadline is not None:
                 waits.append(runner.task.deadline - now)
             if idle and runner.next is not None and runner.task is not None:
@@ -592,7 +600,9 @@ class WorkerAgent:
 
     def free_slots(self) -> int:
         busy = len(self._held_tasks())
-        return 0 if self.draining else max(self.slots + self._granted_depth - busy, 0)
+        if self.draining or all(r.start_at is not None for r in self.runners):
+            return 0  # paused, or no runner can start: nothing more is taken
+        return max(self.slots + self._granted_depth - busy, 0)
 
     def prefetch_depth(self) -> int:
         """Tasks to hold queued beyond the slots now: fixed, or (auto) by recent run times."""
@@ -953,6 +963,9 @@ class WorkerAgent:
                           now: float) -> None:
         if header.get("ready"):
             runner.ready = True
+            if runner.failed_starts >= SAY_FAILED_STARTS:
+                self.say(f"[worker] runner {runner.slot} started again")
+            runner.failed_starts = 0
             return
         task = runner.task
         following = runner.finished()
@@ -977,6 +990,11 @@ class WorkerAgent:
 
     def _check_runners(self, now: float) -> None:
         for runner in self.runners:
+            if runner.start_at is not None:  # waiting out its back-off after failed starts
+                if time.monotonic() >= runner.start_at:
+                    runner.start_at = None
+                    runner.start()
+                continue
             dead = runner.proc is not None and runner.proc.poll() is not None
             if runner.control is not None and (dead or _late(runner.task, now)):
                 # Its results may already be in the socket, unread (the agent reads a runner
@@ -1047,8 +1065,32 @@ class WorkerAgent:
             log.warning("task %s: %s", task.task_id, diagnosis)
             self._report(task, {"status": ResultStatus.CRASHED.value, "diagnosis": diagnosis}, [], now)
         elif not runner.ready:
+            runner.failed_starts += 1
+            if runner.failed_starts >= RETRY_FAILED_STARTS:
+                # Started in a loop it would take a core, and never run what waits for it.
+                delay = min(START_BACKOFF * 2 ** (runner.failed_starts - RETRY_FAILED_STARTS),
+                            START_BACKOFF_MAX)
+                runner.start_at = time.monotonic() + delay
+                if runner.failed_starts == SAY_FAILED_STARTS:
+                    self.say(f"[worker] runner {runner.slot} cannot start: {diagnosis} (is a "
+                             "file in this folder named as a module Python imports? start "
+                             "join from another folder); trying again, less and less often")
+                else:
+                    log.warning("runner %d failed to start again: %s", runner.slot, diagnosis)
+                if all(r.start_at is not None for r in self.runners):
+                    self._fail_queued(diagnosis, now)
+                return
             log.warning("runner %d failed to start: %s", runner.slot, diagnosis)
         runner.start()
+
+    def _fail_queued(self, diagnosis: str, now: float) -> None:
+        """No runner of this worker can start: what waits here goes back as crashed (run again
+        on another worker), rather than wait, its lease renewed, for a runner that never comes."""
+        waiting, self.queue = list(self.queue), deque()
+        for queued in waiting:
+            self._report(queued.task, {
+                "status": ResultStatus.CRASHED.value,
+                "diagnosis": f"no runner of this worker could start: {diagnosis}"}, [], now)
 
     def drop_unsent(self, task: RunningTask) -> None:
         """A stopped task's runner may have left its result in the shared folder before it could

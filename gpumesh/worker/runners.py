@@ -128,6 +128,11 @@ class Runner:
         # Handed ahead, in order, with the nonce each was sent with: they start as ``task`` ends.
         self.ahead: deque[tuple[QueuedTask, str]] = deque()
         self.ahead_depth = 1  # how many the agent hands ahead at most (it sets this)
+        # Starts in a row that ended before the runner said it was ready (a module in the
+        # worker's folder that shadows one it imports), and when the next start is due
+        # (time.monotonic) while it waits out its back-off; None when it is not waiting.
+        self.failed_starts = 0
+        self.start_at: float | None = None
         self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
         self.read_at = 0.0  # when the agent last read this runner's socket
         # Small messages handed ahead and not yet written: ``flush`` writes them in one call
@@ -392,21 +397,18 @@ class Runner:
 
     def kill(self) -> None:
         """Stop the runner and everything it started (its process group)."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    self.proc.kill()
-            else:
-                self.kill_group()  # the runner is gone; what it started may not be
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
         self.reap()
 
     def kill_group(self) -> None:
-        """SIGKILL to what is left of the runner's process group once the runner itself has
-        died: its task's children would otherwise live on, holding memory and GPUs (and
-        writing into the runner's output pipes). Its number stays taken while any of them
-        lives, so it names no other process."""
+        """SIGKILL to what is left of the runner's process group as soon as the runner itself
+        is found dead: its task's children would otherwise live on, holding memory and GPUs
+        (and writing into the runner's output pipes). Its number stays taken while any of them
+        lives, so it names no other group; called later, once they are all gone, it could."""
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)

@@ -674,6 +674,50 @@ def _live_children(pid: int) -> list[int]:
     return found
 
 
+def test_a_runner_that_cannot_start_is_retried_less_and_less_and_its_work_goes_elsewhere(
+        tmp_path, monkeypatch):
+    # join run from a folder holding a select.py: `python -m` puts that folder first on the
+    # runner's path, its imports fail, and it was started again every turn (a core spent)
+    # while the worker went on taking tasks that waited for it, their leases renewed.
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    (work / "select.py").write_text("raise SystemExit('a module of the folder shadows select')\n")
+    monkeypatch.chdir(work)
+    gen = recording_agent(home)
+    agent = next(gen)
+    lines: list[str] = []
+    agent.say = lines.append
+    agent.session.welcomed = True
+    runner = agent.runners[0]
+    started: list[float] = []
+    real_start = runner.start
+
+    def start():
+        started.append(time.monotonic())
+        real_start()
+
+    runner.start = start
+    try:
+        runner.start()
+        _give(agent, 1)  # waits for the runner
+        _pump(agent, lambda: "task-1" in _results(agent), "the task to go elsewhere",
+              timeout=20)
+        assert _results(agent) == {"task-1": "crashed"}
+        assert agent.free_slots() == 0  # nothing more is taken while no runner can start
+        assert any("runner 0 cannot start" in line and "shadows select" in line
+                   for line in lines), lines
+        first_wait = runner.start_at
+        assert first_wait is not None
+        _pump(agent, lambda: runner.failed_starts >= 5, "more tries", timeout=20)
+        gaps = [later - earlier for earlier, later in zip(started, started[1:], strict=False)]
+        assert gaps[-1] >= 1.0 > gaps[0]  # at once at first, then less and less often
+        assert len(started) <= 8
+    finally:
+        runner.start = real_start
+        runner.kill()
+        next(gen, None)
+
+
 def _dies_leaving_a_chatty_child(i):
     import os as system
     import subprocess as processes
