@@ -65,12 +65,18 @@ def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False,
     if local_only and not worker.shares_memory:
         missing.append("is not on the coordinator's machine, and the task's input is too big "
                        "for one message")
+    model = req.gpu if isinstance(req.gpu, str) else None
     if req.gpu is True and not worker.gpus:
         missing.append("has no GPU")
-    elif isinstance(req.gpu, str) and not any(gpu_satisfies(g, req.gpu, None) for g in worker.gpus):
-        missing.append(f"has no {req.gpu} GPU")
+    elif model and not any(gpu_satisfies(g, model, None) for g in worker.gpus):
+        missing.append(f"has no {model} GPU")
     if req.vram and not any(gpu_satisfies(g, None, req.vram) for g in worker.gpus):
         missing.append("has too little VRAM")
+    elif model and req.vram and not missing \
+            and not any(gpu_satisfies(g, model, req.vram) for g in worker.gpus):
+        # One GPU must have both: a task runs on one (its slot's), not on a model and the
+        # VRAM of another.
+        missing.append(f"has no {model} GPU with that much VRAM")
     if req.cores and worker.cores < req.cores:
         missing.append(f"has {worker.cores} cores")
     if req.memory and worker.memory < req.memory:

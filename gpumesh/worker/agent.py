@@ -732,6 +732,13 @@ class WorkerAgent:
                 "type": "gpumesh.BadTask", "message": f"the task's frames do not add up: {exc}",
                 "traceback": ""}}, [], now)
             return
+        if not any(self._slot_fits(slot, h) for slot in range(self.slots)):
+            # The coordinator matched the worker as a whole (a GPU no slot is pinned to, with
+            # --max-slots): it would wait here for good, its lease renewed by every heartbeat.
+            self._report(task, {"status": ResultStatus.CRASHED.value, "diagnosis": (
+                "no slot of this worker has a GPU that meets the task's needs "
+                f"({_needs(h.get('need'))}); it runs on another worker")}, [], now)
+            return
         if self.shm is not None and runner_header["kind"] == "fn":
             # The runner maps shared input itself and leaves a big result there: the bytes
             # never pass through the agent.
@@ -1196,6 +1203,18 @@ def _size(value: Any) -> int:
         return parse_size(value) if value is not None else 0
     except ValueError:
         return 0
+
+
+def _needs(need: Any) -> str:
+    """A TASK's ``need`` in words, for a diagnosis (only the fields it may carry)."""
+    if not isinstance(need, dict):
+        return "?"
+    said = []
+    if isinstance(need.get("gpu"), str):
+        said.append(f"gpu={for_terminal(need['gpu'][:64])}")
+    if isinstance(need.get("vram"), int) and not isinstance(need.get("vram"), bool):
+        said.append(f"vram={need['vram'] / 1e9:.1f}GB")
+    return ", ".join(said) or "a GPU"
 
 
 def visible_device(env: dict[str, str], index: int) -> str:

@@ -185,6 +185,14 @@ def test_unmet_vram_is_per_gpu() -> None:
     assert unmet(worker("cpu"), Requirements(vram=1)) == ["has too little VRAM"]
 
 
+def test_a_gpu_model_and_its_vram_are_met_by_one_gpu() -> None:
+    # A task runs on one GPU (its slot's): a T4 beside a 3090 is no 24 GB T4.
+    w = worker("w", gpus=(T4, RTX))
+    assert unmet(w, Requirements(gpu="T4", vram=24 * GB)) == ["has no T4 GPU with that much VRAM"]
+    assert unmet(w, Requirements(gpu="3090", vram=24 * GB)) == []
+    assert unmet(w, Requirements(gpu="T4", vram=16 * GB)) == []
+
+
 def test_unmet_python() -> None:
     w = worker("w", python="3.11")
     assert unmet(w, Requirements(python="3.11")) == []

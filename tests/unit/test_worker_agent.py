@@ -19,10 +19,10 @@ from gpumesh.worker.control import ControlServer
 from gpumesh.worker.runners import QueuedTask, RunningTask
 
 
-def recording_agent(tmp_path, slots=1, **options):
+def recording_agent(tmp_path, slots=1, info=None, **options):
     """A one-slot agent whose messages land, decoded, in ``agent.sent`` (never started)."""
     a = WorkerAgent(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
-                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=slots, info={},
+                    parse_url("tcp://127.0.0.1:9"), "t" * 32, slots=slots, info=info or {},
                     local_control=False, **options)
     a.sent = []
     a.link.send = lambda frames: a.sent.append(decode(frames, Limits())) or True
@@ -143,6 +143,25 @@ def test_each_slot_is_pinned_to_its_gpu_as_the_owner_numbered_them(tmp_path, mon
         a._ctx.term()
     assert visible_device({}, 1) == "1"  # no list of the owner's: torch's index is the GPU's
     assert visible_device({"CUDA_VISIBLE_DEVICES": "5"}, 3) == "3"  # out of its list: as is
+
+
+def test_a_task_no_slot_can_run_goes_back_as_crashed_instead_of_waiting_for_good(tmp_path):
+    # --max-slots 1 on a two-GPU machine: the coordinator matched the worker as a whole (the
+    # A100 it lists), but its one slot is pinned to the T4.
+    gpus = [{"index": 0, "name": "NVIDIA T4", "vram": 16 * 10**9, "backend": "cuda"},
+            {"index": 1, "name": "NVIDIA A100", "vram": 80 * 10**9, "backend": "cuda"}]
+    gen = recording_agent(tmp_path, info={"gpus": gpus}, gpu_indices=[0, 1])
+    a = next(gen)
+    try:
+        a.session.welcomed = True
+        header = {"task": "big", "lease": 1, "kind": "fn", "need": {"vram": 40 * 10**9}}
+        a._on_task(decode(encode(Command.TASK, header), Limits()), 0.0)
+        (result,) = sent(a, Command.RESULT)
+        assert result["status"] == "crashed" and not a.queue
+        assert "no slot of this worker has a GPU" in result["diagnosis"]
+        assert "vram=40.0GB" in result["diagnosis"]
+    finally:
+        next(gen, None)
 
 
 def test_a_task_that_needs_a_gpu_model_starts_only_in_the_slot_pinned_to_it(tmp_path):
