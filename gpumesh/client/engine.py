@@ -135,7 +135,7 @@ class _FutureLock(_thread.RLock):  # type: ignore[misc]  # a C type mypy cannot 
         return False
 
 
-class _Waiters(list):  # type: ignore[type-arg]  # Future's own is an untyped list too
+class _Waiters(list[Any]):
     """A future's waiters: ``concurrent.futures.wait`` and ``as_completed`` add theirs here
     just before they block. Added in a done-callback, on the engine's I/O thread, that wait
     would never end (the thread that would deliver the result is the one waiting): refused

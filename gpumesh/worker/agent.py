@@ -99,6 +99,7 @@ LATE_GRACE = 2.0
 # A runner whose socket closed has this long to finish exiting (its descriptors close before
 # it can be reaped) before it is taken for one that runs on, and killed.
 DYING_GRACE = 1.0
+EXIT_REAP_WAIT = 5.0  # seconds join waits at exit for its killed runners to be gone
 # A runner that exits before it is ready is started again at once the first time, then after
 # START_BACKOFF seconds, doubling up to START_BACKOFF_MAX; the owner is told as it first waits.
 RETRY_FAILED_STARTS = 2
@@ -250,6 +251,9 @@ class WorkerAgent:
             self.sampler.stop()
             for runner in self.runners:
                 runner.kill()
+            deadline = time.monotonic() + EXIT_REAP_WAIT  # gone before join exits, if they go
+            for runner in self.runners:
+                runner.reap_dying(max(deadline - time.monotonic(), 0.0))
             if self.control is not None:
                 self.control.close()
             if self.shm is not None:
@@ -997,6 +1001,8 @@ class WorkerAgent:
 
     def _check_runners(self, now: float) -> None:
         for runner in self.runners:
+            if runner.dying:
+                runner.reap_dying()  # killed ones that took their time: collected once gone
             if runner.start_at is not None:  # waiting out its back-off after failed starts
                 if time.monotonic() >= runner.start_at:
                     runner.start_at = None

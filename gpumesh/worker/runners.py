@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from ..runner.pipe import (
 from ..sharedmem import SharedFolder
 
 TAIL_LINES = 20
+KILL_WAIT = 0.2  # seconds kill() waits for the killed runner to exit before it moves on
 REAP_READS = 16  # reads of an exited runner's pipes at most (1 MiB)
 PARTIAL_BYTES = 4096  # of a line still open, kept for the tail
 # Bytes on the socket handed ahead to one runner, at most: well inside a socket pair's buffer
@@ -133,6 +135,7 @@ class Runner:
         # (time.monotonic) while it waits out its back-off; None when it is not waiting.
         self.failed_starts = 0
         self.start_at: float | None = None
+        self.dying: list[subprocess.Popen[bytes]] = []  # killed, not yet exited (kill())
         self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
         self.read_at = 0.0  # when the agent last read this runner's socket
         # Small messages handed ahead and not yet written: ``flush`` writes them in one call
@@ -396,13 +399,36 @@ class Runner:
         return pieces
 
     def kill(self) -> None:
-        """Stop the runner and everything it started (its process group)."""
+        """Stop the runner and everything it started (its process group). It waits KILL_WAIT
+        at most: a killed process that takes longer to go (a CUDA process releasing its GPU can
+        take seconds) is let go here, its pipes closed, and reaped later (``reap_dying``), so
+        that the agent's loop never stalls past a heartbeat for runners killed together."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 self.proc.kill()
-        self.reap()
+        if self.reap(timeout=KILL_WAIT) is None and self.proc is not None:
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            if self.control is not None:
+                self.control.close()
+                self.control = None
+            self._unsent = []
+            self.dying.append(self.proc)
+
+    def reap_dying(self, timeout: float = 0.0) -> bool:
+        """Collect the killed runners that have exited since (waiting up to ``timeout`` for
+        them all); whether none is left."""
+        deadline = time.monotonic() + timeout
+        for proc in list(self.dying):
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                continue
+            self.dying.remove(proc)
+        return not self.dying
 
     def kill_group(self) -> None:
         """SIGKILL to what is left of the runner's process group as soon as the runner itself

@@ -206,6 +206,35 @@ def test_a_task_that_closes_its_runners_socket_costs_that_runner_not_the_agents_
     assert runner.proc is not old and runner.proc.poll() is None
 
 
+def test_a_killed_runner_slow_to_go_is_reaped_later_not_waited_for(live_agent, monkeypatch):
+    # Four GPU slots timing out together: each kill waited up to 5 s for its CUDA process to
+    # go, one after another, past the heartbeat, and the worker was declared lost.
+    import subprocess
+    import time
+
+    agent, runner = live_agent, live_agent.runners[0]
+    old = runner.proc
+    real_wait = old.wait
+    slow = [1]  # its first wait times out, as a process still releasing a GPU would
+
+    def slow_wait(timeout=None):
+        if slow[0]:
+            slow[0] -= 1
+            raise subprocess.TimeoutExpired(old.args, timeout)
+        return real_wait(timeout)
+
+    monkeypatch.setattr(old, "wait", slow_wait)
+    began = time.monotonic()
+    agent._restart(runner)
+    assert time.monotonic() - began < 2.0
+    assert runner.dying == [old] and runner.proc is not old
+    _pump(agent, lambda: runner.ready, "the new runner")
+    assert not runner.dying  # the agent's turn collected it once it went
+    assert old.poll() is not None
+    _give(agent, 1)
+    _pump(agent, lambda: "task-1" in _results(agent), "a task on the new runner")
+
+
 class _Unprintable(Exception):
     def __str__(self):
         raise RuntimeError("no text")
