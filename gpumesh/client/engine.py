@@ -688,6 +688,10 @@ class Engine:
             elif self._shm is None:
                 hint += ("; a client on the coordinator's machine hands big arrays over in "
                          "shared memory, which has no such limit")
+            else:  # the folder is there, and did not take it: full (/dev/shm, --shm-size)
+                hint += (f"; or make room in the shared-memory folder {self._shm.path}, which "
+                         "had none for it (on Linux /dev/shm; in Docker, --shm-size) and "
+                         "carries big arrays with no such limit")
         if not sub.future.done():
             _settle(sub.future.set_exception,
                     SubmitRejected(f"the task was not sent: {why}. To run it, {hint}."))

@@ -28,7 +28,7 @@ import msgpack
 
 from ..protocol.refs import Ref, parse_refs, ref_names
 from ..protocol.vocabulary import ResultStatus
-from ..sharedmem import SharedFolder
+from ..sharedmem import SharedFolder, big_enough_to_share
 from ..shmowners import ANONYMOUS, is_name_start
 from .environment import base_environment, set_environ
 from .execute import fit_to_send, infrastructure_failure, run_task
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
                 if result_refs:
                     result_header["shm"] = [list(ref) for ref in result_refs]
             # After the shared folder took what it could: what is left travels in messages.
-            sent_header, result_frames = fit_to_send(result_header, result_frames)
+            sent_header, result_frames = _fit(result_header, result_frames, folder)
             if sent_header is not result_header and folder is not None and result_refs:
                 folder.remove(ref_names(result_refs))  # nobody will ever name these files
             sent_header["ran"] = result_header["ran"]
@@ -181,6 +181,30 @@ def _settle_output(start: _Start) -> None:
                 errors=getattr(original, "errors", None) or "backslashreplace")
             setattr(sys, name, fresh)
             start.streams[name] = fresh
+
+
+def _fit(header: dict[str, Any], frames: list[Any], folder: SharedFolder | None
+         ) -> tuple[dict[str, Any], list[Any]]:
+    """fit_to_send, telling a full shared folder from a result too big: a frame the folder
+    would have taken but did not (full: /dev/shm is small in containers, and may empty) makes
+    the task crashed, so it runs again, with the cause, instead of failing for good as told
+    to "return less"."""
+    unshared = folder is not None and any(big_enough_to_share(f) for f in frames)
+    sent, frames = fit_to_send(header, frames)
+    if sent is header or not unshared or folder is None:
+        return sent, frames
+    return {"status": ResultStatus.CRASHED.value, "diagnosis": (
+        f"{sent['error']['message']}; the shared-memory folder {folder.path} that carries big "
+        f"results on this machine had no room for it ({_free_space(folder.path)} free): free "
+        "space there (on Linux /dev/shm; in Docker, --shm-size)")}, []
+
+
+def _free_space(path: Path) -> str:
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return "?"
+    return f"{info.f_bavail * info.f_frsize / 2**20:,.0f} MiB"
 
 
 class _Inbox:

@@ -61,3 +61,28 @@ def test_a_shared_frame_counts_at_its_size_and_in_its_slices():
     frames = [b"p" * 10, b""]  # a pickle and the placeholder of a frame in shared memory
     assert wire_cost(frames, SLICE) == (10, 2)
     assert wire_cost(frames, SLICE, [(1, "a" * 32, 3 * SLICE)]) == (10 + 3 * SLICE, 4)
+
+
+def test_a_result_the_full_shared_folder_could_not_take_is_crashed_not_too_large(
+        tmp_path, monkeypatch):
+    # /dev/shm full (a container's 64 MiB): the big result stayed in the message, over its
+    # room, and the task failed for good as told to "return less", though the cause passes.
+    from gpumesh.runner import __main__ as runner_main
+    from gpumesh.sharedmem import MIN_SHARED_BYTES
+
+    class FullFolder:
+        path = tmp_path
+
+    big = bytearray(MIN_SHARED_BYTES)
+    monkeypatch.setattr(runner_main, "fit_to_send",
+                        lambda header, frames: ({"status": "error", "error": {
+                            "type": "gpumesh.ResultTooLarge",
+                            "message": "the task's result was not sent: it is 2 GiB"}}, []))
+    header, frames = runner_main._fit({"status": "ok"}, [b"pickle", big], FullFolder())
+    assert header["status"] == "crashed" and frames == []
+    assert "shared-memory folder" in header["diagnosis"] and "MiB free" in header["diagnosis"]
+    # Too big with no folder to blame (another machine, or only small frames): as before.
+    header, _ = runner_main._fit({"status": "ok"}, [b"pickle", big], None)
+    assert header["error"]["type"] == "gpumesh.ResultTooLarge"
+    header, _ = runner_main._fit({"status": "ok"}, [b"pickle"] * 3, FullFolder())
+    assert header["error"]["type"] == "gpumesh.ResultTooLarge"

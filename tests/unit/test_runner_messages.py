@@ -206,7 +206,8 @@ def test_a_task_that_closes_its_runners_socket_costs_that_runner_not_the_agents_
     assert runner.proc is not old and runner.proc.poll() is None
 
 
-def test_a_killed_runner_slow_to_go_is_reaped_later_not_waited_for(live_agent, monkeypatch):
+def test_a_killed_runner_slow_to_go_is_reaped_later_not_waited_for(
+        live_agent, monkeypatch):  # noqa: F811
     # Four GPU slots timing out together: each kill waited up to 5 s for its CUDA process to
     # go, one after another, past the heartbeat, and the worker was declared lost.
     import subprocess
