@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import queue
+import re
 import secrets
 import stat
 import tempfile
@@ -100,6 +101,7 @@ OWNER_RECHECK_SECONDS = 1.0
 # One whose producer is unknown (an older gpumesh's) only after a restart, once this old: a
 # client may have written it a moment ago and be about to send the SUBMIT that names it.
 ORPHAN_AGE = 600.0
+LOCK_TAKE_SECONDS = 2.0  # a coordinator waits this long for its folder's lock at start
 # A retired file its producer has not claimed back in this long is removed, and the oldest go
 # first beyond RETIRED_MAX_BYTES: a file is retired while anyone maps it, and a reader (a
 # caller keeping a result) may hold one its producer let go of.
@@ -178,15 +180,9 @@ class SharedFolder:
                 os.chmod(path, 0o700)
             lock = _lock_folder(path)
             _remove_retired(path)  # a crashed coordinator's: its producers claim nothing now
-            proof = secrets.token_hex(16)
-            probe = path / PROBE
-            tmp = path / f".{PROBE}.{proof}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(proof)
-            os.replace(tmp, probe)
+            proof = _new_probe(path)
             if journal is not None:
-                replace_private(path / JOURNAL, journal.encode())
+                _note_journal(path, journal)
         except OSError as exc:
             log.warning("not sharing memory: cannot use %s (%s)", path, exc.strerror)
             if lock is not None:
@@ -590,18 +586,71 @@ class _Remover:
 _LOCK = ".lock"
 
 
+def _note_journal(path: Path, journal: str) -> None:
+    """Name the journal in the folder; one that names it already will do when the folder is
+    full (ENOSPC), as after a restart on the same journal."""
+    try:
+        replace_private(path / JOURNAL, journal.encode())
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        try:
+            kept = (path / JOURNAL).read_bytes()
+        except OSError:
+            raise exc from None
+        if kept != journal.encode():
+            raise
+
+
+def _new_probe(path: Path) -> str:
+    """Write this run's proof into the folder's probe (what a peer reads to show it can read
+    the folder); with the folder full (ENOSPC: its frames may have filled /dev/shm), the proof
+    the probe already holds, which is as secret: without the folder a restarted coordinator
+    could not hand out the journaled tasks whose frames are in it."""
+    proof = secrets.token_hex(16)
+    probe = path / PROBE
+    tmp = path / f".{PROBE}.{proof}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(proof)
+        os.replace(tmp, probe)
+    except OSError as exc:
+        _unlink(tmp)
+        if exc.errno != errno.ENOSPC:
+            raise
+        fd = os.open(probe, os.O_RDONLY | os.O_NOFOLLOW)  # raises if there is none
+        with os.fdopen(fd) as kept:
+            old = kept.read(64)
+        if not re.fullmatch(r"[0-9a-f]{32}", old):
+            raise
+        log.warning("the shared-memory folder %s is full: keeping its proof of access", path)
+        return old
+    return proof
+
+
 def _lock_folder(path: Path) -> int | None:
     """Lock the folder for as long as this coordinator runs: a folder whose lock nobody holds
-    belongs to a coordinator that is gone (kill -9 skips close)."""
+    belongs to a coordinator that is gone (kill -9 skips close). Another coordinator's sweep
+    takes the lock for a moment to see that (``_sweep_abandoned``): it is tried again for
+    LOCK_TAKE_SECONDS before this run gives up sharing memory."""
     if fcntl is None:
         return None
     fd = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    deadline = time.monotonic() + LOCK_TAKE_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.02)
+                continue
+            os.close(fd)
+            raise
+        except OSError:
+            os.close(fd)
+            raise
 
 
 def _unlink(path: Path) -> None:

@@ -1150,3 +1150,57 @@ print(raise_descriptor_limit(4096) == higher)  # never lowered
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+def test_a_restart_with_the_folder_full_keeps_it_and_its_proof(tmp_path, monkeypatch):
+    # Its frames may fill /dev/shm: the new probe could not be written (ENOSPC), the folder
+    # was given up, and every restored task whose input is in it failed as "could not schedule".
+    import errno
+
+    from gpumesh import sharedmem
+
+    monkeypatch.setattr(sharedmem, "_base", lambda: tmp_path)
+    first = SharedFolder.create("k", "/journal.db")
+    assert first is not None
+    frames, refs = first.share([b"pickle", BIG])  # a journaled task's input
+    proof = first.proof
+    os.close(first._lock)  # killed: its lock goes with it, the folder and its frames stay
+    first._lock = None
+    real_open = os.open
+
+    def full(path, flags, mode=0o777, **kw):
+        if flags & os.O_CREAT and not os.path.exists(path):  # a new file needs room
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(sharedmem.os, "open", full)
+    monkeypatch.setattr(sharedmem, "replace_private", lambda *a: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    again = SharedFolder.create("k", "/journal.db")
+    monkeypatch.setattr(sharedmem.os, "open", real_open)
+    assert again is not None and again.proof == proof
+    assert again.resolve(frames, refs)[1] == BIG  # the restored task's input is still there
+    again.close()
+
+
+def test_a_folder_lock_another_coordinator_holds_for_a_moment_is_waited_for(tmp_path,
+                                                                             monkeypatch):
+    # Another coordinator's start looks whether this folder is abandoned by taking its lock
+    # for a moment: a start at that moment gave up sharing memory for its whole run.
+    import fcntl
+    import threading
+
+    from gpumesh import sharedmem
+
+    monkeypatch.setattr(sharedmem, "_base", lambda: tmp_path)
+    first = SharedFolder.create("k")
+    assert first is not None
+    path = first.path
+    os.close(first._lock)
+    first._lock = None
+    other = os.open(path / ".lock", os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other's sweep, looking
+    threading.Timer(0.3, lambda: os.close(other)).start()
+    again = SharedFolder.create("k")
+    assert again is not None and again.path == path
+    again.close()
