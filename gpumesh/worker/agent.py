@@ -1066,6 +1066,10 @@ class WorkerAgent:
         task, runner.task = runner.task, None
         self._requeue_front(runner.take_back())  # handed ahead, never started
         code = runner.reap(timeout=DYING_GRACE)
+        if code is not None:
+            # Again once it is reaped: its socket closes as it exits, a moment before it is a
+            # zombie (poll() said it was running just above).
+            runner.kill_group()
         if code is None and runner.proc is not None:
             # Its socket closed (its task's code closed it?) but it runs on: it can take no
             # more work, and must not keep running beside its replacement, holding a GPU.
