@@ -467,6 +467,15 @@ class Store:
         )
         return blob
 
+    def collect_failure(self, task_id: str, header: dict[str, Any]) -> None:
+        """Its owner has a failed task's result: the result goes, the input stays (for ``gpumesh
+        retry``), and the header says it was collected, so a restart does not hold it for the
+        owner again."""
+        self._drop_blob(task_id, 1)
+        self._write("UPDATE tasks SET result_header = ?, result_payload = NULL, result_ref = NULL "
+                    "WHERE task_id = ?",
+                    (msgpack.packb({**header, "collected": True}, use_bin_type=True), task_id))
+
     def reopen_task(self, task_id: str, lease_floor: int) -> None:
         """A failed task goes back to the queue (``gpumesh retry``). Results of leases below
         ``lease_floor`` belong to attempts before the retry, a restart or not."""

@@ -239,6 +239,8 @@ class Broker:
             task.result_payload = row.result_payload or []
             task.result_file = row.result_file
             task.finished_at = float(row.result_header.get("finished_at", 0.0) or now)
+            # A failure its owner had collected before the restart: not held for it again.
+            task.collected = row.result_header.get("collected") is True
         else:
             task.state = TaskState.RESTORED
             task.pending_since = now

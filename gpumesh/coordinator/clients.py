@@ -254,9 +254,12 @@ class ClientSide:
                 self.retention.forget(task, now)
             else:
                 # The owner has the failure; the task stays (input kept) so it can be retried.
+                self.ledger.journal_held_result(task)  # its finish first, if not yet written
                 task.collected = True
                 task.result_payload, task.result_file = [], None
                 self.ledger.drop_shared(task.result_header)
+                if task.result_header is not None:  # and a restart knows it (journaled)
+                    self.ledger.store.collect_failure(task.task_id, task.result_header)
         if client.read_back_waiting:
             self.ledger.deliver_read_backs(client, now)
 

@@ -574,14 +574,24 @@ class Ledger:
             entry = next(iter(held.values()))
             if not everything and now - entry.since < RESULT_JOURNAL_DELAY:
                 break  # oldest first: the rest are younger
-            task = entry.task
-            del held[task.task_id]
-            journaled = self.store.finish_task(task.task_id, entry.state.value, task.attempts,
-                                               entry.result, entry.payload)
-            if journaled is not None and task.result_payload is entry.payload:
-                self._result_on_disk(task, journaled)
-            self.drop_shared(task.spec)
-            self._release_acks(entry)
+            self._journal_held(entry)
+
+    def journal_held_result(self, task: Task) -> None:
+        """Journal ``task``'s held result now, if it is held: a failure its owner collects is
+        journaled as collected, over its finish."""
+        entry = self.held_results.get(task.task_id)
+        if entry is not None:
+            self._journal_held(entry)
+
+    def _journal_held(self, entry: HeldResult) -> None:
+        task = entry.task
+        del self.held_results[task.task_id]
+        journaled = self.store.finish_task(task.task_id, entry.state.value, task.attempts,
+                                           entry.result, entry.payload)
+        if journaled is not None and task.result_payload is entry.payload:
+            self._result_on_disk(task, journaled)
+        self.drop_shared(task.spec)
+        self._release_acks(entry)
 
     def result_collected(self, task: Task) -> None:
         """The client acknowledged ``task``'s result: if it was never journaled it never will

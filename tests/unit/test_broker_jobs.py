@@ -237,6 +237,26 @@ def test_after_a_restart_results_wait_for_their_owner_to_reconnect(monkeypatch):
     assert not any(t in second.tasks for t in tasks)  # and the ttl, counted from the restart
 
 
+def test_a_failure_its_owner_collected_is_not_held_for_it_again_after_a_restart():
+    # The collection was not journaled: restored as uncollected, the failure was held for a
+    # connected owner for good (never counted against the cap) and offered to it again.
+    store, timing = Store(":memory:"), Timing(result_ttl=100.0)
+    first = Broker(store, timing, Limits(), epoch=1, now=0.0)
+    first.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    failed, done = submit(first, 2)
+    hello_worker(first, W, "w1", slots=2)
+    first.dispatch(1.0)
+    result(first, failed, status="error", now=2.0)
+    first.handle(C, msg(Command.RESULT_ACK, {"tasks": [failed]}), 3.0)
+    store.commit()
+    second = Broker(store, timing, Limits(), epoch=2, now=10.0)
+    second.restore(10.0)
+    assert second.tasks[failed].collected and second.tasks[failed].state is TaskState.FAILED
+    assert not second.tasks[done].collected
+    second.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 11.0)
+    assert control(second, "retry", "job1", routing=C, now=11.0)["retried"] == 1  # still can
+
+
 def test_find_job_refuses_ambiguous_and_too_short_prefixes():
     jobs = {"abcd01": Job("abcd01", "a", "c", 1.0), "abcd02": Job("abcd02", "a", "c", 2.0)}
     assert "matches 2 jobs" in find_job(jobs, "abcd")
