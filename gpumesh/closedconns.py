@@ -27,6 +27,10 @@ TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 # the monitor's events race each other by a few milliseconds.
 MATCH_WINDOW = 2.0
 MAX_TRACKED = 200_000  # entries remembered as seen (TIME_WAIT lasts 60 s): a bounded set
+# Failures the watch named itself, kept per peer for MATCH_WINDOW: at most this many a peer,
+# and peers; the oldest marks go first (a mark only sets an entry aside).
+MAX_MARKS_PER_PEER = 4096
+MAX_NAMED_PEERS = 10_000
 
 
 def parse_time_wait(text: str, port: int) -> list[tuple[str, int]]:
@@ -72,10 +76,33 @@ class ClosedConnections:
         self._fresh: deque[tuple[float, str]] = deque()  # (when found, peer), not yet used
         # Failures the watch named itself, by peer: each sets one entry of that peer aside.
         self._named: dict[str, deque[float]] = {}
+        self._marks_swept_at = clock()
 
     def named(self, peer: str) -> None:
-        """The watch named one failure's peer itself: one entry of that peer is its own."""
-        self._named.setdefault(peer, deque()).append(self._clock())
+        """The watch named one failure's peer itself: one entry of that peer is its own. Kept
+        MATCH_WINDOW, as long as one could still set an entry aside: a peer that hangs up first
+        leaves no entry of this side's, and its marks were kept for good (32 bytes a failed
+        handshake, never freed; behind --public every peer is 127.0.0.1)."""
+        now = self._clock()
+        marks = self._named.get(peer)
+        if marks is None:
+            marks = self._named[peer] = deque(maxlen=MAX_MARKS_PER_PEER)
+        while marks and now - marks[0] > MATCH_WINDOW:
+            marks.popleft()
+        marks.append(now)
+        if len(self._named) > MAX_NAMED_PEERS:
+            self._forget_old_marks(now)
+
+    def _forget_old_marks(self, now: float) -> None:
+        self._marks_swept_at = now
+        for peer in list(self._named):
+            marks = self._named[peer]
+            while marks and now - marks[0] > MATCH_WINDOW:
+                marks.popleft()
+            if not marks:
+                del self._named[peer]
+        if len(self._named) > MAX_NAMED_PEERS:  # that many peers within the window: a flood
+            self._named.clear()
 
     def take(self, count: int) -> list[str]:
         """Peers for up to ``count`` failures without an address, oldest entries first."""
@@ -112,5 +139,5 @@ class ClosedConnections:
         self._seen = current if len(current) <= MAX_TRACKED else set()
         while self._fresh and now - self._fresh[0][0] > MATCH_WINDOW:
             self._fresh.popleft()
-        if len(self._named) > MAX_TRACKED:
-            self._named.clear()
+        if now - self._marks_swept_at > MATCH_WINDOW:
+            self._forget_old_marks(now)

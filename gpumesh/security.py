@@ -20,6 +20,7 @@ while, loopback excepted.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -454,6 +455,7 @@ _FAILED: dict[int, str] = {
 }
 _CLOSED_AT_ONCE = "it closed before any handshake (not ZMTP?)"
 SCAN_EVERY = 0.02  # seconds between reads of the kernel's table while failures wait for a name
+MAX_UNNAMED = 10_000  # failures waiting for a name at most; beyond, the oldest count as unknown
 WATCHED_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
@@ -538,6 +540,8 @@ class HandshakeWatch:
         self._closed: ClosedConnections | None = None
         self._unnamed: deque[tuple[float, str]] = deque()
         self._scanned_at = 0.0
+        self._scan_gap = SCAN_EVERY
+        self._ahead: collections.Counter[int] = collections.Counter()
         endpoint = f"inproc://gpumesh-handshakes-{id(self):x}"
         sock.monitor(endpoint, WATCHED_EVENTS)
         self._monitor = sock.context.socket(zmq.PAIR)
@@ -581,25 +585,37 @@ class HandshakeWatch:
         most every SCAN_EVERY), and count the rest as unknown once MATCH_WINDOW has passed."""
         if not self._unnamed:
             return
-        if self._closed is not None and now - self._scanned_at >= SCAN_EVERY:
+        if self._closed is not None and now - self._scanned_at >= self._scan_gap:
             self._scanned_at = now
             for peer in self._closed.take(len(self._unnamed)):
                 _, why = self._unnamed.popleft()
                 self._auth.failed_before_zap(peer, why)
-        while self._unnamed and (self._closed is None
+            # The table holds every connection of the machine, and a flood of them makes it
+            # long (2.6 µs a line to parse): the next read waits ten times what this one took,
+            # so that reading it never takes more than a tenth of this thread's time.
+            self._scan_gap = max(SCAN_EVERY, 10 * (time.monotonic() - now))
+        while self._unnamed and (self._closed is None or len(self._unnamed) > MAX_UNNAMED
                                  or now - self._unnamed[0][0] > MATCH_WINDOW):
             _, why = self._unnamed.popleft()
             self._auth.failed_before_zap(None, why)
 
     def _handle(self, batch: list[tuple[int, int]]) -> bool:
+        # How many DISCONNECTED events of each descriptor lie ahead of the one being handled:
+        # kept as the batch is walked and grows, so the question "does this connection close
+        # later in the batch?" costs O(1). (Scanning the rest of the batch for each ACCEPTED
+        # cost a flood of thousands of connections quadratic time, the GIL held all along.)
+        self._ahead = collections.Counter(
+            value for event, value in batch if event == zmq.EVENT_DISCONNECTED)
         index = 0
         while index < len(batch):
             event, value = batch[index]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._ahead[value] -= 1
             if event == zmq.EVENT_MONITOR_STOPPED:
                 return False
             address = None
             if event == zmq.EVENT_ACCEPTED:
-                address = self._address(value, batch, index)
+                address = self._address(value, batch)
             found = self._pairs.event(event, value, address)
             if found is not None:
                 peer, why = found
@@ -612,14 +628,18 @@ class HandshakeWatch:
             index += 1
         return True
 
-    def _address(self, fd: int, batch: list[tuple[int, int]], index: int) -> str | None:
-        """The peer of ACCEPTED(fd) at ``batch[index]``, or None when it cannot be trusted.
-        Reading it may extend ``batch`` with events that arrived meanwhile."""
-        if _closed_later(fd, batch, index):
+    def _address(self, fd: int, batch: list[tuple[int, int]]) -> str | None:
+        """The peer of the ACCEPTED(fd) being handled, or None when it cannot be trusted (the
+        descriptor closes later in the batch: it may name another connection by the time it
+        is read). Reading it may extend ``batch`` with events that arrived meanwhile."""
+        if self._ahead[fd] > 0:
             return None
         address = _peer_of(fd)
-        batch += _drain(self._monitor)
-        return None if _closed_later(fd, batch, index) else address
+        arrived = _drain(self._monitor)
+        batch += arrived
+        self._ahead.update(value for event, value in arrived
+                           if event == zmq.EVENT_DISCONNECTED)
+        return None if self._ahead[fd] > 0 else address
 
 
 def _read_event(frames: list[bytes]) -> tuple[int, int]:
@@ -634,10 +654,6 @@ def _drain(monitor: zmq.Socket[bytes]) -> list[tuple[int, int]]:
             events.append(_read_event(monitor.recv_multipart(zmq.NOBLOCK)))
         except zmq.Again:
             return events
-
-
-def _closed_later(fd: int, batch: list[tuple[int, int]], index: int) -> bool:
-    return any(event == zmq.EVENT_DISCONNECTED and value == fd for event, value in batch[index + 1:])
 
 
 def watch_handshakes(sock: zmq.Socket[bytes], auth: MeshAuthenticator) -> HandshakeWatch:

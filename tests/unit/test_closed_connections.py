@@ -79,3 +79,19 @@ def test_old_entries_and_old_names_expire(tmp_path):
 def test_no_table_names_nothing(tmp_path):
     closed = ClosedConnections(PORT, [str(tmp_path / "missing")])
     assert closed.take(4) == []
+
+
+def test_names_of_peers_that_hang_up_first_are_not_kept_for_good(tmp_path):
+    # A peer that closes first leaves no entry of this side's to set aside: every failure the
+    # watch named kept 32 bytes until 200,000 peers (behind --public, all are 127.0.0.1).
+    now = [0.0]
+    closed = ClosedConnections(PORT, [str(tmp_path / "missing")], clock=lambda: now[0])
+    for i in range(20_000):
+        now[0] = i * 0.001  # 20 s of 1,000 failed handshakes a second, from one address
+        closed.named("127.0.0.1")
+    assert len(closed._named["127.0.0.1"]) <= int(MATCH_WINDOW / 0.001) + 1
+    for i in range(20_000):  # and from as many addresses
+        closed.named(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+    now[0] += 2 * MATCH_WINDOW
+    closed.take(1)
+    assert len(closed._named) <= 10_000

@@ -3,6 +3,8 @@ monitor events into failed handshakes (HandshakeEvents): plain values, no clock,
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import zmq
 
@@ -173,3 +175,50 @@ def test_a_disconnect_of_an_fd_never_seen_accepted_is_not_counted() -> None:
                                            ("2001:DB8::7", "2001:db8::7"), ("odd", "odd")])
 def test_one_spelling_per_peer(raw: str, host: str) -> None:
     assert peer_host(raw) == host
+
+
+def _watch(monkeypatch, arriving=()):
+    """A HandshakeWatch without its socket and thread: its monitor answers what ``arriving``
+    holds, then nothing; the addresses it reads are recorded."""
+    from collections import deque
+
+    from gpumesh import security
+
+    class Monitor:
+        def __init__(self):
+            self.frames = deque(struct.pack("=hi", event, value) for event, value in arriving)
+
+        def recv_multipart(self, flags=0):
+            if not self.frames:
+                raise zmq.Again()
+            return [self.frames.popleft()]
+
+    class Auth:
+        def __init__(self):
+            self.failed = []
+
+        def failed_before_zap(self, peer, why):
+            self.failed.append(peer)
+
+    watch = security.HandshakeWatch.__new__(security.HandshakeWatch)
+    watch._pairs, watch._auth, watch._closed = HandshakeEvents(), Auth(), None
+    watch._unnamed, watch._monitor = deque(), Monitor()
+    read: list[int] = []
+    monkeypatch.setattr(security, "_peer_of", lambda fd: read.append(fd) or f"10.0.0.{fd}")
+    return watch, read
+
+
+def test_an_address_is_read_only_for_a_connection_that_does_not_close_later_in_the_batch(
+        monkeypatch):
+    # Whether it closes later was found by scanning the rest of the batch for each ACCEPTED:
+    # a flood of thousands of connections cost quadratic time. Counted as the batch is walked
+    # and as it grows; the answers are the same.
+    watch, read = _watch(monkeypatch, arriving=[(DISCONNECTED, 8)])  # comes while 8 is read
+    batch = [(ACCEPTED, 5), (PROTOCOL, 1), (DISCONNECTED, 5),  # 5 read: it closes later...
+             (ACCEPTED, 5), (DISCONNECTED, 5),  # ... no: its close is ahead, so not read
+             (ACCEPTED, 7), (PROTOCOL, 1), (DISCONNECTED, 7),
+             (ACCEPTED, 8), (PROTOCOL, 1)]
+    assert watch._handle(batch)
+    assert read == [8]  # the only one with no close ahead when it was handled
+    assert len(batch) == 11  # the close of 8 that arrived meanwhile joined the batch
+    assert watch._auth.failed.count(None) + len(watch._unnamed) >= 2
