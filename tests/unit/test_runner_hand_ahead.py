@@ -725,7 +725,8 @@ def _dies_leaving_a_chatty_child(i):
 
     processes.Popen([system_module.executable, "-c",
                      "import sys\nwhile True: sys.stdout.write('x' * 4096)"])
-    quiet = processes.Popen([system_module.executable, "-c", "import time; time.sleep(60)"],
+    quiet = processes.Popen([system_module.executable, "-c",
+                             "import select; select.select([], [], [], 60)"],
                             stdout=processes.DEVNULL, stderr=processes.DEVNULL)
     with open(f"/tmp/gpumesh-test-child-{system.getppid()}", "w") as told:
         told.write(str(quiet.pid))
