@@ -637,20 +637,28 @@ def _lock_folder(path: Path) -> int | None:
     if fcntl is None:
         return None
     fd = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    deadline = time.monotonic() + LOCK_TAKE_SECONDS
+    try:
+        if _flock_within(fd, fcntl.LOCK_EX, LOCK_TAKE_SECONDS, 0.02):
+            return fd
+        raise BlockingIOError(errno.EWOULDBLOCK, "another coordinator holds its lock")
+    except OSError:
+        os.close(fd)
+        raise
+
+
+def _flock_within(fd: int, kind: int, seconds: float, step: float) -> bool:
+    """``flock(kind)`` on ``fd``, tried again every ``step`` while another holds it, for
+    ``seconds``; False when it still does. Other failures raise."""
+    assert fcntl is not None
+    deadline = time.monotonic() + seconds
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
         except BlockingIOError:
-            if time.monotonic() < deadline:
-                time.sleep(0.02)
-                continue
-            os.close(fd)
-            raise
-        except OSError:
-            os.close(fd)
-            raise
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(step)
 
 
 def _unlink(path: Path) -> None:
@@ -661,17 +669,10 @@ def _unlink(path: Path) -> None:
 def _lock_shared(fd: int) -> bool:
     """A shared lock on ``fd``; False if a writer held it longer than LOCK_WAIT_SECONDS (a
     stopped process, say: a loop must not wait on it) or locks fail here."""
-    deadline = time.monotonic() + LOCK_WAIT_SECONDS
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        except OSError:
-            return False
+    try:
+        return _flock_within(fd, fcntl.LOCK_SH, LOCK_WAIT_SECONDS, 0.001)
+    except OSError:
+        return False
 
 
 def _still_named(path: Path, opened: os.stat_result) -> bool:

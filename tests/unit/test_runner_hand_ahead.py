@@ -580,18 +580,25 @@ def _closes_stdout(i):
     return i
 
 
+def _then_the_next(agent, first, second, says: bytes) -> int:
+    """Run ``first``, then ``second`` until its output holds ``says``: the runner's pid, to
+    compare with the one before (nothing was restarted for the first task)."""
+    _give(agent, 1, first)
+    _pump(agent, lambda: "task-1" in _results(agent), "its result")
+    _give(agent, 2, second)
+    _pump(agent, lambda: "task-2" in _results(agent)
+          and says in _output(agent).get("task-2", b""), "the next one's result and output")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
+    return agent.runners[0].proc.pid
+
+
 def test_a_task_that_closes_its_output_still_reports_and_the_next_prints(live_agent):
     # The flush after it raised: the runner exited, the result was lost, and the task was
     # retried elsewhere to the same end.
     agent, runner = live_agent, live_agent.runners[0]
     first_pid = runner.proc.pid
-    _give(agent, 1, _closes_stdout)
-    _pump(agent, lambda: "task-1" in _results(agent), "its result")
-    _give(agent, 2)
-    _pump(agent, lambda: "task-2" in _results(agent)
-          and b"end 2" in _output(agent).get("task-2", b""), "the next one's result and output")
-    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
-    assert _output(agent)["task-1"] == b"before 1\n" and runner.proc.pid == first_pid
+    assert _then_the_next(agent, _closes_stdout, _speak, b"end 2") == first_pid
+    assert _output(agent)["task-1"] == b"before 1\n"
 
 
 def _leaves_its_state(i):
@@ -625,15 +632,10 @@ def test_what_a_task_changes_in_its_runner_is_put_back_for_the_next(live_agent):
     # steered their unpickling, and a closed fd 1 failed their prints as their own errors.
     agent, runner = live_agent, live_agent.runners[0]
     first_pid = runner.proc.pid
-    _give(agent, 1, _leaves_its_state)
-    _pump(agent, lambda: "task-1" in _results(agent), "its result")
-    _give(agent, 2, _says_where_it_runs)
-    _pump(agent, lambda: "task-2" in _results(agent)
-          and b"to stderr" in _output(agent).get("task-2", b""), "the next one's output")
-    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
-    said = _output(agent)["task-2"]
-    assert f"cwd={os.getcwd()} nowhere=False".encode() in said
-    assert runner.proc.pid == first_pid  # the same runner: nothing was restarted for it
+    # The same runner after: nothing was restarted for it.
+    assert _then_the_next(agent, _leaves_its_state, _says_where_it_runs, b"to stderr") \
+        == first_pid
+    assert f"cwd={os.getcwd()} nowhere=False".encode() in _output(agent)["task-2"]
 
 
 def _forks_and_returns(i):

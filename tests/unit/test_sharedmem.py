@@ -738,23 +738,30 @@ def test_a_result_read_back_is_not_read_again_for_a_fetch_while_it_waits_to_go(b
     assert len(sent(broker, C, Command.RESULT)) == 1
 
 
+def _engine_nobody_answers(tmp_path):
+    """A client engine dialling a loopback port nobody listens on: nothing it sends arrives."""
+    import socket
+
+    from gpumesh.client.engine import Engine
+    from gpumesh.config import Endpoint, Settings
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                  Endpoint("127.0.0.1", port), "a-token-for-nobody")
+
+
 def test_a_result_the_client_cannot_read_for_want_of_descriptors_is_read_again(
         folder, tmp_path, monkeypatch):
     # It became the caller's error while its acknowledgement told the coordinator to drop it.
     # Then it was asked for again with a FETCH, which a coordinator does not answer while a
     # copy read back from disk is on its way: it is read again from the RESULT it came in
     # (its shared files stay until it is acknowledged), and nothing is asked for.
-    import socket
-
-    from gpumesh.client.engine import REDECODE_AFTER, Engine
-    from gpumesh.config import Endpoint, Settings
+    from gpumesh.client.engine import REDECODE_AFTER
     from gpumesh.protocol import serialize
 
-    with socket.socket() as probe:  # a coordinator that never answers
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    engine = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
-                    Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    engine = _engine_nobody_answers(tmp_path)
     try:
         future, = engine.submit([({"kind": "fn"}, [b"x"])], "j1")
         wait_for(lambda: engine._outstanding, what="the submission filed")
@@ -785,16 +792,9 @@ def test_a_submission_cancelled_before_it_was_ever_sent_takes_its_files_with_it(
         folder, tmp_path, monkeypatch):
     # Its big frames went into the folder for a send that failed (the link's queue full);
     # cancelled then, it was forgotten and its files stayed as long as the client lived.
-    import socket
+    from gpumesh.client.engine import TaskFuture, _Submission
 
-    from gpumesh.client.engine import Engine, TaskFuture, _Submission
-    from gpumesh.config import Endpoint, Settings
-
-    with socket.socket() as probe:  # a coordinator that never answers
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    engine = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
-                    Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    engine = _engine_nobody_answers(tmp_path)
     try:
         engine._shm = joined(folder)
         monkeypatch.setattr(engine._link, "send", lambda frames: False)  # not sent
