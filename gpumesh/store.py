@@ -329,11 +329,15 @@ class Store:
     def _apply_one(self, sql: str, row: Sequence[Any]) -> None:
         try:
             self._db.execute(sql, row)
-        except sqlite3.IntegrityError as exc:
+        except sqlite3.IntegrityError as refused:
+            why = str(refused)
             if sql is _INSERT_TASK and self._made_room_for(str(row[0])):
-                self._db.execute(sql, row)
-                return
-            log.error("journal refused a write (%s): %s", exc, sql.split("(")[0])
+                try:
+                    self._db.execute(sql, row)
+                    return
+                except sqlite3.IntegrityError as again:  # it clashes on more than its id
+                    why = str(again)
+            log.error("journal refused a write (%s): %s", why, sql.split("(")[0])
             if sql is _INSERT_TASK and row[7] is not None:  # its blob belongs to no row
                 name = _ref_name(row[7])
                 refs = self._refs.get(str(row[0]))

@@ -137,15 +137,26 @@ class _FutureLock(_thread.RLock):  # type: ignore[misc]  # a C type mypy cannot 
 
 class _Waiters(list[Any]):
     """A future's waiters: ``concurrent.futures.wait`` and ``as_completed`` add theirs here
-    just before they block. Added in a done-callback, on the engine's I/O thread, that wait
-    would never end (the thread that would deliver the result is the one waiting): refused
-    with what to do instead, rather than a client that hangs in silence."""
+    before they block (``as_completed`` to finished futures too). Added in a done-callback, on
+    the engine's I/O thread, for a future not finished, that wait would never end (the thread
+    that would deliver the result is the one waiting): refused with what to do instead,
+    rather than a client that hangs in silence."""
 
-    __slots__ = ()
+    __slots__ = ("_future",)
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = weakref.ref(future)
 
     def append(self, waiter: Any) -> None:
-        refuse_wait_on_io_thread("concurrent.futures.wait or as_completed on mesh futures")
+        future = self._future()
+        # Its state read without its lock: the standard library holds that lock here.
+        if future is not None and future._state not in _SETTLED:
+            refuse_wait_on_io_thread("concurrent.futures.wait or as_completed on mesh futures")
         super().append(waiter)
+
+
+_SETTLED = (_base.FINISHED, _base.CANCELLED_AND_NOTIFIED)
 
 
 class TaskFuture(concurrent.futures.Future[Any]):
@@ -158,7 +169,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
         self._state = _base.PENDING
         self._result = None
         self._exception: BaseException | None = None
-        self._waiters: list[Any] = _Waiters()
+        self._waiters: list[Any] = _Waiters(self)
         self._done_callbacks: list[Callable[[concurrent.futures.Future[Any]], object]] = []
         self.task_id = ""
         self.worker = ""

@@ -252,7 +252,7 @@ class ClientSide:
                 continue
             if task.state is TaskState.DONE:
                 self.retention.forget(task, now)
-            else:
+            elif not task.collected:  # an acknowledgement sent again changes nothing more
                 # The owner has the failure; the task stays (input kept) so it can be retried.
                 self.ledger.journal_held_result(task)  # its finish first, if not yet written
                 task.collected = True

@@ -126,6 +126,8 @@ def main(argv: list[str]) -> int:
                 task_frames = folder.resolve(task_frames, refs)
             began = time.perf_counter()
             result_header, result_frames = run_task(header, task_frames, base_env)
+            if os.getpid() != start.pid:
+                os._exit(0)  # a task's fork() whose child returned here: it writes nothing
             # Its own run time: the agent may read this result well after it was written.
             result_header["ran"] = round(time.perf_counter() - began, 6)
             del task_frames
@@ -189,10 +191,12 @@ def _fit(header: dict[str, Any], frames: list[Any], folder: SharedFolder | None
     would have taken but did not (full: /dev/shm is small in containers, and may empty) makes
     the task crashed, so it runs again, with the cause, instead of failing for good as told
     to "return less"."""
-    unshared = folder is not None and any(big_enough_to_share(f) for f in frames)
-    sent, frames = fit_to_send(header, frames)
-    if sent is header or not unshared or folder is None:
-        return sent, frames
+    sent, fitted = fit_to_send(header, frames)
+    if sent is header or folder is None or header.get("status") != ResultStatus.OK.value \
+            or "encoding" in header or not any(big_enough_to_share(f) for f in frames):
+        # It fits; or no folder was offered it (another machine; an error's pickled
+        # exception, a script's text, go by message only): too large, as before.
+        return sent, fitted
     return {"status": ResultStatus.CRASHED.value, "diagnosis": (
         f"{sent['error']['message']}; the shared-memory folder {folder.path} that carries big "
         f"results on this machine had no room for it ({_free_space(folder.path)} free): free "

@@ -181,6 +181,7 @@ class WorkerAgent:
         self._tagged = 0  # tasks tagged so far (shmowners.tagged): never the same tag twice
         self.joined_once = False
         self.granted = 0
+        self._handed_back_down = 0  # tasks handed back while no runner could start
         self.received = 0  # TASKs received in this session: the coordinator's count of sent
         self.mode = WorkerMode.ACTIVE  # the owner's choice (gpumesh pause/resume/drain)
         self.removed = False  # `gpumesh kill` took this worker out of the mesh
@@ -430,6 +431,7 @@ class WorkerAgent:
         self._announced_depth = self.prefetch  # what HELLO's prefetch bounds it by
         self._hello_release = list(self._pending_release)  # what this HELLO hands back
         self.granted = self.free_slots()
+        self._handed_back_down = 0  # a new session's grant starts whole
         self.received = 0
         self.functions.clear()  # the coordinator starts its count of what we keep afresh too
         return {
@@ -604,9 +606,7 @@ class WorkerAgent:
 
     def free_slots(self) -> int:
         busy = len(self._held_tasks())
-        if self.draining or all(r.start_at is not None for r in self.runners):
-            return 0  # paused, or no runner can start: nothing more is taken
-        return max(self.slots + self._granted_depth - busy, 0)
+        return 0 if self.draining else max(self.slots + self._granted_depth - busy, 0)
 
     def prefetch_depth(self) -> int:
         """Tasks to hold queued beyond the slots now: fixed, or (auto) by recent run times."""
@@ -719,6 +719,9 @@ class WorkerAgent:
         if self.draining:
             # Sent before the coordinator heard we stopped taking work: hand it straight back.
             self.send_credit(release=[int(h["lease"])])
+            return
+        if self._runners_down():
+            self._hand_back_while_down([int(h["lease"])])
             return
         task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h, received=now)
         runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
@@ -876,6 +879,12 @@ class WorkerAgent:
                 # runner may be past this one, and a task that finished is not cancelled (nor
                 # run again, with its side effects, once those behind it are requeued).
                 self._read_written(runner, now, dead=False)
+                for queued in list(self.queue):  # a runner that broke put it back there
+                    if queued.task.lease_id == lease_id:
+                        self.queue.remove(queued)
+                        if report:
+                            self._report(queued.task, cancelled, [], now)
+                        return True
             if any(queued.task.lease_id == lease_id for queued, _ in runner.ahead):
                 # Those handed ahead go together (the runner restarts after its task); the
                 # others go back to the front of the queue, in order.
@@ -977,6 +986,12 @@ class WorkerAgent:
             if runner.failed_starts >= SAY_FAILED_STARTS:
                 self.say(f"[worker] runner {runner.slot} started again")
             runner.failed_starts = 0
+            if self._handed_back_down and not self.draining:
+                # What was handed back while no runner could start used up the grant it came
+                # under: granted again, or the coordinator would send this worker nothing.
+                self.granted += self._handed_back_down
+                self._handed_back_down = 0
+                self.send_credit()
             return
         task = runner.task
         following = runner.finished()
@@ -1065,12 +1080,13 @@ class WorkerAgent:
             runner.kill_group()  # what its task started (a pool, a `yes`) dies with it
         task, runner.task = runner.task, None
         self._requeue_front(runner.take_back())  # handed ahead, never started
-        code = runner.reap(timeout=DYING_GRACE)
+        # One killed already and still going (a runner that broke): not waited for again.
+        code = None if runner.proc in runner.dying else runner.reap(timeout=DYING_GRACE)
         if code is not None:
             # Again once it is reaped: its socket closes as it exits, a moment before it is a
             # zombie (poll() said it was running just above).
             runner.kill_group()
-        if code is None and runner.proc is not None:
+        if code is None and runner.proc is not None and runner.proc not in runner.dying:
             # Its socket closed (its task's code closed it?) but it runs on: it can take no
             # more work, and must not keep running beside its replacement, holding a GPU.
             runner.kill()
@@ -1094,20 +1110,30 @@ class WorkerAgent:
                              "join from another folder); trying again, less and less often")
                 else:
                     log.warning("runner %d failed to start again: %s", runner.slot, diagnosis)
-                if all(r.start_at is not None for r in self.runners):
+                if self._runners_down():
                     self._fail_queued(diagnosis, now)
                 return
             log.warning("runner %d failed to start: %s", runner.slot, diagnosis)
         runner.start()
 
+    def _runners_down(self) -> bool:
+        """Every runner waits out its start back-off: no task can start here for now."""
+        return all(r.start_at is not None for r in self.runners)
+
+    def _hand_back_while_down(self, leases: list[int]) -> None:
+        """No runner of this worker can start: these go back to the coordinator unstarted (no
+        attempt charged; another worker runs them), rather than wait here, their leases renewed,
+        for a runner that never comes. Their grant is not renewed until a runner is ready, so
+        the coordinator soon sends this worker nothing."""
+        if leases:
+            self._handed_back_down += len(leases)
+            self.send_credit(release=leases)
+
     def _fail_queued(self, diagnosis: str, now: float) -> None:
-        """No runner of this worker can start: what waits here goes back as crashed (run again
-        on another worker), rather than wait, its lease renewed, for a runner that never comes."""
         waiting, self.queue = list(self.queue), deque()
-        for queued in waiting:
-            self._report(queued.task, {
-                "status": ResultStatus.CRASHED.value,
-                "diagnosis": f"no runner of this worker could start: {diagnosis}"}, [], now)
+        log.warning("no runner of this worker can start (%s): %d waiting task(s) go back",
+                    diagnosis, len(waiting))
+        self._hand_back_while_down([queued.task.lease_id for queued in waiting])
 
     def drop_unsent(self, task: RunningTask) -> None:
         """A stopped task's runner may have left its result in the shared folder before it could

@@ -416,7 +416,8 @@ class Runner:
                 self.control.close()
                 self.control = None
             self._unsent = []
-            self.dying.append(self.proc)
+            if self.proc not in self.dying:
+                self.dying.append(self.proc)
 
     def reap_dying(self, timeout: float = 0.0) -> bool:
         """Collect the killed runners that have exited since (waiting up to ``timeout`` for

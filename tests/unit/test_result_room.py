@@ -86,3 +86,8 @@ def test_a_result_the_full_shared_folder_could_not_take_is_crashed_not_too_large
     assert header["error"]["type"] == "gpumesh.ResultTooLarge"
     header, _ = runner_main._fit({"status": "ok"}, [b"pickle"] * 3, FullFolder())
     assert header["error"]["type"] == "gpumesh.ResultTooLarge"
+    # An error's pickled exception never goes to the folder: its size is its own, not the
+    # folder's fault (retried as crashed, it would run again up to max_attempts).
+    header, _ = runner_main._fit({"status": "error", "error": {}}, [b"pickle", big],
+                                 FullFolder())
+    assert header["error"]["type"] == "gpumesh.ResultTooLarge"

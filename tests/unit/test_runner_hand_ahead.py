@@ -702,10 +702,16 @@ def test_a_runner_that_cannot_start_is_retried_less_and_less_and_its_work_goes_e
     try:
         runner.start()
         _give(agent, 1)  # waits for the runner
-        _pump(agent, lambda: "task-1" in _results(agent), "the task to go elsewhere",
-              timeout=20)
-        assert _results(agent) == {"task-1": "crashed"}
-        assert agent.free_slots() == 0  # nothing more is taken while no runner can start
+
+        def handed_back() -> list[int]:
+            return [lease for m in agent.sent if m.command is Command.CREDIT
+                    for lease in m.header.get("release", [])]
+
+        _pump(agent, lambda: 1 in handed_back(), "the task to go back", timeout=20)
+        assert _results(agent) == {}  # handed back unstarted: no attempt charged
+        granted = agent.granted
+        _give(agent, 2)  # sent meanwhile: back at once, its grant not renewed
+        assert handed_back() == [1, 2] and agent.granted == granted and not agent.queue
         assert any("runner 0 cannot start" in line and "shadows select" in line
                    for line in lines), lines
         first_wait = runner.start_at
@@ -714,6 +720,13 @@ def test_a_runner_that_cannot_start_is_retried_less_and_less_and_its_work_goes_e
         gaps = [later - earlier for earlier, later in zip(started, started[1:], strict=False)]
         assert gaps[-1] >= 1.0 > gaps[0]  # at once at first, then less and less often
         assert len(started) <= 8
+        # The module moved away: the runner starts, and the grant of the two handed back is
+        # renewed (without it the coordinator would send this worker nothing more).
+        (work / "select.py").unlink()
+        _pump(agent, lambda: runner.ready, "the runner to start at last", timeout=40)
+        credits = [m.header["granted"] for m in agent.sent if m.command is Command.CREDIT]
+        assert credits[-1] == granted + 2
+        assert any("runner 0 started again" in line for line in lines)
     finally:
         runner.start = real_start
         runner.kill()

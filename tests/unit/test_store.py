@@ -586,6 +586,21 @@ def test_a_new_task_whose_id_a_collected_task_had_is_journaled(db_path: Path, ca
     assert "was a finished task's" in caplog.text
 
 
+def test_an_insert_that_clashes_on_more_than_its_id_is_refused_and_the_journal_goes_on(
+        db_path: Path, caplog) -> None:
+    s = Store(db_path)
+    _add(s, task_id="same", seq=1, client="old")
+    s.collect_task("same", {"id": "same"})
+    _add(s, task_id="live", seq=5, client="new")
+    s.commit()
+    _add(s, task_id="same", seq=5, client="new")  # its id a summary's, its (client, seq) taken
+    s.commit()  # refused and said, as any refused row: not a failed journal
+    _add(s, task_id="after", seq=6, client="new")
+    s.close()
+    assert {t.task_id for t in _reopen_and_load(db_path)} >= {"live", "after"}
+    assert "journal refused a write" in caplog.text
+
+
 def test_in_memory_store_keeps_big_payloads_inline() -> None:
     s = Store(":memory:")
     try:
