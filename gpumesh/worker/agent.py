@@ -103,7 +103,6 @@ EXIT_REAP_WAIT = 5.0  # seconds join waits at exit for its killed runners to be 
 # A runner that exits before it is ready is started again at once the first time, then after
 # START_BACKOFF seconds, doubling up to START_BACKOFF_MAX; the owner is told as it first waits.
 RETRY_FAILED_STARTS = 2
-SAY_FAILED_STARTS = 2
 START_BACKOFF = 0.5
 START_BACKOFF_MAX = 30.0
 DYING_READS = 64  # reads of a dead runner's output pipes at most: 4 MiB of its last words
@@ -739,7 +738,7 @@ class WorkerAgent:
                 "type": "gpumesh.BadTask", "message": f"the task's frames do not add up: {exc}",
                 "traceback": ""}}, [], now)
             return
-        if not any(self._slot_fits(slot, h) for slot in range(self.slots)):
+        if "need" in h and not any(self._slot_fits(slot, h) for slot in range(self.slots)):
             # The coordinator matched the worker as a whole (a GPU no slot is pinned to, with
             # --max-slots): it would wait here for good, its lease renewed by every heartbeat.
             self._report(task, {"status": ResultStatus.CRASHED.value, "diagnosis": (
@@ -983,7 +982,7 @@ class WorkerAgent:
                           now: float) -> None:
         if header.get("ready"):
             runner.ready = True
-            if runner.failed_starts >= SAY_FAILED_STARTS:
+            if runner.failed_starts >= RETRY_FAILED_STARTS:
                 self.say(f"[worker] runner {runner.slot} started again")
             runner.failed_starts = 0
             if self._handed_back_down and not self.draining:
@@ -1076,15 +1075,13 @@ class WorkerAgent:
             for _ in range(DYING_READS):
                 if runner.proc is None or not self._on_runner_output(runner, stream):
                     break
-        if runner.proc is not None and runner.proc.poll() is not None:
-            runner.kill_group()  # what its task started (a pool, a `yes`) dies with it
         task, runner.task = runner.task, None
         self._requeue_front(runner.take_back())  # handed ahead, never started
         # One killed already and still going (a runner that broke): not waited for again.
         code = None if runner.proc in runner.dying else runner.reap(timeout=DYING_GRACE)
         if code is not None:
-            # Again once it is reaped: its socket closes as it exits, a moment before it is a
-            # zombie (poll() said it was running just above).
+            # What its task started (a pool, a `yes`) dies with it. Only once it is reaped: its
+            # socket closes as it exits, a moment before poll() can say it has.
             runner.kill_group()
         if code is None and runner.proc is not None and runner.proc not in runner.dying:
             # Its socket closed (its task's code closed it?) but it runs on: it can take no
@@ -1104,14 +1101,14 @@ class WorkerAgent:
                 delay = min(START_BACKOFF * 2 ** (runner.failed_starts - RETRY_FAILED_STARTS),
                             START_BACKOFF_MAX)
                 runner.start_at = time.monotonic() + delay
-                if runner.failed_starts == SAY_FAILED_STARTS:
+                if runner.failed_starts == RETRY_FAILED_STARTS:
                     self.say(f"[worker] runner {runner.slot} cannot start: {diagnosis} (is a "
                              "file in this folder named as a module Python imports? start "
                              "join from another folder); trying again, less and less often")
                 else:
                     log.warning("runner %d failed to start again: %s", runner.slot, diagnosis)
                 if self._runners_down():
-                    self._fail_queued(diagnosis, now)
+                    self._fail_queued(diagnosis)
                 return
             log.warning("runner %d failed to start: %s", runner.slot, diagnosis)
         runner.start()
@@ -1129,7 +1126,7 @@ class WorkerAgent:
             self._handed_back_down += len(leases)
             self.send_credit(release=leases)
 
-    def _fail_queued(self, diagnosis: str, now: float) -> None:
+    def _fail_queued(self, diagnosis: str) -> None:
         waiting, self.queue = list(self.queue), deque()
         log.warning("no runner of this worker can start (%s): %d waiting task(s) go back",
                     diagnosis, len(waiting))

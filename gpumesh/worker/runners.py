@@ -409,13 +409,7 @@ class Runner:
             except (ProcessLookupError, PermissionError):
                 self.proc.kill()
         if self.reap(timeout=KILL_WAIT) is None and self.proc is not None:
-            for pipe in (self.proc.stdout, self.proc.stderr):
-                if pipe is not None:
-                    pipe.close()
-            if self.control is not None:
-                self.control.close()
-                self.control = None
-            self._unsent = []
+            self._close(keep_tail=False)
             if self.proc not in self.dying:
                 self.dying.append(self.proc)
 
@@ -451,27 +445,34 @@ class Runner:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
+        self._close(keep_tail=True)
+        return code
+
+    def _close(self, keep_tail: bool) -> None:
+        """Close the runner's pipes and socket; with ``keep_tail``, what is left in the pipes
+        goes to ``tail`` first, up to a bound: a process that escaped its group may still write
+        into them, faster than they are read."""
+        assert self.proc is not None
         for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None and not pipe.closed:
-                # What is left, up to a bound: a process that escaped its group may still
-                # write into the pipe, faster than it is read.
-                rest = bytearray()
-                for _ in range(REAP_READS):
-                    try:
-                        chunk = os.read(pipe.fileno(), _READ_SIZE)
-                    except OSError:  # BlockingIOError: nothing more now
-                        break
-                    if not chunk:
-                        break
-                    rest += chunk
+            if pipe is None or pipe.closed:
+                continue
+            rest = bytearray()
+            for _ in range(REAP_READS if keep_tail else 0):
+                try:
+                    chunk = os.read(pipe.fileno(), _READ_SIZE)
+                except OSError:  # BlockingIOError: nothing more now
+                    break
+                if not chunk:
+                    break
+                rest += chunk
+            if rest:
                 self.tail.extend(bytes(rest[-_READ_SIZE:]).decode("utf-8", "replace")
                                  .splitlines())
-                pipe.close()
+            pipe.close()
         if self.control is not None:
             self.control.close()
             self.control = None
         self._unsent = []
-        return code
 
     def diagnosis(self, code: int | None, what: str = "") -> str:
         """What killed the runner (``what``, or read from its exit ``code``), in words, with
