@@ -50,7 +50,7 @@ def _default_mesh_forgotten() -> Iterator[None]:
     closed, and the settings it read are forgotten."""
     from gpumesh.client import decorators
 
-    fields = ("_mesh", "_settings", "_resolved", "_worker_deadline")
+    fields = ("_mesh", "_settings", "_resolved", "_unresolved", "_worker_deadline")
     sources = (decorators.mesh._source, decorators.accelerate._default)
     before = [tuple(getattr(source, name) for name in fields) for source in sources]
     yield

@@ -14,15 +14,19 @@ values given. A call that runs locally runs in the caller's own environment as i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import inspect
+import os
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from ..config import Settings
+from ..config import CONFIG_FILE, Settings
 from ..errors import ConfigError
 from ..scheduler import Requirements
 from .api import GPUMesh
@@ -33,8 +37,49 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return fn
+class InPlaceFunction:
+    """A mesh function as it arrives on a worker inside a task's pickle: calls, ``.map``,
+    ``.submit``, ``.aio`` and ``.amap`` run in place, in the task's own process. A task that
+    sent its callees back to the mesh would wait for slots it may itself be holding."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+
+    def __repr__(self) -> str:
+        return f"<mesh function {getattr(self.fn, '__qualname__', self.fn)!r}, run in place>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (InPlaceFunction, (self.fn,))
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else InPlaceFunction(functools.partial(self.fn, obj))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def map(self, items: Iterable[Any]) -> list[Any]:
+        return [self.fn(*args, **kwargs) for args, kwargs, _ in
+                plan_calls(self.fn, items, TaskOptions())]
+
+    def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(self.fn(*args, **kwargs))
+        except BaseException as exc:  # as a task's error: raised by .result()
+            future.set_exception(exc)
+        return future
+
+    async def aio(self, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self.fn, *args, **kwargs)
+
+    async def amap(self, items: Iterable[Any]) -> AsyncIterator[tuple[int, Any]]:
+        for index, (args, kwargs, _) in enumerate(plan_calls(self.fn, items, TaskOptions())):
+            yield index, await asyncio.to_thread(self.fn, *args, **kwargs)
+
+    def to(self, device: str) -> InPlaceFunction:
+        return self
 
 
 class MeshFunction(Generic[P, R]):
@@ -52,12 +97,20 @@ class MeshFunction(Generic[P, R]):
         return f"<mesh function {getattr(self.fn, '__qualname__', self.fn)!r}>"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Shipped to a worker (say, called from another mesh function), it is the plain function:
-        # code already running on the mesh runs its callees in place.
-        return (_plain, (self.fn,))
+        # Shipped to a worker (say, called from another mesh function), it runs in place: code
+        # already running on the mesh runs its callees there, .map and .submit included.
+        return (InPlaceFunction, (self.fn,))
+
+    def __copy__(self) -> MeshFunction[P, R]:
+        return self  # as a function copies: itself, decorated still
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MeshFunction[P, R]:
+        return self
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        return self if obj is None else functools.partial(self, obj)
+        # A method: bound, with .map and .submit of its own (a partial of self had neither).
+        return self if obj is None else MeshFunction(
+            functools.partial(self.fn, obj), self._source, self.options, mesh_only=self.mesh_only)
 
     def _mesh(self) -> GPUMesh | None:
         """The connected mesh to use for this call, or None for the local path."""
@@ -113,7 +166,9 @@ class MeshFunction(Generic[P, R]):
         mesh = await asyncio.to_thread(self._mesh)
         if mesh is None:
             return await asyncio.to_thread(self.fn, *args, **kwargs)
-        future = mesh.submit_calls(self.fn, [(args, kwargs)], self.options)[0]
+        # Pickling the arguments (an array, a tensor) and a reconnect's wait happen off the
+        # event loop, as in amap: the loop's other tasks go on meanwhile.
+        future = (await _off_loop(mesh.submit_calls, self.fn, [(args, kwargs)], self.options))[0]
         return await asyncio.wrap_future(future)
 
     async def amap(self, items: Iterable[Any]) -> AsyncIterator[tuple[int, R]]:
@@ -182,6 +237,8 @@ class MeshSource:
         self._settings: Settings | None = mesh.settings if mesh is not None else None
         self._lock = threading.Lock()
         self._resolved = mesh is not None
+        # What the last failed resolution saw: tried again once that changed.
+        self._unresolved: tuple[Any, ...] | None = None
         self._worker_deadline: float | None = None
 
     def settings(self) -> Settings:
@@ -191,12 +248,20 @@ class MeshSource:
 
     def mesh(self) -> GPUMesh | None:
         with self._lock:
-            if not self._resolved:
-                self._resolved = True
-                try:
-                    self._mesh = GPUMesh(settings=self.settings())
-                except ConfigError:
-                    self._mesh = None  # nothing configured: every call runs locally
+            if self._resolved:
+                return self._mesh
+            seen = _configuration()
+            if seen == self._unresolved:
+                return None  # as when last tried: running locally costs no second look
+            self._settings = None  # read the environment again: it changed, or never read
+            try:
+                self._mesh = GPUMesh(settings=self.settings())
+            except ConfigError:
+                # Nothing configured: calls run locally until `gpumesh serve` or `join` saves
+                # a connection, or GPUMESH_URL/GPUMESH_TOKEN are set (a notebook's next cell).
+                self._unresolved = seen
+                return None
+            self._resolved = True
             return self._mesh
 
     def has_worker(self, mesh: GPUMesh) -> bool:
@@ -213,6 +278,21 @@ class MeshSource:
             if time.monotonic() >= self._worker_deadline:
                 return False
             time.sleep(0.02)
+
+
+def _configuration() -> tuple[Any, ...]:
+    """What a mesh's resolution reads, cheaply: the environment's names and the saved
+    connection file's identity and change time."""
+    env = tuple(os.environ.get(name) for name in (
+        "GPUMESH_URL", "GPUMESH_TOKEN", "GPUMESH_HOME", "GPUMESH_DISCOVERY", "HOME"))
+    path = Path(os.environ.get("GPUMESH_HOME") or Path.home() / ".gpumesh").expanduser() \
+        / CONFIG_FILE
+    try:
+        info = path.stat()
+        saved: tuple[Any, ...] = (info.st_ino, info.st_size, info.st_mtime_ns)
+    except OSError:
+        saved = ()
+    return env, saved
 
 
 def _options(gpu: str | bool | None, cores: int | None, memory: str | int | None,
@@ -240,13 +320,13 @@ class DefaultMesh:
     def __call__(self, fn: None = None, /, **options: Any) -> Callable[[Callable[P, R]], MeshFunction[P, R]]: ...
 
     def __call__(self, fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
-        if fn is None:
-            only = bool(options.pop("mesh_only", False))
-            return lambda f: MeshFunction(f, self._source, _options(**_defaults(options)),
-                                          mesh_only=only)
-        return MeshFunction(fn, self._source, TaskOptions())
+        return _decorate(fn, self._source, options)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            # hasattr(mesh, "__wrapped__"), doctest, mock and copy ask for these: not the
+            # mesh's, and never worth a ConfigError.
+            raise AttributeError(name)
         mesh = self._source.mesh()
         if mesh is None:
             raise ConfigError(
@@ -282,11 +362,42 @@ class Accelerate:
 
     def __call__(self, target: Any = None, /, **options: Any) -> Any:
         if callable(target) and not isinstance(target, (GPUMesh, DefaultMesh)):
-            return MeshFunction(target, self._installed or self._default, TaskOptions())
+            return _decorate(target, self._installed or self._default, options)
         source = _source_of(target) if target is not None else (self._installed or self._default)
-        only = bool(options.pop("mesh_only", False))
-        opts = _options(**_defaults(options))
-        return lambda fn: MeshFunction(fn, source, opts, mesh_only=only)
+        return _decorate(None, source, options)
+
+
+def _decorate(fn: Any, source: MeshSource, options: dict[str, Any]) -> Any:
+    """``@mesh``, ``@mesh(gpu=...)`` and ``mesh(fn, gpu=...)`` alike: the options are checked
+    (an unknown name is a TypeError) and kept in every form, the function given or not."""
+    options = dict(options)
+    only = bool(options.pop("mesh_only", False))
+    opts = _options(**_defaults(options))
+
+    def bind(f: Any) -> MeshFunction[Any, Any]:
+        _check_function(f)
+        return MeshFunction(f, source, opts, mesh_only=only)
+
+    return bind if fn is None else bind(fn)
+
+
+def _check_function(fn: Any) -> None:
+    """What a decorator is given must be a plain synchronous function (or other callable):
+    ``@mesh("A100")`` passes the string as the function, and a coroutine or generator
+    function returns what cannot leave a worker, while it runs locally as written."""
+    if isinstance(fn, MeshFunction):
+        return
+    if not callable(fn):
+        raise TypeError(f"@mesh and @accelerate decorate a function, not a {type(fn).__name__} "
+                        f"({fn!r}); options go by name: @mesh(gpu='A100')")
+    kind = ("a coroutine function (async def)" if inspect.iscoroutinefunction(fn) else
+            "an async generator function" if inspect.isasyncgenfunction(fn) else
+            "a generator function" if inspect.isgeneratorfunction(fn) else None)
+    if kind is not None:
+        raise TypeError(
+            f"{getattr(fn, '__qualname__', fn)} is {kind}: what it returns cannot leave a "
+            "worker. Decorate a plain function that returns the value (a list instead of a "
+            "generator); await a mesh function with fn.aio(...)")
 
 
 def _source_of(mesh: GPUMesh | DefaultMesh) -> MeshSource:

@@ -299,6 +299,7 @@ class Engine:
         self._cancel_hook = self._on_cancel  # one bound method for all futures, not one each
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a full pair means the loop is awake: never block on it
         self._wake_fd = self._wake_r.fileno()
         self._seq = itertools.count(1)
         self._qids = itertools.count(1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import sys
 import threading
 import weakref
 from collections import deque
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from .api import GPUMesh, new_job_id
-from .engine import FIRST_CHUNK, TaskFuture, refuse_wait_on_io_thread
+from .engine import FIRST_CHUNK, TaskFuture, _Waiters, refuse_wait_on_io_thread
 from .tasks import TaskOptions
 
 T = TypeVar("T")
@@ -28,6 +29,7 @@ T = TypeVar("T")
 _EXECUTORS: weakref.WeakSet[MeshExecutor] = weakref.WeakSet()
 GROUP = 4 * FIRST_CHUNK  # calls per submission, at most (GPUMesh.submit_calls sends none early)
 _EXITING = False
+COLLECTED_CHECK = 1.0  # seconds an idle dispatcher waits before it looks whether its executor is gone
 
 
 def _at_exit() -> None:
@@ -80,6 +82,7 @@ class MeshExecutor(concurrent.futures.Executor):
         self._running: set[TaskFuture] = set()
         self._changed = threading.Condition()
         self._shutdown = False
+        self._interrupted = False
         self._thread: threading.Thread | None = None
         _EXECUTORS.add(self)
 
@@ -106,9 +109,13 @@ class MeshExecutor(concurrent.futures.Executor):
                 self._waiting.append(call)
             if self._thread is None:
                 # Not a daemon: like the standard executors, calls in flight finish before the
-                # interpreter exits.
-                self._thread = threading.Thread(target=self._dispatch, daemon=False,
-                                                name=f"gpumesh-executor-{self._job}")
+                # interpreter exits. It holds the executor weakly, as theirs do: one dropped
+                # without shutdown() ends its thread and connection once nothing is in flight
+                # (each call on the mesh holds it until its result is in).
+                self._thread = threading.Thread(
+                    target=_dispatch, args=(weakref.ref(self), self._changed,
+                                            self._mesh if self._owns_mesh else None),
+                    daemon=False, name=f"gpumesh-executor-{self._job}")
                 self._thread.start()
             self._changed.notify_all()
             return future
@@ -124,6 +131,29 @@ class MeshExecutor(concurrent.futures.Executor):
         chunks = _chunks(zip(*iterables, strict=False), chunksize)
         results = super().map(_run_chunk, itertools.repeat(fn), chunks, timeout=timeout)
         return _flatten(results)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            self._interrupt()  # README: Ctrl+C means stop, not "wait for every call first"
+        return super().__exit__(exc_type, exc, tb)
+
+    def _interrupt(self) -> None:
+        """Cancel every unfinished call: those waiting here and those on the mesh, pending or
+        running, and those on their way there (cancelled as they arrive, in _send)."""
+        with self._changed:
+            self._shutdown = self._interrupted = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            running = list(self._running)
+            on_the_way = self._sending + len(self._taken)
+            self._changed.notify_all()
+        for call in waiting:
+            call.future.cancel()
+        cancelled = sum(1 for task in running if task.cancel())
+        count = len(waiting) + cancelled + on_the_way
+        if count:
+            print(f"[gpumesh] interrupted: cancelled {count} unfinished call(s) of the executor "
+                  "on the mesh", file=sys.stderr)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._changed:
@@ -157,21 +187,6 @@ class MeshExecutor(concurrent.futures.Executor):
         if self._window is None:
             return len(self._waiting) + 1
         return self._window - len(self._running) - len(self._taken) - self._sending
-
-    def _dispatch(self) -> None:
-        """Hand waiting calls to the mesh as the window allows, in batches of one function."""
-        try:
-            while True:
-                with self._changed:
-                    while not self._done() and not self._ready():
-                        self._changed.wait()
-                    if self._done():
-                        return
-                    batch = self._take()
-                self._send(batch)
-        finally:
-            if self._owns_mesh:
-                self._mesh.close()
 
     def _ready(self) -> bool:
         return bool(self._taken) or (bool(self._waiting) and self._room() > 0)
@@ -214,8 +229,11 @@ class MeshExecutor(concurrent.futures.Executor):
             with self._changed:
                 self._running.update(tasks)
                 self._sending -= len(calls)
+                interrupted = self._interrupted
             for call, task in zip(calls, tasks, strict=True):
                 task.add_done_callback(_Relay(self, call.future).done)
+                if interrupted:
+                    task.cancel()  # sent while Ctrl+C stopped the executor: stopped too
             del calls  # no reference to the arguments once they are on their way
 
     def _finished(self, task: TaskFuture) -> None:
@@ -224,9 +242,39 @@ class MeshExecutor(concurrent.futures.Executor):
             self._changed.notify_all()
 
 
+def _dispatch(ref: weakref.ReferenceType[MeshExecutor], changed: threading.Condition,
+              owned: GPUMesh | None) -> None:
+    """The dispatcher thread: hands waiting calls to the mesh as the window allows, in batches
+    of one function. It holds the executor only while it works, never while it waits."""
+    try:
+        while True:
+            with changed:
+                while True:
+                    executor = ref()
+                    if executor is None or executor._done():
+                        return
+                    if executor._ready():
+                        break
+                    del executor
+                    # Woken by submit, shutdown, a finished call, interpreter exit; and now
+                    # and then to see whether the executor was collected, which sends no wake.
+                    changed.wait(COLLECTED_CHECK)
+                batch = executor._take()
+            executor._send(batch)
+            del executor, batch
+    finally:
+        if owned is not None:
+            owned.close()
+
+
 class _CallFuture(concurrent.futures.Future[Any]):
     """An executor call's future. Its result is set on the client's I/O thread, where its
-    done-callbacks run too: waiting there for one not done would wait forever."""
+    done-callbacks run too: waiting there for one not done would wait forever (``result``,
+    ``exception``, and ``concurrent.futures.wait``/``as_completed`` through ``_Waiters``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: list[Any] = _Waiters(self)
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():

@@ -34,6 +34,7 @@ NAME = "gpumesh"
 JOBLIB_NEEDED = (1, 5)
 
 SLOTS_FRESH = 1.0  # seconds a mesh's slot count is reused
+MESH_N_JOBS_LEAST = 2  # what n_jobs=-1 (or None) is at least: 1 would mean "run it here"
 _SLOTS: weakref.WeakKeyDictionary[GPUMesh, tuple[float, int]] = weakref.WeakKeyDictionary()
 
 class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
@@ -80,8 +81,10 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         if n_jobs is not None and n_jobs > 0:
             return n_jobs
         slots = self._slots()
-        # -1 is every slot of the mesh, -2 all but one, as joblib counts CPUs.
-        return max(slots + 1 + (n_jobs if n_jobs is not None else -1), 1)
+        # -1 is every slot of the mesh, -2 all but one, as joblib counts CPUs. Never 1: joblib
+        # runs n_jobs=1 in this process, so a mesh of one slot (or none joined yet) would get
+        # nothing at all; the coordinator queues what its slots cannot start yet.
+        return max(slots + 1 + (n_jobs if n_jobs is not None else -1), MESH_N_JOBS_LEAST)
 
     def _slots(self) -> int:
         """The mesh's alive slots, asked at most once a second: joblib calls

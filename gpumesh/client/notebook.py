@@ -22,7 +22,8 @@ import linecache
 import types
 from typing import Any
 
-from .decorators import MeshFunction, _plain, mesh
+from ..errors import MeshError
+from .decorators import InPlaceFunction, MeshFunction, mesh
 
 # The name the cell's code calls, after each function it defines, to make it _CellFunction.
 _AS_CELL_FUNCTION = "__gpumesh_cell_function__"
@@ -35,6 +36,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def _cell_magic(ipython: Any) -> Any:
     def mesh_cell(line: str, cell: str) -> None:
+        options = _magic_options(line)
         before = dict(ipython.user_ns)
         # The cell's own ExecutionResult: the inner run_cell replaces the displayhook's, and the
         # kernel's reply (ok or error) is read from this one.
@@ -54,11 +56,11 @@ def _cell_magic(ipython: Any) -> Any:
         source = _lines(ipython.transform_cell(cell))
         for name, value in list(ipython.user_ns.items()):
             if isinstance(value, _CellFunction):
-                ipython.user_ns[name] = mesh(value.fn)
+                ipython.user_ns[name] = mesh(value.fn, **options)
             elif (isinstance(value, types.FunctionType) and before.get(name) is not value
-                    and not isinstance(value, MeshFunction)
+                    and not isinstance(value, MeshFunction) and _returns_plainly(value)
                     and _defined_in(value, ipython.user_module.__name__, source)):
-                ipython.user_ns[name] = mesh(value)
+                ipython.user_ns[name] = mesh(value, **options)
         error = result.error_before_exec or result.error_in_exec
         if error is None:
             return
@@ -69,6 +71,44 @@ def _cell_magic(ipython: Any) -> Any:
         outer.error_in_exec = error
 
     return mesh_cell
+
+
+def _magic_options(line: str) -> dict[str, Any]:
+    """``%%mesh gpu="A100", timeout=600``: the line's options, as ``@mesh(...)`` takes them.
+    Literal values only (nothing on the line is run); an unknown name is refused, as
+    ``@mesh`` refuses it, before the cell runs."""
+    line = line.strip()
+    if not line:
+        return {}
+    usage = (f"%%mesh takes @mesh's options as name=value pairs of literals, such as "
+             f"%%mesh gpu=\"A100\", timeout=600; not {line!r}")
+    try:
+        call = ast.parse(f"_({line})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+            raise ValueError("positional")
+        options = {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError) as exc:
+        raise _usage_error(usage) from exc
+    try:
+        mesh(**options)  # checks the names and values now, before the cell runs
+    except (TypeError, ValueError, MeshError) as exc:
+        raise _usage_error(f"%%mesh {line}: {exc}") from None
+    return options
+
+
+def _usage_error(text: str) -> Exception:
+    try:
+        from IPython.core.error import UsageError
+    except ImportError:  # outside IPython (tests): the same words
+        return ValueError(text)
+    return UsageError(text)
+
+
+def _returns_plainly(fn: types.FunctionType) -> bool:
+    """A function whose call returns its value: coroutine and generator functions return what
+    cannot leave a worker, and stay as the cell defined them."""
+    return not (inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn)
+                or inspect.isasyncgenfunction(fn))
 
 
 def _lines(text: str) -> list[str]:
@@ -99,7 +139,7 @@ class _CellFunction:
     def of(cls, value: Any) -> Any:
         """``value`` as a cell function when it is a plain function, else as it is (a name the
         decorators made into something else)."""
-        if isinstance(value, types.FunctionType):
+        if isinstance(value, types.FunctionType) and _returns_plainly(value):
             return cls(value)
         return value
 
@@ -107,7 +147,7 @@ class _CellFunction:
         return self.fn(*args, **kwargs)
 
     def __reduce__(self) -> Any:
-        return (_plain, (self.fn,))
+        return (InPlaceFunction, (self.fn,))
 
     def __repr__(self) -> str:
         return repr(self.fn)

@@ -28,16 +28,26 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 
 def _roots(namespace: dict[str, Any]) -> Iterator[types.CodeType]:
     for value in list(namespace.values()):
-        for item in (value, getattr(value, "__wrapped__", None), getattr(value, "fn", None)):
-            code = getattr(item, "__code__", None)
+        for item in (value, _attribute(value, "__wrapped__"), _attribute(value, "fn")):
+            code = _attribute(item, "__code__")
             if isinstance(code, types.CodeType):
                 yield code
         if isinstance(value, type):
             for member in vars(value).values():
-                member = getattr(member, "__func__", member)
-                code = getattr(member, "__code__", None)
+                member = _attribute(member, "__func__") or member
+                code = _attribute(member, "__code__")
                 if isinstance(code, types.CodeType):
                     yield code
+
+
+def _attribute(value: Any, name: str) -> Any:
+    """``getattr(value, name, None)`` that never raises: the caller's namespace holds objects
+    whose ``__getattr__`` raises what it likes (gpumesh's own ``mesh`` without a saved
+    configuration raises ConfigError), and the task's real error must not be traded for it."""
+    try:
+        return getattr(value, name, None)
+    except Exception:
+        return None
 
 
 def _lines(code: types.CodeType) -> set[int]:
@@ -80,7 +90,10 @@ def localize_error(exc: BaseException) -> None:
     remote = getattr(exc, "remote_traceback", None)
     if not isinstance(remote, str) or "<dynamic-code>" not in remote:
         return
-    better = localize(remote)
+    try:
+        better = localize(remote)
+    except Exception:  # a better traceback is a nicety: the task's error is what matters
+        return
     if better == remote:
         return
     try:

@@ -25,13 +25,20 @@ ALLOWED_PREFIXES = ("LC_",)  # the locale: LC_ALL, LC_CTYPE, ...
 # choice (the spec: "the function-task subprocess a worker spawns ... inherits the
 # environment"; scripts run with the allow-list alone).
 FUNCTIONS_ONLY = frozenset({"GPUMESH_COLOR"})
+# What every task runs with unless the worker's owner passes its own value: a @mesh function
+# called inside a task runs in place (README: decorated functions run locally with
+# GPUMESH_LOCAL=1). Sent back to the mesh, a task waiting for its callees could hold the very
+# slots they wait for, and a worker's saved connection would make every task a client.
+IN_TASK = {"GPUMESH_LOCAL": "1"}
 
 
 def base_environment(environ: Mapping[str, str], passed: Iterable[str] = ()) -> dict[str, str]:
     """What every function task on this worker sees: ``environ`` cut to the allow-list, plus
-    ``passed`` and ``FUNCTIONS_ONLY`` (which ``script_environment`` takes out again)."""
+    ``passed`` and ``FUNCTIONS_ONLY`` (which ``script_environment`` takes out again), and
+    ``IN_TASK`` where the owner passed no value of its own."""
     keep = ALLOWED | FUNCTIONS_ONLY | set(passed)
-    return {k: v for k, v in environ.items() if k in keep or k.startswith(ALLOWED_PREFIXES)}
+    return {**IN_TASK, **{k: v for k, v in environ.items()
+                          if k in keep or k.startswith(ALLOWED_PREFIXES)}}
 
 
 def script_environment(base: Mapping[str, str]) -> dict[str, str]:

@@ -79,7 +79,32 @@ def test_a_slot_count_the_coordinator_does_not_answer_falls_back_to_the_last_one
     joblib_backend._SLOTS[mesh] = (0.0, 3)  # stale: asked again
     assert backend.effective_n_jobs(-1) == 3  # the last count, not MeshError
     joblib_backend._SLOTS.pop(mesh)
-    assert backend.effective_n_jobs(-1) == 1
+    assert backend.effective_n_jobs(-1) == 2  # never 1: joblib would run it all here
+
+
+def test_n_jobs_minus_one_on_a_one_slot_mesh_still_sends_to_the_mesh():
+    """joblib runs n_jobs=1 in the caller's process: a friend's single GPU (one slot), or a
+    mesh no worker has joined yet, made n_jobs=-1 run every batch on the laptop, silently."""
+    joblib = require("joblib")
+    from gpumesh.client.joblib_backend import MeshBackend
+
+    sent = []
+
+    class OneSlot(StandInMesh):
+        def workers(self):
+            return [{"alive": True, "slots": 1}]
+
+        def submit_calls(self, func, calls, options, job="", name=""):
+            sent.append(name)
+            return super().submit_calls(func, calls, options, job, name)
+
+    backend = MeshBackend(mesh=OneSlot())
+    assert backend.effective_n_jobs(-1) == 2 and backend.effective_n_jobs(None) == 2
+    assert backend.effective_n_jobs(-2) == 2 and backend.effective_n_jobs(5) == 5
+    with joblib.parallel_config(backend=backend):
+        assert joblib.Parallel(n_jobs=-1)(joblib.delayed(ident)(x) for x in range(6)) == \
+            list(range(6))
+    assert sent, "every batch ran in this process"
 
 
 def test_an_old_joblib_is_told_which_version_the_backend_needs(monkeypatch):

@@ -97,8 +97,12 @@ def test_the_base_environment_is_the_allow_list_plus_what_the_owner_passes():
               "AWS_SECRET_ACCESS_KEY": "k", "HF_HOME": "/hf", "GPUMESH_TOKEN": "t",
               "PYTHONPATH": "/p", "PYTHONHASHSEED": "0"}
     assert base_environment(worker) == {"PATH": "/bin", "HOME": "/h", "LC_TIME": "C",
-                                        "CUDA_VISIBLE_DEVICES": "1", "PYTHONPATH": "/p"}
+                                        "CUDA_VISIBLE_DEVICES": "1", "PYTHONPATH": "/p",
+                                        "GPUMESH_LOCAL": "1"}
     assert base_environment(worker, ["HF_HOME", "UNSET"])["HF_HOME"] == "/hf"
+    # A @mesh function a task calls runs in place, unless the owner passes a value of its own.
+    assert base_environment({**worker, "GPUMESH_LOCAL": "0"}, ["GPUMESH_LOCAL"])[
+        "GPUMESH_LOCAL"] == "0"
     # The runner also starts with the interpreter's own variables, and nothing secret.
     started = runner_process_environment(worker, ["HF_HOME"])
     assert started["PYTHONHASHSEED"] == "0" and started["HF_HOME"] == "/hf"

@@ -402,3 +402,26 @@ def test_amap_cancelled_while_its_items_are_sent_cancels_what_was_sent():
 
     asyncio.run(main())
     assert len(sent) == 3 and all(f.cancelled() for f in sent)
+
+
+def test_waking_the_engine_never_blocks_the_thread_that_wakes_it(tmp_path):
+    """Every cancel and submit writes a byte to wake the I/O thread. A done-callback (on that
+    very thread) that cancelled or submitted a few hundred tasks filled the pair, and a
+    blocking write then stopped the only thread that empties it: the client hung for good."""
+    import socket
+
+    from gpumesh.client.engine import Engine
+    from gpumesh.config import Endpoint, Settings
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = Engine(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}),
+                    Endpoint("127.0.0.1", port), "a-token-for-nobody")
+    try:
+        # Non-blocking: a full pair raises BlockingIOError, which _wake takes as "awake".
+        assert not engine._wake_w.getblocking()
+        for _ in range(20_000):  # far more than a socket pair holds, drained or not
+            engine._wake()
+    finally:
+        engine.close()

@@ -1,0 +1,264 @@
+"""The decorators, executor, notebook magic and tracebacks as a user meets them, without a mesh:
+options kept in every form, mesh functions inside tasks, a late configuration, and the
+standard-library contracts the skins promise."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import pickle
+import threading
+import types
+
+import cloudpickle
+import pytest
+from conftest import require
+
+from gpumesh.client import remotetb
+from gpumesh.client.decorators import (
+    DefaultMesh,
+    InPlaceFunction,
+    MeshFunction,
+    MeshSource,
+    accelerate,
+    mesh,
+)
+from gpumesh.client.engine import TaskFuture, _Waiters
+from gpumesh.client.executor import MeshExecutor, _CallFuture
+from gpumesh.scheduler import Requirements
+
+
+def scale(x, by=2):
+    return x * by
+
+
+class Model:
+    factor = 3
+
+    @mesh
+    def apply(self, x):
+        return x * self.factor
+
+
+def test_options_given_with_the_function_are_kept_not_dropped():
+    """``mesh(fn, gpu=...)`` and ``accelerate(fn, gpu=...)`` accept both forms; the function
+    given with its options lost them all (a hardware filter, a timeout, mesh_only)."""
+    for decorate in (mesh, accelerate):
+        fn = decorate(scale, gpu="A100", timeout=5, mesh_only=True)
+        assert fn.options.requirements == Requirements(gpu="A100") and fn.options.timeout == 5
+        assert fn.mesh_only
+        with pytest.raises(TypeError, match="unknown option"):
+            decorate(scale, bogus=1)
+
+
+@pytest.mark.parametrize("target", ["A100", 7])
+def test_a_decorator_given_something_other_than_a_function_says_how_options_go(target):
+    with pytest.raises(TypeError, match=r"options go by name: @mesh\(gpu='A100'\)"):
+        mesh(target)
+
+
+def test_coroutine_and_generator_functions_are_refused_with_what_to_do():
+    async def fetch(x):
+        return x
+
+    def numbers(n):
+        yield from range(n)
+
+    with pytest.raises(TypeError, match=r"coroutine function.*fn\.aio"):
+        mesh(fetch)
+    with pytest.raises(TypeError, match="generator function.*a list instead"):
+        accelerate(gpu=True)(numbers)
+
+
+def test_a_decorated_method_keeps_map_and_submit(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUMESH_HOME", str(tmp_path))  # no mesh configured: it runs here
+    for name in ("GPUMESH_URL", "GPUMESH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    model = Model()
+    bound = model.apply
+    assert isinstance(bound, MeshFunction) and bound(2) == 6
+    assert bound.map([1, 2]) == [3, 6]  # bound to model, with .map of its own
+
+
+def test_a_mesh_function_inside_a_task_runs_in_place_map_and_submit_included():
+    """Pickled into a task it arrived as the plain function: ``inner.map`` inside a task was an
+    AttributeError on the worker, while the same code ran locally."""
+    inner = mesh(scale)
+    shipped = cloudpickle.loads(cloudpickle.dumps(inner))
+    assert isinstance(shipped, InPlaceFunction)
+    assert shipped(3) == 6 and shipped.map([1, {"x": 2, "by": 5}]) == [2, 10]
+    assert shipped.submit(4).result() == 8 and shipped.to("cuda") is shipped
+    failed = shipped.submit("a", by=None)
+    assert isinstance(failed.exception(), TypeError)
+    assert cloudpickle.loads(cloudpickle.dumps(shipped))(1) == 2
+    import copy
+    assert copy.copy(inner) is inner and copy.deepcopy(inner) is inner
+
+
+def test_the_default_mesh_answers_private_names_with_attribute_error(tmp_path, monkeypatch):
+    """hasattr, doctest, mock and inspect.unwrap ask for dunder names: a ConfigError there broke
+    ``pytest --doctest-modules`` on any machine without a saved connection."""
+    monkeypatch.setenv("GPUMESH_HOME", str(tmp_path))
+    for name in ("GPUMESH_URL", "GPUMESH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    default = DefaultMesh()
+    assert not hasattr(default, "__wrapped__")
+    import inspect
+    assert inspect.unwrap(default) is default
+    from gpumesh.errors import ConfigError
+    with pytest.raises(ConfigError, match="no coordinator configured"):
+        default.workers()
+
+
+def test_a_connection_saved_after_a_failed_lookup_is_found(tmp_path, monkeypatch):
+    """The first lookup found nothing (no serve yet); one set afterwards (a notebook's next
+    cell, or `gpumesh serve`) is used, where the miss used to be remembered for good."""
+    monkeypatch.setenv("GPUMESH_HOME", str(tmp_path))
+    for name in ("GPUMESH_URL", "GPUMESH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    source = MeshSource()
+    assert source.mesh() is None and source.mesh() is None
+    monkeypatch.setenv("GPUMESH_URL", "tcp://127.0.0.1:9")
+    monkeypatch.setenv("GPUMESH_TOKEN", "rand-" + "a" * 40)
+    found = source.mesh()
+    try:
+        assert found is not None and found.url == "tcp://127.0.0.1:9"
+    finally:
+        found.close()
+
+
+def test_a_task_error_is_not_traded_for_what_a_namespace_object_raises():
+    """``localize`` looks through ``__main__``; an object whose ``__getattr__`` raises (the
+    default ``mesh`` without a saved connection raises ConfigError) replaced the task's error."""
+
+    class Raises:
+        def __getattr__(self, name):
+            raise RuntimeError(f"no {name} here")
+
+    def task():
+        raise ValueError("bad")
+
+    namespace = {"mesh": Raises(), "task": task}
+    line = task.__code__.co_firstlineno + 1
+    text = f'Traceback:\n  File "<dynamic-code>", line {line}, in task\nValueError: bad\n'
+    better = remotetb.localize(text, remotetb._roots(namespace))
+    assert __file__ in better and 'raise ValueError("bad")' in better
+
+    error = ValueError("bad")
+    error.remote_traceback = text
+    main = types.ModuleType("__main__")
+    main.mesh = Raises()
+    import sys
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        remotetb.localize_error(error)  # raised RuntimeError before
+    finally:
+        sys.modules["__main__"] = saved
+
+
+def test_an_executor_future_refuses_wait_and_as_completed_on_the_io_thread(monkeypatch):
+    """``result`` refused already; ``concurrent.futures.wait`` in a done-callback blocked the
+    client's only I/O thread instead of raising as the README promises."""
+    from gpumesh.client import engine
+
+    future = _CallFuture()
+    assert isinstance(future._waiters, _Waiters)
+    monkeypatch.setattr(engine, "on_io_thread", lambda: True)
+    with pytest.raises(RuntimeError):
+        concurrent.futures.wait([future], timeout=5)
+    with pytest.raises(RuntimeError):
+        next(concurrent.futures.as_completed([future], timeout=5))
+    future.set_result(1)
+    assert concurrent.futures.wait([future], timeout=0).done == {future}
+
+
+class StandInMesh:
+    """What the executor uses of a GPUMesh: tasks the test settles, or cancels."""
+
+    def __init__(self):
+        self.tasks: list[TaskFuture] = []
+        self.cancelled: list[TaskFuture] = []
+
+    def submit_calls(self, fn, calls, options, job="", name=""):
+        made = [TaskFuture(self.cancelled.append) for _ in calls]
+        self.tasks += made
+        return made
+
+    def close(self):
+        pass
+
+
+def _wait_for(check, what):
+    for _ in range(500):
+        if check():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(what)
+
+
+def test_ctrl_c_in_an_executor_block_cancels_its_calls_on_the_mesh(capsys):
+    """README: Ctrl+C means stop. Without max_workers every call is on the mesh ("running"),
+    so leaving ``with`` on KeyboardInterrupt waited for every one of them to run."""
+    stand_in = StandInMesh()
+    with pytest.raises(KeyboardInterrupt), MeshExecutor(mesh=stand_in) as pool:
+        calls = [pool.submit(scale, x) for x in range(50)]
+        _wait_for(lambda: len(stand_in.tasks) == 50, "the calls to reach the mesh")
+        stand_in.tasks[0].set_result(0)
+        raise KeyboardInterrupt
+    assert len(stand_in.cancelled) == 49  # all but the one already finished
+    assert calls[0].result(timeout=5) == 0
+    assert all(isinstance(c.exception(timeout=5), concurrent.futures.CancelledError)
+               for c in calls[1:])
+    assert "cancelled 49 unfinished call(s)" in capsys.readouterr().err
+
+
+def test_an_executor_dropped_without_shutdown_ends_its_thread():
+    """The dispatcher held its executor for good: every executor a notebook made and dropped
+    left a thread (and for one made from a URL, a connection) until the interpreter exited."""
+    stand_in = StandInMesh()
+    pool = MeshExecutor(mesh=stand_in)
+    call = pool.submit(scale, 1)
+    _wait_for(lambda: stand_in.tasks, "the call to reach the mesh")
+    thread = pool._thread
+    stand_in.tasks[0].set_result(2)
+    assert call.result(timeout=5) == 2
+    del pool, call
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_mesh_cell_options_apply_and_coroutines_stay_as_defined(tmp_path, monkeypatch):
+    """``%%mesh gpu="A100"`` ignored its line; an ``async def`` or generator the cell defined
+    became a mesh function that could only fail on a worker."""
+    require("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("GPUMESH_HOME", str(tmp_path))
+    for name in ("GPUMESH_URL", "GPUMESH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_line_magic("load_ext", "gpumesh")
+        cell = ("def square(x):\n    return x * x\n"
+                "async def fetch(x):\n    return x\n"
+                "def numbers(n):\n    yield from range(n)\n")
+        shell.run_cell_magic("mesh", 'gpu="A100", timeout=60', cell)
+        square = shell.user_ns["square"]
+        assert isinstance(square, MeshFunction)
+        assert square.options.requirements.gpu == "A100" and square.options.timeout == 60
+        assert not isinstance(shell.user_ns["fetch"], MeshFunction)
+        assert not isinstance(shell.user_ns["numbers"], MeshFunction)
+        from IPython.core.error import UsageError
+        for line in ("bogus=1", "gpu=print('ran')", "--gpu A100"):
+            with pytest.raises(UsageError, match="%%mesh"):
+                shell.run_cell_magic("mesh", line, "ran = True")
+            assert "ran" not in shell.user_ns
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_a_decorated_function_still_pickles_by_value_for_the_mesh():
+    shipped = pickle.loads(cloudpickle.dumps(mesh(scale)))
+    assert shipped(5) == 10
