@@ -86,8 +86,8 @@ def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False,
     return missing
 
 
-def eligible(worker: WorkerView, task: TaskView) -> bool:
-    if task.cost > DEFAULT_COST and worker.straggler:
+def eligible(worker: WorkerView, task: TaskView, *, stragglers_too: bool = False) -> bool:
+    if task.cost > DEFAULT_COST and worker.straggler and not stragglers_too:
         return False
     return not unmet(worker, task.requirements, portable=task.portable,
                      local_only=task.local_only)
@@ -102,12 +102,15 @@ def placement_class(requirements: Requirements, portable: bool, cost: float,
     return (requirements, portable, cost > DEFAULT_COST, local_only)
 
 
-def choose(task: TaskView, workers: Iterable[WorkerView]) -> WorkerView | None:
-    """The worker to run ``task`` now, among those with a free slot; None if none fits."""
+def choose(task: TaskView, workers: Iterable[WorkerView], *, stragglers_too: bool = False
+           ) -> WorkerView | None:
+    """The worker to run ``task`` now, among those with a free slot; None if none fits.
+    ``stragglers_too``: a heavy task may go to a straggler (no other worker could ever run
+    it: lighter work for the slow is a preference, never a reason to wait forever)."""
     best: WorkerView | None = None
     best_key: tuple[Any, ...] = ()
     for worker in workers:
-        if worker.free <= 0 or not eligible(worker, task):
+        if worker.free <= 0 or not eligible(worker, task, stragglers_too=stragglers_too):
             continue
         avoided = worker.worker_id in task.excluded
         foreign = bool(task.requirements.python) and worker.python != task.requirements.python

@@ -105,6 +105,12 @@ class Broker:
         self._last_sweep = now
         self._last_orphan_sweep = now
         self._no_workers_at = now  # last time no worker was alive (pending timeouts start after)
+        # For the pending timeout of a kind of task no alive worker can run: when a worker last
+        # left (its clock cannot have started before), the workers alive at the last look,
+        # and since when each such kind has had no worker.
+        self._worker_left_at = now
+        self._alive_at_last_look: frozenset[str] = frozenset()
+        self._unrunnable_since: dict[Any, float] = {}
         self._restoring = True
         # When a worker last sent a piece of a big message (a RESULT that may claim a restored
         # task) while the restore grace was open: it stays open for that result to arrive.
@@ -462,8 +468,13 @@ class Broker:
         if not candidates:
             return 0
         views = {w.worker_id: w.view() for w in candidates}
-        for worker_id in self.worker_side.stragglers & views.keys():
+        slow = self.worker_side.stragglers & views.keys()
+        for worker_id in slow:
             views[worker_id].straggler = True
+        # Per placement class: whether a heavy task of it must go to a straggler, because no
+        # other alive worker could ever run it (the A100 that runs only heavy tasks is the
+        # slowest per unit of cost there is): computed only when a straggler has room.
+        only_stragglers: dict[Any, bool] = {}
         sent = 0
         free = sum(v.free for v in views.values())
         # Class by class: a class whose best task fits no worker now is passed over whole.
@@ -479,7 +490,11 @@ class Broker:
                 continue
             taken = False
             try:
-                choice = scheduler.choose(task.view(), views.values())
+                view = task.view()
+                choice = scheduler.choose(view, views.values())
+                if choice is None and slow and view.cost > scheduler.DEFAULT_COST \
+                        and self._only_stragglers_fit(task, only_stragglers):
+                    choice = scheduler.choose(view, views.values(), stragglers_too=True)
                 if choice is None:
                     walk.pass_over()
                     passed_over += 1
@@ -518,6 +533,20 @@ class Broker:
             free -= 1
             sent += 1
         return sent
+
+    def _only_stragglers_fit(self, task: Task, known: dict[Any, bool]) -> bool:
+        """Whether every alive worker that could run ``task`` is a straggler (so it takes
+        one, rather than wait for a faster one that is not there)."""
+        key = scheduler.placement_class(task.requirements, task.portable, task.cost,
+                                        task.local_only)
+        if key not in known:
+            stragglers = self.worker_side.stragglers
+            known[key] = not any(
+                w.worker_id not in stragglers
+                and not scheduler.unmet(w.view(), task.requirements, portable=task.portable,
+                                        local_only=task.local_only)
+                for w in self.ledger.workers.values() if w.state is WorkerState.ALIVE)
+        return known[key]
 
     # ----------------------------------------------------------------- timers
 
@@ -648,11 +677,17 @@ class Broker:
     def _fail_unschedulable(self, now: float) -> None:
         ledger = self.ledger
         limit = ledger.timing.pending_timeout
-        views = [w.view() for w in ledger.workers.values() if w.state is WorkerState.ALIVE]
+        alive = [w for w in ledger.workers.values() if w.state is WorkerState.ALIVE]
+        alive_ids = frozenset(w.worker_id for w in alive)
+        if self._alive_at_last_look - alive_ids:
+            self._worker_left_at = now
+        self._alive_at_last_look = alive_ids
+        views = [w.view() for w in alive]
         if not views:
             # Nobody to judge the task against (laptops asleep, workers not joined yet): it waits,
             # and the clock restarts once a worker is back.
             self._no_workers_at = now
+            self._unrunnable_since.clear()
             return
         cutoff = now - limit
         if self._no_workers_at > cutoff:
@@ -669,7 +704,9 @@ class Broker:
         runnable = {kind: scheduler.could_ever_run(
             scheduler.TaskView("", kind[0], portable=kind[1], local_only=kind[2]), views)
             for kind in ledger.kinds}
+        self._note_unrunnable(runnable)
         if all(runnable.values()):
+            self._unrunnable_since.clear()  # what it held is runnable again, or no longer queued
             return  # every kind of task queued has a worker that could run it: nothing is due
         doomed: dict[str, Task] = {}  # a task may have several heap entries (retry)
         ledger.kinds = set()
@@ -683,14 +720,29 @@ class Broker:
                 continue
             if kind not in runnable:
                 runnable[kind] = scheduler.could_ever_run(task.view(), views)
-            if not runnable[kind]:
+                self._note_unrunnable({kind: runnable[kind]})
+            if not runnable[kind] and self._unrunnable_since[kind] <= cutoff:
                 doomed[task.task_id] = task
+        self._unrunnable_since = {kind: since for kind, since in self._unrunnable_since.items()
+                                  if kind in ledger.kinds}
         for task in doomed.values():
             message = scheduler.explain_unschedulable(task.requirements, views,
                                                       portable=task.portable,
                                                       local_only=task.local_only)
             ledger.fail(task, ResultStatus.UNSCHEDULABLE,
                         f"{message}; gave up after {limit:.0f}s pending", now)
+
+
+    def _note_unrunnable(self, runnable: dict[Any, bool]) -> None:
+        """Since when each kind has had no alive worker that could run it. A kind no worker
+        ran since the last departure counts from that departure, not from this look: the timeout
+        runs from when its last capable worker went (a laptop's Wi-Fi drop, back seconds later,
+        costs the queue nothing), or from the task's own submission if none ever could."""
+        for kind, can in runnable.items():
+            if can:
+                self._unrunnable_since.pop(kind, None)
+            else:
+                self._unrunnable_since.setdefault(kind, self._worker_left_at)
 
 
 def _guarded(duty: str, action: Callable[[float], Any], now: float) -> None:

@@ -128,8 +128,11 @@ class WorkerSide:
                   f"this coordinator already has {MAX_WORKER_RECORDS} workers connected")
 
     def _claim(self, task: Task, lease_id: int, worker_id: str, now: float) -> None:
-        """The worker keeps the task under the lease it holds (restored: granted it now)."""
-        if task.state is TaskState.RESTORED:
+        """The worker keeps the task under the lease it holds (restored, or queued again
+        while it was away: granted it now, and no longer kept from it)."""
+        if task.state is TaskState.PENDING:
+            task.excluded = task.excluded - {worker_id}
+        if task.state in (TaskState.RESTORED, TaskState.PENDING):
             task.move(TaskState.LEASED)
             task.attempts = max(task.attempts, 1)
             task.grant(lease_id, worker_id)
@@ -144,6 +147,11 @@ class WorkerSide:
         if task.state is TaskState.LEASED:
             return task.lease_id == lease_id and task.worker_id == worker_id \
                 and task.granted_to(lease_id, worker_id)
+        if task.state is TaskState.PENDING:
+            # Queued again while this worker was away (silent past the limit over a Wi-Fi
+            # drop, or back after a restart's grace) and started by nobody since: it still
+            # runs there. Aborting it threw away its work and spent an attempt on the rerun.
+            return task.granted_to(lease_id, worker_id) or self._of_an_earlier_run(task, lease_id)
         return task.state is TaskState.RESTORED and self._of_an_earlier_run(task, lease_id)
 
     def _of_an_earlier_run(self, task: Task, lease_id: int) -> bool:

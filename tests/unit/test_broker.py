@@ -245,3 +245,102 @@ def test_a_piece_from_a_worker_is_a_sign_of_life_and_renews_its_leases(broker):
     assert task.lease_expires == 7.0 + Timing().lease_ttl
     assert broker.workers["w1"].last_seen == 7.0
     assert not broker.heard_piece(b"nobody", 7.0)  # no session: the server answers NO_SESSION
+
+
+def test_a_capable_worker_away_for_seconds_fails_nothing_queued_for_it():
+    """The pending timeout ran from submission: with another worker alive (the self-worker),
+    the only one that could run a kind of task going quiet for a few seconds failed every task
+    of that kind queued longer than the timeout, at once. Its clock now starts when the last
+    capable worker goes, and a task fails only when none came back within the timeout."""
+    limit = Timing().pending_timeout
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    W2 = b"big-routing"
+    for routing, wid, cores in ((W, "small", 1), (W2, "big", 16)):
+        b.handle(routing, msg(Command.HELLO, {
+            "role": "worker", "id": wid, "slots": 1, "credit": 1, "proto": [1, 1],
+            "info": {"python": "3.11", "cores": cores}}), 0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    first = submit(b, {"req": {"cores": 8}})
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 2, "nf": 1, "kind": "script",
+                                                "req": {"cores": 8}}]}, [b"p"]), 0.0)
+    second = sent(b, Command.ACCEPTED)[-1]["accepted"][0][1]
+    b.dispatch(0.0)
+    assert b.tasks[first].worker_id == "big" and b.tasks[second].state is TaskState.PENDING
+    away = 2 * limit  # both queued or running for twice the timeout; then "big" goes quiet
+    for t in range(1, int(away) + 1):
+        b.handle(W, msg(Command.HEARTBEAT, {}), float(t))
+        b.handle(W2, msg(Command.HEARTBEAT, {"leases": [b.tasks[first].lease_id]}), float(t))
+        b.tick(float(t))
+    silent = Timing().silence_limit + 2
+    for t in range(int(away) + 1, int(away + silent)):
+        b.handle(W, msg(Command.HEARTBEAT, {}), float(t))
+        b.tick(float(t))
+    assert b.workers["big"].state.value == "lost"
+    assert b.tasks[first].state is TaskState.PENDING  # back in the queue
+    assert b.tasks[second].state is TaskState.PENDING  # and neither failed for it
+    end = away + silent + limit - 2
+    t = away + silent
+    while t < end:
+        b.handle(W, msg(Command.HEARTBEAT, {}), t)
+        b.tick(t)
+        t += 1.0
+    assert b.tasks[second].state is TaskState.PENDING  # the grace of a full timeout
+    for t in (end + 3, end + 4):
+        b.handle(W, msg(Command.HEARTBEAT, {}), t)
+        b.tick(t)
+    header = b.tasks[second].result_header
+    assert header["status"] == "unschedulable", header  # none came back: it fails then
+
+
+def _workers(b: Broker, *specs: tuple[bytes, str, int, int]) -> None:
+    for routing, wid, cores, credit in specs:
+        b.handle(routing, msg(Command.HELLO, {
+            "role": "worker", "id": wid, "slots": 1, "credit": credit, "proto": [1, 1],
+            "info": {"python": "3.11", "cores": cores}}), 0.0)
+
+
+def test_a_heavy_task_only_a_straggler_can_run_goes_to_it_instead_of_waiting_forever():
+    """Stragglers were filtered out of heavy tasks, while the pending timeout counted them as
+    able: an A100 running only heavy tasks (the slowest per unit of cost) got none of them
+    again, and they waited with no error. It is a preference: a faster capable worker, busy
+    for now, is still waited for."""
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    _workers(b, (W, "small", 1, 1), (b"big-routing", "big", 16, 1))
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    b.worker_side.stragglers = {"big"}
+    heavy = submit(b, {"req": {"cores": 8}, "cost": 4})
+    b.dispatch(1.0)
+    assert b.tasks[heavy].worker_id == "big"
+
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    _workers(b, (W, "small", 1, 1), (b"big-routing", "big", 16, 1), (b"big2", "big2", 16, 0))
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    b.worker_side.stragglers = {"big"}
+    heavy = submit(b, {"req": {"cores": 8}, "cost": 4})
+    b.dispatch(1.0)
+    assert b.tasks[heavy].state is TaskState.PENDING  # big2 is capable and not slow: it waits
+
+
+def test_a_worker_back_from_silence_keeps_the_task_it_still_runs(broker):
+    """Silent past the limit (a Wi-Fi drop), its lease went back to the queue; back half a
+    second later and naming the task in its HELLO, it was told to abort it, so the work done
+    was thrown away and the task ran again from the start, an attempt spent."""
+    task_id = submit(broker, {})
+    broker.dispatch(0.0)
+    lease = broker.tasks[task_id].lease_id
+    gone = Timing().silence_limit + 1
+    broker.tick(gone)
+    task = broker.tasks[task_id]
+    assert task.state is TaskState.PENDING and "w1" in task.excluded
+    broker.outbox.clear()
+    broker.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "credit": 0,
+                                         "proto": [1, 1], "held": [[task_id, lease]]}), gone + 0.5)
+    welcome = sent(broker, Command.WELCOME)[-1]
+    assert lease not in welcome.get("abort", [])
+    assert task.state is TaskState.LEASED and task.lease_id == lease and task.attempts == 1
+    assert "w1" not in task.excluded and broker.workers["w1"].leases == {lease: task_id}
+    broker.dispatch(gone + 0.6)  # its old queue entry starts nothing
+    assert sent(broker, Command.TASK) == []
+    broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                          "encoding": "text"}, [b"v"]), gone + 1)
+    assert task.state is TaskState.DONE
