@@ -5,7 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import ipaddress
 import logging
+import numbers
 import os
+import re
 import socket
 import sys
 import threading
@@ -65,6 +67,7 @@ class GPUMesh:
         self, url: str | None = None, token: str | None = None, *, quiet: bool = False,
         connect_timeout: float | None = None, settings: Settings | None = None,
     ) -> None:
+        _check_arguments(url, token, connect_timeout)
         self.settings = settings or Settings.from_env()
         self.endpoint, self._token = _resolve(self.settings, url, token)
         self.quiet = quiet
@@ -191,6 +194,10 @@ class GPUMesh:
     ) -> list[TaskFuture]:
         """One task per call: ``(args, kwargs)`` or ``(args, kwargs, options)``, as one job.
         If a call cannot be pickled, the error is raised and those already sent are cancelled."""
+        if not callable(fn):
+            raise TypeError(
+                f"the task's function must be callable, not {type(fn).__name__} ({fn!r}); a "
+                "script goes by name: mesh.submit(script='process.py', payloads=[...])")
         engine = self._require()
         options = options or DEFAULT_OPTIONS
         pickled = PickledFunction.of(fn)
@@ -678,6 +685,26 @@ class _Countdown:
             self.failed = self.failed or bad
             if bad or self._left == 0:
                 self.changed.set()
+
+
+def _check_arguments(url: Any, token: Any, connect_timeout: Any) -> None:
+    """The constructor's arguments, by type, before anything reads them. The values are never
+    quoted: one may be the token (a URL and a token passed the wrong way round)."""
+    for name, value in (("url", url), ("token", token)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"GPUMesh: {name} must be a string, not {type(value).__name__}")
+    if isinstance(token, str) and ("://" in token or _HOST_AND_PORT.match(token.strip())):
+        raise ConfigError("GPUMesh: the token looks like an address: the url and the token seem "
+                          "swapped; call GPUMesh(url, token=token)")
+    if connect_timeout is not None and (
+            isinstance(connect_timeout, bool) or not isinstance(connect_timeout, numbers.Real)
+            or not 0 <= connect_timeout < float("inf")):
+        raise ConfigError(f"GPUMesh: connect_timeout must be a number of seconds >= 0, not "
+                          f"{connect_timeout!r}")
+
+
+# host:port, the shape of an address: a token (letters, digits, - and _) never has a colon.
+_HOST_AND_PORT = re.compile(r"^\[?[\w.:-]+\]?:\d{1,5}$")
 
 
 def _resolve(settings: Settings, url: str | None, token: str | None) -> tuple[Endpoint, str]:

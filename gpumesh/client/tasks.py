@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
+import numbers
 import os
 import sys
 import types
@@ -64,8 +66,16 @@ class TaskOptions:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int) \
                 or abs(self.priority) > 2**62:
             raise ConfigError(f"priority must be a whole number, not {self.priority!r}")
-        if not isinstance(self.cost, (int, float)) or not 0 <= self.cost <= 1e12:
+        if isinstance(self.cost, bool) or not isinstance(self.cost, (int, float)) \
+                or not 0 <= self.cost <= 1e12:
             raise ConfigError(f"cost must be a number 0-1e12, not {self.cost!r}")
+        if self.timeout is not None and (
+                isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real)
+                or not math.isfinite(self.timeout)):
+            # A string failed at the first call with float()'s words; "300" and True passed
+            # as 300 and 1 s; nan and inf only the coordinator refused, at call time.
+            raise ConfigError(f"timeout must be a number of seconds (None, or 0 or less, for "
+                              f"none), not {self.timeout!r}")
 
     def task_env(self) -> dict[str, str]:
         """The env a task sent now carries: this process's values for the names given alone."""
@@ -252,6 +262,11 @@ def scheduler_options(payload: Any, base: TaskOptions, *, keep: Iterable[str] = 
 def plan_calls(fn: Callable[..., Any], items: Iterable[Any], options: TaskOptions) -> list[Call]:
     """The calls of a ``.map``: arguments per item, and per-item options from a dict's
     scheduler keys."""
+    if isinstance(items, (str, bytes, bytearray, Mapping)):
+        # Iterated, these are characters, bytes or keys: never what was meant.
+        raise TypeError(f".map takes an iterable of items, one per task, not one "
+                        f"{type(items).__name__}: put it in a list ([item]); a dict item is "
+                        "one call's keyword arguments")
     declared = _parameter_names(fn)
     calls: list[Call] = []
     plain: set[type] = set()  # types seen to be neither a tuple nor a Mapping

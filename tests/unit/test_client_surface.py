@@ -262,3 +262,69 @@ def test_mesh_cell_options_apply_and_coroutines_stay_as_defined(tmp_path, monkey
 def test_a_decorated_function_still_pickles_by_value_for_the_mesh():
     shipped = pickle.loads(cloudpickle.dumps(mesh(scale)))
     assert shipped(5) == 10
+
+
+TOKEN = "Q2x7d9KfLmNpRsTuVwXyZ0123456789abcdefghijk"
+
+
+@pytest.mark.parametrize("url, token", [
+    (TOKEN, "http://127.0.0.1:8000"), (TOKEN, "127.0.0.1:8000"), (TOKEN, "tcp://[::1]:9")])
+def test_a_url_and_token_passed_the_wrong_way_round_are_refused_without_quoting(url, token):
+    """Accepted, the token became the host: in the repr, in "does not resolve" errors, in
+    the connect lines and in a DNS query."""
+    from gpumesh import GPUMesh
+    from gpumesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="seem swapped") as caught:
+        GPUMesh(url, token=token)
+    assert TOKEN not in str(caught.value) and token not in str(caught.value)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"url": 123}, "url must be a string"), ({"token": 12345}, "token must be a string"),
+    ({"connect_timeout": "3"}, "connect_timeout"), ({"connect_timeout": -1}, "connect_timeout")])
+def test_constructor_arguments_of_the_wrong_type_say_which(kwargs, words):
+    from gpumesh import GPUMesh
+    from gpumesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        GPUMesh(**{"url": "tcp://127.0.0.1:9", "token": TOKEN, **kwargs})
+
+
+@pytest.mark.parametrize("timeout", ["abc", "300", True, float("nan"), float("inf")])
+def test_a_timeout_that_is_not_a_number_of_seconds_is_refused_where_given(timeout):
+    from gpumesh.client.tasks import TaskOptions
+    from gpumesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="timeout must be a number of seconds"):
+        TaskOptions(timeout=timeout)
+    with pytest.raises(ConfigError, match="timeout"):
+        mesh(timeout=timeout)
+
+
+def test_timeouts_that_are_numbers_still_pass():
+    import numpy as np
+
+    from gpumesh.client.tasks import TaskOptions
+
+    for timeout in (None, 0, -5, 2, 2.5, np.float64(3), np.int64(4)):
+        TaskOptions(timeout=timeout)
+
+
+@pytest.mark.parametrize("items", ["abc", b"ab", {"x": 1}])
+def test_map_over_a_string_bytes_or_a_dict_says_to_put_it_in_a_list(items):
+    from gpumesh.client.tasks import TaskOptions, plan_calls
+
+    with pytest.raises(TypeError, match=r"put it in a list"):
+        plan_calls(scale, items, TaskOptions())
+
+
+def test_submitting_something_not_callable_points_to_scripts():
+    from gpumesh import GPUMesh
+
+    client = GPUMesh("tcp://127.0.0.1:9", TOKEN, quiet=True)
+    try:
+        with pytest.raises(TypeError, match=r"script='process.py'"):
+            client.submit("process.py", payloads=[{}])
+    finally:
+        client.close()
