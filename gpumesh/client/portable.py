@@ -15,6 +15,7 @@ import inspect
 import logging
 import sys
 import textwrap
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,10 +34,14 @@ class SourceForm:
         self.frame = text.encode("utf-8")
 
     def frames(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[bytes] | None:
-        """[source, packed arguments], or None when the arguments are not plain data."""
-        if not _plain([args, dict(kwargs)]):
+        """[source, packed arguments], or None when the arguments are not plain data that
+        msgpack gives back as they were (so the call gets the very values on either path)."""
+        if not (all(_plain(a) for a in args) and _plain(dict(kwargs))):
             return None
-        return [self.frame, msgpack.packb([list(args), dict(kwargs)], use_bin_type=True)]
+        try:
+            return [self.frame, msgpack.packb([list(args), dict(kwargs)], use_bin_type=True)]
+        except (TypeError, ValueError, OverflowError):  # the pickle alone goes
+            return None
 
 
 def source_form(fn: Callable[..., Any]) -> SourceForm | str:
@@ -62,12 +67,22 @@ def source_form(fn: Callable[..., Any]) -> SourceForm | str:
                 node.args.vararg, node.args.kwarg]:
         if arg is not None:
             arg.annotation = None
-    imports = _module_imports(fn, set(code.co_names))
+    imports = _module_imports(fn, _names(code))
     missing = _module_globals(fn, node, imports)
     if missing:
         return (f"it uses module-level names that do not travel as source "
                 f"({', '.join(sorted(missing))})")
     return SourceForm(name, "\n".join([*imports, ast.unparse(node), ""]))
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` reads, its comprehensions', lambdas' and inner functions'
+    included (each is a code object of its own)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
 def _module_imports(fn: Callable[..., Any], names: set[str]) -> list[str]:
@@ -106,12 +121,21 @@ def _module_globals(fn: Callable[..., Any], node: ast.FunctionDef, imports: list
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether msgpack gives ``value`` back equal and of the same types: exact types only (an
+    IntEnum or numpy float comes back a plain int or float), no tuples (they come back lists),
+    integers msgpack holds (64 bits)."""
     if depth > 64:
         return False
-    if isinstance(value, PLAIN_TYPES):
+    kind = type(value)
+    if kind is int:
+        return _INT_LOW <= value <= _INT_HIGH
+    if kind in PLAIN_TYPES:
         return True
-    if isinstance(value, (list, tuple)):
+    if kind is list:
         return all(_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    if kind is dict:
+        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
     return False
+
+
+_INT_LOW, _INT_HIGH = -(2**63), 2**64 - 1
