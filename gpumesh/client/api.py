@@ -698,7 +698,7 @@ def _check_arguments(url: Any, token: Any, connect_timeout: Any) -> None:
                           "swapped; call GPUMesh(url, token=token)")
     if connect_timeout is not None and (
             isinstance(connect_timeout, bool) or not isinstance(connect_timeout, numbers.Real)
-            or not 0 <= connect_timeout < float("inf")):
+            or not 0 <= float(connect_timeout) < float("inf")):
         raise ConfigError(f"GPUMesh: connect_timeout must be a number of seconds >= 0, not "
                           f"{connect_timeout!r}")
 
