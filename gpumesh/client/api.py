@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -98,9 +99,13 @@ class GPUMesh:
                 self._engine = None
             if self._engine is None or self._engine.fatal is not None:
                 self._engine_pid = os.getpid()
+                # Its callbacks hold this object weakly: a GPUMesh dropped without close()
+                # is collected, and its connection then closes itself.
                 self._engine = Engine(self.settings, self.endpoint, self._token,
                                       on_output=None if self.quiet else _print_output,
-                                      on_connect=self._announce, on_link=self._link_changed)
+                                      on_connect=_weakly(self._announce),
+                                      on_link=_weakly(self._link_changed),
+                                      owner=weakref.ref(self))
             return self._engine
 
     def _announce(self) -> None:
@@ -685,6 +690,18 @@ class _Countdown:
             self.failed = self.failed or bad
             if bad or self._left == 0:
                 self.changed.set()
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method``, bound to its object without keeping it alive: a no-op once it is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _check_arguments(url: Any, token: Any, connect_timeout: Any) -> None:

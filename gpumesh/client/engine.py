@@ -98,6 +98,7 @@ IDS_PER_MESSAGE = 12_000
 # RESULT_ACK per loop turn: a message costs both sides far more than the ids in it, and the
 # coordinator merely keeps a result a few milliseconds longer.
 ACK_DELAY = 0.005
+OWNER_CHECK = 1.0  # seconds between looks whether the GPUMesh this connection serves is gone
 CHUNK = 500  # tasks per SUBMIT
 FIRST_CHUNK = 16  # tasks in a batch's first SUBMIT
 ACK_BATCH = 1000  # task ids per CANCEL/FETCH/RESULT_ACK: about 300 KiB of header
@@ -279,8 +280,13 @@ class Engine:
         self, settings: Settings, endpoint: Endpoint, token: str, *,
         on_output: OutputHandler | None = None, on_connect: Callable[[], None] | None = None,
         on_link: Callable[[float | None], None] | None = None,
+        owner: weakref.ReferenceType[Any] | None = None,
     ) -> None:
         self.settings = settings
+        # What this connection serves (a GPUMesh), held weakly: once it is collected and
+        # nothing is outstanding, the connection closes itself (OWNER_CHECK).
+        self._owner = owner
+        self._owner_checked = time.monotonic()
         self.endpoint = endpoint
         self._keys = derive_keys(token)
         self.client_id = secrets.token_hex(8)
@@ -558,6 +564,13 @@ class Engine:
         if self._session.welcomed:
             self._timers(now)
         self._link.flush()
+        if self._owner is not None and time.monotonic() - self._owner_checked >= OWNER_CHECK:
+            self._owner_checked = time.monotonic()
+            if self._owner() is None and not self._outstanding and not self._queries \
+                    and self._commands.empty():
+                # A GPUMesh dropped without close(): its thread, sockets and session with the
+                # coordinator went on until the interpreter exited, one per GPUMesh made.
+                self._closing.set()
 
     def _take_commands(self, now: float) -> None:
         batches: list[_Submission] = []

@@ -328,3 +328,33 @@ def test_submitting_something_not_callable_points_to_scripts():
             client.submit("process.py", payloads=[{}])
     finally:
         client.close()
+
+
+def test_a_mesh_dropped_without_close_ends_its_connection_once_nothing_is_outstanding():
+    """Each GPUMesh's engine held it through its callbacks, and its thread held the engine: a
+    loop making GPUMesh(url, token).workers() left a thread, a ZeroMQ context and a session
+    with the coordinator per iteration, for the life of the process."""
+    import socket
+
+    from gpumesh import GPUMesh
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = GPUMesh(f"tcp://127.0.0.1:{port}", TOKEN, quiet=True)
+    assert not client.connect(timeout=0.05)
+    idle = client._engine._thread
+    busy_client = GPUMesh(f"tcp://127.0.0.1:{port}", TOKEN, quiet=True)
+    busy_client.connect(timeout=0.05)
+    engine = busy_client._engine
+    engine._outstanding[-1] = None  # a submission waiting for its coordinator, as it looks
+    busy = engine._thread
+    del client, busy_client
+    gc.collect()
+    idle.join(timeout=10)
+    assert not idle.is_alive()
+    busy.join(timeout=2.5)  # over OWNER_CHECK: it would have ended by now
+    assert busy.is_alive()  # a future still waits on it
+    del engine._outstanding[-1]
+    busy.join(timeout=10)
+    assert not busy.is_alive()

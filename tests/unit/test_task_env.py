@@ -28,6 +28,16 @@ from gpumesh.runner.environment import (
 from gpumesh.runner.execute import run_task
 
 
+@pytest.fixture(autouse=True)
+def _process_environment_put_back():
+    """A function task run in process leaves ``os.environ`` as its base (what a runner
+    wants): put the test process's back, or later tests run with a runner's environment
+    (GPUMESH_LOCAL=1 among it: every @mesh call after would run locally)."""
+    saved = dict(os.environ)
+    yield
+    set_environ(saved)
+
+
 def test_a_well_formed_env_comes_back_as_a_plain_dict():
     assert check_task_env({"HF_HOME": "/data/hf", "_X1": "", "lower": "ü"}) == {
         "HF_HOME": "/data/hf", "_X1": "", "lower": "ü"}
