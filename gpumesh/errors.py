@@ -18,6 +18,8 @@ Messages say what happened and what to do next. None of them ever contains the t
 
 from __future__ import annotations
 
+import concurrent.futures
+
 
 class MeshError(Exception):
     """Root of every error gpumesh raises."""
@@ -89,6 +91,14 @@ class Unschedulable(TaskError):
     """No connected worker satisfied the task's requirements before the pending timeout."""
 
 
+class TaskCancelled(TaskError, concurrent.futures.CancelledError):
+    """The task was cancelled on the mesh (``gpumesh cancel``, the dashboard, another client's
+    ``cancel_job``), not by this future's own ``cancel()``. A ``concurrent.futures.
+    CancelledError`` still, for ``except`` clauses; but a subclass, so ``await`` raises it as
+    an error of the task, not as a cancellation of the awaiting coroutine (which asyncio, and a
+    TaskGroup, would take for its own and swallow)."""
+
+
 __all__ = [
     "AuthenticationError",
     "ConfigError",
@@ -99,6 +109,7 @@ __all__ = [
     "RemoteError",
     "RunnerCrashed",
     "SubmitRejected",
+    "TaskCancelled",
     "TaskError",
     "TaskTimeout",
     "Unschedulable",

@@ -37,6 +37,7 @@ from ..errors import (
     RemoteError,
     RunnerCrashed,
     SubmitRejected,
+    TaskCancelled,
     TaskError,
     TaskTimeout,
     Unschedulable,
@@ -1135,7 +1136,8 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     if status == ResultStatus.UNSCHEDULABLE.value:
         raise Unschedulable(diagnosis, task_id=task_id)
     if status == ResultStatus.CANCELLED.value:
-        raise concurrent.futures.CancelledError(f"task {task_id} was cancelled")
+        raise TaskCancelled(f"task {task_id} was cancelled on the mesh", task_id=task_id,
+                            worker=worker)
     raise TaskError(f"task {task_id} ended with status {for_terminal(repr(status)[:64])}: "
                     f"{diagnosis}", task_id=task_id)
 

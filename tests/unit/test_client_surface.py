@@ -358,3 +358,31 @@ def test_a_mesh_dropped_without_close_ends_its_connection_once_nothing_is_outsta
     del engine._outstanding[-1]
     busy.join(timeout=10)
     assert not busy.is_alive()
+
+
+def test_a_task_cancelled_on_the_mesh_is_an_error_of_the_awaiting_coroutine():
+    """Settled with concurrent.futures.CancelledError itself, ``await`` turned it into the
+    awaiting coroutine's own cancellation: a TaskGroup swallowed it and went on."""
+    import asyncio
+
+    from gpumesh import TaskCancelled
+    from gpumesh.client.engine import decode_result
+
+    with pytest.raises(TaskCancelled, match="cancelled on the mesh") as caught:
+        decode_result({"status": "cancelled", "task": "t1", "worker": "w1"}, [])
+    assert isinstance(caught.value, concurrent.futures.CancelledError)  # except clauses hold
+    assert caught.value.task_id == "t1"
+
+    async def main():
+        future = TaskFuture()
+        future.set_exception(caught.value)
+
+        async def wait():
+            return await future  # TaskFuture.__await__
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(wait())
+
+    with pytest.raises(ExceptionGroup) as group_error:
+        asyncio.run(main())
+    assert isinstance(group_error.value.exceptions[0], TaskCancelled)

@@ -7,7 +7,7 @@ import gpumesh
 EXPECTED = {
     "GPUMesh", "MeshExecutor", "MeshFunction", "TaskFuture", "TaskOptions", "accelerate", "mesh",
     "AuthenticationError", "ConfigError", "ConnectionFailed", "MeshError", "MeshTimeout", "ProtocolMismatch",
-    "RemoteError", "RunnerCrashed", "SubmitRejected", "TaskError", "TaskTimeout",
+    "RemoteError", "RunnerCrashed", "SubmitRejected", "TaskCancelled", "TaskError", "TaskTimeout",
     "Unschedulable", "__version__",
 }
 
