@@ -133,6 +133,7 @@ class ClientSide:
         accepted: list[list[Any]] = []
         rejected: list[list[Any]] = []
         redeliver: dict[str, Task] = {}
+        new = 0  # accepted by this SUBMIT, not re-sent ones: what the event stream counts
         offset = 0
         for seq, nf, entry in entries:
             payload, offset = frames[offset:offset + nf], offset + nf
@@ -173,11 +174,12 @@ class ClientSide:
                 ledger.store.add_job(job_id, job.name, job.owner, now)
             task = self._accept(client, job, entry, payload, size, now)
             accepted.append([seq, task.task_id])
+            new += 1
             queued_total += task.charged  # what _accept counted against the client's quota
         for task in redeliver.values():
             ledger.redeliver(task, now)
-        if accepted:
-            ledger.emit("submitted", now, job=job_id, count=len(accepted))
+        if new:
+            ledger.emit("submitted", now, job=job_id, count=new)
         ledger.send(client.routing, Command.ACCEPTED,
                     {"job": job_id, "accepted": accepted, "rejected": rejected})
 

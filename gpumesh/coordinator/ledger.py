@@ -806,6 +806,13 @@ class Ledger:
             task.cancel_requested = True
             worker = self.workers.get(task.worker_id)
             if worker is not None and worker.state is WorkerState.ALIVE:
+                # Journaled as cancelled now, while its worker is told to stop: a restart
+                # before the worker answers must not bring it back restored, to be claimed
+                # and run on (or queued and run again) as if nobody had cancelled it. The
+                # worker's answer finishes it in memory, and journals it again.
+                self.store.finish_task(task.task_id, TaskState.CANCELLED.value, task.attempts,
+                                       {**_cancelled_result(task), "finished_at": now}, [],
+                                       keep_input=task.has_input)
                 self.cancel_on_worker(task)
                 return True
         self.finish(task, TaskState.CANCELLED, _cancelled_result(task), [], now)

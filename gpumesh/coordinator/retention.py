@@ -135,7 +135,10 @@ class Retention:
                              "collected): its job's status keeps a summary"}
         header = task.result_header or {}
         return {"id": task.task_id, "job": task.job_id, "state": task.state.public,
-                "worker": task.worker_id or header.get("worker", ""), "attempts": task.attempts,
+                # A finished task's is the worker whose result won (an earlier attempt's may
+                # win over the one it was running on); a running one's is where it runs.
+                "worker": (header.get("worker") or task.worker_id) if task.state.terminal
+                else task.worker_id, "attempts": task.attempts,
                 "submitted_at": task.submitted_at, "finished_at": task.finished_at or None,
                 "elapsed": header.get("elapsed"), "error": header.get("error"),
                 "diagnosis": header.get("diagnosis"), "failures": list(task.failures)}

@@ -81,6 +81,12 @@ class WorkerSide:
             if worker.incarnation != hello.incarnation:
                 # The agent restarted: whatever it held under the old incarnation is gone.
                 ledger.release_leases(worker, now, f"worker {worker.label} restarted", infra=True)
+                if not rejoined:
+                    # Still alive to us: a monitor sees it go and come back, its tasks requeued
+                    # in between, as it would for a lost worker.
+                    ledger.emit("worker_lost", now, worker=worker.summary(), reason="restarted",
+                                departed="")
+                    rejoined = True
             worker.routing, worker.incarnation, worker.info = routing, hello.incarnation, info
             worker.slots, worker.last_seen, worker.state = hello.slots, now, WorkerState.ALIVE
             worker.departed = ""

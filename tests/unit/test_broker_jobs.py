@@ -661,3 +661,49 @@ def test_one_lease_claims_one_restored_task_in_a_hello_or_by_a_result(broker):
     assert sent(restarted, Command.RESULT_ACK, W)[-1]["disposition"] == "rejected"
     assert restarted.workers["w1"].leases == {old: first}
     assert restarted.tasks[third].state is TaskState.RESTORED
+
+
+def test_a_cancel_of_a_running_task_survives_a_restart_before_its_worker_answers():
+    """The cancel of a running task lived in memory until the worker confirmed it: a restart
+    in between restored the task, its worker re-claimed it and ran it on (the job then showed
+    done, not cancelled), or it was queued and run again from the start."""
+    store = Store(":memory:")
+    first = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+    first.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    hello_worker(first, W, "w1", slots=2)
+    running, other = submit(first, 2)
+    first.dispatch(1.0)
+    lease = first.tasks[running].lease_id
+    first.handle(C, msg(Command.CANCEL, {"tasks": [running]}), 2.0)
+    assert first.tasks[running].state is TaskState.LEASED  # the worker has not answered yet
+    store.commit()
+    second = Broker(store, Timing(), Limits(), epoch=2, now=10.0)
+    second.restore(10.0)
+    assert second.tasks[running].state is TaskState.CANCELLED
+    assert second.tasks[other].state is TaskState.RESTORED
+    hello_worker(second, W, "w1", slots=2, now=11.0,
+                 held=[[running, lease], [other, first.tasks[other].lease_id]])
+    welcome = sent(second, Command.WELCOME, W)[-1]
+    assert welcome["abort"] == [lease]  # it stops the cancelled one, keeps the other
+    assert second.tasks[other].state is TaskState.LEASED
+
+
+def test_the_event_stream_counts_new_tasks_and_shows_an_agent_restart(broker):
+    """A re-sent SUBMIT counted its tasks as submitted again; an agent that restarted under
+    its id had its tasks requeued with no event at all; a finished task's detail named the
+    worker it last ran on, not the one whose result won."""
+    events = broker.ledger.events
+    first = submit(broker, 2)
+    submit(broker, 2)  # the same seqs again: a re-send after a reconnect
+    counts = [e.data["count"] for e in events.since(0) if e.kind == "submitted"]
+    assert counts == [2]
+    broker.dispatch(1.0)
+    hello_worker(broker, W, "w1", now=10.0, incarnation="another-one")
+    kinds = [e.kind for e in events.since(0)]
+    assert kinds[-2:] == ["worker_lost", "worker_joined"]
+    assert broker.tasks[first[0]].state is TaskState.PENDING
+    task = broker.tasks[first[0]]
+    broker.dispatch(11.0)
+    task.result_header = {"status": "ok", "worker": "w-earlier"}
+    task.move(TaskState.DONE)
+    assert broker.retention.task_detail(task.task_id)["worker"] == "w-earlier"
