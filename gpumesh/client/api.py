@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -53,6 +54,7 @@ JOB_POLL = 0.25  # seconds between status queries while waiting for a job
 # answered behind them): milliseconds usually, seconds while big frames are still written.
 INTERRUPT_FLUSH = 10.0
 NO_WORKER_NOTICE = 3.0  # seconds a gather waits before checking whether any worker is there
+KEPT_JOBS = 256  # script jobs whose futures a GPUMesh keeps for job_futures()
 PYTHONS_CACHE = 5.0  # seconds the workers' Python versions are trusted before asking again
 log = logging.getLogger("gpumesh.client")
 
@@ -78,7 +80,9 @@ class GPUMesh:
         self._engine_pid = os.getpid()
         self._lock = threading.Lock()
         self._unreachable_at = 0.0
-        self._jobs: dict[str, list[TaskFuture]] = {}
+        # The futures of the script jobs this GPUMesh submitted, the latest KEPT_JOBS of them:
+        # each holds its results, and a long-lived client submitting job after job kept all.
+        self._jobs: OrderedDict[str, list[TaskFuture]] = OrderedDict()
         self._pythons: set[str] = set()  # Python versions of alive workers, refreshed now and then
         self._pythons_at = 0.0
 
@@ -454,6 +458,9 @@ class GPUMesh:
         for future in futures:
             future.job = job
         self._jobs[job] = futures
+        self._jobs.move_to_end(job)
+        while len(self._jobs) > KEPT_JOBS:
+            self._jobs.popitem(last=False)
         self._wait_accepted(job, futures, accept_timeout)
         return job
 
@@ -473,7 +480,9 @@ class GPUMesh:
                 raise error
 
     def job_futures(self, job_id: str) -> list[TaskFuture]:
-        """Futures of a job this GPUMesh submitted (results arrive here, not to other clients)."""
+        """Futures of a job this GPUMesh submitted (results arrive here, not to other clients):
+        of its latest KEPT_JOBS (256) script jobs; ``status(job)`` reads any job the
+        coordinator still holds."""
         return list(self._jobs.get(job_id, []))
 
     def status(self, job_id: str | None = None, *, tasks: bool = True) -> dict[str, Any]:

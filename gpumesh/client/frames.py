@@ -8,7 +8,8 @@ from typing import Any
 
 def results_to_dataframe(results: Iterable[Any]) -> Any:
     """A row per result. Dict results spread into columns (missing keys are NaN); anything else
-    lands in one ``result`` column. Exceptions (from ``gather`` with errors kept) go to ``error``."""
+    lands in one ``result`` column. An exception among the results (a list made with
+    ``f.exception() or f.result()`` over futures, say) goes to ``error``."""
     try:
         import pandas as pd
     except ImportError:

@@ -388,3 +388,26 @@ def test_a_task_cancelled_on_the_mesh_is_an_error_of_the_awaiting_coroutine():
 
 async def _await(future):
     return await future  # TaskFuture.__await__
+
+
+def test_a_client_keeps_the_futures_of_its_latest_script_jobs_only(tmp_path, monkeypatch):
+    """Every script job's futures (and so its results) stayed for the GPUMesh's life."""
+    from types import SimpleNamespace
+
+    from gpumesh import GPUMesh
+    from gpumesh.client import api
+
+    script = tmp_path / "job.py"
+    script.write_text("print(1)\n")
+
+    def submit(items, job, name):
+        futures = [TaskFuture() for _ in items]
+        for future in futures:
+            future.task_id = "t"
+        return futures
+
+    client = GPUMesh("tcp://127.0.0.1:9", TOKEN, quiet=True)
+    monkeypatch.setattr(client, "_require", lambda: SimpleNamespace(submit=submit))
+    jobs = [client.submit_script(script=script, payloads=[{}]) for _ in range(api.KEPT_JOBS + 5)]
+    assert len(client._jobs) == api.KEPT_JOBS
+    assert client.job_futures(jobs[0]) == [] and len(client.job_futures(jobs[-1])) == 1
