@@ -719,7 +719,10 @@ def _check_arguments(url: Any, token: Any, connect_timeout: Any) -> None:
     for name, value in (("url", url), ("token", token)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"GPUMesh: {name} must be a string, not {type(value).__name__}")
-    if isinstance(token, str) and ("://" in token or _HOST_AND_PORT.match(token.strip())):
+    if isinstance(token, str) and ("://" in token or _HOST_AND_PORT.match(token.strip())) \
+            and isinstance(url, str) and _TOKEN_SHAPED.match(url.strip()):
+        # Both: a chosen token may hold a colon ("team-mesh:2024"), and a url may be a bare
+        # host name; a url shaped like a token and a token shaped like an address are a swap.
         raise ConfigError("GPUMesh: the token looks like an address: the url and the token seem "
                           "swapped; call GPUMesh(url, token=token)")
     if connect_timeout is not None and (
@@ -731,6 +734,9 @@ def _check_arguments(url: Any, token: Any, connect_timeout: Any) -> None:
 
 # host:port, the shape of an address: a token (letters, digits, - and _) never has a colon.
 _HOST_AND_PORT = re.compile(r"^\[?[\w.:-]+\]?:\d{1,5}$")
+# A generated token's shape (secrets.token_urlsafe, 22+ characters; rand-...): no dots, no
+# colons, no slashes, as no IP address or usual host name of that length is.
+_TOKEN_SHAPED = re.compile(r"^[A-Za-z0-9_-]{22,}$")
 
 
 def _resolve(settings: Settings, url: str | None, token: str | None) -> tuple[Endpoint, str]:

@@ -14,7 +14,6 @@ values given. A call that runs locally runs in the caller's own environment as i
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import inspect
 import os
@@ -35,6 +34,18 @@ from .tasks import TaskOptions, plan_calls
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def _ran_here(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> TaskFuture:
+    """``fn(*args, **kwargs)`` run now, in this process, as a finished future (awaitable, as a
+    mesh task's is); its exception, if it raised, is the future's."""
+    future = TaskFuture()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as exc:  # as a task's error: raised by .result()
+        future.set_exception(exc)
+    return future
 
 
 class InPlaceFunction:
@@ -62,14 +73,8 @@ class InPlaceFunction:
         return [self.fn(*args, **kwargs) for args, kwargs, _ in
                 plan_calls(self.fn, items, TaskOptions())]
 
-    def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(self.fn(*args, **kwargs))
-        except BaseException as exc:  # as a task's error: raised by .result()
-            future.set_exception(exc)
-        return future
+    def submit(self, *args: Any, **kwargs: Any) -> TaskFuture:
+        return _ran_here(self.fn, args, kwargs)
 
     async def aio(self, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(self.fn, *args, **kwargs)
@@ -210,7 +215,11 @@ class MeshFunction(Generic[P, R]):
                 future.cancel()
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> TaskFuture:
-        """Start one task and return its future (needs a reachable coordinator)."""
+        """Start one task and return its future (needs a reachable coordinator). With
+        ``GPUMESH_LOCAL=1`` (inside a task, say) the call runs here and the future is done."""
+        if self._source.settings().local_only:
+            self._say("GPUMESH_LOCAL=1: running locally")
+            return _ran_here(self.fn, args, kwargs)
         mesh = self._source.mesh()
         if mesh is None:
             raise ConfigError("no coordinator configured: run 'gpumesh serve' or set GPUMESH_URL")

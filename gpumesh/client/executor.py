@@ -27,6 +27,10 @@ from .tasks import TaskOptions
 T = TypeVar("T")
 
 _EXECUTORS: weakref.WeakSet[MeshExecutor] = weakref.WeakSet()
+# Executors with calls not yet on the mesh, held here until the dispatcher sent them: those
+# calls live in the executor alone (one on the mesh is held by its _Relay), and one dropped
+# right after submit() (``MeshExecutor(...).submit(f, 1).result()``) must still send them.
+_SENDING: set[MeshExecutor] = set()
 GROUP = 4 * FIRST_CHUNK  # calls per submission, at most (GPUMesh.submit_calls sends none early)
 _EXITING = False
 COLLECTED_CHECK = 1.0  # seconds an idle dispatcher waits before it looks whether its executor is gone
@@ -107,6 +111,7 @@ class MeshExecutor(concurrent.futures.Executor):
                 self._taken.append(call)
             else:
                 self._waiting.append(call)
+            _SENDING.add(self)
             if self._thread is None:
                 # Not a daemon: like the standard executors, calls in flight finish before the
                 # interpreter exits. It holds the executor weakly, as theirs do: one dropped
@@ -135,7 +140,11 @@ class MeshExecutor(concurrent.futures.Executor):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             self._interrupt()  # README: Ctrl+C means stop, not "wait for every call first"
-        return super().__exit__(exc_type, exc, tb)
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        except KeyboardInterrupt:  # while shutdown(wait=True) waited for the calls
+            self._interrupt()
+            raise
 
     def _interrupt(self) -> None:
         """Cancel every unfinished call: those waiting here and those on the mesh, pending or
@@ -255,6 +264,8 @@ def _dispatch(ref: weakref.ReferenceType[MeshExecutor], changed: threading.Condi
                         return
                     if executor._ready():
                         break
+                    if not executor._waiting and not executor._taken and not executor._sending:
+                        _SENDING.discard(executor)  # nothing of it left that only it holds
                     del executor
                     # Woken by submit, shutdown, a finished call, interpreter exit; and now
                     # and then to see whether the executor was collected, which sends no wake.
@@ -263,6 +274,9 @@ def _dispatch(ref: weakref.ReferenceType[MeshExecutor], changed: threading.Condi
             executor._send(batch)
             del executor, batch
     finally:
+        gone = ref()
+        if gone is not None:
+            _SENDING.discard(gone)
         if owned is not None:
             owned.close()
 

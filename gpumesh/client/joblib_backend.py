@@ -70,6 +70,8 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         if self.mesh is None:
             from .decorators import mesh as default
 
+            if default._source.settings().local_only:
+                return None  # GPUMESH_LOCAL=1 (inside a task, say): as @mesh, it runs here
             self.mesh = default._source.mesh()
         if self.mesh is None or not self.mesh.connect():
             return None
@@ -115,8 +117,9 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
         mesh = self._connected_mesh()
         if mesh is None:
-            print("[gpumesh] joblib: no coordinator answering: running with loky on this "
-                  "machine", file=sys.stderr)
+            why = "GPUMESH_LOCAL=1" if self.mesh is None and _local_only() else \
+                "no coordinator answering"
+            print(f"[gpumesh] joblib: {why}: running with loky on this machine", file=sys.stderr)
             raise FallbackToBackend(LokyBackend(nesting_level=self.nesting_level,
                                                 inner_max_num_threads=self.inner_max_num_threads))
         self.parallel = parallel
@@ -179,6 +182,12 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         # Inside a mesh task, a nested Parallel runs in that task: a task that waited on other
         # tasks could hold every slot of a small mesh and wait forever.
         return SequentialBackend(nesting_level=(self.nesting_level or 0) + 1), None
+
+
+def _local_only() -> bool:
+    from .decorators import mesh as default
+
+    return default._source.settings().local_only
 
 
 def _check_joblib_version() -> None:

@@ -43,7 +43,7 @@ def _cell_magic(ipython: Any) -> Any:
         outer = ipython.displayhook.exec_result
         transformers = getattr(ipython, "ast_transformers", None)
         marking = _MarkDefinitions()
-        ipython.user_ns[_AS_CELL_FUNCTION] = _CellFunction.of
+        ipython.user_ns[_AS_CELL_FUNCTION] = functools.partial(_CellFunction.of, options=options)
         if transformers is not None:
             transformers.append(marking)
         try:
@@ -130,17 +130,18 @@ class _CellFunction:
     decorator the cell applies); its ``.map``, ``.submit``, ``.aio``, ``.amap`` and ``.to`` are
     the mesh's. After the cell it is replaced by ``mesh(fn)``; pickled, it is the function."""
 
-    def __init__(self, fn: types.FunctionType) -> None:
+    def __init__(self, fn: types.FunctionType, options: dict[str, Any] | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.options = options or {}  # the %%mesh line's, for .map and the rest in the cell too
         self._on_mesh: MeshFunction[Any, Any] | None = None
 
     @classmethod
-    def of(cls, value: Any) -> Any:
+    def of(cls, value: Any, options: dict[str, Any] | None = None) -> Any:
         """``value`` as a cell function when it is a plain function, else as it is (a name the
         decorators made into something else)."""
         if isinstance(value, types.FunctionType) and _returns_plainly(value):
-            return cls(value)
+            return cls(value, options)
         return value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -154,7 +155,7 @@ class _CellFunction:
 
     def _mesh(self) -> MeshFunction[Any, Any]:
         if self._on_mesh is None:
-            self._on_mesh = mesh(self.fn)
+            self._on_mesh = mesh(self.fn, **self.options)
         return self._on_mesh
 
     def __getattr__(self, name: str) -> Any:

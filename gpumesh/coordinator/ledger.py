@@ -493,7 +493,9 @@ class Ledger:
         retryable = state is not TaskState.DONE and task.has_input
         client = owner if owner is not None and owner.routing is not None else None
         journaled = None
-        if retryable or client is None or task.collected:
+        # A cancel of it, journaled as cancelled when asked (cancel_task), is overwritten now,
+        # not after the hold: a crash in between must not bring back cancelled what finished.
+        if retryable or client is None or task.collected or task.cancel_requested:
             journaled = self.store.finish_task(task.task_id, state.value, task.attempts, result,
                                                payload, keep_input=retryable)
         else:  # on its way to a connected client, which will most likely collect it first

@@ -157,7 +157,10 @@ class WorkerSide:
             # Queued again while this worker was away (silent past the limit over a Wi-Fi
             # drop, or back after a restart's grace) and started by nobody since: it still
             # runs there. Aborting it threw away its work and spent an attempt on the rerun.
-            return task.granted_to(lease_id, worker_id) or self._of_an_earlier_run(task, lease_id)
+            # Not under a lease from before a `gpumesh retry` (lease_floor): its result would be
+            # stale, dropped as a duplicate, and the task left leased in no worker's table.
+            return lease_id >= task.lease_floor and (
+                task.granted_to(lease_id, worker_id) or self._of_an_earlier_run(task, lease_id))
         return task.state is TaskState.RESTORED and self._of_an_earlier_run(task, lease_id)
 
     def _of_an_earlier_run(self, task: Task, lease_id: int) -> bool:

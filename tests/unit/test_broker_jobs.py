@@ -707,3 +707,35 @@ def test_the_event_stream_counts_new_tasks_and_shows_an_agent_restart(broker):
     task.result_header = {"status": "ok", "worker": "w-earlier"}
     task.move(TaskState.DONE)
     assert broker.retention.task_detail(task.task_id)["worker"] == "w-earlier"
+
+
+def test_a_lease_from_before_a_retry_claims_nothing_and_an_ok_over_a_cancel_is_journaled():
+    """A worker back from silence named the lease of an attempt before `gpumesh retry`: it was
+    claimed, its result then dropped as stale, and the task left leased in no worker's table
+    for good. And an OK that beat its cancel to the worker was held, so a crash brought the
+    task back cancelled."""
+    store = Store(":memory:")
+    b = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    hello_worker(b, W, "w1")
+    task_id, = submit(b, 1)
+    b.dispatch(1.0)
+    old_lease = b.tasks[task_id].lease_id
+    b.tick(Timing().silence_limit + 2)  # w1 silent: lost, the task queued again
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 19.0)
+    b.handle(C, msg(Command.CANCEL, {"tasks": [task_id]}), 20.0)
+    assert b.tasks[task_id].state is TaskState.CANCELLED
+    assert control(b, "retry", "job1", routing=C, now=21.0)["retried"] == 1
+    b.outbox.clear()
+    hello_worker(b, W, "w1", now=22.0, held=[[task_id, old_lease]])
+    assert sent(b, Command.WELCOME, W)[-1]["abort"] == [old_lease]
+    task = b.tasks[task_id]
+    b.dispatch(23.0)
+    assert task.state is TaskState.LEASED and task.lease_id != old_lease  # runs again, afresh
+    b.handle(C, msg(Command.CANCEL, {"tasks": [task_id]}), 24.0)  # cancel; the OK wins
+    result(b, task_id, now=25.0)
+    assert task.state is TaskState.DONE
+    store.commit()
+    restarted = Broker(store, Timing(), Limits(), epoch=2, now=30.0)
+    restarted.restore(30.0)
+    assert restarted.tasks[task_id].state is TaskState.DONE

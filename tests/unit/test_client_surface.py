@@ -88,11 +88,32 @@ def test_a_mesh_function_inside_a_task_runs_in_place_map_and_submit_included():
     assert isinstance(shipped, InPlaceFunction)
     assert shipped(3) == 6 and shipped.map([1, {"x": 2, "by": 5}]) == [2, 10]
     assert shipped.submit(4).result() == 8 and shipped.to("cuda") is shipped
+    assert isinstance(shipped.submit(4), TaskFuture)  # awaitable, as a mesh task's future
     failed = shipped.submit("a", by=None)
     assert isinstance(failed.exception(), TypeError)
     assert cloudpickle.loads(cloudpickle.dumps(shipped))(1) == 2
     import copy
     assert copy.copy(inner) is inner and copy.deepcopy(inner) is inner
+
+
+def test_gpumesh_local_keeps_submit_and_joblib_here_too(monkeypatch, capsys):
+    """Inside a task (GPUMESH_LOCAL=1) a call and .map ran in place, but .submit resolved the
+    worker's saved connection and sent the call back to the mesh, as the joblib backend did."""
+    monkeypatch.setenv("GPUMESH_LOCAL", "1")
+    fn = MeshFunction(scale, MeshSource(), mesh(scale).options)
+    future = fn.submit(3)
+    assert isinstance(future, TaskFuture) and future.result(timeout=0) == 6
+    failed = fn.submit("x", by=None)
+    assert isinstance(failed.exception(timeout=0), TypeError)
+    joblib = require("joblib")
+    from joblib.parallel import FallbackToBackend
+
+    from gpumesh.client.joblib_backend import MeshBackend
+
+    with pytest.raises(FallbackToBackend):
+        MeshBackend().configure(n_jobs=2)
+    assert "GPUMESH_LOCAL=1: running with loky" in capsys.readouterr().err
+    assert joblib is not None
 
 
 def test_the_default_mesh_answers_private_names_with_attribute_error(tmp_path, monkeypatch):
@@ -203,7 +224,8 @@ def test_ctrl_c_in_an_executor_block_cancels_its_calls_on_the_mesh(capsys):
     stand_in = StandInMesh()
     with pytest.raises(KeyboardInterrupt), MeshExecutor(mesh=stand_in) as pool:
         calls = [pool.submit(scale, x) for x in range(50)]
-        _wait_for(lambda: len(stand_in.tasks) == 50, "the calls to reach the mesh")
+        _wait_for(lambda: len(pool._running) == 50 and not pool._sending,
+                  "the calls to reach the mesh")
         stand_in.tasks[0].set_result(0)
         raise KeyboardInterrupt
     assert len(stand_in.cancelled) == 49  # all but the one already finished
@@ -211,6 +233,47 @@ def test_ctrl_c_in_an_executor_block_cancels_its_calls_on_the_mesh(capsys):
     assert all(isinstance(c.exception(timeout=5), concurrent.futures.CancelledError)
                for c in calls[1:])
     assert "cancelled 49 unfinished call(s)" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_leaving_the_executor_block_cancels_too():
+    """The body returns at once and the wait happens in __exit__'s shutdown: a Ctrl+C there
+    skipped the cancel."""
+    stand_in = StandInMesh()
+    pool = MeshExecutor(mesh=stand_in)
+    real_shutdown = pool.shutdown
+
+    def interrupted(wait=True, *, cancel_futures=False):
+        real_shutdown(wait=False)
+        raise KeyboardInterrupt
+
+    pool.shutdown = interrupted
+    with pytest.raises(KeyboardInterrupt), pool:
+        calls = [pool.submit(scale, x) for x in range(5)]
+        _wait_for(lambda: len(pool._running) == 5 and not pool._sending, "the calls")
+    assert len(stand_in.cancelled) == 5
+    assert all(isinstance(c.exception(timeout=5), concurrent.futures.CancelledError)
+               for c in calls)
+
+
+def test_an_executor_dropped_right_after_submit_still_sends_its_calls():
+    """Held weakly by its dispatcher, an executor dropped at once (a temporary one, or one
+    local to a function) was collected with its calls still queued in it: never sent, their
+    futures never finished."""
+    lone = StandInMesh()
+    call = MeshExecutor(mesh=lone).submit(scale, 1)
+    windowed = StandInMesh()
+    window = MeshExecutor(mesh=windowed, max_workers=2)
+    queued = [window.submit(scale, x) for x in range(6)]
+    del window
+    gc.collect()
+    _wait_for(lambda: len(lone.tasks) == 1, "the lone call to reach the mesh")
+    lone.tasks[0].set_result(0)
+    assert call.result(timeout=5) == 0
+    for finished in range(6):  # each call finished lets the next queued one go
+        _wait_for(lambda n=finished: len(windowed.tasks) == min(n + 2, 6), "the next call")
+        next(t for t in windowed.tasks if not t.done()).set_result(10 + finished)
+        gc.collect()
+    assert sorted(f.result(timeout=5) for f in queued) == list(range(10, 16))
 
 
 def test_an_executor_dropped_without_shutdown_ends_its_thread():
@@ -242,12 +305,15 @@ def test_mesh_cell_options_apply_and_coroutines_stay_as_defined(tmp_path, monkey
     try:
         shell.run_line_magic("load_ext", "gpumesh")
         cell = ("def square(x):\n    return x * x\n"
+                "in_cell = square._mesh().options\n"
                 "async def fetch(x):\n    return x\n"
                 "def numbers(n):\n    yield from range(n)\n")
         shell.run_cell_magic("mesh", 'gpu="A100", timeout=60', cell)
         square = shell.user_ns["square"]
         assert isinstance(square, MeshFunction)
         assert square.options.requirements.gpu == "A100" and square.options.timeout == 60
+        in_cell = shell.user_ns["in_cell"]  # .map and the rest within the cell: the same
+        assert in_cell.requirements.gpu == "A100" and in_cell.timeout == 60
         assert not isinstance(shell.user_ns["fetch"], MeshFunction)
         assert not isinstance(shell.user_ns["numbers"], MeshFunction)
         from IPython.core.error import UsageError
@@ -278,6 +344,13 @@ def test_a_url_and_token_passed_the_wrong_way_round_are_refused_without_quoting(
     with pytest.raises(ConfigError, match="seem swapped") as caught:
         GPUMesh(url, token=token)
     assert TOKEN not in str(caught.value) and token not in str(caught.value)
+
+
+def test_a_chosen_token_with_a_colon_is_no_swap():
+    from gpumesh import GPUMesh
+
+    GPUMesh("tcp://127.0.0.1:9", token="our-team-shared-gpu-mesh:2024", quiet=True).close()
+    GPUMesh("gpubox", token="our-team-shared-gpu-mesh:2024", quiet=True).close()
 
 
 @pytest.mark.parametrize("kwargs, words", [
