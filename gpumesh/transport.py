@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +16,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from . import clock
 from ._version import __version__
 from .config import Endpoint, Limits
 from .errors import AuthenticationError, ProtocolMismatch
@@ -191,7 +191,7 @@ class DealerLink:
         when it could not go."""
         if self.sends_pieces and frames[1] != _HEARTBEAT \
                 and (self._outflow.busy(_COORDINATOR) or streams(frames)):
-            self._outflow.add(_COORDINATOR, [list(frames)], time.time())
+            self._outflow.add(_COORDINATOR, [list(frames)], clock.now())
             self._send_pieces()
             return True
         return self._send_now(frames)
@@ -290,7 +290,7 @@ class DealerLink:
     def _with_pieces(self, msg: Message) -> Message:
         if msg.command is Command.PIECE_ACK:
             if self._outflow.acked(_COORDINATOR, msg.header.get("x"), msg.header.get("got"),
-                                   time.time()):
+                                   clock.now()):
                 self._send_pieces()
             return msg
         if msg.command is not Command.PIECE:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .. import clock
 from ..config import Endpoint, Settings, parse_url
 from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
@@ -145,11 +146,11 @@ class GPUMesh:
         engine = self._get_engine()
         if engine.connected:
             return True
-        if time.time() - self._unreachable_at < UNREACHABLE_MEMORY and not engine.ever_connected:
+        if clock.now() - self._unreachable_at < UNREACHABLE_MEMORY and not engine.ever_connected:
             return False
         ok = engine.wait_connected(self.connect_timeout if timeout is None else timeout)
         if not ok:
-            self._unreachable_at = time.time()
+            self._unreachable_at = clock.now()
         return ok
 
     def _require(self) -> Engine:
@@ -280,7 +281,7 @@ class GPUMesh:
         if engine is not None and engine.worker_pythons is not None:
             # Pushed by the coordinator: no round trip on the way of every call.
             return {p for p in engine.worker_pythons if p and p != PYTHON}
-        now = time.time()
+        now = clock.now()
         # A call made in a done-callback (joblib sends its next batch from one) runs on the
         # I/O thread, which cannot wait for an answer it would read itself: the last listing.
         if now - self._pythons_at > PYTHONS_CACHE and not on_io_thread():
@@ -351,7 +352,7 @@ class GPUMesh:
 
     def _gather(self, futures: Sequence[concurrent.futures.Future[Any]], timeout: float | None,
                 fallback: Callable[[int], Any] | None) -> list[Any]:
-        started = time.time()
+        started = clock.now()
         deadline = None if timeout is None else started + timeout
         if on_io_thread() and not all(f.done() for f in futures):
             self._cancel([f for f in futures if not f.done()])  # nobody would collect them
@@ -374,7 +375,7 @@ class GPUMesh:
                 first.result()  # raises the task's error (or CancelledError)
             if watch.finished:
                 return [f.result() for f in futures]
-            now = time.time()
+            now = clock.now()
             if deadline is not None and now >= deadline:
                 waiting = [f for f in futures if not f.done()]
                 if waiting:
@@ -465,9 +466,9 @@ class GPUMesh:
         return job
 
     def _wait_accepted(self, job: str, futures: Sequence[TaskFuture], timeout: float) -> None:
-        deadline = time.time() + timeout
+        deadline = clock.now() + timeout
         while not all(f.task_id or f.done() for f in futures):
-            if time.time() > deadline:
+            if clock.now() > deadline:
                 raise MeshTimeout(
                     f"the coordinator at {self.endpoint} did not accept job {job} within "
                     f"{timeout:g}s; it may still run: check with 'gpumesh status {job}'")
@@ -499,14 +500,14 @@ class GPUMesh:
     def wait_job(self, job_id: str, *, timeout: float | None = None,
                  progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Wait until every task of the job has finished; ``progress`` sees each status."""
-        deadline = None if timeout is None else time.time() + timeout
+        deadline = None if timeout is None else clock.now() + timeout
         while True:
             status = self.status(job_id, tasks=False)
             if progress is not None:
                 progress(status)
             if status["status"] == "finished":
                 return self.status(job_id)  # once more, with every task
-            if deadline is not None and time.time() >= deadline:
+            if deadline is not None and clock.now() >= deadline:
                 raise MeshTimeout(f"job {job_id} did not finish within {timeout:g}s")
             time.sleep(JOB_POLL)
 

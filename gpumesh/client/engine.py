@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from .. import clock
 from ..config import Endpoint, Settings, sizes_over_room
 from ..errors import (
     ConfigError,
@@ -322,7 +323,7 @@ class Engine:
         self._connected = threading.Event()
         self.fatal: MeshError | None = None
         self.ever_connected = False
-        self.disconnected_since: float | None = time.time()
+        self.disconnected_since: float | None = clock.now()
         self.welcome: dict[str, Any] = {}
         # HELLO/WELCOME, heartbeats, silence and reconnects: the session; tasks: this class.
         self._session = Session(Role.CLIENT, self.client_id, endpoint, settings.timing,
@@ -338,8 +339,8 @@ class Engine:
 
     def wait_connected(self, timeout: float) -> bool:
         """True once a session is up; False if the coordinator did not answer (refused or silent)."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        deadline = clock.now() + timeout
+        while clock.now() < deadline:
             if self._connected.wait(0.05):
                 return True
             if self.fatal is not None:
@@ -461,7 +462,7 @@ class Engine:
             self._last_resend_check = 0.0
             self._last_accepted = self._welcomed_at = 0.0
             self._last_unpark = 0.0
-            self._session.start(time.time())
+            self._session.start(clock.now())
             while not self._closing.is_set():
                 self._turn()
             if self._connected.is_set():
@@ -530,7 +531,7 @@ class Engine:
 
     def _turn(self) -> None:
         poller = self._poller()
-        now = time.time()
+        now = clock.now()
         wait = min(self._session.next_timer(now), self._session.heartbeat / 4)
         if self._acks and self._connected.is_set():
             wait = min(wait, max(self._acks_since + ACK_DELAY - now, 0.0))
@@ -539,7 +540,7 @@ class Engine:
             if retry is not None:
                 wait = min(wait, max(retry - now, 0.0))
         ready = dict(poller.poll(0 if self._link.backlog else max(1, int(wait * 1000))))
-        now = time.time()
+        now = clock.now()
         # Only what poll named is read: each read that finds nothing costs an exception.
         if self._link.monitor in ready:
             for event in self._link.monitor_events():

@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from .. import clock
 from .._version import __version__
 from ..config import Settings
 from ..errors import ConfigError
@@ -85,7 +86,7 @@ class Coordinator:
         self.store = Store(db_path, blob_folder=self._scratch and self._scratch / "blobs")
         self.epoch = self.store.next_epoch()
         self.store.commit()
-        now = time.time()
+        now = clock.now()
         # Big frames between processes of this machine go through files, not sockets; the
         # folder is named after the journal, so journaled references survive a restart.
         shm = (SharedFolder.create(_journal_key(db_path), _journal_path(db_path))
@@ -157,10 +158,10 @@ class Coordinator:
             # What already arrived is read once more (a worker's goodbye sent as serve stopped,
             # a last result); then what was held goes before it closes: results into the
             # journal, then messages.
-            self._drain(time.time())
-            self.ledger.journal_held_results(time.time(), everything=True)
+            self._drain(clock.now())
+            self.ledger.journal_held_results(clock.now(), everything=True)
             self.store.commit()
-            self._flush(time.time(), everything=True)
+            self._flush(clock.now(), everything=True)
             self.ledger.remove_unneeded_files()
         except sqlite3.Error as exc:
             # A full disk, a journal removed or made read-only: going on would acknowledge
@@ -181,7 +182,7 @@ class Coordinator:
         ledger = self.ledger
         waiter.wait(self._poll_timeout(self._tick_ms))
         moved = (ledger.leased_total, ledger.finished_total)
-        now = time.time()
+        now = clock.now()
         self._drain(now)
         if now >= self._next_tick:
             self._next_tick = now + self._tick_ms / 1000
@@ -202,7 +203,7 @@ class Coordinator:
             due = first if due is None else min(due, first)
         if due is None:
             return tick_ms
-        return max(1, min(tick_ms, int((due - time.time()) * 1000) + 1))
+        return max(1, min(tick_ms, int((due - clock.now()) * 1000) + 1))
 
     def _drain(self, now: float) -> None:
         router, broker, limits = self._router, self.broker, self.settings.limits
@@ -400,7 +401,7 @@ class Coordinator:
         """A reply made outside the broker (to undecodable input): in order behind what goes
         to the peer in pieces, if anything does."""
         if self.broker.outflow.busy(routing):
-            self.broker.outflow.add(routing, [frames], time.time())
+            self.broker.outflow.add(routing, [frames], clock.now())
         else:
             send_frames(self._router, [routing, *frames])
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from .. import clock
 from .._version import __version__
 from ..config import Endpoint, Settings, parse_url
 from ..errors import AuthenticationError, MeshError
@@ -240,7 +241,7 @@ class WorkerAgent:
         if self._local_control:
             self.control = ControlServer(self._ctx, self.settings.home, self.worker_id,
                                          self.endpoint.zmq)
-        self._started_at = time.time()
+        self._started_at = clock.now()
         self.session.start(self._started_at)
         self.sampler.start()
         try:
@@ -335,11 +336,11 @@ class WorkerAgent:
 
     def _turn(self) -> None:
         poller, fd_owner = self._poller()
-        self._nap_runners(poller, time.time())
+        self._nap_runners(poller, clock.now())
         sock = self.link.sock
         self._flush_runners()  # never wait with a task held back from its runner
         ready = dict(poller.poll(self._poll_timeout()))
-        now = time.time()
+        now = clock.now()
         # Only when poll named it: reading an empty monitor costs a poll of its own every turn.
         if self.link.monitor is not None and self.link.monitor in ready:
             for event in self._link_events():
@@ -398,7 +399,7 @@ class WorkerAgent:
     def _poll_timeout(self) -> int:
         if self.link.backlog:
             return 0
-        now = time.time()
+        now = clock.now()
         waits = [self.session.heartbeat / 2, self.session.next_timer(now)]
         if self._posted_at is not None:
             waits.append(self._posted_at + COALESCE_WINDOW - now)
@@ -529,7 +530,7 @@ class WorkerAgent:
         self.say(f"[worker] found the coordinator again on the LAN, now at {moved}")
         self.endpoint = self.link.endpoint = self.session.endpoint = moved
         if self.session.reconnect_at is not None:
-            self.session.reconnect_at = time.time()  # this turn's tick dials it
+            self.session.reconnect_at = clock.now()  # this turn's tick dials it
 
     def on_disconnect(self, header: dict[str, Any], now: float) -> bool:
         if header.get("reason") != "kill":
