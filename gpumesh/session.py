@@ -118,6 +118,10 @@ class Session:
         self.last_heard = 0.0
         self.last_heartbeat = 0.0
         self.reconnect_at: float | None = None
+        # HELLOs said on the link's current socket that no WELCOME has answered yet (WELCOMEs
+        # answer them in order), and which socket that is (the link's generation).
+        self.awaiting_welcome = 0
+        self._hello_socket: Any = None
 
     def start(self, now: float) -> None:
         self.last_heard = now
@@ -126,6 +130,10 @@ class Session:
     def hello(self) -> None:
         """Say HELLO (again): after what was already posted, which goes first, in order."""
         self.welcomed = False
+        socket = getattr(self.link, "generation", None)
+        if socket != self._hello_socket:  # a new socket: what the old one said is moot
+            self._hello_socket, self.awaiting_welcome = socket, 0
+        self.awaiting_welcome += 1
         fields = self.hooks.on_hello()
         header = {"role": self.role.value, "id": self.peer_id, "proto": [MAJOR, MAJOR],
                   "batch": True, "shmlock": True, "pieces": True, **fields}
@@ -195,6 +203,7 @@ class Session:
     # ----------------------------------------------------------------- what every role answers alike
 
     def _on_welcome(self, header: dict[str, Any], now: float) -> None:
+        self.awaiting_welcome = max(self.awaiting_welcome - 1, 0)
         self.welcomed = True
         # A HELLO from before a silence can be answered while we wait out the backoff: this
         # session stands, and the backoff's end must not start another over it.

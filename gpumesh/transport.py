@@ -37,6 +37,7 @@ from .security import MeshKeys, configure_client
 from .session import coordinator_version, install_advice
 
 log = logging.getLogger("gpumesh.transport")
+HANDSHAKE_FAILURES_TOLD = 20  # failed handshakes in a row, at an address that admitted us, per warning
 
 # Frames below this are copied by pyzmq anyway; copy=False only pays for big ones.
 ZERO_COPY_THRESHOLD = 64 * 1024
@@ -122,6 +123,9 @@ class DealerLink:
         self._handshake_failures = 0
         self.refusals = 0
         self.handshakes = 0
+        # Addresses whose coordinator completed a handshake with this link: one that fails there
+        # later is the network (libzmq reports a drop mid-handshake as NO_DETAIL), not the token.
+        self._admitted: set[str] = set()
         # The messages of a BATCH not yet handed out by recv(), and those post()ed for flush().
         self._inbox: deque[Message] = deque()
         self._outbox: list[list[Any]] = []
@@ -131,6 +135,11 @@ class DealerLink:
         self._outflow = Outflow(limits)
         self._pieces_broken = False
         self.sends_pieces = False
+
+    @property
+    def generation(self) -> int:
+        """Which socket this is: one more for each open (a reset opens a new one)."""
+        return self._generation
 
     @property
     def backlog(self) -> bool:
@@ -311,6 +320,7 @@ class DealerLink:
                 self._handshake_failures = 0
                 self.refusals = 0
                 self.handshakes += 1
+                self._admitted.add(self.endpoint.zmq)
                 events.append(LinkEvent.CONNECTED)
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise AuthenticationError(AUTH_FAILED_MESSAGE)
@@ -318,7 +328,17 @@ class DealerLink:
                 # A server key derived from another token makes the coordinator drop us mid-
                 # handshake; twice in a row, with no success in between, is not a network blip.
                 self._handshake_failures += 1
-                if self._handshake_failures >= 2:
+                if self.endpoint.zmq in self._admitted:
+                    # It admitted us before: a coordinator restarting behind a proxy, a lossy
+                    # Wi-Fi link, one killed mid-handshake. Exiting lost what a worker held;
+                    # it retries, and says so now and then (a new token is the other cause).
+                    if self._handshake_failures % HANDSHAKE_FAILURES_TOLD == 0:
+                        log.warning(
+                            "the handshake with %s failed %d times in a row since it last "
+                            "succeeded: the network drops it, or that coordinator now runs "
+                            "with another token (then restart this with the new one); "
+                            "still trying", self.endpoint, self._handshake_failures)
+                elif self._handshake_failures >= 2:
                     raise AuthenticationError(
                         f"{AUTH_FAILED_MESSAGE} (or {self.endpoint} is not a gpumesh coordinator)"
                     )

@@ -639,6 +639,14 @@ class WorkerAgent:
     def on_message(self, msg: Message, now: float) -> None:
         command = msg.command
         if command is Command.TASK:
+            if self.session.awaiting_welcome:
+                # Sent before the coordinator read the HELLO said since on this socket (a
+                # function it never gave us, a stalled big message): that HELLO did not claim
+                # it, so the coordinator has put it back in the queue. Run here too, it would
+                # run twice at once, on credit the new session never granted.
+                log.debug("dropped task %s, sent before this worker's new HELLO was read",
+                          for_terminal(str(msg.header.get("task"))[:64]))
+                return
             self.received += 1
             self._on_task(msg, now)
         elif command is Command.RESULT_ACK:
@@ -772,6 +780,8 @@ class WorkerAgent:
                 if not self._resyncing:  # one new session; the HELLO hands back the others too
                     log.warning("task %s names a function this worker was never given; starting "
                                 "a new session so the coordinator sends it again", h.get("task"))
+                    # Handed back by that HELLO, unstarted: no attempt is charged for it.
+                    self._pending_release.extend(_lease_ids([h.get("lease")]))
                     self.session.hello()
                     self._resyncing = True
                 return None

@@ -207,3 +207,25 @@ def test_several_missing_functions_make_one_new_session_not_one_each(agent):
     agent._on_task(msg(Command.TASK, {"task": "T8", "lease": 8, "kind": "fn", "fn": digest,
                                       "fnref": True}, [b"args"]), 2.0)
     assert [m.command for m in agent.sent].count(Command.HELLO) == 2  # a later miss: again
+
+
+def test_tasks_sent_before_the_new_hello_was_read_are_not_run_and_the_missed_one_goes_back(agent):
+    """After a function miss the agent says HELLO on the same socket; the TASKs already on
+    their way were queued and run, while the coordinator, reading a HELLO that did not claim
+    them, put them back in the queue (charged an attempt): the same task ran twice at once.
+    And the task whose function was missing, never started, was charged too."""
+    fn, digest = function("f")
+    agent.session.hello()
+    agent.session.on_message(msg(Command.WELCOME, {}), 0.0)
+    agent.session.on_message(msg(Command.TASK, {"task": "T5", "lease": 5, "kind": "fn",
+                                                "fn": digest, "fnref": True}, [b"args"]), 1.0)
+    hello = [m.header for m in agent.sent if m.command is Command.HELLO][-1]
+    assert hello["release"] == [5]  # handed back unstarted: no attempt charged
+    received = agent.received
+    agent.session.on_message(msg(Command.TASK, {"task": "T6", "lease": 6, "kind": "fn",
+                                                "fn": digest, "fnkeep": True}, [fn, b"a"]), 1.1)
+    assert not agent.queue and agent.received == received  # sent before that HELLO was read
+    agent.session.on_message(msg(Command.WELCOME, {}), 2.0)
+    agent.session.on_message(msg(Command.TASK, {"task": "T6", "lease": 9, "kind": "fn",
+                                                "fn": digest, "fnkeep": True}, [fn, b"a"]), 2.1)
+    assert [q.task.lease_id for q in agent.queue] == [9]  # what the new session sends runs
