@@ -86,6 +86,7 @@ COALESCE_MAX = 64
 # the socket (safe there if it dies) and are read together, instead of a wake-up for each.
 AHEAD_DEEP = 64
 RUNNER_NAP = 0.001
+RELEASES_KEPT = 10_000  # leases a session's CREDITs handed back, repeated in the next HELLO
 # A task handed ahead to a runner whose task has run this long goes back to the coordinator
 # (when every slot is busy): dropping it restarts the runner after its task.
 AHEAD_HAND_BACK = 2.0
@@ -194,6 +195,7 @@ class WorkerAgent:
         self._goodbye_answered = False  # this session's coordinator answers a DISCONNECT
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
         self._pending_release: list[int] = []
+        self._released: list[int] = []  # leases this session's CREDITs handed back
         self._hello_release: list[int] = []  # the releases the last HELLO carried
         self._started_at = 0.0
         self._hinted = False
@@ -429,7 +431,10 @@ class WorkerAgent:
         held += [[result["task"], lease] for lease, (result, _) in self.unacked.items()]
         self._granted_depth = self.prefetch_depth()
         self._announced_depth = self.prefetch  # what HELLO's prefetch bounds it by
-        self._hello_release = list(self._pending_release)  # what this HELLO hands back
+        # What this HELLO hands back: what waited for it, and what the last session's CREDITs
+        # handed back, in case they never arrived.
+        self._hello_release = list(dict.fromkeys([*self._released, *self._pending_release]))
+        self._released = []
         self.granted = self.free_slots()
         self._handed_back_down = 0  # a new session's grant starts whole
         self.received = 0
@@ -559,6 +564,11 @@ class WorkerAgent:
         self._announced_depth = self._granted_depth
         if release:
             header["release"] = list(release)
+            # Kept for the next HELLO too: a CREDIT posted as the link silently died (or reset
+            # with it) is never read, and a HELLO that neither holds nor releases a lease
+            # makes the coordinator charge it an attempt. Releasing one twice is harmless.
+            self._released.extend(release)
+            del self._released[:-RELEASES_KEPT]
         self.link.post(encode(Command.CREDIT, header))
 
     def _hand_back_due(self, now: float) -> float | None:

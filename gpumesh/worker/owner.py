@@ -18,6 +18,7 @@ from ..protocol import WorkerMode
 from .runners import Runner, RunningTask
 
 ACK_WAIT_ON_DRAIN = 10.0  # seconds a draining worker waits for its last results to be acknowledged
+DRAIN_OFFLINE_WAIT = 120.0  # seconds a drained worker waits for an unreachable coordinator
 
 
 class AgentState(Protocol):
@@ -51,6 +52,7 @@ class OwnerControls:
     def __init__(self, agent: AgentState) -> None:
         self.agent = agent
         self._drain_idle_since: float | None = None
+        self._drain_offline_since: float | None = None  # since when draining waited offline
         self._owner_chose = False  # the mode was set here by the owner, not through the mesh
 
     def on_control(self, action: str, now: float, by: str | None = None) -> dict[str, Any]:
@@ -123,6 +125,21 @@ class OwnerControls:
         if any(r.task is not None for r in agent.runners) or agent.queue:
             self._drain_idle_since = None
             return
+        if not agent.welcomed:
+            # Its hand-backs go with the next HELLO and its results are re-sent after it:
+            # leaving now lost both (every task run again, charged). The wait for
+            # acknowledgements counts while connected; offline, it waits this long at most.
+            self._drain_idle_since = None
+            if self._drain_offline_since is None:
+                self._drain_offline_since = now
+            if now - self._drain_offline_since < DRAIN_OFFLINE_WAIT:
+                return
+            agent.say(f"[worker] drained, but the coordinator has not answered for "
+                      f"{DRAIN_OFFLINE_WAIT:.0f}s: leaving; it runs again elsewhere what this "
+                      f"worker had not handed over ({len(agent.unacked)} result(s))")
+            agent.stop()
+            return
+        self._drain_offline_since = None
         if self._drain_idle_since is None:
             self._drain_idle_since = now
         if not agent.unacked or now - self._drain_idle_since > ACK_WAIT_ON_DRAIN:

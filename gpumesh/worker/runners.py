@@ -19,6 +19,7 @@ runner once the task before has finished, in case a drop came too late.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import select
 import signal
@@ -49,6 +50,9 @@ from ..runner.pipe import (
     send_message,
 )
 from ..sharedmem import SharedFolder
+
+log = logging.getLogger("gpumesh.worker")
+START_AGAIN = 1.0  # seconds before a runner that no process could be made for is tried again
 
 TAIL_LINES = 20
 KILL_WAIT = 0.2  # seconds kill() waits for the killed runner to exit before it moves on
@@ -157,12 +161,23 @@ class Runner:
 
     def start(self) -> None:
         self._remove_stale()  # the process before (if any) was reaped: it writes no more
-        parent, child = socket.socketpair()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()), *self._pass_env],
-            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=self._env, start_new_session=True,
-        )
+        try:
+            parent, child = socket.socketpair()
+        except OSError as exc:
+            self._start_failed(exc)
+            return
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()),
+                 *self._pass_env],
+                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=self._env, start_new_session=True,
+            )
+        except OSError as exc:
+            parent.close()
+            child.close()
+            self._start_failed(exc)
+            return
         child.close()
         for stream in (self.proc.stdout, self.proc.stderr):
             assert stream is not None
@@ -177,6 +192,15 @@ class Runner:
         self.tail.clear()
         self._partial = {"out": b"", "err": b""}
         self._reset_streams()
+
+    def _start_failed(self, exc: OSError) -> None:
+        """No process could be made (out of descriptors, processes or memory, as right after
+        the kernel killed the runner before for its memory): tried again a second later, by
+        the agent's check of its runners, rather than the agent failing with all it held."""
+        log.warning("runner %d could not be started (%s); trying again in %gs",
+                    self.slot, exc, START_AGAIN)
+        self.proc, self.control, self.ready, self.task = None, None, False, None
+        self.start_at = time.monotonic() + START_AGAIN
 
     @property
     def idle(self) -> bool:

@@ -686,3 +686,59 @@ def test_a_hand_back_made_between_hello_and_welcome_is_not_lost(auto_agent):
     assert sent(agent, Command.HELLO)[-1]["release"] == []
     agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
     assert sent(agent, Command.CREDIT)[-1]["release"] == [5]
+
+
+def test_leases_a_credit_handed_back_go_again_in_the_next_hello(agent):
+    """A CREDIT handing leases back, posted as the link silently died, was never read; the
+    next HELLO neither held nor released them, and the coordinator charged each an attempt
+    (a pause, meant to cost nothing, failed a task on its last attempt)."""
+    agent.session.hello()
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
+    agent.send_credit(release=[5, 6])
+    assert sent(agent, Command.CREDIT)[-1]["release"] == [5, 6]
+    agent.link.reset()  # silence: a new socket, what was posted gone
+    agent.session.hello()
+    assert sent(agent, Command.HELLO)[-1]["release"] == [5, 6]
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 1.0)
+    agent.session.hello()  # the one after carries them no more
+    assert sent(agent, Command.HELLO)[-1]["release"] == []
+
+
+def test_a_worker_drained_while_the_coordinator_is_away_waits_to_hand_over(agent):
+    """Drained during an outage, it left at once: the hand-backs waiting for the next HELLO
+    and the results waiting to be re-sent were lost, every task run again and charged."""
+    from gpumesh.worker import owner as owner_module
+
+    stopped = []
+    agent.stop = lambda: stopped.append(True)
+    agent.session.welcomed = True
+    agent._on_task(decode(encode(Command.TASK, {"task": "T", "lease": 5, "kind": "fn"}),
+                          Limits()), 0.0)
+    agent.session.welcomed = False  # the link dropped
+    agent.owner.on_control("drain", 1.0)
+    assert agent._pending_release == [5]
+    agent.owner.finish_drain(2.0)
+    agent.owner.finish_drain(2.0 + owner_module.ACK_WAIT_ON_DRAIN + 1)
+    assert not stopped  # it waits for the coordinator
+    agent.owner.finish_drain(2.0 + owner_module.DRAIN_OFFLINE_WAIT + 1)
+    assert stopped  # not for ever
+
+
+def test_a_runner_no_process_can_be_made_for_waits_instead_of_failing_the_agent(agent, monkeypatch):
+    """Popen raising (out of descriptors or processes, as right after the kernel killed a
+    runner for its memory) went up through the agent's turn: every runner killed, the
+    unacknowledged results lost, the worker gone."""
+    import errno
+
+    from gpumesh.worker import runners
+
+    def no_process(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(runners.subprocess, "Popen", no_process)
+    runner = agent.runners[0]
+    before = time.monotonic()
+    runner.start()
+    assert runner.proc is None and runner.control is None and not runner.ready
+    assert runner.start_at is not None and runner.start_at >= before
+    assert agent._runners_down()  # what waits for it goes back, unstarted
