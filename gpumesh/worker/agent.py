@@ -407,7 +407,7 @@ class WorkerAgent:
             waits.append(self._posted_at + COALESCE_WINDOW - now)
         waits += [runner.read_at + RUNNER_NAP - now for runner in self.runners
                   if runner.control is not None and runner.control.fileno() in self._napping]
-        idle = any(r.idle for r in self.runners)
+        idle = [r for r in self.runners if r.idle]
         hand_back = self._hand_back_due(now)
         if hand_back is not None:
             waits.append(hand_back - now)
@@ -416,8 +416,11 @@ class WorkerAgent:
                 waits.append(runner.start_at - time.monotonic())
             if runner.task is not None and runner.task.deadline is not None:
                 waits.append(runner.task.deadline - now)
-            if idle and runner.next is not None and runner.task is not None:
-                waits.append(runner.task.started + PREFETCH_HORIZON - now)  # move it, then
+            if idle and runner.next is not None and runner.task is not None \
+                    and any(self._slot_fits(r.slot, runner.next.task.header) for r in idle):
+                # Move it, then (_move_stuck_ahead); one that fits no idle slot (another
+                # GPU's task) waits for nothing: past due, it made every poll 1 ms long.
+                waits.append(runner.task.started + PREFETCH_HORIZON - now)
         return max(1, int(min(waits) * 1000))
 
     # ----------------------------------------------------------------- the session's hooks

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import zmq
 
+from gpumesh import clock
 from gpumesh.config import Limits, Settings, parse_url
 from gpumesh.protocol import Command, decode, encode
 from gpumesh.worker.agent import COALESCE_WINDOW, WorkerAgent
@@ -742,3 +743,23 @@ def test_a_runner_no_process_can_be_made_for_waits_instead_of_failing_the_agent(
     assert runner.proc is None and runner.control is None and not runner.ready
     assert runner.start_at is not None and runner.start_at >= before
     assert agent._runners_down()  # what waits for it goes back, unstarted
+
+
+def test_a_task_ahead_that_fits_no_idle_slot_does_not_make_the_loop_spin(tmp_path, monkeypatch):
+    """On a worker with two GPUs, a task handed ahead that needs the busy slot's GPU can
+    never move to the idle one: its past-due move made every poll 1 ms long for the whole of
+    the long task before it, a core's worth of wake-ups."""
+    for agent in recording_agent(tmp_path, slots=2):  # closed after the one pass
+        busy, free = agent.runners
+        free.ready = True
+        busy.ready = True
+        busy.task = RunningTask("running", 1, clock.now() - 60.0, None, {})
+        busy.ahead.append((QueuedTask(RunningTask("ahead", 2, clock.now(), None,
+                                                  {"need": {"gpu": "A100"}}), {}, []), "n1"))
+        agent.session.hello()
+        agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), clock.now())
+        agent.session.last_heartbeat = clock.now()  # none due either
+        monkeypatch.setattr(agent, "_slot_fits", lambda slot, header, mine=busy.slot: slot == mine)
+        assert agent._poll_timeout() > 100
+        monkeypatch.setattr(agent, "_slot_fits", lambda slot, header: True)
+        assert agent._poll_timeout() <= 1  # one that could move: at once
