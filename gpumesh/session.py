@@ -118,8 +118,9 @@ class Session:
         self.last_heard = 0.0
         self.last_heartbeat = 0.0
         self.reconnect_at: float | None = None
-        # HELLOs said on the link's current socket that no WELCOME has answered yet (WELCOMEs
-        # answer them in order), and which socket that is (the link's generation).
+        # HELLOs said on the link's current socket since its last WELCOME, and which socket
+        # that is (the link's generation). Any WELCOME clears it: a HELLO lost with a dropped
+        # connection is never answered, and waiting for its WELCOME would drop every TASK.
         self.awaiting_welcome = 0
         self._hello_socket: Any = None
 
@@ -203,7 +204,7 @@ class Session:
     # ----------------------------------------------------------------- what every role answers alike
 
     def _on_welcome(self, header: dict[str, Any], now: float) -> None:
-        self.awaiting_welcome = max(self.awaiting_welcome - 1, 0)
+        self.awaiting_welcome = 0
         self.welcomed = True
         # A HELLO from before a silence can be answered while we wait out the backoff: this
         # session stands, and the backoff's end must not start another over it.
