@@ -1156,6 +1156,14 @@ class WorkerAgent:
                     diagnosis, len(waiting))
         self._hand_back_while_down([queued.task.lease_id for queued in waiting])
 
+    def read_finished(self, now: float) -> None:
+        """Handle the results runners with tasks handed ahead wrote and the agent has not read
+        yet (it reads a runner busy with tiny tasks once a millisecond): before those tasks are
+        handed back, which of them ran is known."""
+        for runner in self.runners:
+            if runner.ahead and runner.control is not None:
+                self._read_written(runner, now, dead=False)
+
     def drop_unsent(self, task: RunningTask) -> None:
         """A stopped task's runner may have left its result in the shared folder before it could
         say so: nothing will ever name those files, and they bear this agent's prefix, so the

@@ -47,6 +47,8 @@ class AgentState(Protocol):
 
     def drop_unsent(self, task: RunningTask) -> None: ...
 
+    def read_finished(self, now: float) -> None: ...
+
 
 class OwnerControls:
     def __init__(self, agent: AgentState) -> None:
@@ -70,7 +72,7 @@ class OwnerControls:
             self._owner_chose = action != "resume"
         if action == "pause" and agent.mode is WorkerMode.ACTIVE:
             agent.mode = WorkerMode.PAUSED
-            released = self._hand_back_queued()
+            released = self._hand_back_queued(now)
             agent.say("[worker] paused: running tasks finish, nothing new starts "
                       "('gpumesh resume' to continue)")
         elif action == "resume" and agent.mode is not WorkerMode.ACTIVE:
@@ -81,7 +83,7 @@ class OwnerControls:
             agent.say("[worker] resumed: taking tasks again")
         elif action in ("drain", "drain-now"):
             agent.mode = WorkerMode.DRAINING
-            released = self._hand_back_queued()
+            released = self._hand_back_queued(now)
             if action == "drain-now":
                 released += self._hand_back_running()
             agent.say("[worker] draining: " + (
@@ -98,9 +100,12 @@ class OwnerControls:
                 "running": sum(1 for r in agent.runners if r.task is not None),
                 "queued": len(agent.queue)}
 
-    def _hand_back_queued(self) -> list[int]:
+    def _hand_back_queued(self, now: float) -> list[int]:
         """Every task not started: queued, or handed ahead to a busy runner (which then
-        restarts once its current task ends, so the handed one never runs)."""
+        restarts once its current task ends, so the handed one never runs). Results the
+        runners wrote are read first: a tiny task handed ahead may have run already, and
+        handing it back would run it twice (its result thrown away here)."""
+        self.agent.read_finished(now)
         released = [queued.task.lease_id for queued in self.agent.queue]
         self.agent.queue.clear()
         for runner in self.agent.runners:

@@ -237,6 +237,9 @@ class FakeAgent:
     def stop(self) -> None:
         pass
 
+    def read_finished(self, now: float) -> None:
+        pass
+
 
 def test_the_mesh_drains_a_worker_as_its_owner_would_but_never_overrides_the_owner():
     agent = FakeAgent()

@@ -445,6 +445,28 @@ def test_results_a_runner_wrote_while_unread_are_all_handled_in_one_read(tiny_ta
     _pump(agent, lambda: len(_results(agent)) == 4, "task 4's result")
 
 
+def test_pausing_reads_what_ran_before_handing_back_so_no_task_runs_twice(tiny_tasks_agent,
+                                                                          tmp_path):
+    agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
+    go = tmp_path / "go"
+    _give(agent, 1, fn=quick)
+    _give(agent, 2, fn=quick)
+    _give(agent, 3, fn=waiting_for(go))
+    deadline = time.monotonic() + 20
+    while getattr(runner._owner["out"], "task_id", None) != "task-3":
+        assert time.monotonic() < deadline, "task 3 never started"
+        select.select([runner.proc.stdout], [], [], 0.1)
+        runner.read_stream("out")
+    # Tasks 1 and 2 ran and their results wait, unread: only task 3 is left, and it runs.
+    status = agent.owner.on_control("pause", time.time())
+    assert status["handed_back"] == 0
+    assert not [m for m in agent.sent if m.command is Command.CREDIT and m.header.get("release")]
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
+    go.touch()
+    _pump(agent, lambda: "task-3" in _results(agent), "task 3's result")
+    assert _results(agent) == {f"task-{i}": "ok" for i in (1, 2, 3)}
+
+
 def test_cancelling_one_of_several_handed_ahead_requeues_the_rest_and_it_never_runs(
         tiny_tasks_agent, tmp_path):
     agent, runner = tiny_tasks_agent, tiny_tasks_agent.runners[0]
