@@ -249,7 +249,7 @@ class DealerLink:
         if self.sending_pieces:  # heartbeats go now; the rest waits its turn behind the pieces
             for frames in [f for f in out if f[1] == _HEARTBEAT]:
                 self._send_now(frames)
-            out = [f for f in out if f[1] != _HEARTBEAT]
+            out = self._outflow.admit_output([f for f in out if f[1] != _HEARTBEAT], _COORDINATOR)
         if len(out) > 1 and self.batching:
             out = batches(out, self.limits)
         sent = True

@@ -358,9 +358,10 @@ class Coordinator:
 
     def _send(self, routing: bytes, messages: list[list[Any]], now: float) -> None:
         broker = self.broker
+        outflow = broker.outflow
+        messages = outflow.admit_output(messages, routing)  # what tasks print, bounded
         if len(messages) > 1 and broker.ledger.reads_batches(routing):
             messages = batches(messages, self.settings.limits)
-        outflow = broker.outflow
         for index, frames in enumerate(messages):
             size = payload_nbytes(frames)
             broker.count_traffic(routing, size, up=False)

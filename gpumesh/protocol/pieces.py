@@ -38,6 +38,13 @@ WINDOW_PIECES = 16  # pieces sent and not yet acknowledged, per peer
 # ones share a piece. The slices of a split buffer are the size of a piece, or nearly.
 ALONE_BYTES = 64 * 1024
 STALL_SECONDS = 60.0  # no acknowledgement for this long: the peer is gone, drop what it was sent
+# What tasks print, held behind a message in pieces to one peer, at most (then dropped, with a
+# line saying so): over a slow link a chatty task would otherwise grow the queue without end.
+OUTPUT_HELD_BYTES = 4 * 1024 * 1024
+OUTPUT_CUT_NOTICE = (b"\n[gpumesh] output dropped here: it came faster than the link carried it "
+                     b"while a big message went over it\n")
+_OUTPUT = bytes([Command.OUTPUT])
+MAX_CUT_NOTICES = 256  # tasks told their output was cut, per peer and busy spell
 
 
 def streams(frames: Sequence[Any]) -> bool:
@@ -111,6 +118,8 @@ class _Peer:
     # PIECE_ACK ``got`` counts a transfer's own bytes.
     open: dict[int, tuple[int, int]] = field(default_factory=dict)
     progress_at: float = 0.0
+    output_held: int = 0  # bytes of OUTPUT queued behind pieces since the peer became busy
+    output_cut: set[bytes] = field(default_factory=set)  # OUTPUT headers whose rest was dropped
 
 
 class Outflow:
@@ -139,6 +148,29 @@ class Outflow:
         elif not peer.open:
             peer.progress_at = now  # the stall clock runs only while pieces are unacknowledged
         peer.queue.extend(messages)
+
+    def admit_output(self, messages: list[list[Any]], routing: bytes) -> list[list[Any]]:
+        """``messages`` to a peer, less the OUTPUT that would take what waits behind pieces
+        to it past ``OUTPUT_HELD_BYTES``: the first one cut for each task and stream is
+        replaced by a line saying so, the rest dropped. All of them while it is not busy."""
+        peer = self._peers.get(routing)
+        if peer is None:
+            return messages
+        kept: list[list[Any]] = []
+        for frames in messages:
+            if frames[1] != _OUTPUT:
+                kept.append(frames)
+                continue
+            size = sum(frame_size(f) for f in frames[3:])
+            if peer.output_held + size <= OUTPUT_HELD_BYTES:
+                peer.output_held += size
+                kept.append(frames)
+                continue
+            said = bytes(frames[2])  # its header: the task and stream (and worker)
+            if said not in peer.output_cut and len(peer.output_cut) < MAX_CUT_NOTICES:
+                peer.output_cut.add(said)
+                kept.append([*frames[:3], OUTPUT_CUT_NOTICE])
+        return kept
 
     def take(self, routing: bytes) -> list[list[Any]]:
         """What may go to this peer now, in order: the messages before the next one in pieces

@@ -51,3 +51,23 @@ def test_two_failed_handshakes_at_a_new_address_are_still_a_wrong_token():
     link.monitor = Monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     with pytest.raises(AuthenticationError):
         link.monitor_events()  # a refusal by key is never the network's
+
+
+def test_what_a_worker_posts_behind_its_result_in_pieces_keeps_only_a_bounded_output():
+    from gpumesh.protocol import Command, decode, encode
+    from gpumesh.protocol.pieces import OUTPUT_CUT_NOTICE, OUTPUT_HELD_BYTES, STREAM_BYTES
+
+    link = _link()  # never opened: the pieces it sends go nowhere, and stay unacknowledged
+    link.sends_pieces = True
+    assert link.send(encode(Command.RESULT, {"task": "big"}, [b"r" * STREAM_BYTES]))
+    assert link.sending_pieces
+    went: list = []
+    link.send = lambda frames: went.append(frames) or True  # type: ignore[method-assign]
+    for _ in range(3 * OUTPUT_HELD_BYTES // 65536):
+        link.post(encode(Command.OUTPUT, {"task": "t", "stream": "out"}, [b"o" * 65536]))
+    link.post(encode(Command.RESULT, {"task": "t"}, [b"done"]))
+    link.flush()
+    said = [decode(frames, Limits()) for frames in went]
+    assert said[-1].command is Command.RESULT
+    printed = [bytes(m.payload[0]) for m in said[:-1]]
+    assert printed[-1] == OUTPUT_CUT_NOTICE and sum(map(len, printed[:-1])) == OUTPUT_HELD_BYTES

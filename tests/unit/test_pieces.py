@@ -12,6 +12,8 @@ from gpumesh.config import Limits
 from gpumesh.fileio import SharedFd
 from gpumesh.protocol import Command, Message, decode, encode
 from gpumesh.protocol.pieces import (
+    OUTPUT_CUT_NOTICE,
+    OUTPUT_HELD_BYTES,
     STALL_SECONDS,
     STREAM_BYTES,
     WINDOW_PIECES,
@@ -346,3 +348,32 @@ def test_a_full_disk_makes_the_coordinator_receive_in_memory_not_die(tmp_path, m
         assert isinstance(buffer.obj, bytearray) and len(buffer) == 4096
     finally:
         store.close()
+
+
+def _printed(task: str, size: int, worker: str | None = None) -> list:
+    header = {"task": task, "stream": "out", **({"worker": worker} if worker else {})}
+    return encode(Command.OUTPUT, header, [b"p" * size])
+
+
+def test_what_tasks_print_behind_a_message_in_pieces_is_bounded_and_the_cut_is_said():
+    """Over a slow link a task printing without pause queued its output behind a big result
+    in pieces without end: the queue now stops at OUTPUT_HELD_BYTES, each task cut is told."""
+    outflow = Outflow(LIMITS)
+    chunk = 512 * 1024
+    before = [_printed("a", chunk)]
+    assert outflow.admit_output(before, PEER) is before  # nothing in pieces: all goes
+    outflow.add(PEER, [encode(Command.RESULT, {"task": "big"}, frames_of(ENOUGH))], 0.0)
+    assert outflow.busy(PEER)
+    wanted = encode(Command.RESULT, {"task": "r"}, [b"ok"])
+    messages_in = [_printed("a", chunk) for _ in range(12)] + [wanted] \
+        + [_printed("b", chunk) for _ in range(12)] + [_printed("a", chunk)]
+    kept = outflow.admit_output(messages_in, PEER)
+    assert wanted in kept  # only what tasks print is ever cut
+    out = [decode(f, LIMITS) for f in kept if f is not wanted]
+    printed = sum(len(m.payload[0]) for m in out if bytes(m.payload[0]) != OUTPUT_CUT_NOTICE)
+    assert printed == OUTPUT_HELD_BYTES
+    notices = [m.header["task"] for m in out if bytes(m.payload[0]) == OUTPUT_CUT_NOTICE]
+    assert notices == ["a", "b"] and all(m.header["task"] == "a" for m in out[:8])
+    later = [decode(f, LIMITS) for f in outflow.admit_output(
+        [_printed("a", 10), _printed("c", 10)], PEER)]  # "a" was told once already
+    assert [(m.header["task"], bytes(m.payload[0])) for m in later] == [("c", OUTPUT_CUT_NOTICE)]
