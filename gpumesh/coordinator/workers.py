@@ -41,6 +41,8 @@ SPEED_SMOOTHING = 0.2  # weight of the newest task in a worker's moving average 
 MIN_RESULTS_FOR_SPEED = 3  # results a worker needs before it can be called a straggler
 LOST_WORKER_RETENTION = 600.0  # seconds a lost worker stays listed
 MAX_WORKER_RECORDS = 10_000  # alive and lost together; the oldest lost ones make room
+# Results that are the task's own outcome: one from before a restart is the claim on its task.
+_OWN_OUTCOMES = (ResultStatus.OK, ResultStatus.ERROR, ResultStatus.TIMEOUT)
 
 
 class WorkerSide:
@@ -232,12 +234,12 @@ class WorkerSide:
             worker.granted = max(worker.granted, res.granted)
         task = ledger.tasks.get(res.task)
         ack = {"task": res.task, "lease": res.lease}
-        if task is not None and res.status in (ResultStatus.OK, ResultStatus.ERROR) \
+        if task is not None and res.status in _OWN_OUTCOMES \
                 and worker.leases.get(res.lease, task.task_id) == task.task_id \
                 and self._result_claims(task, res.lease, worker.worker_id):
             # Finished before the restart and not claimed in the HELLO: its result is the
-            # claim, so the work is not done twice. Only a result of the task's own: a crash
-            # or a cancellation decides nothing here.
+            # claim, so the work is not done twice. Only a result of the task's own (a value,
+            # an error, running past its timeout): a crash or a cancellation decides nothing.
             if task.state is TaskState.RESTORED:
                 self._claim(task, res.lease, worker.worker_id, now)
                 worker.leases[res.lease] = task.task_id

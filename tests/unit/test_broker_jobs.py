@@ -399,6 +399,28 @@ def test_results_finished_before_a_restart_count_beyond_what_the_hello_may_claim
     assert restarted.tasks[other].state is TaskState.PENDING
 
 
+def test_a_timeout_finished_before_a_restart_counts_beyond_what_the_hello_may_claim(broker):
+    # A timeout is the task's own outcome, as an error is: rejecting it ran the task again,
+    # for its whole timeout once more.
+    store = broker.store
+    tasks = submit(broker, 4)
+    store.commit()
+    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    restarted.restore(10.0)
+    leases = {task_id: (1 << 40) + i for i, task_id in enumerate(tasks)}
+    hello_worker(restarted, W, "w1", now=11.0, held=[[t, lease] for t, lease in leases.items()])
+    (welcome,) = sent(restarted, Command.WELCOME, W)
+    assert welcome["abort"]  # beyond its slots' worth
+    for task_id, lease in leases.items():
+        restarted.handle(W, msg(Command.RESULT, {
+            "task": task_id, "lease": lease, "status": "timeout", "elapsed": 2.0,
+            "error": {"type": "gpumesh.TaskTimeout", "message": "ran past 2s",
+                      "traceback": ""}}), 11.2)
+        assert sent(restarted, Command.RESULT_ACK, W)[-1]["disposition"] == "accepted"
+    restarted.tick(20.0)  # past the restore grace: nothing is queued again
+    assert [restarted.tasks[t].state for t in tasks] == [TaskState.FAILED] * len(tasks)
+
+
 def test_finish_times_and_outcomes_survive_a_restart():
     store = Store(":memory:")
     first = Broker(store, Timing(), Limits(), epoch=1, now=0.0)
