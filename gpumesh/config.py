@@ -252,6 +252,12 @@ def sizes_over_room(nbytes: int, room: int) -> tuple[str, str]:
     return shown, most
 
 
+def home_folder(environ: Mapping[str, str] | None = None) -> Path:
+    """Where gpumesh keeps its files: ``GPUMESH_HOME``, else ``~/.gpumesh``."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("GPUMESH_HOME") or Path.home() / ".gpumesh").expanduser()
+
+
 @dataclass(frozen=True)
 class Settings:
     """All of gpumesh's configuration, read once from the environment and the config file."""
@@ -286,7 +292,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
-        home = Path(env.get("GPUMESH_HOME") or Path.home() / ".gpumesh").expanduser()
+        home = home_folder(env)
         timing = Timing(
             heartbeat=_env_float(env, "GPUMESH_HEARTBEAT", Timing.heartbeat, high=3600.0),
             lease_ttl=_env_float(env, "GPUMESH_LEASE_TTL", Timing.lease_ttl),

@@ -20,17 +20,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from ..config import CONFIG_FILE, Settings
+from ..config import CONFIG_FILE, Settings, home_folder
 from ..errors import ConfigError
 from ..scheduler import Requirements
 from .api import GPUMesh
 from .engine import TaskFuture
-from .tasks import TaskOptions, plan_calls
+from .tasks import Call, TaskOptions, plan_calls
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -70,8 +69,7 @@ class InPlaceFunction:
         return self.fn(*args, **kwargs)
 
     def map(self, items: Iterable[Any]) -> list[Any]:
-        return [self.fn(*args, **kwargs) for args, kwargs, _ in
-                plan_calls(self.fn, items, TaskOptions())]
+        return _calls_here(self.fn, plan_calls(self.fn, items, TaskOptions()))
 
     def submit(self, *args: Any, **kwargs: Any) -> TaskFuture:
         return _ran_here(self.fn, args, kwargs)
@@ -80,8 +78,8 @@ class InPlaceFunction:
         return await asyncio.to_thread(self.fn, *args, **kwargs)
 
     async def amap(self, items: Iterable[Any]) -> AsyncIterator[tuple[int, Any]]:
-        for index, (args, kwargs, _) in enumerate(plan_calls(self.fn, items, TaskOptions())):
-            yield index, await asyncio.to_thread(self.fn, *args, **kwargs)
+        async for done in _calls_here_async(self.fn, plan_calls(self.fn, items, TaskOptions())):
+            yield done
 
     def to(self, device: str) -> InPlaceFunction:
         return self
@@ -160,7 +158,7 @@ class MeshFunction(Generic[P, R]):
         calls = plan_calls(self.fn, items, self.options)
         mesh = self._mesh()
         if mesh is None:
-            return [self.fn(*args, **kwargs) for args, kwargs, _ in calls]
+            return _calls_here(self.fn, calls)
         self._say(f"{len(calls)} tasks sent to the mesh at {mesh.endpoint}")
         futures = mesh.submit_calls(self.fn, calls, self.options)
         return mesh.gather(futures, fallback=lambda i: self.fn(*calls[i][0], **calls[i][1]))
@@ -182,8 +180,8 @@ class MeshFunction(Generic[P, R]):
         calls = plan_calls(self.fn, items, self.options)
         mesh = await asyncio.to_thread(self._mesh)
         if mesh is None:
-            for index, (args, kwargs, _) in enumerate(calls):
-                yield index, await asyncio.to_thread(self.fn, *args, **kwargs)
+            async for done in _calls_here_async(self.fn, calls):
+                yield done
             return
         # Pickling every item happens off the event loop, which would otherwise stand still
         # for it (planning the calls, done above, is cheap).
@@ -289,13 +287,24 @@ class MeshSource:
             time.sleep(0.02)
 
 
+def _calls_here(fn: Callable[..., Any], calls: Sequence[Call]) -> list[Any]:
+    """``.map``'s calls run in this process, in order (no mesh, or inside a task)."""
+    return [fn(*args, **kwargs) for args, kwargs, _ in calls]
+
+
+async def _calls_here_async(fn: Callable[..., Any], calls: Sequence[Call]
+                            ) -> AsyncIterator[tuple[int, Any]]:
+    """``.amap``'s calls run in this process, one at a time in a thread, with their index."""
+    for index, (args, kwargs, _) in enumerate(calls):
+        yield index, await asyncio.to_thread(fn, *args, **kwargs)
+
+
 def _configuration() -> tuple[Any, ...]:
     """What a mesh's resolution reads, cheaply: the environment's names and the saved
     connection file's identity and change time."""
     env = tuple(os.environ.get(name) for name in (
         "GPUMESH_URL", "GPUMESH_TOKEN", "GPUMESH_HOME", "GPUMESH_DISCOVERY", "HOME"))
-    path = Path(os.environ.get("GPUMESH_HOME") or Path.home() / ".gpumesh").expanduser() \
-        / CONFIG_FILE
+    path = home_folder() / CONFIG_FILE
     try:
         info = path.stat()
         saved: tuple[Any, ...] = (info.st_ino, info.st_size, info.st_mtime_ns)
