@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -26,10 +27,12 @@ import msgpack
 
 from ..config import Limits, sizes_over_room
 from ..protocol import ResultEncoding, ResultStatus, serialize
+from ..protocol.headers import MAX_ERROR_MESSAGE, MAX_TRACEBACK
 from ..protocol.taskenv import check_script_name, check_task_env
 from .environment import script_environment, task_environ
 
 STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error report
+OUTPUT_GRACE = 1.0  # seconds a script's pipes are read after it exited (a child may hold them)
 # What one result may carry: it travels to the coordinator in one message, which also holds its
 # header (the client keeps the same room for a task's input). The agent reads at most one
 # message's bytes from its runner, and the pipe takes 4,095 frames, more than this leaves.
@@ -66,7 +69,7 @@ def _text(make: Callable[[], str]) -> str:
     then send no result at all). The exception itself travels pickled, as it is."""
     try:
         text = make()
-    except Exception as exc:
+    except BaseException as exc:  # a __str__ that calls sys.exit() is the task's, not ours
         return f"(its text could not be made: {type(exc).__name__})"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
@@ -90,7 +93,7 @@ def run_function(header: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[st
         else:
             _functions.move_to_end(digest)
         args, kwargs = serialize.loads(frames[1:])
-    except Exception as exc:
+    except BaseException as exc:  # a module whose import calls sys.exit() (argparse) too
         return _error(exc, "the task could not be unpickled on this worker (a module your function "
                            "uses may be missing here, or Python versions differ): ")
     try:
@@ -137,7 +140,7 @@ def _returned(value: Any) -> tuple[dict[str, Any], list[Any]]:
             "value instead"))
     try:
         return {"status": ResultStatus.OK.value}, serialize.dumps(value)
-    except Exception as exc:
+    except BaseException as exc:  # a __reduce__ may raise anything, SystemExit included
         return _error(exc, "the function's return value could not be pickled: ")
 
 
@@ -161,15 +164,25 @@ def fit_to_send(header: dict[str, Any], frames: Sequence[Any], room_bytes: int =
 
 
 def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[Any]]:
+    """An exception as a result: its text cut to what the agent passes on (a message of
+    hundreds of MB, ``ValueError(huge_list)``, made a header over the agent's read limit and
+    the runner taken for broken), and itself pickled when it can be and fits a message (one
+    holding a big array went as ResultTooLarge, its type and message lost)."""
+    message = prefix + _text(lambda: str(exc)[:MAX_ERROR_MESSAGE])
     error = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-             "message": prefix + _text(lambda: str(exc)),
+             "message": message[:MAX_ERROR_MESSAGE],
              "traceback": _text(lambda: "".join(
-                 traceback.format_exception(type(exc), exc, exc.__traceback__)))}
+                 traceback.format_exception(type(exc), exc, exc.__traceback__)
+             )[-MAX_TRACEBACK:])}
     try:
         frames = serialize.dumps(exc.with_traceback(None))
-    except Exception:
+    except BaseException:
         frames = []
-    return {"status": ResultStatus.ERROR.value, "error": error}, frames
+    header = {"status": ResultStatus.ERROR.value, "error": error}
+    if frames and fit_to_send(header, frames)[0] is not header:
+        error["message"] += " (the exception itself was too large to send: raised as RemoteError)"
+        frames = []
+    return header, frames
 
 
 def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str]
@@ -201,13 +214,8 @@ def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str
             )
         except OSError as exc:
             return infrastructure_failure("could not start the script", exc)
-        # stderr belongs to the relay thread alone: communicate() must not read it too.
-        err_pipe, proc.stderr = proc.stderr, None
         tail: deque[bytes] = deque()
-        relay = threading.Thread(target=_relay_stderr, args=(err_pipe, tail), daemon=True)
-        relay.start()
-        out, _ = proc.communicate(payload)
-        relay.join()
+        out = _exchange(proc, payload, tail)
     if proc.returncode != 0:
         stderr = b"".join(tail).decode("utf-8", "replace")[-STDERR_TAIL:]
         last = stderr.strip().splitlines()[-1:] or [""]
@@ -231,10 +239,49 @@ def _refused(message: str, kind: str = "gpumesh.TaskRefused") -> tuple[dict[str,
     return {"status": ResultStatus.ERROR.value, "error": {"type": kind, "message": message, "traceback": ""}}, []
 
 
-def _relay_stderr(pipe: Any, tail: deque[bytes]) -> None:
+def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes]) -> bytes:
+    """Give the script its payload and read what it writes until it exits: stdout returned,
+    stderr relayed live with its end kept in ``tail``. Once it has exited, its pipes are read
+    for OUTPUT_GRACE more and then left: a child it started in the background (a server, a
+    ``tensorboard``) holds them open, and waiting for their end hung the slot for good."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    pipes = (proc.stdin, proc.stdout, proc.stderr)
+    proc.stdin = proc.stdout = proc.stderr = None  # the threads' alone from here
+    chunks: list[bytes] = []
+    left = threading.Event()  # set: what still comes on stderr is no longer this task's
+    threads = [threading.Thread(target=_feed, args=(pipes[0], payload), daemon=True),
+               threading.Thread(target=_collect, args=(pipes[1], chunks), daemon=True),
+               threading.Thread(target=_relay_stderr, args=(pipes[2], tail, left), daemon=True)]
+    for thread in threads:
+        thread.start()
+    proc.wait()
+    deadline = time.monotonic() + OUTPUT_GRACE
+    for thread in threads[1:]:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    left.set()
+    return b"".join(chunks)
+
+
+def _feed(pipe: Any, payload: bytes) -> None:
+    try:
+        pipe.write(payload)
+        pipe.close()
+    except OSError:
+        pass  # it exited without reading all of it: its exit code says how it went
+
+
+def _collect(pipe: Any, chunks: list[bytes]) -> None:
+    for chunk in iter(lambda: pipe.read1(65536), b""):
+        chunks.append(chunk)
+    pipe.close()
+
+
+def _relay_stderr(pipe: Any, tail: deque[bytes], left: threading.Event) -> None:
     """Copy the script's stderr to ours as it comes (the caller sees it live); keep the end."""
     kept = 0
     for chunk in iter(lambda: pipe.read1(65536), b""):
+        if left.is_set():
+            continue  # a child the script left printing: not the next task's output
         try:  # fd 2 itself: whatever a task left in sys.stderr (one without .buffer)
             _write_all(2, chunk)
         except OSError:

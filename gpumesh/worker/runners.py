@@ -101,7 +101,13 @@ class QueuedTask:
         """About what handing it to a runner writes on the runner's socket, header included
         (a frame of SHARED_THRESHOLD or more goes as a shared file). Counted once: it was
         counted three times a task (room ahead, handed ahead, started), a tenth of an agent."""
-        total = 512
+        # The header as written (its shm refs, a script's name, a source form's name) and the
+        # submitter's env (up to 32 KiB) beside it: counted as a flat 512 bytes, 64 tasks
+        # with a 5 KiB env each filled the socket and blocked the agent's loop on a write.
+        total = 64 + len(msgpack.packb(self.header, use_bin_type=True))
+        env = self.task.header.get("env")
+        if isinstance(env, dict):
+            total += sum(len(str(k)) + len(str(v)) + 8 for k, v in env.items())
         by_file = memfd_works()
         for frame in self.frames:
             size = serialize.frame_nbytes(frame)

@@ -1020,3 +1020,66 @@ def test_a_late_task_whose_result_waits_unread_is_read_before_it_is_ruled_late(l
     agent._on_runner_message(runner, later)
     agent._check_runners(later)
     assert _results(agent) == {"task-1": "ok"}
+
+
+def _changes_the_process(i):
+    import os as system
+    import signal as signals
+
+    signals.signal(signals.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("alarm")))
+    signals.setitimer(signals.ITIMER_REAL, 60)
+    signals.signal(signals.SIGCHLD, signals.SIG_IGN)
+    signals.pthread_sigmask(signals.SIG_BLOCK, {signals.SIGUSR2})
+    system.umask(0o777)
+    system.set_blocking(1, False)
+    return i
+
+
+def _reads_the_process(i):
+    import os as system
+    import signal as signals
+    import sys as interpreter
+
+    mask = system.umask(0o022)
+    system.umask(mask)
+    control = int(interpreter.argv[1])
+    return (signals.getsignal(signals.SIGALRM) == signals.SIG_DFL,
+            signals.getitimer(signals.ITIMER_REAL) == (0.0, 0.0),
+            signals.getsignal(signals.SIGCHLD) == signals.SIG_DFL,
+            signals.SIGUSR2 not in signals.pthread_sigmask(signals.SIG_BLOCK, []),
+            mask != 0o777, system.get_blocking(1), not system.get_inheritable(control))
+
+
+def test_what_a_task_sets_in_its_process_is_put_back_for_the_next(live_agent):
+    # An alarm left set raised TimeoutError in the next task (another client's, maybe);
+    # SIGCHLD ignored read every later failed script as exit 0; a non-blocking pipe lost
+    # later output; the runner's socket was inherited by what a task started.
+    from gpumesh.protocol import serialize
+
+    agent = live_agent
+    _give(agent, 1, fn=_changes_the_process)
+    _give(agent, 2, fn=_reads_the_process)
+    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
+    (second,) = [m for m in agent.sent if m.command is Command.RESULT and m.header["task"] == "task-2"]
+    assert serialize.loads(second.payload) == (True,) * 7
+
+
+def test_a_script_that_leaves_a_child_holding_its_pipes_is_done_when_it_exits(tmp_path):
+    # communicate() waited for the end of pipes a background child held: the slot hung.
+    import json
+    import os
+    import signal
+
+    from gpumesh.runner.execute import run_script
+
+    script = (b"import json, subprocess, sys\n"
+              b"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+              b"print(json.dumps({'child': child.pid}))\n")
+    began = time.monotonic()
+    header, frames = run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],
+                                dict(os.environ))
+    took = time.monotonic() - began
+    child = json.loads(bytes(frames[0]))["child"]
+    os.kill(child, signal.SIGKILL)
+    assert header == {"status": "ok", "encoding": "json"} and took < 10

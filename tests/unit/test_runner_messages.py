@@ -256,3 +256,61 @@ def test_an_exception_whose_text_msgpack_cannot_take_still_comes_back(raised):
         assert header["error"]["message"] == "bad \\udc80 byte"
     else:
         assert header["error"]["message"] == "(its text could not be made: RuntimeError)"
+
+
+class _ExitsOnLoad:
+    """An argument whose unpickling calls sys.exit(), as a module with a top-level
+    ``argparse.parse_args()`` or version check does when the function's pickle imports it."""
+
+    def __reduce__(self):
+        import sys as system
+        return (system.exit, ("needs another version",))
+
+
+class _ExitsOnStr(Exception):
+    def __str__(self):
+        raise SystemExit(3)
+
+
+def test_a_sys_exit_while_loading_the_task_or_reading_its_error_is_an_error_result():
+    # It ended the runner: the task came back crashed, and was retried on every worker,
+    # each time killing a runner and the tasks handed ahead to it.
+    from gpumesh.protocol import serialize
+    from gpumesh.runner.execute import _error, run_function
+
+    frames = [*serialize.dumps(len), *serialize.dumps(((_ExitsOnLoad(),), {}))]
+    header, _ = run_function({"task": "t"}, frames)
+    assert header["status"] == "error" and header["error"]["type"] == "builtins.SystemExit"
+    assert "could not be unpickled" in header["error"]["message"]
+    header, _ = _error(_ExitsOnStr())
+    assert header["error"]["message"] == "(its text could not be made: SystemExit)"
+
+
+class _Carries(Exception):
+    def __init__(self, blob):
+        super().__init__("the batch was bad")
+        self.blob = blob
+
+
+def test_an_error_keeps_its_type_and_text_when_the_exception_is_too_big_to_send(monkeypatch):
+    # A result over the room was made ResultTooLarge, whatever the task raised; and a message
+    # of hundreds of MB made a header over the agent's read limit (the runner taken for broken).
+    from gpumesh.runner import execute
+
+    monkeypatch.setattr(execute.fit_to_send, "__defaults__", (100_000, 4093))
+    header, frames = execute._error(_Carries(b"x" * 200_000))
+    assert frames == [] and header["error"]["type"].endswith("_Carries")
+    assert header["error"]["message"].startswith("the batch was bad (the exception itself was "
+                                                  "too large to send")
+    header, frames = execute._error(ValueError("v" * (3 * MAX_ERROR_MESSAGE)))
+    assert len(header["error"]["message"]) == MAX_ERROR_MESSAGE and frames  # small pickled
+    assert len(header["error"]["traceback"]) <= MAX_TRACEBACK
+
+
+def test_what_is_handed_ahead_counts_its_header_and_env_against_the_socket():
+    from gpumesh.worker.runners import QueuedTask, RunningTask
+
+    env = {f"VAR_{i}": "v" * 100 for i in range(50)}  # about 5 KiB, as a submitter may send
+    task = RunningTask("t", 1, started=0.0, deadline=None, header={"env": env})
+    queued = QueuedTask(task, {"task": "t", "shm": [["n" * 40, 0, 1 << 20]] * 20}, [b"x" * 10])
+    assert queued.socket_bytes > 5000 + 20 * 40
