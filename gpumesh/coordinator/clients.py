@@ -277,8 +277,10 @@ class ClientSide:
                                                          "data": {"missing": missing}})
 
     def cancel(self, client: ClientSession, ids: TaskIds, now: float) -> None:
-        for task in self._own(client, ids):
-            self.ledger.cancel_task(task, now)
+        if sum(self.ledger.cancel_task(task, now) for task in self._own(client, ids)):
+            # A pending task's cancelled RESULT (and a worker's CANCEL) go out before the
+            # turn's commit: a crash in between brought the task back, and it ran.
+            self.ledger.store.commit()
 
     def _own(self, client: ClientSession, ids: TaskIds) -> list[Task]:
         """The listed tasks that this client submitted, each once: others' ids are ignored (a
@@ -351,6 +353,9 @@ class ClientSide:
                 data = {"job": job.job_id, "owner": job.owner, "cancelled": cancelled}
             else:
                 data = {"job": job.job_id, "owner": job.owner, "retried": self.retry_job(job, now)}
+            # The REPLY goes out before the turn's commit: what it confirms is journaled first
+            # (a crash in between undid a cancel the user was told of, and the tasks ran).
+            self.ledger.store.commit()
         elif c.action == "kill":
             worker = self.workers.find(c.target)
             data = {"error": worker} if isinstance(worker, str) else \

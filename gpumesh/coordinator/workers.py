@@ -271,7 +271,13 @@ class WorkerSide:
             # A cancellation is about that attempt only; another one may be running now.
             or (res.status is ResultStatus.CANCELLED and res.lease != task.lease_id))
         if task is None or task.state.terminal or stale:
-            ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "duplicate"})
+            dup = {**ack, "disposition": "duplicate"}
+            if task is not None and task.task_id in ledger.held_results:
+                # The first copy is held, not journaled yet: this ack waits as its ack does
+                # (a worker told to forget it, then a crash, and the task ran again).
+                ledger.acknowledge_result(worker.routing, task, dup)
+            else:
+                ledger.send(worker.routing, Command.RESULT_ACK, dup)
             self._drop_untaken(res, task)
             return
         if res.status is ResultStatus.CRASHED:

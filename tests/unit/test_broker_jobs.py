@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from gpumesh.config import Limits, Timing
@@ -761,3 +763,37 @@ def test_a_lease_from_before_a_retry_claims_nothing_and_an_ok_over_a_cancel_is_j
     restarted = Broker(store, Timing(), Limits(), epoch=2, now=30.0)
     restarted.restore(30.0)
     assert restarted.tasks[task_id].state is TaskState.DONE
+
+
+def _journaled_states(path) -> list[str]:
+    """What a restart would read: the journal's committed rows, from another connection."""
+    import sqlite3
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return sorted(state for (state,) in db.execute("SELECT state FROM tasks"))
+
+
+def test_a_cancel_is_in_the_journal_before_it_is_confirmed(tmp_path):
+    # The REPLY "cancelled: N" (and a pending task's cancelled RESULT) went out before the
+    # turn's commit: a kill -9 or a full disk then brought the tasks back, and they ran.
+    path = tmp_path / "journal.db"
+    b = Broker(Store(path), Timing(), Limits(), epoch=1, now=0.0)
+    try:
+        _cancel_and_look(b, path)
+    finally:
+        b.store.close()
+
+
+def _cancel_and_look(b: Broker, path) -> None:
+    for routing, client in ((C, "c1"), (C2, "c2")):
+        b.handle(routing, msg(Command.HELLO, {"role": "client", "id": client, "proto": [1, 1],
+                                              "info": {"user": "ana", "host": "lab"}}), 0.0)
+    tasks = submit(b, 3)
+    b.store.commit()  # the end of the turn that accepted them
+    assert control(b, "cancel", "job1")["cancelled"] == 3
+    assert _journaled_states(path) == ["cancelled"] * 3
+    more = submit(b, 2, job="job2", first_seq=10)
+    b.store.commit()
+    b.handle(C, msg(Command.CANCEL, {"tasks": more}), 2.0)
+    assert {h["status"] for h in sent(b, Command.RESULT, C) if h["task"] in more} == {"cancelled"}
+    assert _journaled_states(path) == ["cancelled"] * 5
+    assert len(tasks) == 3

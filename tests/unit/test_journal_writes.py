@@ -88,3 +88,23 @@ def test_a_result_for_an_absent_client_is_journaled_at_once():
     store.commit()
     assert b.ledger.held_results == {} and worker_acks(b)[0]["disposition"] == "accepted"
     assert [r.state for r in store.load()] == ["done"]
+
+
+def test_a_held_result_sent_again_is_not_acknowledged_before_it_is_journaled():
+    # A worker re-sends its unacknowledged results after every WELCOME: the copy found the
+    # task finished (in memory) and was told "duplicate" at once, so the worker forgot the
+    # result while the journal still said the task was to run.
+    store, b = mesh(slots=1)
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}]}, [b"p"]),
+             0.0)
+    b.dispatch(0.0)
+    (task,) = [m.header for m in (decode(f, Limits()) for _, f in b.outbox)
+               if m.command is Command.TASK]
+    b.outbox.clear()
+    result = {"task": task["task"], "lease": task["lease"], "status": "ok", "encoding": "text"}
+    b.handle(W, msg(Command.RESULT, result, [b"r"]), 1.0)
+    b.handle(W, msg(Command.RESULT, result, [b"r"]), 1.001)  # sent again
+    assert task["task"] in b.ledger.held_results and worker_acks(b) == []
+    b.ledger.journal_held_results(1.0 + RESULT_JOURNAL_DELAY)
+    store.commit()
+    assert [a["disposition"] for a in worker_acks(b)] == ["accepted", "duplicate"]
