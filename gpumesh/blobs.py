@@ -97,7 +97,7 @@ class BlobFolder:
         try:
             size = os.stat(self.path / name).st_size
         except FileNotFoundError:
-            raise ValueError(f"its payload file {name} is missing") from None
+            raise ValueError(f"its payload file {name} is missing from the journal's folder") from None
         except OSError as exc:
             raise ValueError(f"its payload file {name} cannot be read ({exc.strerror})") from None
         if size != total:
@@ -132,7 +132,7 @@ class BlobFolder:
         try:
             fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise ValueError(f"its payload file {name} is missing") from None
+            raise ValueError(f"its payload file {name} is missing from the journal's folder") from None
         try:
             size = os.fstat(fd).st_size
             if size != total:

@@ -490,8 +490,11 @@ class Engine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for sub in list(self._outstanding.values()):
-            if not sub.task_id:
-                self._unshare(sub)  # never accepted: nobody else will remove its files
+            if not sub.task_id and not sub.sent_at:
+                # Never sent: nobody else will remove its files. One sent and not yet accepted
+                # may be in the journal (its ACCEPTED lost with a crash): its input stays, for
+                # the task to run after the restart; the coordinator sweeps what nothing names.
+                self._unshare(sub)
             if not sub.future.done():
                 _settle(sub.future.set_exception, exc)
         self._outstanding.clear()
@@ -876,6 +879,9 @@ class Engine:
                 if not sub.busy:
                     sub.busy = True
                     self._parked.append(sub)
+                    # Not taken: its shared files would hold RAM in /dev/shm while it waits
+                    # (a .map of a thousand 64 MiB arrays filled it). Written again when sent.
+                    self._unshare(sub)
                 continue
             self._outstanding.pop(seq, None)
             self._unshare(sub)

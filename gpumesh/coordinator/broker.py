@@ -266,9 +266,13 @@ class Broker:
         self.ledger.tasks[task.task_id] = task
         self.ledger.by_seq[(task.client_id, task.seq)] = task.task_id
         self._restored_job(task.job_id, task.submitted_at).add(task)
+        # Its input stays in the journal: the cause may pass (a blob folder that gave EIO at
+        # start), and a restart then restores the task failed with it, for `gpumesh retry`.
         self.ledger.fail(task, ResultStatus.ERROR,
                          f"the coordinator's journal entry for this task no longer parses "
-                         f"({_short(exc)}); submit it again", now)
+                         f"({_short(exc)}); submit it again (or, once the cause is fixed, "
+                         f"restart the coordinator and 'gpumesh retry' it: its input is kept)",
+                         now, keep_journaled_input=True)
 
     def _restored_job(self, job_id: str, created: float) -> Job:
         job = self.ledger.jobs.get(job_id)
@@ -509,8 +513,8 @@ class Broker:
                     walk.take()
                 ledger.drop_input(task)  # a retry could only fail the same way
                 ledger.fail(task, ResultStatus.ERROR,
-                            f"the coordinator could not read this task's input back from its "
-                            f"journal ({exc}); submit it again", now)
+                            f"the coordinator could not read this task's input back ({exc}); "
+                            f"submit it again", now)
                 continue
             except ReadLater as exc:  # it stays queued, and this pass ends (the next reads may
                 # fail alike); the next turn tries again

@@ -423,8 +423,15 @@ class Ledger:
     def outgoing(self, header: dict[str, Any], payload: list[Any], shares: bool) -> list[Any]:
         """The frames to send a peer: as they are for one that shares this machine's memory
         folder; with the shared frames read back in (and ``shm`` dropped) for one that does not.
-        Raises ValueError when a shared frame is gone."""
+        Raises InputUnreadable when a shared frame is gone (or not its size)."""
         refs = refs_of(header.get("shm"))
+        if refs and self.shm is not None:
+            gone = self.shm.missing(refs)
+            if gone:
+                # For a worker on this machine too: it crashed on the missing file, and the
+                # task was retried on every worker (a reboot emptied /dev/shm) to the same end.
+                raise InputUnreadable(f"its input in this machine's shared memory is gone "
+                                      f"({gone}): the machine restarted, or /dev/shm was emptied")
         if not refs or shares:
             return payload
         if self.too_big_to_send(header, payload):
@@ -474,7 +481,9 @@ class Ledger:
         self.unneeded_files = []
 
     def finish(self, task: Task, state: TaskState, result: dict[str, Any], payload: list[Any],
-               now: float) -> None:
+               now: float, *, keep_journaled_input: bool = False) -> None:
+        """``keep_journaled_input``: the task's input stays in the journal though it is not in
+        memory (a row that did not parse at a restart, maybe for a passing cause)."""
         task.move(state)
         owner = self.clients.get(task.client_id)
         if owner is not None:
@@ -497,7 +506,7 @@ class Ledger:
         # not after the hold: a crash in between must not bring back cancelled what finished.
         if retryable or client is None or task.collected or task.cancel_requested:
             journaled = self.store.finish_task(task.task_id, state.value, task.attempts, result,
-                                               payload, keep_input=retryable)
+                                               payload, keep_input=retryable or keep_journaled_input)
         else:  # on its way to a connected client, which will most likely collect it first
             self.held_results[task.task_id] = HeldResult(task, state, result, payload, now, [])
         job = self.jobs.get(task.job_id)
@@ -613,13 +622,14 @@ class Ledger:
             self.send(routing, Command.RESULT_ACK, header)
 
     def fail(self, task: Task, status: ResultStatus, diagnosis: str, now: float,
-             worker: str = "") -> None:
+             worker: str = "", *, keep_journaled_input: bool = False) -> None:
         """Finish ``task`` as failed by the coordinator's own decision, saying why."""
         result: dict[str, Any] = {"status": status.value, "attempts": task.attempts,
                                   "diagnosis": diagnosis}
         if worker:
             result["worker"] = worker
-        self.finish(task, TaskState.FAILED, result, [], now)
+        self.finish(task, TaskState.FAILED, result, [], now,
+                    keep_journaled_input=keep_journaled_input)
 
     def deliver(self, task: Task, now: float) -> None:
         client = self.clients.get(task.client_id)

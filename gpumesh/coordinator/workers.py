@@ -291,6 +291,7 @@ class WorkerSide:
             ledger.cancel_on_worker(task)
         problem = _unreadable(task, res, payload)
         if problem:
+            self._drop_untaken(res, task)  # its files, if any, are nobody's now
             ledger.fail(task, ResultStatus.ERROR, problem, now, worker.worker_id)
         else:
             self._finish(task, worker, res, payload, now)

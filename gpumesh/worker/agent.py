@@ -744,6 +744,10 @@ class WorkerAgent:
         if self._runners_down():
             self._hand_back_while_down([int(h["lease"])])
             return
+        # The agent's own bookkeeping keys, never sent: a TASK naming them would choose the
+        # folder whose files a timeout or cancel removes (drop_unsent).
+        h.pop(_SHM_DIR, None)
+        h.pop(_SHM_START, None)
         task = RunningTask(str(h["task"]), int(h["lease"]), now, None, h, received=now)
         runner_header = {"kind": h.get("kind", "fn"), "fn": h.get("fn", ""), "name": h.get("name", "")}
         if h.get("src"):

@@ -95,7 +95,13 @@ def test_a_journal_row_that_no_longer_parses_fails_its_task_at_restore(tmp_path,
     assert "no longer parses" in caplog.text
     again.tick(10.0 + Timing().restore_grace + 1)  # and the loop goes on
     assert again.tasks[good].state is TaskState.PENDING
+    again.store.commit()
     again.store.close()
+    # Its input stays in the journal (the cause may pass): it was erased, for good.
+    journal = Store(tmp_path / "j.db")
+    (row,) = [r for r in journal.load() if r.task_id == "bad000000001"]
+    journal.close()
+    assert row.state == "failed" and row.payload == [b"f"]
 
 
 # ----------------------------------------------------------------- 2. a worker's inventory

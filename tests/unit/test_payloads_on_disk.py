@@ -201,9 +201,8 @@ def test_an_input_file_removed_by_hand_fails_its_task_and_nothing_else(tmp_path,
         assert b.dispatch(1.0) == 1
     task = b.tasks[lost]
     assert task.state is TaskState.FAILED
-    assert "could not read this task's input back from its journal" in \
-        task.result_header["diagnosis"]
-    assert "is missing" in task.result_header["diagnosis"]
+    assert "could not read this task's input back" in task.result_header["diagnosis"]
+    assert "is missing from the journal's folder" in task.result_header["diagnosis"]
     assert b.tasks[kept].state is TaskState.LEASED
     assert not any(r.exc_info for r in caplog.records)  # no traceback: not a bug of ours
     assert not b.ledger.reopen(task, 2.0)  # a retry could only fail the same way

@@ -622,6 +622,22 @@ def test_a_result_whose_file_is_gone_when_it_arrives_runs_again_instead_of_being
     assert committed(broker, folder) == set()  # a truncated one goes too
 
 
+def test_the_files_of_a_result_refused_as_unreadable_go(broker, folder):
+    # A script's result sent as a pickle in shared memory is refused and its task failed; the
+    # files it named stayed, under its agent's prefix, for as long as that agent ran.
+    handle(broker, W, Command.HEARTBEAT, {"leases": [], "shm": folder.proof})
+    handle(broker, C, Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 2, "kind": "script",
+                                                  "name": "s.py"}]}, [b"print(1)", b"{}"])
+    task_id = sent(broker, C, Command.ACCEPTED)[-1].header["accepted"][0][1]
+    broker.dispatch(1.0)
+    lease = sent(broker, W, Command.TASK)[-1].header["lease"]
+    frames, refs = folder.share([b"pickle", BIG])
+    handle(broker, W, Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
+                                       "shm": [list(r) for r in refs]}, frames)
+    assert broker.tasks[task_id].state.value == "failed"
+    assert committed(broker, folder) == set()
+
+
 def retired(folder: SharedFolder) -> set[str]:
     return {n[len(RETIRED):] for n in os.listdir(folder.path) if n.startswith(RETIRED)}
 
@@ -930,6 +946,22 @@ def test_a_task_whose_shared_input_is_gone_fails_saying_so(broker, folder):
     assert "gone" in result.header["diagnosis"]
 
 
+def test_a_task_whose_shared_input_is_gone_fails_saying_so_on_a_worker_of_this_machine_too(
+        broker, folder):
+    # The worker maps the folder, so the task went to it as references: its runner crashed on
+    # the missing file, and the task was retried as crashed on every worker to the same end.
+    handle(broker, C, Command.HEARTBEAT, {"shm": folder.proof})
+    handle(broker, W, Command.HEARTBEAT, {"shm": folder.proof})
+    assert broker.ledger.workers["w1"].maps_shared
+    task_id, name = submit_shared(broker, folder)
+    folder.remove([name])
+    broker.outbox.clear()
+    broker.dispatch(1.0)
+    assert broker.tasks[task_id].state.terminal
+    result = sent(broker, C, Command.RESULT)[-1]
+    assert "shared memory is gone" in result.header["diagnosis"]
+
+
 def test_folders_of_coordinators_that_are_gone_are_swept_unless_they_hold_frames(tmp_path,
                                                                                  monkeypatch):
     monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
@@ -1204,3 +1236,47 @@ def test_a_folder_lock_another_coordinator_holds_for_a_moment_is_waited_for(tmp_
     again = SharedFolder.create("k")
     assert again is not None and again.path == path
     again.close()
+
+
+def test_a_submission_sent_and_not_yet_accepted_keeps_its_files_when_the_client_closes(
+        folder, tmp_path, monkeypatch):
+    # The coordinator may have journaled it (its ACCEPTED lost with a crash): the files were
+    # removed as the client closed, and after the restart the task crashed three times on a
+    # missing input. The coordinator's sweep takes them once nothing names them.
+    from gpumesh.client.engine import TaskFuture, _Submission
+
+    engine = _engine_nobody_answers(tmp_path)
+    try:
+        engine._shm = joined(folder)
+        monkeypatch.setattr(engine._link, "send", lambda frames: True)  # on its way
+        sub = _Submission(1, {"kind": "fn"}, [b"fn", BIG], TaskFuture(), "j1", "m")
+        engine._outstanding[1] = sub
+        engine._send_submissions([sub], 5.0)
+        assert names(folder) and sub.sent_at and not sub.task_id
+    finally:
+        engine.close()
+    assert names(folder)
+
+
+def test_a_submission_the_coordinator_parks_as_busy_gives_its_files_back_until_sent_again(
+        folder, tmp_path, monkeypatch):
+    # Refused for now by the queue quota, it held its input in /dev/shm for as long as it
+    # waited: a .map of a thousand 64 MiB arrays filled the machine's shared memory.
+    from gpumesh.client.engine import TaskFuture, _Submission
+
+    engine = _engine_nobody_answers(tmp_path)
+    try:
+        engine._shm = joined(folder)
+        monkeypatch.setattr(engine._link, "send", lambda frames: True)
+        sub = _Submission(1, {"kind": "fn"}, [b"fn", BIG], TaskFuture(), "j1", "m")
+        engine._outstanding[1] = sub
+        engine._send_submissions([sub], 5.0)
+        assert names(folder)
+        busy = encode(Command.ACCEPTED, {"accepted": [], "rejected": [[1, "busy", "full"]]})
+        engine._on_accepted(decode(busy, LIMITS), 6.0)
+        assert sub.busy and names(folder) == set()
+        engine._connected.set()
+        engine._unpark(7.0, 1)  # its turn again: written again for the send
+        assert names(folder) and not sub.busy
+    finally:
+        engine.close()

@@ -763,3 +763,15 @@ def test_a_task_ahead_that_fits_no_idle_slot_does_not_make_the_loop_spin(tmp_pat
         assert agent._poll_timeout() > 100
         monkeypatch.setattr(agent, "_slot_fits", lambda slot, header: True)
         assert agent._poll_timeout() <= 1  # one that could move: at once
+
+
+def test_a_task_cannot_name_the_agents_own_bookkeeping_keys(agent):
+    # They say which folder's files a timeout or cancel removes (drop_unsent): a TASK that
+    # set them chose a folder of the worker's machine.
+    from gpumesh.worker.agent import _SHM_DIR, _SHM_START
+
+    header = {"task": "T", "lease": 5, "kind": "script", "name": "s.py",
+              _SHM_DIR: "/home/someone/data", _SHM_START: "0" * 24}
+    agent._on_task(decode(encode(Command.TASK, header, [b"print(1)"]), Limits()), 0.0)
+    held = [q.task for q in agent.queue] + [r.task for r in agent.runners if r.task]
+    assert held and all(_SHM_DIR not in t.header and _SHM_START not in t.header for t in held)
