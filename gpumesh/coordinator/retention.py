@@ -65,9 +65,14 @@ class Retention:
             owner = self.ledger.clients.get(task.client_id)
             if owner is not None and owner.routing is not None:
                 if task.collected:
-                    # A failure its connected owner has: kept only for `gpumesh retry`, and
-                    # counted in the cap too (a session of failing tasks kept every input).
-                    absent.append(task)
+                    # A failure its connected owner has: kept only for `gpumesh retry`, for
+                    # result_ttl after it finished (a long-lived client's failures were kept
+                    # for good, and their jobs' records), and counted in the cap meanwhile
+                    # (a session of failing tasks kept every input).
+                    if now - task.finished_at > ttl:
+                        self.forget(task, now)
+                    else:
+                        absent.append(task)
                 continue
             if owner is None and settling:
                 continue

@@ -215,6 +215,21 @@ def test_uncollected_results_beyond_the_byte_cap_go_oldest_first(broker, monkeyp
     assert MAX_RETAINED_RESULT_BYTES > 150  # the real cap, untouched by the patch
 
 
+def test_a_failure_a_connected_owner_collected_is_kept_for_a_retry_for_result_ttl(broker):
+    # Kept for `gpumesh retry` as long as its owner stayed connected: a long-lived client
+    # with a failure now and then held every such task, and its job record, without end.
+    (bad_task,) = submit(broker, 1)
+    broker.dispatch(0.0)
+    result(broker, bad_task, status="error")
+    broker.handle(C, msg(Command.RESULT_ACK, {"tasks": [bad_task]}), 2.0)
+    broker.handle(C, msg(Command.HEARTBEAT, {}), 90.0)
+    broker.sweep(90.0)
+    assert broker.tasks[bad_task].collected  # within result_ttl (100 s) of its finish
+    broker.handle(C, msg(Command.HEARTBEAT, {}), 102.0)
+    broker.sweep(102.0)
+    assert bad_task not in broker.tasks and broker.clients["c1"].routing is not None
+
+
 def test_after_a_restart_results_wait_for_their_owner_to_reconnect(monkeypatch):
     # No owner is known right after a restart: its results were aged from their finish and
     # counted against the cap at the first sweep, before the owner's back-off brought it back.
