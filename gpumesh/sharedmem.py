@@ -487,7 +487,8 @@ class SharedFolder:
         gpumesh's) once ``unknown_after`` old; None: never, as while the coordinator runs, since
         such a frame may be a parked SUBMIT's. ``keep``: the names something refers to, or a
         function giving them, asked only when some frame may go. The lock files of producers
-        that are gone go too once no frame bears their prefix. Returns the frames removed."""
+        that are gone go too once no frame bears their prefix. Returns the frames removed.
+        ``now``: the wall clock (``time.time()``, the default), which files' times are on."""
         now = time.time() if now is None else now
         try:
             with os.scandir(self.path) as listing:
@@ -705,7 +706,18 @@ def _journal_gone(folder: Path) -> bool:
             journal = src.read(8192).decode()
     except (OSError, UnicodeDecodeError):
         return False
-    return not journal or not os.path.exists(journal)
+    if not journal:
+        return True
+    # Gone only when the system says it does not exist: one behind a permission, or on a disk
+    # that errs (EIO, ESTALE), is not gone (os.path.exists said so), and its coordinator's
+    # frames must stay for when it runs again.
+    try:
+        os.stat(journal)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _remove_frames(folder: Path) -> None:

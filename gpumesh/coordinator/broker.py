@@ -207,7 +207,7 @@ class Broker:
         if ledger.shm is not None:
             # Shared frames no journaled task refers to: from a client that never got its
             # ACCEPTED, or a result acknowledged just before a crash.
-            swept = ledger.shm.sweep(ledger.shared_files, now)
+            swept = ledger.shm.sweep(ledger.shared_files)  # aged by the wall clock, as above
             if swept:
                 log.info("removed %d shared-memory file(s) nothing refers to", swept)
         return count
@@ -618,7 +618,9 @@ class Broker:
         shm = self.ledger.shm
         if shm is not None:
             before_this_run = max(ORPHAN_AGE, now - self.ledger.started_at)
-            swept = shm.sweep(self.ledger.shared_files, now, unknown_after=before_this_run)
+            # Files carry wall-clock times: their ages are the wall clock's (sweep's default),
+            # not this loop's steady clock, which differs by any step since the start.
+            swept = shm.sweep(self.ledger.shared_files, unknown_after=before_this_run)
             if swept:
                 log.info("removed %d shared-memory file(s) whose writers are gone", swept)
 

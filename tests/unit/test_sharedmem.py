@@ -250,6 +250,20 @@ def joined(folder: SharedFolder) -> SharedFolder:
     return other
 
 
+def test_the_orphan_sweep_ages_files_by_the_wall_clock_its_files_carry(folder):
+    # The coordinator's steady clock differs from the wall clock by any step since it started:
+    # after a step back of two hours every file looked two hours older, and a frame written
+    # in this run by a writer without an owner file (a parked SUBMIT's) was removed.
+    import time as wall
+
+    steady = wall.time() + 7200.0  # the steady clock, two hours ahead of the wall
+    b = Broker(Store(":memory:"), Timing(), LIMITS, epoch=1, now=steady - 60.0, shm=folder)
+    fresh = "e" * 32  # this run began a minute ago; this file was written now
+    (folder.path / fresh).write_bytes(b"x")
+    b._sweep_orphans(steady)
+    assert names(folder) == {fresh}
+
+
 def test_frames_of_a_live_writer_stay_however_old_and_unreferenced(folder):
     _, refs = joined(folder).share([BIG, BIG])
     for _, name, _ in refs:
@@ -365,7 +379,7 @@ def test_close_keeps_a_folder_that_still_holds_frames(folder):
     assert not folder.path.exists()
 
 
-@pytest.mark.parametrize("journal_left", [True, False])
+@pytest.mark.parametrize("journal_left", [True, False, "unreadable"])
 def test_a_gone_coordinators_frames_go_only_with_their_journal(tmp_path, monkeypatch,
                                                                journal_left):
     monkeypatch.setattr("gpumesh.sharedmem._base", lambda: tmp_path)
@@ -379,12 +393,22 @@ def test_a_gone_coordinators_frames_go_only_with_their_journal(tmp_path, monkeyp
     assert gone.path.is_dir()
     if not journal_left:
         journal.unlink()  # a temporary mesh's home, removed
+    elif journal_left == "unreadable":
+        # Behind a permission (or on a disk that errs): not gone, though exists() said so.
+        real_stat = os.stat
+        monkeypatch.setattr("gpumesh.sharedmem.os.stat", lambda path, *a, **k: (
+            _raise(PermissionError(13, "denied")) if str(path) == str(journal)
+            else real_stat(path, *a, **k)))
     other = SharedFolder.create("other", str(tmp_path / "other.db"))
     assert other is not None
     try:  # a starting coordinator sweeps the folders of those that are gone
-        assert gone.path.is_dir() == journal_left
+        assert gone.path.is_dir() == bool(journal_left)
     finally:
         other.close()
+
+
+def _raise(exc: BaseException):
+    raise exc
 
 
 # ----------------------------------------------------------------- the coordinator
