@@ -244,6 +244,7 @@ class _Submission:
     name: str = ""
     task_id: str = ""
     sent_at: float = 0.0
+    sends: int = 0  # SUBMITs that carried it since its shared files were written
     busy: bool = False  # refused for now by the coordinator's per-client quota: sent again later
     leads: bool = True  # of its job's first batch (False: the rest of the same .map)
     # Its big frames as left in a shared-memory folder: (folder path, frames, references).
@@ -760,6 +761,7 @@ class Engine:
         if self._link.send(encode(Command.SUBMIT, header, frames)):
             for sub in chunk:
                 sub.sent_at = now
+                sub.sends += 1
 
     def _shared_frames(self, sub: _Submission) -> tuple[list[Any], Sequence[Ref]]:
         """A function task's big frames go through the coordinator's shared-memory folder when
@@ -774,6 +776,7 @@ class Engine:
             frames, refs = folder.share(sub.frames, start=1 if by_table else 0)
             # Nothing big (a tiny task): its own frames, and no new lists kept per task.
             sub.shared = (path, frames, refs) if refs else (path, sub.frames, ())
+            sub.sends = 0
         return sub.shared[1], sub.shared[2]
 
     def _unshare(self, sub: _Submission) -> None:
@@ -881,7 +884,10 @@ class Engine:
                     self._parked.append(sub)
                     # Not taken: its shared files would hold RAM in /dev/shm while it waits
                     # (a .map of a thousand 64 MiB arrays filled it). Written again when sent.
-                    self._unshare(sub)
+                    # Not when a second copy (a re-send on silence) may be on its way: the
+                    # coordinator could take that one, naming the files.
+                    if sub.sends <= 1:
+                        self._unshare(sub)
                 continue
             self._outstanding.pop(seq, None)
             self._unshare(sub)

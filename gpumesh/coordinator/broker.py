@@ -271,7 +271,8 @@ class Broker:
         self.ledger.fail(task, ResultStatus.ERROR,
                          f"the coordinator's journal entry for this task no longer parses "
                          f"({_short(exc)}); submit it again (or, once the cause is fixed, "
-                         f"restart the coordinator and 'gpumesh retry' it: its input is kept)",
+                         f"restart the coordinator and 'gpumesh retry' it: what the journal "
+                         f"holds of its input is kept, an input in shared memory is not)",
                          now, keep_journaled_input=True)
 
     def _restored_job(self, job_id: str, created: float) -> Job:

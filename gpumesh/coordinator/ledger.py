@@ -326,6 +326,14 @@ class Ledger:
         if worker.maps_shared and self.shm is not None and "shm" not in task.spec:
             frames = self._share_input(task, frames, self.shm)
         header = {k: v for k, v in task.spec.items() if k not in ("req", "seq")}
+        refs = refs_of(header.get("shm"))
+        if refs and self.shm is not None:
+            gone = self.shm.missing(refs)
+            if gone:
+                # For a worker on this machine too: it crashed on the missing file, and the
+                # task was retried on every worker (a reboot emptied /dev/shm) to the same end.
+                raise InputUnreadable(f"its input in this machine's shared memory is gone "
+                                      f"({gone}): the machine restarted, or /dev/shm was emptied")
         # Raises (and the task fails, saying why) when its shared input is gone.
         payload = self.outgoing(header, frames, worker.maps_shared)
         task.move(TaskState.LEASED)
@@ -423,15 +431,8 @@ class Ledger:
     def outgoing(self, header: dict[str, Any], payload: list[Any], shares: bool) -> list[Any]:
         """The frames to send a peer: as they are for one that shares this machine's memory
         folder; with the shared frames read back in (and ``shm`` dropped) for one that does not.
-        Raises InputUnreadable when a shared frame is gone (or not its size)."""
+        Raises ValueError when a shared frame is gone."""
         refs = refs_of(header.get("shm"))
-        if refs and self.shm is not None:
-            gone = self.shm.missing(refs)
-            if gone:
-                # For a worker on this machine too: it crashed on the missing file, and the
-                # task was retried on every worker (a reboot emptied /dev/shm) to the same end.
-                raise InputUnreadable(f"its input in this machine's shared memory is gone "
-                                      f"({gone}): the machine restarted, or /dev/shm was emptied")
         if not refs or shares:
             return payload
         if self.too_big_to_send(header, payload):

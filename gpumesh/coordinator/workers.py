@@ -41,7 +41,8 @@ SPEED_SMOOTHING = 0.2  # weight of the newest task in a worker's moving average 
 MIN_RESULTS_FOR_SPEED = 3  # results a worker needs before it can be called a straggler
 LOST_WORKER_RETENTION = 600.0  # seconds a lost worker stays listed
 MAX_WORKER_RECORDS = 10_000  # alive and lost together; the oldest lost ones make room
-# Results that are the task's own outcome: one from before a restart is the claim on its task.
+# Results that are the task's own outcome: one from before a restart is the claim on its task
+# (a timeout only on a task nobody re-claimed: it must not stop an attempt still running).
 _OWN_OUTCOMES = (ResultStatus.OK, ResultStatus.ERROR, ResultStatus.TIMEOUT)
 
 
@@ -235,6 +236,7 @@ class WorkerSide:
         task = ledger.tasks.get(res.task)
         ack = {"task": res.task, "lease": res.lease}
         if task is not None and res.status in _OWN_OUTCOMES \
+                and (res.status is not ResultStatus.TIMEOUT or task.state is TaskState.RESTORED) \
                 and worker.leases.get(res.lease, task.task_id) == task.task_id \
                 and self._result_claims(task, res.lease, worker.worker_id):
             # Finished before the restart and not claimed in the HELLO: its result is the

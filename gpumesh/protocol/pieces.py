@@ -118,7 +118,7 @@ class _Peer:
     # PIECE_ACK ``got`` counts a transfer's own bytes.
     open: dict[int, tuple[int, int]] = field(default_factory=dict)
     progress_at: float = 0.0
-    output_held: int = 0  # bytes of OUTPUT queued behind pieces since the peer became busy
+    output_held: int = 0  # bytes of OUTPUT queued since the transfer under way began
     output_cut: set[bytes] = field(default_factory=set)  # OUTPUT headers whose rest was dropped
 
 
@@ -193,6 +193,8 @@ class Outflow:
                     continue
                 transfer = peer.transfer = self._start(frames)
                 peer.open[transfer.xid] = (peer.sent, transfer.total)
+                # What was queued before it has gone: the OUTPUT held counts afresh behind it.
+                peer.output_held, peer.output_cut = 0, set()
             while transfer.sent < transfer.total and peer.sent - peer.acked < self.window:
                 header: dict[str, Any] = {"x": transfer.xid, "at": transfer.sent}
                 if transfer.sent == 0:

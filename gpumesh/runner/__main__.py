@@ -100,14 +100,16 @@ class _Start:
         for timer in _TIMERS:
             if signal.getitimer(timer) != (0.0, 0.0):
                 signal.setitimer(timer, 0)  # first: a pending alarm must not fire meanwhile
+        if signal.pthread_sigmask(signal.SIG_BLOCK, []) != self.blocked:
+            # A signal that came while the task blocked it is delivered as the mask lifts:
+            # ignored, not taken by the default action (SIGUSR1 ends the process, SIGINT
+            # raises here) after the task ended and before its result is sent.
+            for number in signal.sigpending():
+                _set_handler(number, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.blocked)
         for number, handler in self.handlers:
             if _signal.getsignal(number) != handler:
-                try:
-                    signal.signal(number, handler)
-                except (OSError, ValueError, TypeError):
-                    pass
-        if signal.pthread_sigmask(signal.SIG_BLOCK, []) != self.blocked:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self.blocked)
+                _set_handler(number, handler)
         os.umask(self.umask)
         for fd in (1, 2):
             try:
@@ -115,6 +117,13 @@ class _Start:
                     os.set_blocking(fd, True)
             except OSError:
                 pass
+
+
+def _set_handler(number: int, handler: Any) -> None:
+    try:
+        signal.signal(number, handler)
+    except (OSError, ValueError, TypeError):
+        pass
 
 
 _SIGNALS = [int(n) for n in signal.valid_signals() if n not in (signal.SIGKILL, signal.SIGSTOP)]

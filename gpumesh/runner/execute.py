@@ -180,7 +180,8 @@ def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[A
         frames = []
     header = {"status": ResultStatus.ERROR.value, "error": error}
     if frames and fit_to_send(header, frames)[0] is not header:
-        error["message"] += " (the exception itself was too large to send: raised as RemoteError)"
+        error["message"] = ("(the exception itself was too large to send: raised as "
+                            "RemoteError) " + error["message"])
         frames = []
     return header, frames
 
@@ -249,15 +250,21 @@ def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes])
     proc.stdin = proc.stdout = proc.stderr = None  # the threads' alone from here
     chunks: list[bytes] = []
     left = threading.Event()  # set: what still comes on stderr is no longer this task's
+    relaying = threading.Event()  # set while the relay waits for the agent to read fd 2
     threads = [threading.Thread(target=_feed, args=(pipes[0], payload), daemon=True),
                threading.Thread(target=_collect, args=(pipes[1], chunks), daemon=True),
-               threading.Thread(target=_relay_stderr, args=(pipes[2], tail, left), daemon=True)]
+               threading.Thread(target=_relay_stderr, args=(pipes[2], tail, left, relaying),
+                                daemon=True)]
     for thread in threads:
         thread.start()
     proc.wait()
     deadline = time.monotonic() + OUTPUT_GRACE
     for thread in threads[1:]:
         thread.join(max(deadline - time.monotonic(), 0.0))
+        # A relay held up by the agent's reading is not a child holding the pipe: the end of
+        # stderr (a failed script's traceback, for its error) is still to come.
+        while thread.is_alive() and relaying.is_set():
+            thread.join(0.1)
     left.set()
     return b"".join(chunks)
 
@@ -276,16 +283,20 @@ def _collect(pipe: Any, chunks: list[bytes]) -> None:
     pipe.close()
 
 
-def _relay_stderr(pipe: Any, tail: deque[bytes], left: threading.Event) -> None:
+def _relay_stderr(pipe: Any, tail: deque[bytes], left: threading.Event,
+                  relaying: threading.Event) -> None:
     """Copy the script's stderr to ours as it comes (the caller sees it live); keep the end."""
     kept = 0
     for chunk in iter(lambda: pipe.read1(65536), b""):
         if left.is_set():
             continue  # a child the script left printing: not the next task's output
+        relaying.set()
         try:  # fd 2 itself: whatever a task left in sys.stderr (one without .buffer)
             _write_all(2, chunk)
         except OSError:
             pass
+        finally:
+            relaying.clear()
         tail.append(chunk)
         kept += len(chunk)
         while kept - len(tail[0]) > STDERR_TAIL and len(tail) > 1:

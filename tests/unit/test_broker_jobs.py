@@ -812,3 +812,24 @@ def _cancel_and_look(b: Broker, path) -> None:
     assert {h["status"] for h in sent(b, Command.RESULT, C) if h["task"] in more} == {"cancelled"}
     assert _journaled_states(path) == ["cancelled"] * 5
     assert len(tasks) == 3
+
+
+def test_a_timeout_from_before_a_restart_never_stops_an_attempt_another_worker_re_claimed(broker):
+    # Restored, then re-claimed by w2 in its HELLO (it still runs it): w1's timeout from an
+    # earlier run's attempt decided the task and stopped w2's attempt, which could succeed.
+    store = broker.store
+    (task_id,) = submit(broker, 1)
+    store.commit()
+    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    restarted.restore(10.0)
+    hello_worker(restarted, W2, "w2", now=11.0, held=[[task_id, (1 << 40) + 2]])
+    assert restarted.tasks[task_id].state is TaskState.LEASED
+    hello_worker(restarted, W, "w1", now=11.0)
+    restarted.outbox.clear()
+    restarted.handle(W, msg(Command.RESULT, {
+        "task": task_id, "lease": (1 << 40) + 1, "status": "timeout", "elapsed": 2.0,
+        "error": {"type": "gpumesh.TaskTimeout", "message": "ran past 2s", "traceback": ""}}),
+        11.2)
+    assert sent(restarted, Command.RESULT_ACK, W)[-1]["disposition"] == "rejected"
+    assert restarted.tasks[task_id].state is TaskState.LEASED and not sent(
+        restarted, Command.CANCEL, W2)

@@ -377,3 +377,26 @@ def test_what_tasks_print_behind_a_message_in_pieces_is_bounded_and_the_cut_is_s
     later = [decode(f, LIMITS) for f in outflow.admit_output(
         [_printed("a", 10), _printed("c", 10)], PEER)]  # "a" was told once already
     assert [(m.header["task"], bytes(m.payload[0])) for m in later] == [("c", OUTPUT_CUT_NOTICE)]
+
+
+
+def test_the_output_held_counts_afresh_behind_each_big_message():
+    # The count only grew while big messages followed one another (a .map of 10 MiB results
+    # over a slow link): after 4 MiB in all, every later print was dropped, though the output
+    # before had long gone.
+    outflow = Outflow(LIMITS)
+    outflow.add(PEER, [encode(Command.RESULT, {"task": "big1"}, frames_of(ENOUGH))], 0.0)
+    chunk = 512 * 1024
+    first = outflow.admit_output([_printed("a", chunk) for _ in range(8)], PEER)
+    assert len(first) == 8  # 4 MiB: all of it waits behind big1
+    outflow.add(PEER, [*first, encode(Command.RESULT, {"task": "big2"}, frames_of(ENOUGH, 9))],
+                0.0)
+    assembler = Assembler(LIMITS)
+    while outflow._peers[PEER].transfer is None or outflow._peers[PEER].transfer.xid == 1:
+        for msg in messages(outflow.take(PEER)):
+            if msg.command is Command.PIECE:
+                ack, _ = assembler.feed(msg.header, msg.payload)
+                outflow.acked(PEER, ack["x"], ack["got"], 0.0)
+    # big1 went, and the output behind it; big2 goes now: what is printed waits behind it.
+    later = outflow.admit_output([_printed("a", chunk)], PEER)
+    assert [bytes(decode(f, LIMITS).payload[0]) for f in later] == [b"p" * chunk]

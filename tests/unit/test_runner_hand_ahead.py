@@ -1083,3 +1083,25 @@ def test_a_script_that_leaves_a_child_holding_its_pipes_is_done_when_it_exits(tm
     child = json.loads(bytes(frames[0]))["child"]
     os.kill(child, signal.SIGKILL)
     assert header == {"status": "ok", "encoding": "json"} and took < 10
+
+
+
+def _leaves_a_signal_pending(i):
+    import signal as signals
+    import threading as threads
+
+    signals.pthread_sigmask(signals.SIG_BLOCK, {signals.SIGUSR1})
+    # To this thread, which blocks it: pending, as the task never unblocks it.
+    signals.pthread_kill(threads.get_ident(), signals.SIGUSR1)
+    return i
+
+
+def test_a_signal_a_task_left_pending_does_not_end_its_runner(live_agent):
+    # Unblocked as the runner put its mask back, SIGUSR1 took its default action: the runner
+    # died before it sent the result, and the task was retried as crashed.
+    agent, runner = live_agent, live_agent.runners[0]
+    process = runner.proc
+    _give(agent, 1, fn=_leaves_a_signal_pending)
+    _give(agent, 2, fn=quick)
+    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"} and runner.proc is process

@@ -300,8 +300,8 @@ def test_an_error_keeps_its_type_and_text_when_the_exception_is_too_big_to_send(
     monkeypatch.setattr(execute.fit_to_send, "__defaults__", (100_000, 4093))
     header, frames = execute._error(_Carries(b"x" * 200_000))
     assert frames == [] and header["error"]["type"].endswith("_Carries")
-    assert header["error"]["message"].startswith("the batch was bad (the exception itself was "
-                                                  "too large to send")
+    assert header["error"]["message"] == ("(the exception itself was too large to send: "
+                                          "raised as RemoteError) the batch was bad")
     header, frames = execute._error(ValueError("v" * (3 * MAX_ERROR_MESSAGE)))
     assert len(header["error"]["message"]) == MAX_ERROR_MESSAGE and frames  # small pickled
     assert len(header["error"]["traceback"]) <= MAX_TRACEBACK
@@ -314,3 +314,40 @@ def test_what_is_handed_ahead_counts_its_header_and_env_against_the_socket():
     task = RunningTask("t", 1, started=0.0, deadline=None, header={"env": env})
     queued = QueuedTask(task, {"task": "t", "shm": [["n" * 40, 0, 1 << 20]] * 20}, [b"x" * 10])
     assert queued.socket_bytes > 5000 + 20 * 40
+
+
+
+def test_a_failed_scripts_last_error_line_is_kept_while_the_agent_reads_slowly():
+    # The relay, blocked writing to an agent not reading, was left after a second: the end of
+    # stderr (the traceback's last line) was lost from the error.
+    import os
+    import threading
+    import time
+
+    from gpumesh.runner.execute import run_script
+
+    read_end, write_end = os.pipe()
+    saved = os.dup(2)
+    drained: list[bytes] = []
+
+    def agent_reads_late() -> None:
+        time.sleep(2.5)
+        while chunk := os.read(read_end, 65536):
+            drained.append(chunk)
+
+    reader = threading.Thread(target=agent_reads_late, daemon=True)
+    reader.start()
+    script = (b"import sys\nsys.stderr.write('x' * 90000 + '\\n')\n"
+              b"raise SystemExit('the last line')\n")
+    try:
+        os.dup2(write_end, 2)
+        header, _ = run_script({"kind": "script", "name": "slow"}, [script, b"{}"],
+                               dict(os.environ))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write_end)
+    reader.join(10)
+    os.close(read_end)
+    assert header["status"] == "error"
+    assert header["error"]["message"].endswith("the last line")

@@ -1304,3 +1304,24 @@ def test_a_submission_the_coordinator_parks_as_busy_gives_its_files_back_until_s
         assert names(folder) and not sub.busy
     finally:
         engine.close()
+
+
+def test_a_busy_submission_sent_twice_keeps_its_files_for_the_copy_still_on_its_way(
+        folder, tmp_path, monkeypatch):
+    # Sent again on silence, its second copy may be taken once the quota frees: removing the
+    # files on the first copy's "busy" made that task fail at its lease, its input gone.
+    from gpumesh.client.engine import TaskFuture, _Submission
+
+    engine = _engine_nobody_answers(tmp_path)
+    try:
+        engine._shm = joined(folder)
+        monkeypatch.setattr(engine._link, "send", lambda frames: True)
+        sub = _Submission(1, {"kind": "fn"}, [b"fn", BIG], TaskFuture(), "j1", "m")
+        engine._outstanding[1] = sub
+        engine._send_submissions([sub], 5.0)
+        engine._send_submissions([sub], 7.0)  # re-sent: no answer came
+        busy = encode(Command.ACCEPTED, {"accepted": [], "rejected": [[1, "busy", "full"]]})
+        engine._on_accepted(decode(busy, LIMITS), 8.0)
+        assert sub.busy and names(folder)
+    finally:
+        engine.close()
