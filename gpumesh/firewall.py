@@ -12,9 +12,11 @@ The command builders and ``firewall_step`` are pure apart from the injected ``ru
 
 from __future__ import annotations
 
+import ntpath
+import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -49,8 +51,19 @@ def is_admin() -> bool:
         return False
 
 
+def netsh_path(environ: Mapping[str, str] | None = None) -> str:
+    """``netsh.exe`` in System32, by its full path: a command line naming plain ``netsh`` is
+    looked up in Python's folder and the current one first, where a planted ``netsh.exe``
+    would run with the Administrator's rights this step needs."""
+    env = os.environ if environ is None else environ
+    root = env.get("SystemRoot") or env.get("SYSTEMROOT") or r"C:\Windows"
+    return ntpath.join(root, "System32", "netsh.exe")
+
+
 def run_netsh(command: str) -> int:
     """Run one ``netsh`` command line; its exit status (127 when netsh cannot be started)."""
+    if command.startswith("netsh "):
+        command = f'"{netsh_path()}" {command[len("netsh "):]}'
     try:
         return subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL,
                               timeout=30, check=False).returncode

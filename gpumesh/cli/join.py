@@ -93,7 +93,9 @@ def with_saved(settings: Settings, url: str | None, token: str | None,
         token = saved.token
     if saved is not None and slots is None and _same(saved.token, token):
         slots = saved.slots  # a count told for this mesh
-    if url is None and saved is not None:
+    if url is None and saved is not None and _same(saved.token, token):
+        # Only the saved mesh's own address: with another token (a friend's mesh) the saved
+        # one is a coordinator that would refuse it; the token's own is found on the LAN.
         return saved.url, token, slots, saved
     return url, token, slots, None
 

@@ -269,6 +269,12 @@ def serve(
         from_saved.append("port")
     host = host or settings.host
     port = DEFAULT_PORT if port is None else port
+    if public and not is_loopback(host) and host not in ("0.0.0.0", "*", "::"):
+        # The tunnel would dial that address: every peer through it would arrive from it,
+        # which the failed-handshake lockout does not exempt (one stranger's tries would
+        # lock every invited peer out), and the README's "from 127.0.0.1" would not hold.
+        fail(f"--public with --host {host[:64]}: the tunnel must reach this coordinator on "
+             "loopback; leave --host out (the LAN cannot reach it then) or use --host 0.0.0.0")
     if host_ip is not None:
         try:
             ipaddress.IPv4Address(host_ip)

@@ -453,11 +453,12 @@ class Handler(BaseHTTPRequestHandler):
     def _login(self, body: bytes) -> None:
         guard = self.dashboard.guard
         address = self.client_address[0]
-        if guard.login_blocked(address):
+        given = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0]
+        outcome = guard.login(address, given.strip())
+        if outcome == "blocked":
             self._redirect("/login?blocked")
             return
-        given = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0]
-        if not guard.check_token(address, given.strip()):
+        if outcome != "ok":
             log.info("dashboard: a wrong token from %s", address)
             self._redirect("/login?failed")
             return

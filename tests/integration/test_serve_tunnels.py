@@ -212,3 +212,14 @@ def test_serve_public_refuses_a_weak_token(tmp_path):
     assert done.returncode == 1 and "--public refuses a weak token" in done.stderr
     assert not (tmp_path / "tunnel.log").exists()
     assert "sunshine42" not in done.stdout + done.stderr
+
+
+def test_serve_public_refuses_a_bind_the_tunnel_would_reach_beyond_loopback(tmp_path):
+    # Bound to one LAN address, the tunnel dialled it: every peer came from that address,
+    # which the lockout does not exempt, so one stranger's failed tries locked all out.
+    done = subprocess.run(_launcher(tmp_path, "ok", "serve", "--public", "--host", "192.0.2.7",
+                                    "--port", "0", "--no-self-worker", "--no-save"),
+                          env=_env(tmp_path, secrets.token_urlsafe(32)), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and "--public with --host 192.0.2.7" in done.stderr
+    assert not (tmp_path / "tunnel.log").exists()

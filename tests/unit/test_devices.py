@@ -115,3 +115,4 @@ def test_a_gpu_driver_lets_torch_look(monkeypatch):
     monkeypatch.setattr(devices, "gpu_driver_present", lambda: True)
     monkeypatch.setattr(devices, "_torch", lambda: fake_torch(["NVIDIA RTX 4090"]))
     assert devices.probe()["gpus"][0]["name"] == "NVIDIA RTX 4090"
+

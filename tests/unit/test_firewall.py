@@ -3,6 +3,7 @@ platform, the admin check and the command runner are injected)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -93,3 +94,15 @@ def test_netsh_that_cannot_start_is_a_failure_not_a_crash(monkeypatch):
 
     monkeypatch.setattr(firewall.subprocess, "run", missing)
     assert firewall.run_netsh(firewall.show_rule_command(8000)) == 127
+
+
+def test_netsh_runs_by_its_full_path_never_found_in_the_current_folder(monkeypatch):
+    # CreateProcess looks for a bare "netsh" in Python's folder and the current one first: a
+    # netsh.exe planted in Downloads ran with the Administrator's rights serve asked for.
+    ran: list[str] = []
+    monkeypatch.setenv("SystemRoot", r"C:\Windows")
+    monkeypatch.setattr(firewall.subprocess, "run", lambda command, **kwargs: ran.append(
+        command) or subprocess.CompletedProcess(command, 0))
+    assert firewall.run_netsh(firewall.show_rule_command(8000)) == 0
+    assert ran == [r'"C:\Windows\System32\netsh.exe" advfirewall firewall show rule '
+                   'name="gpumesh 8000"']
