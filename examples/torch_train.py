@@ -27,7 +27,7 @@ def train(lr: float, steps: int = 200, seed: int = 0) -> dict:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
-    return {"lr": lr, "loss": round(float(loss), 5), "device": device}
+    return {"lr": lr, "loss": round(loss.item(), 5), "device": device}
 
 
 if __name__ == "__main__":

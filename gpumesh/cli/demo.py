@@ -67,7 +67,7 @@ def run_demo(worker_count: int, tasks: int) -> int:
                 per_worker = Counter(f.worker[:8] for f in futures)
                 click.echo("")
                 click.echo(f"  pi ~= {4 * inside / total:.5f} from {total:,} samples")
-                click.echo("  ran on: " + ", ".join(f"{w} ({n} tasks)" for w, n in
+                click.echo("  ran on: " + ", ".join(f"{w} ({n} task{'s' * (n != 1)})" for w, n in
                                                       sorted(per_worker.items())))
                 click.echo(f"  remote results equal local ones: {'yes' if same else 'NO'}")
         except MeshError as exc:

@@ -98,7 +98,8 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
 
 
 def print_job(status: dict[str, Any], results: dict[str, Any] | None = None) -> None:
-    click.echo(f"Job: {for_terminal(str(status['name']))} ({for_terminal(str(status['job']))})")
+    click.echo(f"Job: {for_terminal(str(status['name']))} ({for_terminal(str(status['job']))})"
+               + _whose(status))
     click.echo("")
     click.echo(progress_line(status))
     click.echo("")
@@ -239,8 +240,17 @@ def mesh_summary(answer: dict[str, Any]) -> str:
         tally = f"{counts.get('done', 0)}/{job['total']} done" + "".join(
             f", {counts[s]} {s}" for s in ("failed", "cancelled") if counts.get(s))
         lines.append(f"  {job['job']:<14}{_clip(for_terminal(str(job['name'])), 30):<32}{job['status']:<10}"
-                     f"{tally}  {float(job['elapsed']):.0f}s")
+                     f"{tally}  {float(job['elapsed']):.0f}s" + _whose(job))
     return "\n".join(lines) + "\n"
+
+
+def _whose(job: dict[str, Any]) -> str:
+    """Another owner's job says whose it is (cancel and retry need --force for it); your own,
+    as the coordinator tells, says nothing more."""
+    owner = job.get("owner")
+    if not owner or job.get("mine", True):
+        return ""
+    return f"  by {for_terminal(str(owner))[:80]}"
 
 
 def _clip(text: str, width: int) -> str:

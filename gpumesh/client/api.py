@@ -24,6 +24,7 @@ from ..discovery import browse_interfaces, find_coordinator
 from ..errors import ConfigError, ConnectionFailed, MeshError, MeshTimeout
 from ..protocol.fields import for_terminal
 from ..protocol.ids import HexIds
+from .console import say_line
 from .engine import (
     FIRST_CHUNK,
     Engine,
@@ -116,27 +117,27 @@ class GPUMesh:
     def _announce(self) -> None:
         if self.quiet:
             return
-        print(f"[gpumesh] connected to coordinator at {self.endpoint}", file=sys.stderr)
+        say_line(f"[gpumesh] connected to coordinator at {self.endpoint}")
         pythons = self._engine.worker_pythons if self._engine is not None else None
         if pythons and PYTHON not in pythons:
             # Said at connect time, not after a pending timeout: what differs, what to do.
             theirs = for_terminal(", ".join(sorted(pythons)))  # as the coordinator said
-            print(f"[gpumesh] no worker runs Python {PYTHON} like this client (they run "
-                  f"{theirs}): pickled functions wait for one, plain "
-                  "top-level functions travel as source. Join a worker with Python "
-                  f"{PYTHON} to run everything.", file=sys.stderr)
+            say_line(f"[gpumesh] no worker runs Python {PYTHON} like this client (they run "
+                     f"{theirs}): pickled functions wait for one, plain "
+                     "top-level functions travel as source. Join a worker with Python "
+                     f"{PYTHON} to run everything.")
 
     def _link_changed(self, away: float | None) -> None:
         """Said on the engine's thread: the coordinator went silent, or is back."""
         if self.quiet:
             return
         if away is None:
-            print(f"[gpumesh] lost the coordinator at {self.endpoint}; reconnecting. Tasks it "
-                  "accepted are kept in its journal, and this client sends again what it had "
-                  "not handed over.", file=sys.stderr)
+            say_line(f"[gpumesh] lost the coordinator at {self.endpoint}; reconnecting. Tasks it "
+                     "accepted are kept in its journal, and this client sends again what it had "
+                     "not handed over.")
         else:
-            print(f"[gpumesh] back: reconnected to the coordinator at {self.endpoint} after "
-                  f"{away:.0f}s away.", file=sys.stderr)
+            say_line(f"[gpumesh] back: reconnected to the coordinator at {self.endpoint} after "
+                     f"{away:.0f}s away.")
 
     def connect(self, timeout: float | None = None) -> bool:
         """Wait until a session with the coordinator is up. False if it could not be reached.
@@ -346,8 +347,8 @@ class GPUMesh:
             except MeshError:
                 pass
         if waiting:
-            print(f"[gpumesh] interrupted: cancelled {len(waiting)} unfinished task(s) on the "
-                  "mesh", file=sys.stderr)
+            say_line(f"[gpumesh] interrupted: cancelled {len(waiting)} unfinished task(s) on the "
+                     "mesh")
         return len(waiting)
 
     def _gather(self, futures: Sequence[concurrent.futures.Future[Any]], timeout: float | None,
@@ -390,9 +391,9 @@ class GPUMesh:
                 gone = engine.disconnected_since
                 if gone is not None and now - gone > self.settings.timing.reconnect_grace:
                     waiting = [f for f in futures if not f.done()]
-                    print(f"[gpumesh] coordinator at {self.endpoint} gone for "
-                          f"{now - gone:.0f}s: running {len(waiting)} unfinished task(s) locally",
-                          file=sys.stderr)
+                    say_line(f"[gpumesh] coordinator at {self.endpoint} gone for "
+                             f"{now - gone:.0f}s: running {len(waiting)} unfinished task(s) "
+                             "locally")
                     self._cancel(waiting)
                     return [f.result() if f.done() and not f.cancelled() else fallback(i)
                             for i, f in enumerate(futures)]
@@ -407,8 +408,8 @@ class GPUMesh:
         except MeshError:
             return
         if not alive:
-            print(f"[gpumesh] {count} task(s) waiting: no worker is connected to {self.endpoint}; "
-                  "start one with 'gpumesh join URL --token ...'", file=sys.stderr)
+            say_line(f"[gpumesh] {count} task(s) waiting: no worker is connected to {self.endpoint}; "
+                     "start one with 'gpumesh join URL --token ...'")
 
     def _cancel(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
         for future in futures:

@@ -28,6 +28,7 @@ from ..config import CONFIG_FILE, Settings, home_folder
 from ..errors import ConfigError
 from ..scheduler import Requirements
 from .api import GPUMesh
+from .console import say_line
 from .engine import TaskFuture
 from .tasks import Call, TaskOptions, plan_calls
 
@@ -126,7 +127,14 @@ class MeshFunction(Generic[P, R]):
             self._say("no coordinator configured: running locally")
             return None
         if not mesh.connect():
-            self._say(f"no coordinator answering at {mesh.endpoint}: running locally")
+            text = f"no coordinator answering at {mesh.endpoint}: running locally"
+            if self._source.first_time_unreachable(str(mesh.endpoint)):
+                # Said once whatever GPUMESH_VERBOSE: a mesh was configured, and a typo'd port
+                # ran everything here without a word, the user sure the mesh did the work.
+                say_line(f"[gpumesh] {text} (GPUMESH_LOCAL=1 to mean it; GPUMESH_VERBOSE=1 "
+                         "says which path each call takes)")
+            else:
+                self._say(text)
             return None
         if not self.mesh_only and not self._source.has_worker(mesh):
             self._say(f"no worker connected to {mesh.endpoint} within "
@@ -247,6 +255,14 @@ class MeshSource:
         # What the last failed resolution saw: tried again once that changed.
         self._unresolved: tuple[Any, ...] | None = None
         self._worker_deadline: float | None = None
+        self._unreachable_told: set[str] = set()
+
+    def first_time_unreachable(self, endpoint: str) -> bool:
+        """Whether this is the first call to find ``endpoint`` not answering (then it is told)."""
+        with self._lock:
+            first = endpoint not in self._unreachable_told
+            self._unreachable_told.add(endpoint)
+            return first
 
     def settings(self) -> Settings:
         if self._settings is None:

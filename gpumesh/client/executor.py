@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import sys
 import threading
 import weakref
 from collections import deque
@@ -21,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from .api import GPUMesh, new_job_id
+from .console import say_line
 from .engine import FIRST_CHUNK, TaskFuture, _Waiters, refuse_wait_on_io_thread
 from .tasks import TaskOptions
 
@@ -161,8 +161,8 @@ class MeshExecutor(concurrent.futures.Executor):
         cancelled = sum(1 for task in running if task.cancel())
         count = len(waiting) + cancelled + on_the_way
         if count:
-            print(f"[gpumesh] interrupted: cancelled {count} unfinished call(s) of the executor "
-                  "on the mesh", file=sys.stderr)
+            say_line(f"[gpumesh] interrupted: cancelled {count} unfinished call(s) of the executor "
+                     "on the mesh")
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._changed:

@@ -11,7 +11,6 @@ is cancelled there. Without a reachable coordinator it falls back to loky, sayin
 from __future__ import annotations
 
 import concurrent.futures
-import sys
 import threading
 import time
 import weakref
@@ -27,6 +26,7 @@ from joblib._parallel_backends import (  # joblib's documented extension point l
 
 from ..errors import ConfigError, MeshError
 from .api import GPUMesh, new_job_id
+from .console import say_line
 from .tasks import TaskOptions
 
 NAME = "gpumesh"
@@ -119,7 +119,7 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         if mesh is None:
             why = "GPUMESH_LOCAL=1" if self.mesh is None and _local_only() else \
                 "no coordinator answering"
-            print(f"[gpumesh] joblib: {why}: running with loky on this machine", file=sys.stderr)
+            say_line(f"[gpumesh] joblib: {why}: running with loky on this machine")
             raise FallbackToBackend(LokyBackend(nesting_level=self.nesting_level,
                                                 inner_max_num_threads=self.inner_max_num_threads))
         self.parallel = parallel

@@ -302,6 +302,10 @@ class ClientSide:
                     for w in ledger.workers.values()]
         elif q.what == "status":
             data = self.retention.status(q.job, now, tasks=q.tasks)
+            # Whose each job is, as the asker sees it: `gpumesh status` names another owner.
+            for job in (data, *data.get("jobs", ())):
+                if "owner" in job:
+                    job["mine"] = job["owner"] == client.owner
         elif q.what == "health":
             data = self.retention.health(now)
         elif q.what == "task" and q.task is not None:

@@ -1117,7 +1117,7 @@ class WorkerAgent:
             runner.kill()
             what = what or (f"the runner's control socket closed, and the runner had not exited "
                             f"{DYING_GRACE:g} s later (killed)")
-        diagnosis = runner.diagnosis(code, what)
+        diagnosis = runner.diagnosis(code, what, task)
         if task is not None:
             self.drop_unsent(task)
             log.warning("task %s: %s", task.task_id, diagnosis)

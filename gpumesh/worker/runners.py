@@ -154,8 +154,11 @@ class Runner:
         self.restart_after_task = False  # a task handed ahead was dropped: it must not run on
         # (folder, name start) of the result files of tasks taken from it (shmowners.tagged)
         self.stale: list[tuple[str, str]] = []
-        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        # The last lines it printed, each with the task that printed it: a crash's diagnosis
+        # quotes its own task's only (another job's output reached a stranger's error).
+        self.tail: deque[tuple[Owner, str]] = deque(maxlen=TAIL_LINES)
         self._partial = {"out": b"", "err": b""}
+        self._partial_owner: dict[str, Owner] = {"out": None, "err": None}
         self._reset_streams()
 
     def _reset_streams(self) -> None:
@@ -197,6 +200,7 @@ class Runner:
         self.restart_after_task = False
         self.tail.clear()
         self._partial = {"out": b"", "err": b""}
+        self._partial_owner = {"out": None, "err": None}
         self._reset_streams()
 
     def _start_failed(self, exc: OSError) -> None:
@@ -399,13 +403,23 @@ class Runner:
             held, self._held[stream] = self._held[stream], b""
             return [(self._owner[stream], held)] if held else None
         pieces = self._split_at_markers(stream, self._held[stream] + data)
-        text = self._partial[stream] + b"".join(chunk for _, chunk in pieces)
-        lines = text.split(b"\n")
+        for owner, chunk in pieces:
+            self._add_to_tail(stream, owner, chunk)
+        return [(owner, chunk) for owner, chunk in pieces if chunk]
+
+    def _add_to_tail(self, stream: str, owner: Owner, chunk: bytes) -> None:
+        if not chunk:
+            return
+        if owner is not self._partial_owner[stream]:
+            if self._partial[stream]:  # another task's unfinished line ends with its task
+                self.tail.append((self._partial_owner[stream],
+                                  self._partial[stream].decode("utf-8", "replace")))
+            self._partial[stream], self._partial_owner[stream] = b"", owner
+        lines = (self._partial[stream] + chunk).split(b"\n")
         # Only the tail (a crash's last words) reads it: a task that never ends a line must
         # not make every read copy and split all it printed so far.
         self._partial[stream] = lines.pop()[-PARTIAL_BYTES:]
-        self.tail.extend(line.decode("utf-8", "replace") for line in lines)
-        return [(owner, chunk) for owner, chunk in pieces if chunk]
+        self.tail.extend((owner, line.decode("utf-8", "replace")) for line in lines)
 
     def _split_at_markers(self, stream: str, data: bytes) -> list[tuple[Owner, bytes]]:
         pieces: list[tuple[Owner, bytes]] = []
@@ -496,19 +510,23 @@ class Runner:
                     break
                 rest += chunk
             if rest:
-                self.tail.extend(bytes(rest[-_READ_SIZE:]).decode("utf-8", "replace")
-                                 .splitlines())
+                stream = "out" if pipe is self.proc.stdout else "err"
+                self._add_to_tail(stream, self._owner[stream], bytes(rest[-_READ_SIZE:]) + b"\n")
             pipe.close()
         if self.control is not None:
             self.control.close()
             self.control = None
         self._unsent = []
 
-    def diagnosis(self, code: int | None, what: str = "") -> str:
+    def diagnosis(self, code: int | None, what: str = "", task: Owner = None) -> str:
         """What killed the runner (``what``, or read from its exit ``code``), in words, with
-        the last lines it printed."""
+        the last lines ``task`` printed (None: what it printed outside any task, as it
+        started)."""
         what = what or _exit_reason(code)
-        lines = [line for line in self.tail if line.strip()][-5:]
+        said = [line for owner, line in self.tail if owner is task]
+        said += [part.decode("utf-8", "replace") for stream, part in self._partial.items()
+                 if part and self._partial_owner[stream] is task]
+        lines = [line for line in said if line.strip()][-5:]
         if lines:
             what += "; last output:\n    " + "\n    ".join(lines)
         return what

@@ -833,3 +833,27 @@ def test_a_timeout_from_before_a_restart_never_stops_an_attempt_another_worker_r
     assert sent(restarted, Command.RESULT_ACK, W)[-1]["disposition"] == "rejected"
     assert restarted.tasks[task_id].state is TaskState.LEASED and not sent(
         restarted, Command.CANCEL, W2)
+
+
+def test_status_says_whose_each_job_is_as_its_asker_sees_it(broker):
+    # README: jobs belong to user@host, "shown by status"; only --json showed the owner.
+    from gpumesh.cli.jobs import mesh_summary, print_job
+
+    submit(broker, 1)  # ana@lab's
+    broker.handle(b"bob-routing", msg(Command.HELLO, {"role": "client", "id": "c3",
+                                                      "proto": [1, 1],
+                                                      "info": {"user": "bob", "host": "desk"}}),
+                  1.0)
+    for routing, mine in ((b"bob-routing", False), (C2, True)):
+        broker.handle(routing, msg(Command.QUERY, {"qid": 3, "what": "status"}), 1.0)
+        listing = sent(broker, Command.REPLY, routing)[-1]["data"]
+        assert [j["mine"] for j in listing["jobs"]] == [mine]
+        broker.handle(routing, msg(Command.QUERY, {"qid": 4, "what": "status", "job": "job1"}),
+                      1.0)
+        one = sent(broker, Command.REPLY, routing)[-1]["data"]
+        assert one["mine"] is mine
+        assert ("by ana@lab" in mesh_summary(listing)) is not mine
+    import click.testing
+
+    shown = click.testing.CliRunner().invoke(click.command()(lambda: print_job(one)))
+    assert shown.output.splitlines()[0] == "Job: grid (job1)"  # your own: as the spec shows

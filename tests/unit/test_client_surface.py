@@ -484,3 +484,28 @@ def test_a_client_keeps_the_futures_of_its_latest_script_jobs_only(tmp_path, mon
     jobs = [client.submit_script(script=script, payloads=[{}]) for _ in range(api.KEPT_JOBS + 5)]
     assert len(client._jobs) == api.KEPT_JOBS
     assert client.job_futures(jobs[0]) == [] and len(client.job_futures(jobs[-1])) == 1
+
+
+def test_a_configured_coordinator_that_does_not_answer_is_said_once_not_only_when_verbose(
+        tmp_path, monkeypatch, capsys):
+    # A typo'd port ran every call locally without a word: the user took the results for
+    # the mesh's. Said once (on stderr), and the calls still run here.
+    import socket
+
+    from gpumesh.client.api import GPUMesh
+    from gpumesh.config import Settings
+
+    monkeypatch.delenv("GPUMESH_VERBOSE", raising=False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = Settings.from_env({"GPUMESH_HOME": str(tmp_path)})
+    nobody = GPUMesh(f"tcp://127.0.0.1:{port}", "a-token-for-nobody-" + "x" * 30,
+                     connect_timeout=0.2, settings=settings)
+    try:
+        fn = MeshFunction(scale, MeshSource(nobody), mesh(scale).options)
+        assert fn(2) == 4 and fn.map([1, 2]) == [2, 4]
+    finally:
+        nobody.close()
+    said = capsys.readouterr().err
+    assert said.count(f"no coordinator answering at tcp://127.0.0.1:{port}: running locally") == 1

@@ -98,7 +98,8 @@ def test_output_after_the_marker_belongs_to_the_task_handed_ahead(piped_runner):
     assert runner.finished().task.task_id == "B" and runner.task.task_id == "B"
     os.write(ends["out"], b"b again\n")
     assert _read(runner) == [("B", b"b again\n")]
-    assert list(runner.tail) == ["a's last line", "b's first line", "b again"]  # no marker
+    assert [(task.task_id, line) for task, line in runner.tail] == [
+        ("A", "a's last line"), ("B", "b's first line"), ("B", "b again")]  # no marker
 
 
 def test_a_marker_cut_by_a_read_is_held_until_it_is_whole(piped_runner):
@@ -850,7 +851,25 @@ def test_a_line_that_never_ends_is_not_kept_whole(piped_runner):
     assert len(runner._partial["out"]) <= PARTIAL_BYTES
     os.write(ends["out"], b"y\n")
     runner.read_stream("out")
-    assert runner.tail[-1] == "x" * PARTIAL_BYTES + "y"
+    assert runner.tail[-1][1] == "x" * PARTIAL_BYTES + "y"
+
+
+def test_a_crash_quotes_only_what_its_own_task_printed(piped_runner):
+    # The runner's last lines, whoever printed them, went into a crashed task's diagnosis:
+    # one job's output reached another submitter's error (and `gpumesh status`).
+    runner, ends = piped_runner
+    runner._write = lambda *args: None  # type: ignore[method-assign]
+    runner.send(_task("A"), {}, [])
+    os.write(ends["err"], b"a secret of job A\n")
+    _read(runner, "err")
+    assert runner.finished() is None
+    crashed = _task("B")
+    runner.send(crashed, {}, [])
+    os.write(ends["err"], b"B's last words\nB's unfinished li")
+    _read(runner, "err")
+    said = runner.diagnosis(-11, task=crashed)
+    assert "B's last words" in said and "B's unfinished li" in said
+    assert "secret" not in said and "SIGSEGV" in said
 
 
 def test_what_is_handed_ahead_fits_the_socket_first_task_and_no_memfd_alike(monkeypatch):
