@@ -399,17 +399,23 @@ class GPUMesh:
                             for i, f in enumerate(futures)]
 
     def _say_if_no_worker(self, count: int) -> None:
-        """One stderr line when tasks wait because no worker is connected at all."""
+        """One stderr line when tasks wait because no worker is connected at all, or every one
+        is paused or draining (a .map then waited without a word, past the pending timeout:
+        a paused worker is expected back)."""
         engine = self._engine
         if engine is None or not engine.connected:
             return
         try:
-            alive = engine.query("status", timeout=2.0).get("workers", 1)
+            status = engine.query("status", timeout=2.0)
         except MeshError:
             return
+        alive, paused = status.get("workers", 1), status.get("workers_paused", 0)
         if not alive:
             say_line(f"[gpumesh] {count} task(s) waiting: no worker is connected to {self.endpoint}; "
                      "start one with 'gpumesh join URL --token ...'")
+        elif type(alive) is int and type(paused) is int and paused >= alive:
+            say_line(f"[gpumesh] {count} task(s) waiting: every worker of {self.endpoint} is paused "
+                     "or draining ('gpumesh resume' on its machine, 'gpumesh workers' to see them)")
 
     def _cancel(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
         for future in futures:

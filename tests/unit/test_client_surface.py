@@ -509,3 +509,21 @@ def test_a_configured_coordinator_that_does_not_answer_is_said_once_not_only_whe
         nobody.close()
     said = capsys.readouterr().err
     assert said.count(f"no coordinator answering at tcp://127.0.0.1:{port}: running locally") == 1
+
+
+@pytest.mark.parametrize("status, said", [
+    ({"workers": 0, "workers_paused": 0}, "no worker is connected"),
+    ({"workers": 2, "workers_paused": 2}, "every worker of"),
+    ({"workers": 2, "workers_paused": 1}, None)])
+def test_tasks_waiting_on_paused_workers_are_said_as_on_none(tmp_path, capsys, status, said):
+    # With every worker paused a .map waited without a word, past the pending timeout.
+    from gpumesh.client.api import GPUMesh
+    from gpumesh.config import Settings
+
+    client = GPUMesh("tcp://127.0.0.1:9", "a-token-for-nobody-" + "x" * 30,
+                     settings=Settings.from_env({"GPUMESH_HOME": str(tmp_path)}))
+    client._engine = types.SimpleNamespace(connected=True,  # type: ignore[assignment]
+                                           query=lambda what, timeout: status)
+    client._say_if_no_worker(3)
+    err = capsys.readouterr().err
+    assert (said in err) if said else err == ""
