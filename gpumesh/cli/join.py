@@ -60,6 +60,15 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+def keeps_own_coordinator(settings: Settings, token: str) -> bool:
+    """Whether the saved connection is this machine's own coordinator's, of another token."""
+    try:
+        saved = settings.saved_connection()
+    except MeshError:
+        return False
+    return saved is not None and saved.served is not None and not _same(saved.token, token)
+
+
 def save_joined(settings: Settings, url: str, token: str, slots: int | None = None) -> None:
     """What ``join`` saves once the coordinator admitted it (``setup`` too): the connection that
     later commands and ``@mesh`` use, and the slot count it was told (None: join's default).
@@ -174,7 +183,12 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
                + (f" (capped by --max-slots {max_slots})" if max_slots and max_slots == slots else ""))
     def joined(worker_id: str) -> None:
         # Saved only now: a wrong token must not replace a working saved connection.
-        if save:
+        if save and keeps_own_coordinator(settings, token):
+            # This machine's coordinator saved its own mesh here: replaced, its next plain
+            # `gpumesh serve` found no token of its own and made a new one (its workers out).
+            click.echo("[worker] not saved as this machine's default: it keeps the connection "
+                       "of this machine's own coordinator ('gpumesh serve'), another mesh")
+        elif save:
             save_joined(settings, endpoint.zmq, token, told)
         if ready_fd is not None:
             os.write(ready_fd, f"{worker_id}\n".encode())

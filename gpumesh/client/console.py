@@ -11,5 +11,12 @@ import sys
 
 
 def say_line(text: str) -> None:
-    """Write ``text`` and its newline to stderr in one write."""
-    sys.stderr.write(text + "\n")
+    """Write ``text`` and its newline to stderr in one write; nothing where there is no
+    stderr (``pythonw.exe``: ``sys.stderr`` is None) or it is closed, as ``print`` did."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.write(text + "\n")
+    except (ValueError, OSError):
+        pass

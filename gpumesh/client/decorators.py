@@ -128,7 +128,7 @@ class MeshFunction(Generic[P, R]):
             return None
         if not mesh.connect():
             text = f"no coordinator answering at {mesh.endpoint}: running locally"
-            if self._source.first_time_unreachable(str(mesh.endpoint)):
+            if not mesh.quiet and self._source.first_time_unreachable(str(mesh.endpoint)):
                 # Said once whatever GPUMESH_VERBOSE: a mesh was configured, and a typo'd port
                 # ran everything here without a word, the user sure the mesh did the work.
                 say_line(f"[gpumesh] {text} (GPUMESH_LOCAL=1 to mean it; GPUMESH_VERBOSE=1 "

@@ -305,7 +305,8 @@ class ClientSide:
             # Whose each job is, as the asker sees it: `gpumesh status` names another owner.
             for job in (data, *data.get("jobs", ())):
                 if "owner" in job:
-                    job["mine"] = job["owner"] == client.owner
+                    # A job from a journal before owners were kept names a client id: anyone's.
+                    job["mine"] = "@" not in job["owner"] or job["owner"] == client.owner
         elif q.what == "health":
             data = self.retention.health(now)
         elif q.what == "task" and q.task is not None:

@@ -509,9 +509,17 @@ class Runner:
                 if not chunk:
                     break
                 rest += chunk
+            stream = "out" if pipe is self.proc.stdout else "err"
             if rest:
-                stream = "out" if pipe is self.proc.stdout else "err"
-                self._add_to_tail(stream, self._owner[stream], bytes(rest[-_READ_SIZE:]) + b"\n")
+                # Split at start markers as any read is: a task handed ahead that started, and
+                # broke its runner before the pipes were read, printed these, not the one before.
+                held = self._held[stream] + bytes(rest[-_READ_SIZE:])
+                for owner, chunk in self._split_at_markers(stream, held):
+                    self._add_to_tail(stream, owner, chunk)
+            if self._partial[stream]:  # its last words, though they never ended a line
+                self.tail.append((self._partial_owner[stream],
+                                  self._partial[stream].decode("utf-8", "replace")))
+                self._partial[stream] = b""
             pipe.close()
         if self.control is not None:
             self.control.close()

@@ -527,3 +527,14 @@ def test_tasks_waiting_on_paused_workers_are_said_as_on_none(tmp_path, capsys, s
     client._say_if_no_worker(3)
     err = capsys.readouterr().err
     assert (said in err) if said else err == ""
+
+
+def test_the_clients_lines_are_dropped_where_there_is_no_stderr(monkeypatch):
+    # Under pythonw.exe sys.stderr is None: print() wrote nothing, a bare write raised, and a
+    # decorated call (or the engine's thread telling a lost link) failed.
+    import sys
+
+    from gpumesh.client.console import say_line
+
+    monkeypatch.setattr(sys, "stderr", None)
+    say_line("[gpumesh] nobody reads this")

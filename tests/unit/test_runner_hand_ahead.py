@@ -872,6 +872,22 @@ def test_a_crash_quotes_only_what_its_own_task_printed(piped_runner):
     assert "secret" not in said and "SIGSEGV" in said
 
 
+def test_what_a_broken_runner_left_unread_is_quoted_for_the_task_that_printed_it(piped_runner):
+    # A task handed ahead started and broke its runner before the pipes were read: what was
+    # left in them went to the task before it, marker and all, and the crash quoted nothing.
+    runner, ends = piped_runner
+    runner._write = lambda *args: None  # type: ignore[method-assign]
+    first = _task("A")
+    runner.send(first, {}, [])
+    marker = _handed(runner, "B")
+    crashed = runner.finished()
+    assert crashed is not None and crashed.task.task_id == "B"
+    os.write(ends["err"], b"A's end\n" + marker + b"B's last words")
+    runner._close(keep_tail=True)
+    said = runner.diagnosis(None, "it broke", task=crashed.task)
+    assert said == "it broke; last output:\n    B's last words"
+
+
 def test_what_is_handed_ahead_fits_the_socket_first_task_and_no_memfd_alike(monkeypatch):
     # The first task ahead went whatever its size, and frames of 64 KiB or more counted as
     # nothing even where memfd had failed and they went on the socket: the agent's write then
