@@ -419,11 +419,7 @@ def test_results_finished_before_a_restart_count_beyond_what_the_hello_may_claim
 def test_a_timeout_finished_before_a_restart_counts_beyond_what_the_hello_may_claim(broker):
     # A timeout is the task's own outcome, as an error is: rejecting it ran the task again,
     # for its whole timeout once more.
-    store = broker.store
-    tasks = submit(broker, 4)
-    store.commit()
-    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
-    restarted.restore(10.0)
+    restarted, tasks = _restarted_with(broker, 4)
     leases = {task_id: (1 << 40) + i for i, task_id in enumerate(tasks)}
     hello_worker(restarted, W, "w1", now=11.0, held=[[t, lease] for t, lease in leases.items()])
     (welcome,) = sent(restarted, Command.WELCOME, W)
@@ -522,15 +518,21 @@ def test_a_connected_clients_failures_kept_for_retry_count_against_the_byte_cap(
     assert control(broker, "retry", "big", routing=C)["retried"] == 2
 
 
+def _restarted_with(broker: Broker, count: int) -> tuple[Broker, list[str]]:
+    """``count`` tasks submitted and journaled, then the coordinator restarted (epoch 2) on
+    the same journal: the new broker, and the task ids."""
+    tasks = submit(broker, count)
+    broker.store.commit()
+    restarted = Broker(broker.store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
+    restarted.restore(10.0)
+    return restarted, tasks
+
+
 def test_of_two_attempts_running_at_a_restart_the_first_result_counts(broker):
     # Attempt 1 on w1 and attempt 2 (a re-queue) on w2 when the coordinator died: w2's HELLO
     # claims the task first, then w1 sends the result it had finished. It is as good: taken,
     # and w2 told to stop, as the coordinator before the restart would have done.
-    store = broker.store
-    (task_id,) = submit(broker, 1)
-    store.commit()
-    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
-    restarted.restore(10.0)
+    restarted, (task_id,) = _restarted_with(broker, 1)
     first, second = (1 << 40) + 1, (1 << 40) + 2
     hello_worker(restarted, W2, "w2", now=11.0, held=[[task_id, second]])
     hello_worker(restarted, W, "w1", now=11.0, held=[[task_id, first]])
@@ -817,11 +819,7 @@ def _cancel_and_look(b: Broker, path) -> None:
 def test_a_timeout_from_before_a_restart_never_stops_an_attempt_another_worker_re_claimed(broker):
     # Restored, then re-claimed by w2 in its HELLO (it still runs it): w1's timeout from an
     # earlier run's attempt decided the task and stopped w2's attempt, which could succeed.
-    store = broker.store
-    (task_id,) = submit(broker, 1)
-    store.commit()
-    restarted = Broker(store, Timing(restore_grace=5.0), Limits(), epoch=2, now=10.0)
-    restarted.restore(10.0)
+    restarted, (task_id,) = _restarted_with(broker, 1)
     hello_worker(restarted, W2, "w2", now=11.0, held=[[task_id, (1 << 40) + 2]])
     assert restarted.tasks[task_id].state is TaskState.LEASED
     hello_worker(restarted, W, "w1", now=11.0)

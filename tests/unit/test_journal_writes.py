@@ -74,13 +74,19 @@ def test_a_collected_task_costs_two_statements_and_a_lease_none():
     assert rows[late["task"]].state == "done" and rows[late["task"]].result_payload == [b"r"]
 
 
-def test_a_result_for_an_absent_client_is_journaled_at_once():
-    store, b = mesh(slots=1)
+def _one_task_leased(b: Broker) -> dict:
+    """Submit one script task and hand it to the worker: the TASK's header."""
     b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}]}, [b"p"]),
              0.0)
     b.dispatch(0.0)
     (task,) = [m.header for m in (decode(f, Limits()) for _, f in b.outbox)
                if m.command is Command.TASK]
+    return task
+
+
+def test_a_result_for_an_absent_client_is_journaled_at_once():
+    store, b = mesh(slots=1)
+    task = _one_task_leased(b)
     b.handle(C, msg(Command.DISCONNECT, {}), 0.5)
     b.outbox.clear()
     b.handle(W, msg(Command.RESULT, {"task": task["task"], "lease": task["lease"],
@@ -95,11 +101,7 @@ def test_a_held_result_sent_again_is_not_acknowledged_before_it_is_journaled():
     # task finished (in memory) and was told "duplicate" at once, so the worker forgot the
     # result while the journal still said the task was to run.
     store, b = mesh(slots=1)
-    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": 1, "nf": 1, "kind": "script"}]}, [b"p"]),
-             0.0)
-    b.dispatch(0.0)
-    (task,) = [m.header for m in (decode(f, Limits()) for _, f in b.outbox)
-               if m.command is Command.TASK]
+    task = _one_task_leased(b)
     b.outbox.clear()
     result = {"task": task["task"], "lease": task["lease"], "status": "ok", "encoding": "text"}
     b.handle(W, msg(Command.RESULT, result, [b"r"]), 1.0)

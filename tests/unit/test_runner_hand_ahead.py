@@ -1109,7 +1109,8 @@ def test_a_script_that_leaves_a_child_holding_its_pipes_is_done_when_it_exits(tm
     from gpumesh.runner.execute import run_script
 
     script = (b"import json, subprocess, sys\n"
-              b"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+              b"child = subprocess.Popen([sys.executable, '-c',\n"
+              b"                          'import select; select.select([], [], [], 30)'])\n"
               b"print(json.dumps({'child': child.pid}))\n")
     began = time.monotonic()
     header, frames = run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],

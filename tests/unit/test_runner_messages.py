@@ -317,37 +317,37 @@ def test_what_is_handed_ahead_counts_its_header_and_env_against_the_socket():
 
 
 
-def test_a_failed_scripts_last_error_line_is_kept_while_the_agent_reads_slowly():
-    # The relay, blocked writing to an agent not reading, was left after a second: the end of
-    # stderr (the traceback's last line) was lost from the error.
+def test_a_failed_scripts_last_error_line_is_kept_while_the_agent_reads_slowly(monkeypatch):
+    # The relay, blocked writing to an agent not reading, was left after OUTPUT_GRACE: the end
+    # of stderr (the traceback's last line) was lost from the error. Here the agent starts
+    # reading ten graces after the script began (the script itself exits at once).
     import os
     import threading
-    import time
 
-    from gpumesh.runner.execute import run_script
+    from gpumesh.runner import execute
 
+    monkeypatch.setattr(execute, "OUTPUT_GRACE", 0.1)
     read_end, write_end = os.pipe()
     saved = os.dup(2)
     drained: list[bytes] = []
 
-    def agent_reads_late() -> None:
-        time.sleep(2.5)
+    def agent_reads() -> None:
         while chunk := os.read(read_end, 65536):
             drained.append(chunk)
 
-    reader = threading.Thread(target=agent_reads_late, daemon=True)
-    reader.start()
+    late_reader = threading.Timer(1.0, agent_reads)
+    late_reader.start()
     script = (b"import sys\nsys.stderr.write('x' * 90000 + '\\n')\n"
               b"raise SystemExit('the last line')\n")
     try:
         os.dup2(write_end, 2)
-        header, _ = run_script({"kind": "script", "name": "slow"}, [script, b"{}"],
-                               dict(os.environ))
+        header, _ = execute.run_script({"kind": "script", "name": "slow"}, [script, b"{}"],
+                                       dict(os.environ))
     finally:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(write_end)
-    reader.join(10)
+    late_reader.join(10)
     os.close(read_end)
     assert header["status"] == "error"
     assert header["error"]["message"].endswith("the last line")

@@ -4,6 +4,7 @@ for the others, and removes each file once nobody needs it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -1262,11 +1263,10 @@ def test_a_folder_lock_another_coordinator_holds_for_a_moment_is_waited_for(tmp_
     again.close()
 
 
-def test_a_submission_sent_and_not_yet_accepted_keeps_its_files_when_the_client_closes(
-        folder, tmp_path, monkeypatch):
-    # The coordinator may have journaled it (its ACCEPTED lost with a crash): the files were
-    # removed as the client closed, and after the restart the task crashed three times on a
-    # missing input. The coordinator's sweep takes them once nothing names them.
+@contextlib.contextmanager
+def _big_submission_sent(folder, tmp_path, monkeypatch, sends=(5.0,)):
+    """A client engine of this machine that sent one big function task (its frames in the
+    folder) at each of ``sends``, nobody answering: (engine, submission). Closed after."""
     from gpumesh.client.engine import TaskFuture, _Submission
 
     engine = _engine_nobody_answers(tmp_path)
@@ -1275,10 +1275,26 @@ def test_a_submission_sent_and_not_yet_accepted_keeps_its_files_when_the_client_
         monkeypatch.setattr(engine._link, "send", lambda frames: True)  # on its way
         sub = _Submission(1, {"kind": "fn"}, [b"fn", BIG], TaskFuture(), "j1", "m")
         engine._outstanding[1] = sub
-        engine._send_submissions([sub], 5.0)
-        assert names(folder) and sub.sent_at and not sub.task_id
+        for when in sends:
+            engine._send_submissions([sub], when)
+        yield engine, sub
     finally:
         engine.close()
+
+
+def _busy(engine, now: float) -> None:
+    """The coordinator's answer: refused for now by this client's queue quota."""
+    busy = encode(Command.ACCEPTED, {"accepted": [], "rejected": [[1, "busy", "full"]]})
+    engine._on_accepted(decode(busy, LIMITS), now)
+
+
+def test_a_submission_sent_and_not_yet_accepted_keeps_its_files_when_the_client_closes(
+        folder, tmp_path, monkeypatch):
+    # The coordinator may have journaled it (its ACCEPTED lost with a crash): the files were
+    # removed as the client closed, and after the restart the task crashed three times on a
+    # missing input. The coordinator's sweep takes them once nothing names them.
+    with _big_submission_sent(folder, tmp_path, monkeypatch) as (_, sub):
+        assert names(folder) and sub.sent_at and not sub.task_id
     assert names(folder)
 
 
@@ -1286,42 +1302,19 @@ def test_a_submission_the_coordinator_parks_as_busy_gives_its_files_back_until_s
         folder, tmp_path, monkeypatch):
     # Refused for now by the queue quota, it held its input in /dev/shm for as long as it
     # waited: a .map of a thousand 64 MiB arrays filled the machine's shared memory.
-    from gpumesh.client.engine import TaskFuture, _Submission
-
-    engine = _engine_nobody_answers(tmp_path)
-    try:
-        engine._shm = joined(folder)
-        monkeypatch.setattr(engine._link, "send", lambda frames: True)
-        sub = _Submission(1, {"kind": "fn"}, [b"fn", BIG], TaskFuture(), "j1", "m")
-        engine._outstanding[1] = sub
-        engine._send_submissions([sub], 5.0)
+    with _big_submission_sent(folder, tmp_path, monkeypatch) as (engine, sub):
         assert names(folder)
-        busy = encode(Command.ACCEPTED, {"accepted": [], "rejected": [[1, "busy", "full"]]})
-        engine._on_accepted(decode(busy, LIMITS), 6.0)
+        _busy(engine, 6.0)
         assert sub.busy and names(folder) == set()
         engine._connected.set()
         engine._unpark(7.0, 1)  # its turn again: written again for the send
         assert names(folder) and not sub.busy
-    finally:
-        engine.close()
 
 
 def test_a_busy_submission_sent_twice_keeps_its_files_for_the_copy_still_on_its_way(
         folder, tmp_path, monkeypatch):
     # Sent again on silence, its second copy may be taken once the quota frees: removing the
     # files on the first copy's "busy" made that task fail at its lease, its input gone.
-    from gpumesh.client.engine import TaskFuture, _Submission
-
-    engine = _engine_nobody_answers(tmp_path)
-    try:
-        engine._shm = joined(folder)
-        monkeypatch.setattr(engine._link, "send", lambda frames: True)
-        sub = _Submission(1, {"kind": "fn"}, [b"fn", BIG], TaskFuture(), "j1", "m")
-        engine._outstanding[1] = sub
-        engine._send_submissions([sub], 5.0)
-        engine._send_submissions([sub], 7.0)  # re-sent: no answer came
-        busy = encode(Command.ACCEPTED, {"accepted": [], "rejected": [[1, "busy", "full"]]})
-        engine._on_accepted(decode(busy, LIMITS), 8.0)
+    with _big_submission_sent(folder, tmp_path, monkeypatch, sends=(5.0, 7.0)) as (engine, sub):
+        _busy(engine, 8.0)
         assert sub.busy and names(folder)
-    finally:
-        engine.close()
