@@ -71,7 +71,8 @@ class _Start:
         # Handlers installed by C code (None here) cannot be put back, nor SIGKILL's/SIGSTOP's.
         self.handlers = [(number, handler) for number, handler in
                          ((n, _signal.getsignal(n)) for n in _SIGNALS) if handler is not None]
-        self.blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        # No signal masks, interval timers or blocking flags on pipes on Windows (before 3.12).
+        self.blocked = _blocked_signals()
         self.umask = os.umask(0o022)
         os.umask(self.umask)
 
@@ -100,7 +101,7 @@ class _Start:
         for timer in _TIMERS:
             if signal.getitimer(timer) != (0.0, 0.0):
                 signal.setitimer(timer, 0)  # first: a pending alarm must not fire meanwhile
-        if signal.pthread_sigmask(signal.SIG_BLOCK, []) != self.blocked:
+        if self.blocked is not None and _blocked_signals() != self.blocked:
             # A signal that came while the task blocked it is delivered as the mask lifts:
             # ignored, not taken by the default action (SIGUSR1 ends the process, SIGINT
             # raises here) after the task ended and before its result is sent.
@@ -115,7 +116,7 @@ class _Start:
             try:
                 if not os.get_blocking(fd):
                     os.set_blocking(fd, True)
-            except OSError:
+            except (OSError, AttributeError):
                 pass
 
 
@@ -126,8 +127,16 @@ def _set_handler(number: int, handler: Any) -> None:
         pass
 
 
-_SIGNALS = [int(n) for n in signal.valid_signals() if n not in (signal.SIGKILL, signal.SIGSTOP)]
-_TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+def _blocked_signals() -> set[int | signal.Signals] | None:
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+_SIGNALS = [int(n) for n in signal.valid_signals()
+            if n not in (getattr(signal, "SIGKILL", None), getattr(signal, "SIGSTOP", None))]
+_TIMERS = ((signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+           if hasattr(signal, "setitimer") else ())
 
 
 def _identity(fd: int) -> tuple[int, int] | None:
