@@ -17,7 +17,6 @@ import asyncio
 import functools
 import inspect
 import os
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -146,9 +145,7 @@ class MeshFunction(Generic[P, R]):
         if self._source.settings().verbose:
             # Not self.__name__: update_wrapper copies it only when the callable has one.
             name = getattr(self.fn, "__name__", repr(self.fn))
-            # One write per line: print() writes the text and its newline separately, and
-            # lines from calls on several threads ran together.
-            sys.stderr.write(f"[gpumesh] {name}: {text}\n")
+            say_line(f"[gpumesh] {name}: {text}")  # whole: lines of several threads ran together
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         mesh = self._mesh()

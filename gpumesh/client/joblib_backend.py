@@ -70,7 +70,7 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         if self.mesh is None:
             from .decorators import mesh as default
 
-            if default._source.settings().local_only:
+            if _local_only():
                 return None  # GPUMESH_LOCAL=1 (inside a task, say): as @mesh, it runs here
             self.mesh = default._source.mesh()
         if self.mesh is None or not self.mesh.connect():

@@ -44,7 +44,7 @@ OUTPUT_HELD_BYTES = 4 * 1024 * 1024
 OUTPUT_CUT_NOTICE = (b"\n[gpumesh] output dropped here: it came faster than the link carried it "
                      b"while a big message went over it\n")
 _OUTPUT = bytes([Command.OUTPUT])
-MAX_CUT_NOTICES = 256  # tasks told their output was cut, per peer and busy spell
+MAX_CUT_NOTICES = 256  # tasks told their output was cut, per peer and big message
 
 
 def streams(frames: Sequence[Any]) -> bool:

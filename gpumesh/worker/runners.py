@@ -53,6 +53,8 @@ from ..sharedmem import SharedFolder
 
 log = logging.getLogger("gpumesh.worker")
 START_AGAIN = 1.0  # seconds before a runner that no process could be made for is tried again
+HEADER_BYTES = 512  # a runner header's fixed fields, packed, at most (kind, fn, lease, shm_dir...)
+REF_BYTES = 64  # one shm reference [index, 32-hex name, size], packed, at most
 
 TAIL_LINES = 20
 KILL_WAIT = 0.2  # seconds kill() waits for the killed runner to exit before it moves on
@@ -101,10 +103,16 @@ class QueuedTask:
         """About what handing it to a runner writes on the runner's socket, header included
         (a frame of SHARED_THRESHOLD or more goes as a shared file). Counted once: it was
         counted three times a task (room ahead, handed ahead, started), a tenth of an agent."""
-        # The header as written (its shm refs, a script's name, a source form's name) and the
-        # submitter's env (up to 32 KiB) beside it: counted as a flat 512 bytes, 64 tasks
-        # with a 5 KiB env each filled the socket and blocked the agent's loop on a write.
-        total = 64 + len(msgpack.packb(self.header, use_bin_type=True))
+        # The header's fixed fields fit HEADER_BYTES; what grows with the task goes on top:
+        # its shm refs (up to 4,096) and folder, a script's or source form's name, and the
+        # submitter's env (up to 32 KiB). Counted as a flat 512 bytes, 64 tasks with a 5 KiB
+        # env each filled the socket and blocked the agent's loop on a write. (Estimated, not
+        # packed: _write packs the header, and packing it here too cost 1.1 µs a task.)
+        header = self.header
+        refs = header.get("shm")
+        total = HEADER_BYTES + REF_BYTES * (len(refs) if isinstance(refs, list) else 0) \
+            + len(str(header.get("name", ""))) + len(str(header.get("src", ""))) \
+            + len(str(header.get("shm_dir", "")))
         env = self.task.header.get("env")
         if isinstance(env, dict):
             total += sum(len(str(k)) + len(str(v)) + 8 for k, v in env.items())

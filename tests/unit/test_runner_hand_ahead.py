@@ -7,6 +7,7 @@ under an agent that is never connected (what it would send is captured).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import sys
@@ -1101,7 +1102,8 @@ def test_what_a_task_sets_in_its_process_is_put_back_for_the_next(live_agent):
 
 
 def test_a_script_that_leaves_a_child_holding_its_pipes_is_done_when_it_exits(tmp_path):
-    # communicate() waited for the end of pipes a background child held: the slot hung.
+    # communicate() waited for the end of pipes a background child held: the slot hung (here
+    # for the child's 300 s, past the test's timeout).
     import json
     import os
     import signal
@@ -1110,16 +1112,17 @@ def test_a_script_that_leaves_a_child_holding_its_pipes_is_done_when_it_exits(tm
 
     script = (b"import json, subprocess, sys\n"
               b"child = subprocess.Popen([sys.executable, '-c',\n"
-              b"                          'import select; select.select([], [], [], 30)'])\n"
+              b"                          'import select; select.select([], [], [], 300)'])\n"
               b"print(json.dumps({'child': child.pid}))\n")
-    began = time.monotonic()
     header, frames = run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],
                                 dict(os.environ))
-    took = time.monotonic() - began
     child = json.loads(bytes(frames[0]))["child"]
-    os.kill(child, signal.SIGKILL)
-    assert header == {"status": "ok", "encoding": "json"} and took < 10
-
+    try:
+        os.kill(child, 0)  # done while the child still holds the pipes, not when it exits
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    assert header == {"status": "ok", "encoding": "json"}
 
 
 def _leaves_a_signal_pending(i):
