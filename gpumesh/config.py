@@ -33,7 +33,8 @@ CONFIG_FILE = "config.json"
 
 _URL_SCHEMES = ("tcp", "gpumesh", "http", "https")
 # A DNS name (RFC 1123 labels, a trailing dot allowed) or an IPv4 address; IPv6 is bracketed.
-_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+# ZeroMQ refuses a host whose first character is not a letter or digit (EINVAL, a traceback).
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)(?=[A-Za-z0-9])[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
                         r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9a-fA-F:.]+)\]|(?P<host>[^:/\[\]]+))(?::(?P<port>\d{1,5}))?/?$")
 
@@ -118,10 +119,20 @@ def _holds_token(text: str, token: str | None) -> bool:
 
 
 def _looks_like_token(host: str) -> bool:
-    """A host name shaped as ``gpumesh token`` makes them: ``rand-`` and a salt, a dot, then a
-    long random secret. (Long mixed-case labels are no sign: ``Johns-MacBook-Pro-16inch-2021``
-    is a host.)"""
-    return _GENERATED_TOKEN.fullmatch(host) is not None
+    """A host name shaped as a token: what ``gpumesh token`` makes (``rand-`` and a salt, a
+    dot, then a long random secret), or what the spec tells users to make with
+    ``secrets.token_urlsafe(32)``: one label of 32 or more URL-safe characters that mixes
+    upper and lower case and digits. (Mixed case alone is no sign:
+    ``Johns-MacBook-Pro-16inch-2021`` is a host; a label of 32 or more mixing all three is
+    not one a person names a machine.)"""
+    if _GENERATED_TOKEN.fullmatch(host) is not None:
+        return True
+    return (len(host) >= 32 and _URLSAFE.fullmatch(host) is not None
+            and any(c.isupper() for c in host) and any(c.islower() for c in host)
+            and any(c.isdigit() for c in host))
+
+
+_URLSAFE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _env_bool(value: str | None) -> bool:

@@ -11,7 +11,6 @@ command works as a pre-flight check in a script.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -112,11 +111,16 @@ def probe_torch() -> TorchFacts:
         import torch
     except Exception as exc:  # a broken torch install says why in many ways
         return TorchFacts(installed=True, error=f"{type(exc).__name__}: {exc}")
-    available = bool(torch.cuda.is_available())
-    names = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) \
-        if available else ()
-    return TorchFacts(True, str(torch.__version__), getattr(torch.version, "cuda", None),
-                      available, names)
+    version, build = str(torch.__version__), getattr(torch.version, "cuda", None)
+    try:
+        # On the machines doctor is for, these raise: a driver too old for this CUDA, a GPU
+        # fallen off the bus, CUDA_VISIBLE_DEVICES naming one that is not there.
+        available = bool(torch.cuda.is_available())
+        names = tuple(torch.cuda.get_device_name(i)
+                      for i in range(torch.cuda.device_count())) if available else ()
+    except Exception as exc:
+        return TorchFacts(True, version, build, error=f"CUDA: {type(exc).__name__}: {exc}")
+    return TorchFacts(True, version, build, available, names)
 
 
 def probe_nvidia_smi(which: Callable[[str], str | None] = shutil.which) -> list[str] | None:
@@ -140,6 +144,10 @@ def check_torch(torch: TorchFacts, smi: list[str] | None) -> Check:
     data: dict[str, Any] = {**asdict(torch), "nvidia_smi": smi}
     smi_line = ("nvidia-smi: not found" if smi is None
                 else f"nvidia-smi: {len(smi)} GPU(s){': ' + ', '.join(smi) if smi else ''}")
+    if torch.error is not None and torch.version is not None:
+        return Check("torch", "warn", f"torch {torch.version} imports, but its {torch.error}", (
+            smi_line, "this machine joins as CPU only: the driver may be older than this "
+            "torch's CUDA, or CUDA_VISIBLE_DEVICES names a GPU that is not there"), data)
     if torch.error is not None:
         return Check("torch", "warn", f"torch is installed but does not import: {torch.error}",
                      (smi_line, "this machine joins as CPU only until torch imports"), data)
@@ -178,8 +186,16 @@ def check_config(settings: Settings) -> tuple[Check, str | None, str | None]:
     try:
         saved = settings.saved_connection()
     except ConfigError as exc:
+        # GPUMESH_URL may still be checked, once it parses: unparsed, it may be the token
+        # itself (set in the wrong variable), and the coordinator's line would quote it.
+        url = settings.url
+        if url is not None:
+            try:
+                parse_url(url, settings.token)
+            except ConfigError:
+                url = None
         return Check("config", "fault", f"cannot read the saved connection: {exc}",
-                     data={"path": str(path)}), settings.url, settings.token
+                     data={"path": str(path)}), url, settings.token
     url = settings.url or (saved.url if saved else None)
     token = settings.token or (saved.token if saved else None)
     source = ("GPUMESH_URL" if settings.url else f"saved in {path}" if saved else None)
@@ -506,14 +522,14 @@ def render(checks: Sequence[Check], colour: bool = False) -> str:
 
 def run(*, as_json: bool, url: str | None, token: str | None, timeout: float,
         probes: Probes | None = None) -> int:
-    from .output import color_enabled
+    from .output import color_enabled, json_text
 
     checks = report(os.environ, url=url, token=token, timeout=timeout, probes=probes)
     if as_json:
         for c in checks:
             if c.status in ("warn", "fault"):
                 click.echo(f"{c.status}: {c.summary}", err=True)
-        click.echo(json.dumps(as_document(checks), indent=2))
+        click.echo(json_text(as_document(checks)))
     else:
         click.echo(render(checks, color_enabled()), nl=False, color=color_enabled())
     return exit_code(checks)

@@ -85,12 +85,20 @@ def gpus(torch: Any | None = None) -> list[dict[str, Any]]:
     if torch is None:
         return []
     found = []
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            found.append({"index": index, "name": props.name, "vram": int(props.total_memory),
-                          "backend": "cuda"})
-    elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    try:
+        # These raise where the driver and this torch's CUDA disagree, a GPU fell off the
+        # bus, or CUDA_VISIBLE_DEVICES names one that is not there.
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(index)
+                found.append({"index": index, "name": props.name,
+                              "vram": int(props.total_memory), "backend": "cuda"})
+            return found
+    except Exception as exc:
+        log.warning("torch cannot use this machine's GPUs (%s: %s): it works as a CPU worker; "
+                    "'gpumesh doctor' says more", type(exc).__name__, " ".join(str(exc).split())[:200])
+        return []
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         found.append({"index": 0, "name": "Apple MPS", "vram": 0, "backend": "mps"})
     return found
 

@@ -135,6 +135,23 @@ def test_host_names_are_not_taken_for_tokens(host: str) -> None:
     assert parse_url("tcp://gpubox01.lab:8000", "gpubox01").host == "gpubox01.lab"
 
 
+def test_a_token_made_as_the_spec_says_is_not_taken_for_a_host() -> None:
+    # secrets.token_urlsafe(32), the spec's recipe: set as the URL with no token known.
+    for token in ("0fI2dQ_yXk3Lm9PzR7sTt4uVw8Ab1Cd5Ef6Gh2Ij3Kl", "_9xQeL2mZk7RtY4wPa8sDf3GhJ6kLz1XcV5bN0mQw"):
+        with pytest.raises(ConfigError, match="is a token, not an address") as info:
+            parse_url(f"tcp://{token}:8000")
+        assert token not in str(info.value)
+    # Kubernetes pod names are long, lower case, digits and dashes: hosts.
+    assert parse_url("myapp-deployment-5d4f8c7b9-abcde-x1.svc").host.startswith("myapp")
+
+
+def test_a_host_zeromq_would_refuse_is_refused_here_in_words() -> None:
+    # libzmq's connect() raises EINVAL for a first character other than a letter or digit.
+    with pytest.raises(ConfigError, match="is not a host name or an IP address"):
+        parse_url("tcp://_abc:8000")
+    assert parse_url("tcp://a_b:8000").host == "a_b"  # inside a name ZeroMQ takes it
+
+
 def test_a_weak_secret_given_alone_as_the_url_is_refused() -> None:
     for url in ("gpubox01", "tcp://gpubox01:8000", "my.dotted.secret"):
         secret = url.removeprefix("tcp://").removesuffix(":8000")

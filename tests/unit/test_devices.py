@@ -78,6 +78,18 @@ def test_apple_mps_counts_as_one_gpu():
     assert devices.gpus(torch) == [{"index": 0, "name": "Apple MPS", "vram": 0, "backend": "mps"}]
 
 
+def test_cuda_that_raises_makes_a_cpu_worker_said_in_the_log(caplog):
+    torch = fake_torch(["NVIDIA RTX 3090"])
+
+    def lost(index):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    torch.cuda.get_device_properties = lost
+    with caplog.at_level("WARNING", logger="gpumesh.worker"):
+        assert devices.gpus(torch) == []
+    assert "unspecified launch failure" in caplog.text and "CPU worker" in caplog.text
+
+
 def test_cpu_slots_default_to_the_cores_up_to_four():
     assert default_slots({"gpus": [], "cores": 2}) == 2
     assert default_slots({"gpus": [], "cores": 64}) == 4

@@ -116,6 +116,49 @@ def test_damaged_config_is_a_fault_and_missing_one_a_warning(tmp_path):
     assert not empty.exists()  # read-only: nothing created
 
 
+def test_a_token_as_the_url_beside_a_damaged_config_is_never_shown(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    dialled: list[str] = []
+    checks = doctor.report({"GPUMESH_HOME": str(tmp_path), "GPUMESH_URL": TOKEN,
+                            "GPUMESH_TOKEN": TOKEN},
+                           probes=_probes(connect=lambda u, t, s: dialled.append(u) or []))
+    shown = json.dumps(doctor.as_document(checks)) + doctor.render(checks)
+    assert TOKEN not in shown and parse_token(TOKEN).secret not in shown and dialled == []
+    assert doctor.exit_code(checks) == 1
+    # A usable GPUMESH_URL is still checked.
+    checks = doctor.report({"GPUMESH_HOME": str(tmp_path), "GPUMESH_URL": "tcp://127.0.0.1:9",
+                            "GPUMESH_TOKEN": TOKEN},
+                           probes=_probes(connect=lambda u, t, s: dialled.append(u) or []))
+    assert dialled == ["tcp://127.0.0.1:9"]
+
+
+def test_cuda_that_raises_is_a_warning_not_a_traceback(monkeypatch):
+    import sys
+    import types
+
+    def broken(*_):
+        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+    cuda = types.SimpleNamespace(is_available=broken, device_count=broken, get_device_name=broken)
+    fake = types.SimpleNamespace(__version__="2.9.0", version=types.SimpleNamespace(cuda="12.8"),
+                                 cuda=cuda)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    facts = doctor.probe_torch()
+    assert facts.installed and facts.version == "2.9.0" and "insufficient" in (facts.error or "")
+    check = doctor.check_torch(facts, ["RTX 3090"])
+    assert check.status == "warn" and "2.9.0 imports" in check.summary
+    assert "CPU only" in " ".join(check.lines)
+
+
+def test_the_json_document_is_strict_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(doctor, "report", lambda *a, **k: [
+        Check("workers", "ok", "fine", (), {"score": float("nan"), "when": Path("/x")})])
+    assert doctor.run(as_json=True, url=None, token=None, timeout=1.0) == 0
+    document = json.loads(capsys.readouterr().out, parse_constant=lambda name: 1 / 0)
+    assert document["checks"][0]["data"] == {"score": None, "when": "PosixPath('/x')"}
+
+
 def test_config_readable_by_others_is_flagged(tmp_path):
     save_connection(tmp_path / "config.json", "tcp://127.0.0.1:8123", TOKEN)
     (tmp_path / "config.json").chmod(0o644)
