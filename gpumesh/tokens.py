@@ -136,9 +136,16 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
         raise ConfigError(f"{where} is not a token file: it is longer than "
                           f"{MAX_TOKEN_FILE_BYTES} bytes")
     try:
-        text = raw.decode("utf-8").strip()
+        # A BOM is no part of the token: Notepad and PowerShell 5's "Out-File -Encoding utf8"
+        # write one, and a machine whose file has none would be refused without a clue why.
+        text = raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError:
-        raise ConfigError(f"{where} is not a token file: it is not UTF-8 text") from None
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        raise ConfigError(
+            f"{where} is not a token file: it is not UTF-8 text"
+            + (" (it is UTF-16, as PowerShell's > writes: write it with "
+               "'gpumesh token --file FILE', or '... | Out-File -Encoding ascii FILE')"
+               if utf16 else "")) from None
     if not text:
         raise ConfigError(f"the token file {where} is empty: {HOW_TO_GENERATE} --file {where}")
     if "\n" in text:

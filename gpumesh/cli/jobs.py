@@ -291,7 +291,10 @@ def control(mesh: GPUMesh, action: str, target: str, wait: bool = False,
             ok(f"Re-queued {plural(count, 'task')} of job {target}, each as it was submitted "
                "(the same script and payload: submit again to run an edited script)")
             if wait:
-                final = follow(mesh, target)
+                try:
+                    final = follow(mesh, target)
+                except KeyboardInterrupt:
+                    return _stopped_waiting(target, accepted=True)  # the retry stands
                 click.echo("")
                 click.echo(job_summary(final, limit=WAIT_LISTING))
                 return 0 if final["counts"].get("done", 0) == final["total"] else 1

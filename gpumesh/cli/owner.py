@@ -36,7 +36,13 @@ def steer(settings: Settings, action: str, worker: str | None, wait: bool) -> in
             continue
         ok(_describe(action, answer))
     if wait and action.startswith("drain"):
-        _wait_gone(settings, entries)
+        try:
+            _wait_gone(settings, entries)
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            click.echo("Stopped waiting; the drain goes on: each worker leaves once its running "
+                       "tasks end ('gpumesh drain --now' hands them back now)", err=True)
+            return 130
     return 1 if failures else 0
 
 

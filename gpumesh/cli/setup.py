@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import getpass
 import hmac
+import os
 import signal
 import socket
 import sys
@@ -69,6 +70,10 @@ class Answers:
     url: str | None = None
     discovered: bool = False
     slots: int | None = None
+    # This machine's own coordinator saved another token: join/use must not replace it (its
+    # next `gpumesh serve` would make a new one and lock its workers out), so this mesh's token
+    # goes in a file of its own and the next steps name it.
+    beside_own: bool = False
 
     @property
     def local_url(self) -> str:
@@ -161,6 +166,10 @@ def save(settings: Settings, answers: Answers) -> list[Path]:
         token_path = save_served(settings, answers.local_url, answers.token,
                                  (answers.host, answers.port))
         return [settings.config_path, token_path]
+    if answers.beside_own:
+        joined = settings.home / JOINED_TOKEN_FILE
+        write_token_file(joined, answers.token, replace=True)
+        return [joined]
     save_joined(settings, answers.local_url, answers.token, answers.slots)
     if answers.role == "use":
         return [settings.config_path]
@@ -169,10 +178,43 @@ def save(settings: Settings, answers: Answers) -> list[Path]:
     return [settings.config_path, token_path]
 
 
-def token_file(settings: Settings) -> str:
+JOINED_TOKEN_FILE = "joined-token"
+
+
+def _plain(text: str) -> str:
+    """``text`` shown as it is inside rich markup: an IPv6 URL's ``[fd00::20]`` is not a tag."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _user() -> str:
+    """Who tasks run as. getpass raises where the uid has no passwd entry and no USER (a
+    container started with --user 1234)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError, ImportError):
+        return f"uid {os.getuid()}" if hasattr(os, "getuid") else "this user"
+
+
+def token_file(settings: Settings, answers: Answers | None = None) -> str:
+    """The token file the next steps name: this machine's own, or, beside its own
+    coordinator, the joined mesh's."""
     from .serve import TOKEN_FILE
 
-    return home_display(settings.home / TOKEN_FILE)
+    name = JOINED_TOKEN_FILE if answers is not None and answers.beside_own else TOKEN_FILE
+    return home_display(settings.home / name)
+
+
+def own_token_differs(settings: Settings, token: str) -> bool:
+    """Whether this machine's own coordinator saved a token other than ``token``."""
+    from .serve import saved_coordinator
+
+    try:
+        own = saved_coordinator(settings, quiet=True)
+    except MeshError:
+        return False  # an unreadable token file: nothing to keep
+    return own is not None and not hmac.compare_digest(own.token.encode(), token.encode())
 
 
 def next_steps(settings: Settings, answers: Answers) -> list[str]:
@@ -190,6 +232,17 @@ def next_steps(settings: Settings, answers: Answers) -> list[str]:
                          "readable only by you), then run 'gpumesh setup' there and choose to "
                          "join, or 'gpumesh join --token-file FILE'")
         return steps + CODE_STEPS
+    if answers.beside_own:
+        given = f"--url {answers.local_url} --token-file {token_file(settings, answers)}"
+        if answers.role == "join":
+            return [f"gpumesh join {answers.local_url} --token-file {token_file(settings, answers)}",
+                    "   joins this machine to that mesh as a worker, until Ctrl+C"
+                    + (f" (add --slots {answers.slots})" if answers.slots else "")
+                    + "; this machine's own coordinator keeps its saved connection"]
+        return [f"gpumesh workers {given}   # that mesh's workers",
+                f"   from Python: GPUMESH_URL={answers.local_url} GPUMESH_TOKEN=\"$(cat "
+                f"{token_file(settings, answers)})\" python your_script.py; a plain @mesh keeps "
+                "using this machine's own coordinator"]
     if answers.role == "join":
         steps = ["gpumesh join",
                  "   joins this machine to the mesh as a worker, until Ctrl+C, with the saved "
@@ -307,7 +360,7 @@ class _Wizard:
 
         # Marked as warned, so deriving its keys later does not log the same warning again.
         if note_weak(token):
-            self.console.print(f"[yellow]warning:[/yellow] {weak_warning(token)}")
+            self.console.print(f"[yellow]warning:[/yellow] {_plain(weak_warning(token))}")
         return token, False
 
     def _serve(self) -> Answers:
@@ -321,9 +374,9 @@ class _Wizard:
         token, generated = self._token(serve=True, current=current)
         kept = current is not None and hmac.compare_digest(current.encode(), token.encode())
         if generated:
-            self.console.print(f"A new token will be saved in {token_file(self.settings)}, "
+            self.console.print(f"A new token will be saved in {_plain(token_file(self.settings))}, "
                                "readable only by you (it is never printed).")
-        user = getpass.getuser()
+        user = _user()
         host = self.q.select("Who may connect to the coordinator?", choices=[
             self.q.Choice("this machine only (127.0.0.1): the safe default", DEFAULT_HOST),
             self.q.Choice(f"the LAN (0.0.0.0): anyone who reaches the port AND has the token "
@@ -332,7 +385,7 @@ class _Wizard:
         if host == LAN:
             self.console.print(f"[yellow]The coordinator will be reachable from other machines: "
                                f"only do this on a network you trust, and keep the token "
-                               f"secret.[/yellow] Tasks run as {user}.")
+                               f"secret.[/yellow] Tasks run as {_plain(user)}.")
         saved_port = own.port if own is not None and own.port else DEFAULT_PORT
         port = self.q.text("Port:", default=str(saved_port),
                            validate=lambda text: port_problem(text, host) or True).unsafe_ask()
@@ -345,7 +398,8 @@ class _Wizard:
         if url is None:
             url = self._typed_url(token)
         slots = self._slots() if role == "join" else None
-        return Answers(role, token, url=url, discovered=discovered, slots=slots)
+        return Answers(role, token, url=url, discovered=discovered, slots=slots,
+                       beside_own=own_token_differs(self.settings, token))
 
     def _find(self, token: str) -> tuple[str | None, bool]:
         """A coordinator of this token's mesh chosen among those the LAN advertises."""
@@ -367,7 +421,7 @@ class _Wizard:
             try:
                 found = browse(timeout, interfaces, want=fingerprint)
             except MeshError as exc:
-                self.console.print(f"{exc}.")
+                self.console.print(f"{exc}.", markup=False)
                 return None, False
         ours = [f for f in found if f.mesh == fingerprint and f.proto == MAJOR]
         if not ours:
@@ -401,19 +455,19 @@ class _Wizard:
     def _answers(self, url: str, token: str) -> bool:
         from .doctor import connect_and_list
 
-        with self.console.status(f"Connecting to {url}…"):
+        with self.console.status(f"Connecting to {_plain(url)}…"):
             try:
                 listing = connect_and_list(url, token, 5.0, self.settings)
             except AuthenticationError:
-                self.console.print(f"[yellow]{url} answers, but refuses this token[/yellow]: "
+                self.console.print(f"[yellow]{_plain(url)} answers, but refuses this token[/yellow]: "
                                    "check that it is this mesh's token.")
                 return False
             except MeshError as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                self.console.print(f"[yellow]{url} does not answer:[/yellow] {first}")
+                self.console.print(f"[yellow]{_plain(url)} does not answer:[/yellow] {_plain(first)}")
                 return False
         alive = len([w for w in listing if w.get("alive")])
-        self.console.print(f"[green]{url} answers[/green]: {alive} worker(s) alive.")
+        self.console.print(f"[green]{_plain(url)} answers[/green]: {alive} worker(s) alive.")
         return True
 
     def _slots(self) -> int | None:
@@ -443,9 +497,14 @@ class _Wizard:
                           + (" (found on the LAN)" if answers.discovered else "")))
         if answers.role == "join":
             lines.append(("Slots", "as detected" if answers.slots is None else str(answers.slots)))
-        saved = [home_display(self.settings.config_path)]
-        if answers.role != "use":
-            saved.append(token_file(self.settings))
+        if answers.beside_own:
+            lines.append(("This machine", "keeps its own coordinator's connection and token as "
+                          "the default; this mesh's token gets a file of its own"))
+            saved = [token_file(self.settings, answers)]
+        else:
+            saved = [home_display(self.settings.config_path)]
+            if answers.role != "use":
+                saved.append(token_file(self.settings))
         lines.append(("Saved in", ", ".join(saved) + " (readable only by you)"))
         self.console.print("")
         self.console.print("[bold]Summary[/bold]")
@@ -454,7 +513,7 @@ class _Wizard:
 
     def done(self, answers: Answers, written: list[Path]) -> None:
         self.console.print("")
-        self.console.print(f"[green]Saved[/green] {', '.join(home_display(p) for p in written)}.")
+        self.console.print(f"[green]Saved[/green] {_plain(', '.join(home_display(p) for p in written))}.")
         self.console.print("Next, run:")
         for line in next_steps(self.settings, answers):
             self.console.print(f"  {line}", markup=False, soft_wrap=True)

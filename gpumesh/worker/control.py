@@ -122,6 +122,10 @@ def local_workers(home: Path) -> list[dict[str, Any]]:
 
 
 def is_alive(pid: int) -> bool:
+    if os.name == "nt":
+        # Not os.kill(pid, 0): signal 0 is CTRL_C_EVENT there, which Python turns into a
+        # GenerateConsoleCtrlEvent that interrupts every process on the console.
+        return _alive_on_windows(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -133,6 +137,24 @@ def is_alive(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def _alive_on_windows(pid: int) -> bool:
+    import ctypes
+    from ctypes import wintypes
+
+    query_limited_information, still_active, access_denied = 0x1000, 259, 5
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+    handle = kernel32.OpenProcess(query_limited_information, False, pid)
+    if not handle:
+        return bool(ctypes.get_last_error() == access_denied)  # type: ignore[attr-defined]
+    try:
+        code = wintypes.DWORD()
+        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
+            return True
+        return code.value == still_active
+    finally:
+        kernel32.CloseHandle(handle)
 
 
 def is_registered(home: Path, worker_id: str) -> bool:

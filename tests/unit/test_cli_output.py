@@ -73,3 +73,31 @@ def test_a_dashboard_that_cannot_bind_names_the_flag_that_fixes_it() -> None:
     nameless = _bind_failure("*", 8265, socket.gaierror(-2, "Name or service not known"))
     assert "--dashboard-host must be" in nameless
     assert "administrator rights" in _bind_failure("0.0.0.0", 443, OSError(errno.EACCES, "no"))
+
+
+def test_ctrl_c_while_waiting_on_a_retry_or_a_drain_stops_the_waiting_only(capsys, monkeypatch):
+    """As for submit --wait: exit 130 with what goes on, not click's bare 'Aborted!'."""
+    from pathlib import Path
+
+    from gpumesh.cli import jobs, owner
+    from gpumesh.config import Settings
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    class Mesh:
+        def retry_job(self, target, force=False):
+            return 2
+
+    monkeypatch.setattr(jobs, "follow", interrupted)
+    assert jobs.control(Mesh(), "retry", "abc123", wait=True) == 130
+    said = capsys.readouterr().err
+    assert "keeps running on the mesh" in said and "gpumesh status abc123" in said
+
+    entry = {"worker": "w1", "pid": 1, "port": 1, "secret": "x"}
+    monkeypatch.setattr(owner.local, "local_workers", lambda home: [entry])
+    monkeypatch.setattr(owner.local, "send", lambda e, action, timeout=5.0: {
+        "worker": "w1", "running": 1, "handed_back": 0})
+    monkeypatch.setattr(owner, "_wait_gone", interrupted)
+    assert owner.steer(Settings(home=Path("/nonexistent")), "drain", None, wait=True) == 130
+    assert "the drain goes on" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from gpumesh.cli.setup import (
     Answers,
     needs_ui,
     next_steps,
+    own_token_differs,
     port_problem,
     save,
     slots_problem,
@@ -125,6 +126,32 @@ def test_next_commands_name_the_token_file_never_the_token(settings):
                for lines in steps.values() for line in lines)
 
 
+def test_joining_another_mesh_keeps_this_machines_own_coordinator(settings):
+    """A machine that serves its own mesh, set up to join (or use) another: its saved
+    connection and token file stay, or its next 'gpumesh serve' makes a new token and
+    every one of its workers is locked out."""
+    own, other = new_token(), new_token()
+    save(settings, Answers("serve", own, generated=True, port=8123))
+    assert own_token_differs(settings, other) and not own_token_differs(settings, own)
+    for role in ("join", "use"):
+        answers = Answers(role, other, url="tcp://127.0.0.1:9000", slots=2,
+                          beside_own=own_token_differs(settings, other))
+        written = save(settings, answers)
+        assert written == [settings.home / "joined-token"]
+        assert (settings.home / "joined-token").read_text().strip() == other
+        assert stat.S_IMODE((settings.home / "joined-token").stat().st_mode) == 0o600
+        saved = load_connection(settings.config_path)
+        assert saved is not None and saved.token == own and saved.served == ("127.0.0.1", 8123)
+        assert (settings.home / "token").read_text().strip() == own
+        steps = next_steps(settings, answers)
+        assert f"--token-file {settings.home / 'joined-token'}" in steps[0]
+        assert "tcp://127.0.0.1:9000" in steps[0]
+        assert all(other not in line and other.split(".")[1] not in line for line in steps)
+    # With no coordinator of its own, join saves as before.
+    fresh = Settings(home=settings.home.parent / "fresh")
+    assert not own_token_differs(fresh, other)
+
+
 def test_the_ui_hint_fits_how_gpumesh_was_installed(tmp_path):
     installed = tmp_path / "site-packages" / "gpumesh"
     installed.mkdir(parents=True)
@@ -136,3 +163,19 @@ def test_the_ui_hint_fits_how_gpumesh_was_installed(tmp_path):
     assert f'pip install -e ".[ui]" in {checkout.parent}' in hint
     (checkout.parent / "pyproject.toml").write_text('[project]\nname = "other"\n')
     assert "gpumesh[ui]" in needs_ui(checkout)  # a package vendored in another project
+
+
+def test_ipv6_urls_survive_the_wizards_markup_and_a_nameless_uid_is_named(monkeypatch):
+    from rich.console import Console
+
+    from gpumesh.cli import setup
+
+    console = Console(record=True, width=200, color_system=None)
+    console.print(f"[green]{setup._plain('tcp://[fd00::20]:8000')} answers[/green]")
+    assert "tcp://[fd00::20]:8000 answers" in console.export_text()
+
+    def nameless() -> str:
+        raise KeyError("getpwuid(): uid not found: 1234")
+
+    monkeypatch.setattr(setup.getpass, "getuser", nameless)
+    assert setup._user().startswith("uid ")

@@ -122,6 +122,12 @@ def test_reading_a_token_file_strips_whitespace(tmp_path: Path) -> None:
     path = tmp_path / "t"
     path.write_text(f"  {SECRET}\r\n\n")
     assert read_token_file(path) == SECRET
+    path.write_bytes(b"\xef\xbb\xbf" + SECRET.encode() + b"\r\n")  # PowerShell 5's utf8
+    assert read_token_file(path) == SECRET
+    path.write_bytes(SECRET.encode("utf-16"))  # PowerShell 5's >
+    with pytest.raises(ConfigError, match="it is UTF-16") as caught:
+        read_token_file(path)
+    assert SECRET not in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -775,3 +775,18 @@ def test_a_task_cannot_name_the_agents_own_bookkeeping_keys(agent):
     agent._on_task(decode(encode(Command.TASK, header, [b"print(1)"]), Limits()), 0.0)
     held = [q.task for q in agent.queue] + [r.task for r in agent.runners if r.task]
     assert held and all(_SHM_DIR not in t.header and _SHM_START not in t.header for t in held)
+
+
+def test_a_local_workers_liveness_never_signals_it_on_windows(monkeypatch):
+    """os.kill(pid, 0) is a Ctrl+C to the whole console on Windows (signal 0 is
+    CTRL_C_EVENT there): pause/resume/drain must ask the process table instead."""
+    from gpumesh.worker import control as local
+
+    def no_signals(pid: int, sig: int) -> None:
+        raise AssertionError(f"os.kill({pid}, {sig}) on Windows")
+
+    asked: list[int] = []
+    monkeypatch.setattr(local.os, "kill", no_signals)
+    monkeypatch.setattr(local.os, "name", "nt")
+    monkeypatch.setattr(local, "_alive_on_windows", lambda pid: asked.append(pid) or True)
+    assert local.is_alive(4242) and asked == [4242]
