@@ -360,7 +360,7 @@ class _Wizard:
 
         # Marked as warned, so deriving its keys later does not log the same warning again.
         if note_weak(token):
-            self.console.print(f"[yellow]warning:[/yellow] {_plain(weak_warning(token) or "")}")
+            self.console.print(f"[yellow]warning:[/yellow] {_plain(weak_warning(token) or '')}")
         return token, False
 
     def _serve(self) -> Answers:

@@ -81,6 +81,7 @@ class GPUMesh:
         self._engine: Engine | None = None
         self._engine_pid = os.getpid()
         self._lock = threading.Lock()
+        self._closed_thread: threading.Thread | None = None  # the I/O thread close() ended
         self._unreachable_at = 0.0
         # The futures of the script jobs this GPUMesh submitted, the latest KEPT_JOBS of them:
         # each holds its results, and a long-lived client submitting job after job kept all.
@@ -104,6 +105,11 @@ class GPUMesh:
                 # along, so this process gets a connection of its own.
                 self._engine = None
             if self._engine is None or self._engine.fatal is not None:
+                if threading.current_thread() is self._closed_thread:
+                    # A done-callback of the connection close() is ending: a new one made
+                    # there would outlive the close, on a mesh its user just closed.
+                    raise MeshError("this mesh connection was closed while this callback ran: "
+                                    "nothing more is sent from it")
                 self._engine_pid = os.getpid()
                 # Its callbacks hold this object weakly: a GPUMesh dropped without close()
                 # is collected, and its connection then closes itself.
@@ -176,10 +182,14 @@ class GPUMesh:
         return self._engine is not None and self._engine.connected
 
     def close(self) -> None:
+        # Closed outside the lock: closing joins the I/O thread, where a done-callback that
+        # submits more (joblib's next batch, a chained call) waits for this lock.
         with self._lock:
-            if self._engine is not None:
-                self._engine.close()
-                self._engine = None
+            engine, self._engine = self._engine, None
+            if engine is not None:
+                self._closed_thread = engine.io_thread
+        if engine is not None:
+            engine.close()
 
     def __enter__(self) -> GPUMesh:
         return self
@@ -366,10 +376,13 @@ class GPUMesh:
             # spent more of the client's time there than in the mesh.
             watch.changed.wait(0.25)
             if watch.failed:
-                waiting = [f for f in futures if not f.done()]
-                self._cancel(waiting)
-                first = next(f for f in futures if f.done() and (
-                    f.cancelled() or f.exception() is not None))
+                # Chosen before the rest are cancelled here: one cancelled by that, earlier in
+                # the list, raised a bare CancelledError in place of the task's own error (a
+                # `gpumesh cancel JOB` read as CancelledError, not TaskCancelled).
+                ended = [f for f in futures if f.done() and (
+                    f.cancelled() or f.exception() is not None)]
+                first = next((f for f in ended if not f.cancelled()), ended[0])
+                self._cancel([f for f in futures if not f.done()])
                 error = None if first.cancelled() else first.exception()
                 if error is not None:
                     localize_error(error)  # the caller's source lines for its own frames

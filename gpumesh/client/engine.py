@@ -10,6 +10,7 @@ message costs time, never a result.
 from __future__ import annotations
 
 import _thread
+import atexit
 import concurrent.futures
 import getpass
 import itertools
@@ -87,6 +88,23 @@ def refuse_wait_on_io_thread(what: str) -> None:
             f"{what} from a done-callback would wait forever: the callback runs on gpumesh's "
             "client I/O thread, which is what delivers the answer. Wait in a thread of your "
             "own, or chain another add_done_callback")
+
+# Closing (close(), or the interpreter exiting): how long a task cancelled before its ACCEPTED
+# waits for it (its CANCEL needs the task id), and how long the last messages get to leave.
+CLOSE_GRACE = 2.0
+GOODBYE_LINGER_MS = 1000
+# Engines whose I/O thread still runs: closed at exit, so what the program asked reaches the
+# coordinator before the interpreter kills the daemon thread (atexit runs while it still runs).
+_OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _close_open_engines() -> None:
+    for engine in list(_OPEN_ENGINES):
+        if engine._pid == os.getpid():  # a forked child's copies have no thread to close
+            engine.close()
+
+
+atexit.register(_close_open_engines)
 
 # An unaccepted submission is sent again only when the coordinator has accepted nothing for
 # this long: it answers SUBMITs in order, so while acceptances keep coming, later ones are
@@ -334,6 +352,8 @@ class Engine:
         self._stopped = False  # the I/O thread has ended: nobody else reads _commands
         self._thread = threading.Thread(target=self._run, name="gpumesh-client", daemon=True)
         _IO_THREADS.add(self._thread)
+        self._pid = os.getpid()
+        _OPEN_ENGINES.add(self)
         self._thread.start()
 
     # ----------------------------------------------------------------- public, any thread
@@ -426,6 +446,10 @@ class Engine:
         while disconnected, is cancelled as soon as the coordinator is reachable."""
         self._command(("cancel", list(futures)))
 
+    @property
+    def io_thread(self) -> threading.Thread:
+        return self._thread
+
     def close(self) -> None:
         if self._closing.is_set():
             return
@@ -466,7 +490,9 @@ class Engine:
             self._session.start(clock.now())
             while not self._closing.is_set():
                 self._turn()
-            if self._connected.is_set():
+            goodbye = self._connected.is_set()
+            if goodbye:
+                self._send_what_was_asked()
                 self._flush_acks()
                 self._link.flush()
                 self._link.send(encode(Command.DISCONNECT, {"reason": "closed"}))
@@ -478,16 +504,33 @@ class Engine:
             self.fatal = MeshError(f"the gpumesh client thread failed: {exc!r}")
             self._fail_all(self.fatal)
         finally:
+            _OPEN_ENGINES.discard(self)
             self._connected.clear()
             if self._shm is not None:
                 self._shm.release()
-            self._link.close()
+            # A moment for the CANCELs and the goodbye just queued to leave: closed at once,
+            # ZeroMQ drops what is still in its queue.
+            self._link.close(linger_ms=GOODBYE_LINGER_MS if goodbye else 0)
             self._wake_r.close()
             self._wake_w.close()
             self._ctx.term()
             # Before the last drain: a command queued after it is failed by its sender.
             self._stopped = True
             self._fail_all(MeshError("the mesh connection was closed before this task finished"))
+
+    def _send_what_was_asked(self) -> None:
+        """Closing, or the program exiting: what it asked for still reaches the coordinator.
+        Queued submissions and cancels go out (they were lost with the thread, so a script
+        that exited right after a .map's error left the rest of it running), and a task
+        cancelled before the coordinator confirmed it waits up to CLOSE_GRACE for its
+        ACCEPTED, which sends its CANCEL (_on_accepted): the coordinator does not cancel a
+        departing client's tasks (a detached job is a feature)."""
+        deadline = clock.now() + CLOSE_GRACE
+        self._take_commands(clock.now())
+        while self._connected.is_set() and clock.now() < deadline and any(
+                sub.future.cancel_requested and sub.sent_at and not sub.task_id and not sub.busy
+                for sub in self._outstanding.values()):
+            self._turn()
 
     def _fail_all(self, exc: BaseException) -> None:
         for sub in list(self._outstanding.values()):

@@ -14,11 +14,13 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from ..errors import MeshError
 from .api import GPUMesh, new_job_id
 from .console import say_line
 from .engine import FIRST_CHUNK, TaskFuture, _Waiters, refuse_wait_on_io_thread
@@ -126,16 +128,62 @@ class MeshExecutor(concurrent.futures.Executor):
             return future
 
     def map(self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None,
-            chunksize: int = 1) -> Iterator[T]:
-        """As ``Executor.map``; ``chunksize`` > 1 sends that many calls as one task, which suits
-        many short calls (one round trip and one scheduling decision per chunk)."""
+            chunksize: int = 1, buffersize: int | None = None) -> Iterator[T]:
+        """As ``Executor.map`` (``buffersize``, as in Python 3.14: at most that many calls
+        submitted ahead of the one being read); ``chunksize`` > 1 sends that many calls as
+        one task, which suits many short calls (one round trip and one scheduling decision
+        per chunk). Unlike a thread pool's, the calls the caller will never read (a timeout,
+        an error, leaving the loop early) are stopped on the mesh too, running or not: a
+        running thread cannot be stopped, a task on the mesh can, and it holds a friend's GPU."""
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        if chunksize == 1:
-            return super().map(fn, *iterables, timeout=timeout)
-        chunks = _chunks(zip(*iterables, strict=False), chunksize)
-        results = super().map(_run_chunk, itertools.repeat(fn), chunks, timeout=timeout)
-        return _flatten(results)
+        if buffersize is not None and (type(buffersize) is not int or buffersize < 1):
+            raise ValueError("buffersize must be None or > 0.")
+        calls: Iterator[tuple[Any, ...]] = zip(*iterables, strict=False)
+        if chunksize > 1:
+            calls = zip(itertools.repeat(fn), _chunks(calls, chunksize), strict=False)
+            results = self._map(_run_chunk, calls, timeout, buffersize)
+            return _flatten(results)
+        return self._map(fn, calls, timeout, buffersize)
+
+    def _map(self, fn: Callable[..., Any], calls: Iterator[tuple[Any, ...]],
+             timeout: float | None, buffersize: int | None) -> Iterator[Any]:
+        end = None if timeout is None else time.monotonic() + timeout
+        ahead = calls if buffersize is None else itertools.islice(calls, buffersize)
+        futures = deque(self.submit(fn, *args) for args in ahead)
+
+        def results() -> Iterator[Any]:
+            try:
+                while futures:
+                    if buffersize is not None:
+                        for args in itertools.islice(calls, 1):
+                            futures.append(self.submit(fn, *args))
+                    # No name for the future while its result is out: the caller's result
+                    # must be freed when the caller drops it (the stdlib's own test).
+                    yield self._result_of(futures.popleft(),
+                                          None if end is None else end - time.monotonic())
+            finally:
+                self._abandon(futures)
+
+        return results()
+
+    def _result_of(self, future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
+        try:
+            return future.result(timeout)
+        finally:
+            self._abandon([future])
+            del future
+
+    def _abandon(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
+        """Calls whose results nobody will read: cancelled here if they wait here, else on the
+        mesh (on their way there: as they arrive, in _send)."""
+        for future in futures:
+            if future.done() or future.cancel():
+                continue
+            if isinstance(future, _CallFuture):
+                future._abandoned = True
+                if future._task is not None:
+                    future._task.cancel()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
@@ -158,6 +206,7 @@ class MeshExecutor(concurrent.futures.Executor):
             self._changed.notify_all()
         for call in waiting:
             call.future.cancel()
+            call.future.set_running_or_notify_cancel()  # wakes wait()/as_completed() on it
         cancelled = sum(1 for task in running if task.cancel())
         count = len(waiting) + cancelled + on_the_way
         if count:
@@ -169,7 +218,9 @@ class MeshExecutor(concurrent.futures.Executor):
             self._shutdown = True
             if cancel_futures:
                 while self._waiting:
-                    self._waiting.popleft().future.cancel()
+                    future = self._waiting.popleft().future
+                    future.cancel()
+                    future.set_running_or_notify_cancel()  # wakes wait()/as_completed() on it
             self._changed.notify_all()
             thread = self._thread
         if thread is None:
@@ -225,24 +276,31 @@ class MeshExecutor(concurrent.futures.Executor):
                 tasks = self._mesh.submit_calls(calls[0].fn, [(c.args, c.kwargs) for c in calls],
                                                 self._options, job=self._job, name=self._name)
             except BaseException as exc:
-                if len(calls) > 1:
+                if len(calls) > 1 and not isinstance(exc, MeshError):
                     # One call that cannot be sent (an argument that does not pickle) fails
                     # alone, as it would have had it been submitted a moment apart: the group
                     # goes again a call at a time (what went of it was cancelled).
                     groups[:0] = [[call] for call in calls]
                     continue
-                calls[0].future.set_exception(exc)
+                # The mesh itself refused (unreachable: each try waited connect_timeout, and a
+                # group of 64 tried one by one held the dispatcher for minutes): all fail at once.
+                for call in calls:
+                    call.future.set_exception(exc)
                 with self._changed:
-                    self._sending -= 1
+                    self._sending -= len(calls)
                 continue
             with self._changed:
                 self._running.update(tasks)
                 self._sending -= len(calls)
                 interrupted = self._interrupted
             for call, task in zip(calls, tasks, strict=True):
-                task.add_done_callback(_Relay(self, call.future).done)
-                if interrupted:
-                    task.cancel()  # sent while Ctrl+C stopped the executor: stopped too
+                future = call.future
+                if isinstance(future, _CallFuture):
+                    future._task = task  # for _abandon
+                task.add_done_callback(_Relay(self, future).done)
+                if interrupted or getattr(future, "_abandoned", False):
+                    task.cancel()  # sent while Ctrl+C stopped the executor, or the map's
+                    # reader gave up on it: stopped too
             del calls  # no reference to the arguments once they are on their way
 
     def _finished(self, task: TaskFuture) -> None:
@@ -289,6 +347,8 @@ class _CallFuture(concurrent.futures.Future[Any]):
     def __init__(self) -> None:
         super().__init__()
         self._waiters: list[Any] = _Waiters(self)
+        self._task: TaskFuture | None = None  # its task on the mesh, once sent
+        self._abandoned = False  # a map's reader gave up on it: stopped on the mesh too
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
@@ -312,6 +372,8 @@ class _Relay:
     def done(self, task: concurrent.futures.Future[Any]) -> None:
         future, executor = self.future, self.executor
         self.future = self.executor = None  # type: ignore[assignment]
+        if isinstance(future, _CallFuture):
+            future._task = None
         if task.cancelled():
             future.set_exception(concurrent.futures.CancelledError(
                 "the task was cancelled on the mesh"))

@@ -32,6 +32,14 @@ def nap(seconds):
     return seconds
 
 
+def broken_first(x):
+    """The first item fails at once; the others take a minute."""
+    if x == 0:
+        raise RuntimeError("first item broken")
+    time.sleep(60)
+    return x
+
+
 def idle(client):
     counts = client.status(tasks=False)["counts"]
     return not counts.get("running") and not counts.get("pending")
@@ -266,3 +274,25 @@ def test_ctrl_c_just_after_submit_wait_printed_the_job_leaves_it_running(mesh_en
     assert f"Stopped waiting; job {job} keeps running on the mesh" in done.stderr, done.stderr
     assert "Aborted!" not in done.stderr
     assert client.cancel_job(job) == 1
+
+
+def test_a_script_that_exits_on_a_maps_error_leaves_nothing_of_it_running(mesh_env):
+    """The error cancels the rest of the map; the script then exits at once. The cancels were
+    queued for the client's I/O thread, which died with the interpreter before it sent them:
+    the other tasks ran on, for nobody."""
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=2)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    proc = _client_process(mesh_env, """
+        from gpumesh import mesh
+        from test_asyncio_and_interrupts import broken_first
+        mesh(broken_first).map(range(6))
+        """)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        _stop(proc)
+    assert proc.returncode != 0 and "first item broken" in err, err
+    wait_for(lambda: idle(client), timeout=20, what="nothing of the failed map left on the mesh")
+    assert client.status()["jobs"][0]["counts"] == {"failed": 1, "cancelled": 5}

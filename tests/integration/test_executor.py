@@ -170,3 +170,54 @@ def test_a_map_or_an_executor_result_waited_for_in_a_done_callback_raises(mesh_e
              + client.status(tasks=False)["counts"].get("running", 0) == 0,
              what="nothing of the refused map left")
     pool.shutdown()
+
+
+def nap(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_maps_calls_nobody_will_read_are_stopped_on_the_mesh(mesh_env):
+    """Without max_workers every call is on the mesh at once ("running"): a thread pool's
+    map cannot stop those after a timeout, but a task on the mesh can, and it holds a
+    friend's GPU for a result nobody reads."""
+    client = _one_worker_mesh(mesh_env)
+    with client.executor() as pool:
+        results = pool.map(nap, [0.01] + [60] * 5, timeout=3)
+        assert next(results) == 0.01
+        with pytest.raises(TimeoutError):
+            next(results)
+        job = pool.job
+    # Leaving the block did not wait the five minutes: they were cancelled.
+    wait_for(lambda: client.status(job, tasks=False)["counts"] == {"done": 1, "cancelled": 5},
+             what="the five unread calls cancelled on the mesh")
+
+
+def test_map_with_buffersize_reads_an_endless_iterable_lazily(mesh_env):
+    import itertools
+
+    client = _one_worker_mesh(mesh_env)
+    with client.executor() as pool:
+        squares = pool.map(square, itertools.count(), buffersize=2)
+        assert [next(squares) for _ in range(5)] == [0, 1, 4, 9, 16]
+        squares.close()  # the one submitted ahead is stopped, not left running
+        job = pool.job
+        with pytest.raises(ValueError, match="buffersize"):
+            pool.map(square, [1], buffersize=0)
+    counts = client.status(job, tasks=False)["counts"]
+    assert counts["done"] >= 5 and sum(counts.values()) <= 7
+
+
+def test_calls_cancelled_by_shutdown_wake_those_waiting_on_them(mesh_env):
+    client = _one_worker_mesh(mesh_env)
+    pool = client.executor(max_workers=1)
+    running = pool.submit(nap, 60)
+    queued = [pool.submit(square, x) for x in range(3)]
+    waiter = concurrent.futures.ThreadPoolExecutor(1).submit(
+        concurrent.futures.wait, queued, timeout=30)
+    pool.shutdown(wait=False, cancel_futures=True)
+    done, not_done = waiter.result(timeout=30)
+    assert len(done) == 3 and not not_done and all(f.cancelled() for f in queued)
+    assert not running.done()  # running: shutdown(cancel_futures=True) leaves it, as the stdlib

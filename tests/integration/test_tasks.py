@@ -329,3 +329,37 @@ def test_queries_faster_than_the_coordinators_rate_wait_their_turn(mesh_env, mon
     answers = [client.workers() for _ in range(int(QUERY_RATE * 3))]
     assert answers == [[]] * int(QUERY_RATE * 3)
     assert refused  # the coordinator did refuse some: they were asked again, and answered
+
+
+def test_a_callback_that_submits_while_the_mesh_closes_opens_no_new_connection(mesh_env):
+    """close() joins the I/O thread, where done-callbacks run: one that submits more (joblib's
+    next batch, a chained call) waited for close()'s lock, then made a new connection from the
+    dying thread, on a mesh its user had just closed."""
+    import threading
+
+    from gpumesh.errors import MeshError
+
+    mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    client = mesh_env.client()
+    mesh_env.wait_workers(1, client)
+    in_callback, closing = threading.Event(), threading.Event()
+    said: list[BaseException] = []
+
+    def chain(_future):
+        in_callback.set()
+        closing.wait(30)
+        try:
+            client.submit(abs, -1)
+        except MeshError as exc:
+            said.append(exc)
+
+    client.submit(abs, -2).add_done_callback(chain)
+    assert in_callback.wait(30)
+    closer = threading.Thread(target=client.close)
+    closer.start()
+    wait_for(lambda: client._engine is None, what="close() under way")
+    closing.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert client._engine is None and said and "closed" in str(said[0])

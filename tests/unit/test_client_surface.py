@@ -538,3 +538,21 @@ def test_the_clients_lines_are_dropped_where_there_is_no_stderr(monkeypatch):
 
     monkeypatch.setattr(sys, "stderr", None)
     say_line("[gpumesh] nobody reads this")
+
+
+def test_a_map_cancelled_on_the_mesh_raises_task_cancelled_not_a_bare_cancelled_error():
+    """`gpumesh cancel JOB` during a .map: the first RESULT that says so must be what the caller
+    gets, not a CancelledError of a sibling the map cancelled itself a moment later."""
+    from gpumesh.client.api import GPUMesh
+    from gpumesh.errors import TaskCancelled
+
+    mesh = GPUMesh("tcp://127.0.0.1:9", "a" * 40, quiet=True)
+    try:
+        waiting: concurrent.futures.Future[int] = concurrent.futures.Future()
+        cancelled: concurrent.futures.Future[int] = concurrent.futures.Future()
+        cancelled.set_exception(TaskCancelled("task t2 was cancelled on the mesh", task_id="t2"))
+        with pytest.raises(TaskCancelled, match="t2 was cancelled on the mesh"):
+            mesh._gather([waiting, cancelled], timeout=5, fallback=None)
+        assert waiting.cancelled()  # the rest are still stopped
+    finally:
+        mesh.close()
