@@ -73,6 +73,11 @@ __all__ = ["Broker", "Event"]
 # Placement classes (distinct requirements) one dispatch pass may find unplaceable before it
 # stops: each costs a look at every worker with credit, every turn.
 MAX_PASSED_OVER = 1000
+# A task a worker failed (its runner crashed, the worker was lost) waits this long after the
+# failure for another worker that could run it, busy or not, before it may go back to the one
+# that failed it: a machine whose runners die at once (too little RAM, a broken driver) took
+# every attempt of each task in seconds while a healthy worker finished a longer task.
+EXCLUDED_WAIT = 60.0
 KINDS_REBUILD_OVER = 64  # kinds of queued task beyond which they are counted again ...
 KINDS_REBUILD = 30.0  # ... at most this often (seconds): it costs a pass over the queue
 TRACEBACKS_PER_MINUTE = 10  # of failures handle() contained; the rest are logged at debug
@@ -485,6 +490,8 @@ class Broker:
         # Class by class: a class whose best task fits no worker now is passed over whole.
         walk = ledger.pending.walk()
         passed_over = 0
+        # Kept for a worker that did not fail them: queued again after, where they were.
+        held: list[tuple[Task, int]] = []
         while free > 0 and passed_over < MAX_PASSED_OVER:
             entry = walk.peek()
             if entry is None:
@@ -506,6 +513,9 @@ class Broker:
                     continue
                 walk.take()
                 taken = True
+                if choice.worker_id in view.excluded and self._waits_for_another(task, now):
+                    held.append((task, entry[1]))
+                    continue
                 worker = ledger.workers[choice.worker_id]
                 ledger.lease(task, worker, now)
             except InputUnreadable as exc:  # removed or cut short by hand
@@ -537,7 +547,21 @@ class Broker:
             choice.last_assigned = worker.last_assigned
             free -= 1
             sent += 1
+        for task, order in held:
+            ledger.enqueue(task, order)
         return sent
+
+    def _waits_for_another(self, task: Task, now: float) -> bool:
+        """Whether ``task``, whose best free worker failed it before, should wait for another
+        that could run it, busy now or not (one its owner paused or drains is not waited for),
+        rather than go back: for EXCLUDED_WAIT after its last failure."""
+        if now - task.failed_at >= EXCLUDED_WAIT:
+            return False
+        return any(
+            w.worker_id not in task.excluded and not w.draining
+            and not scheduler.unmet(w.view(), task.requirements, portable=task.portable,
+                                    local_only=task.local_only)
+            for w in self.ledger.workers.values() if w.state is WorkerState.ALIVE)
 
     def _only_stragglers_fit(self, task: Task, known: dict[Any, bool]) -> bool:
         """Whether every alive worker that could run ``task`` is a straggler (so it takes
@@ -547,7 +571,7 @@ class Broker:
         if key not in known:
             stragglers = self.worker_side.stragglers
             known[key] = not any(
-                w.worker_id not in stragglers
+                w.worker_id not in stragglers and not w.draining  # paused: not here to take it
                 and not scheduler.unmet(w.view(), task.requirements, portable=task.portable,
                                         local_only=task.local_only)
                 for w in self.ledger.workers.values() if w.state is WorkerState.ALIVE)

@@ -246,12 +246,15 @@ class Ledger:
             self._requirements.clear()
         return self._requirements.setdefault(requirements, requirements)
 
-    def enqueue(self, task: Task) -> None:
+    def enqueue(self, task: Task, order: int | None = None) -> None:
+        """Queue ``task`` behind those of its priority; with ``order`` (its entry's, taken out
+        a moment ago) where it was."""
         if "shm" in task.spec:  # only frames in shared memory can make it too big to send
             task.local_only = self.too_big_to_send(task.spec, task.payload)
         self.pending.push(placement_class(task.requirements, task.portable, task.cost,
                                           task.local_only),
-                          (-task.priority, next(self._order), task.task_id))
+                          (-task.priority, next(self._order) if order is None else order,
+                           task.task_id))
         self.kinds.add((task.requirements, task.portable, task.local_only))
 
     def too_big_to_send(self, header: dict[str, Any], payload: Sequence[Any]) -> bool:
@@ -782,6 +785,7 @@ class Ledger:
             return
         if infra:
             task.failures = (*task.failures, why)[-3:]  # only the last three are ever shown
+            task.failed_at = now
             if worker is not None:
                 task.excluded = task.excluded | {worker.worker_id}
             if task.attempts >= task.max_attempts:

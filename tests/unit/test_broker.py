@@ -344,3 +344,57 @@ def test_a_worker_back_from_silence_keeps_the_task_it_still_runs(broker):
     broker.handle(W, msg(Command.RESULT, {"task": task_id, "lease": lease, "status": "ok",
                                           "encoding": "text"}, [b"v"]), gone + 1)
     assert task.state is TaskState.DONE
+
+
+def test_a_task_a_worker_crashed_waits_for_another_that_could_run_it_busy_or_not():
+    """Only a worker with free credit counted as another: a machine whose runners die at once
+    took back the task it had just crashed, at once, until its attempts were spent, while a
+    healthy worker finished a longer task."""
+    from gpumesh.coordinator.broker import EXCLUDED_WAIT
+
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    _workers(b, (W, "bad", 1, 1), (b"good-routing", "good", 1, 0))  # good: busy, no credit
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    first, second = submit(b, {"max_attempts": 3}), _submit_seq(b, 2)
+    b.dispatch(0.0)
+    task = b.tasks[first]
+    assert task.worker_id == "bad"
+    b.handle(W, msg(Command.RESULT, {"task": first, "lease": task.lease_id, "status": "crashed",
+                                     "diagnosis": "killed by SIGKILL", "granted": 2}), 1.0)
+    b.dispatch(1.5)
+    assert task.state is TaskState.PENDING and task.attempts == 1  # waits for "good"
+    assert b.tasks[second].worker_id == "bad"  # the queue behind it goes on
+    b.handle(b"good-routing", msg(Command.CREDIT, {"granted": 1}), 2.0)
+    b.dispatch(2.0)
+    assert task.worker_id == "good"  # first in line still, for the worker that frees up
+
+    # Nobody else frees up: after EXCLUDED_WAIT it may go back to the worker that failed it.
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    _workers(b, (W, "bad", 1, 1), (b"good-routing", "good", 1, 0))
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    only = submit(b, {"max_attempts": 3})
+    b.dispatch(0.0)
+    task = b.tasks[only]
+    b.handle(W, msg(Command.RESULT, {"task": only, "lease": task.lease_id, "status": "crashed",
+                                     "diagnosis": "killed by SIGKILL", "granted": 2}), 1.0)
+    b.handle(b"good-routing", msg(Command.HEARTBEAT, {}), 1.0 + EXCLUDED_WAIT)
+    b.handle(W, msg(Command.HEARTBEAT, {}), 1.0 + EXCLUDED_WAIT)
+    b.dispatch(1.0 + EXCLUDED_WAIT)
+    assert task.worker_id == "bad" and task.state is TaskState.LEASED
+
+
+def _submit_seq(b: Broker, seq: int) -> str:
+    b.handle(C, msg(Command.SUBMIT, {"tasks": [{"seq": seq, "nf": 1, "kind": "script"}]},
+                    [b"payload"]), 0.0)
+    return sent(b, Command.ACCEPTED)[-1]["accepted"][0][1]
+
+
+def test_a_heavy_task_goes_to_a_straggler_when_the_faster_capable_workers_are_paused():
+    b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+    _workers(b, (W, "small", 1, 1), (b"big-routing", "big", 16, 1), (b"big2", "big2", 16, 0))
+    b.handle(b"big2", msg(Command.CREDIT, {"granted": 0, "mode": "paused"}), 0.5)
+    b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+    b.worker_side.stragglers = {"big"}
+    heavy = submit(b, {"req": {"cores": 8}, "cost": 4})
+    b.dispatch(1.0)
+    assert b.tasks[heavy].worker_id == "big"  # big2 is not there to take it: its owner paused it
