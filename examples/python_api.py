@@ -8,7 +8,8 @@ def train(lr, epochs):
 
 
 if __name__ == "__main__":
-    coordinator = GPUMesh.start_coordinator(port=0)  # port 0: any free port; binds 127.0.0.1
+    # port 0: any free port; binds 127.0.0.1. No worker of its own: the two below are the mesh.
+    coordinator = GPUMesh.start_coordinator(port=0, self_worker=False)
     workers = [GPUMesh.add_worker(coordinator.url, token=coordinator.token) for _ in range(2)]
     try:
         with GPUMesh(coordinator.url, token=coordinator.token) as mesh:

@@ -137,11 +137,10 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
 
     def submit(self, func: Any, callback: Any = None) -> concurrent.futures.Future[Any]:
         assert self.mesh is not None
-        name = getattr(self.parallel, "_backend_name", "") or "joblib"
         future: concurrent.futures.Future[Any]
         try:
             future = self.mesh.submit_calls(func, [((), {})], self.options, job=self._job,
-                                            name=f"joblib {name}")[0]
+                                            name=_job_name(func))[0]
         except Exception as exc:
             # A batch that cannot be sent (an argument that does not pickle). joblib sends
             # its later batches from the callback of an earlier one, where a raise would be
@@ -208,3 +207,15 @@ def register() -> None:
     from joblib import register_parallel_backend
 
     register_parallel_backend(NAME, MeshBackend)
+
+
+def _job_name(batch: Any) -> str:
+    """What ``gpumesh status`` calls the job: the function joblib runs (its batch holds
+    ``(function, args, kwargs)`` items), as ``joblib _fit_and_score``."""
+    try:
+        function = batch.items[0][0]
+    except (AttributeError, IndexError, TypeError, KeyError):
+        return "joblib"
+    inner = getattr(function, "func", function)  # functools.partial, joblib's own wrappers
+    name = getattr(inner, "__qualname__", None) or type(inner).__name__
+    return f"joblib {name}"

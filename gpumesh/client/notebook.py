@@ -8,7 +8,9 @@ already the mesh's through ``.map``, ``.submit``, ``.aio``, ``.amap`` and ``.to`
 level, not one inside an ``if`` or ``try``, which is wrapped after the cell), while a plain call
 still runs here: a helper the cell calls, or applies as a decorator, as it defines the rest, runs as
 written. A cell that raises fails as any cell does,
-with its own error (nbclient and "Run all" stop there). What a task prints appears in the cell
+with its own error (nbclient and "Run all" stop there). A cell with a top-level ``await`` is
+refused in Jupyter with what to do (the kernel's loop already runs the cell, so ``.aio`` and
+``.amap`` are awaited in the next cell). What a task prints appears in the cell
 that called it. The stop button raises KeyboardInterrupt in the waiting call, which cancels that
 call's tasks on the mesh.
 """
@@ -16,6 +18,7 @@ call's tasks on the mesh.
 from __future__ import annotations
 
 import ast
+import asyncio
 import functools
 import inspect
 import linecache
@@ -37,6 +40,14 @@ def load_ipython_extension(ipython: Any) -> None:
 def _cell_magic(ipython: Any) -> Any:
     def mesh_cell(line: str, cell: str) -> None:
         options = _magic_options(line)
+        if _awaits_in_a_running_loop(ipython, cell):
+            # The cell runs through a nested run_cell, which runs a cell that awaits with
+            # run_until_complete on the kernel's own loop: running already, so it failed with
+            # "This event loop is already running" after the cell's first lines.
+            raise _usage_error(
+                "%%mesh cannot run a cell with a top-level await in Jupyter: define the "
+                "functions in the %%mesh cell, and await their .aio(...) or iterate their "
+                ".amap(...) in the next cell")
         before = dict(ipython.user_ns)
         # The cell's own ExecutionResult: the inner run_cell replaces the displayhook's, and the
         # kernel's reply (ok or error) is read from this one.
@@ -71,6 +82,22 @@ def _cell_magic(ipython: Any) -> Any:
         outer.error_in_exec = error
 
     return mesh_cell
+
+
+def _awaits_in_a_running_loop(ipython: Any, cell: str) -> bool:
+    should_run_async = getattr(ipython, "should_run_async", None)
+    if should_run_async is None:
+        return False
+    try:
+        if not should_run_async(cell):
+            return False
+    except Exception:  # a cell IPython cannot read: run_cell says so, as for any cell
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False  # a terminal IPython runs the await itself
+    return True
 
 
 def _magic_options(line: str) -> dict[str, Any]:

@@ -790,7 +790,7 @@ class Ledger:
                 task.excluded = task.excluded | {worker.worker_id}
             if task.attempts >= task.max_attempts:
                 self.fail(task, ResultStatus.CRASHED,
-                          f"gave up after {task.attempts} attempts: {'; '.join(task.failures)}",
+                          f"gave up after {task.attempts} attempts: {_causes(task.failures)}",
                           now, worker.worker_id if worker else "")
                 return
         else:
@@ -890,3 +890,12 @@ def _buffer_of(frames: list[Any]) -> weakref.ref[Any] | None:
         if isinstance(owner, mmap.mmap):
             return weakref.ref(owner)
     return None
+
+
+def _causes(failures: Sequence[str]) -> str:
+    """The last failures, each said once, how often it came in brackets ("the runner process
+    exited with code 3 (3 times)", not the same sentence three times over)."""
+    counts: dict[str, int] = {}
+    for why in failures:
+        counts[why] = counts.get(why, 0) + 1
+    return "; ".join(why if n == 1 else f"{why} ({n} times)" for why, n in counts.items())

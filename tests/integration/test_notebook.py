@@ -232,3 +232,44 @@ def test_a_mesh_cell_run_outside_a_cell_raises_its_error():
     load_ipython_extension(shell)
     with pytest.raises(ValueError, match="the cell broke"):
         shell.magic("", "raise ValueError('the cell broke')")
+
+
+def test_a_mesh_cell_that_awaits_inside_a_running_kernel_says_how_instead_of_failing_midway():
+    """In Jupyter the kernel's loop runs the cell: the magic's nested run_cell ran a cell that
+    awaits with run_until_complete on that same loop, and it failed after its first lines."""
+    import asyncio
+    import types
+
+    import pytest
+
+    from gpumesh.client.notebook import load_ipython_extension
+
+    ran: list[str] = []
+
+    class Kernel:
+        def __init__(self):
+            self.user_ns, self.user_module = {}, types.ModuleType("__main__")
+            self.displayhook = types.SimpleNamespace(exec_result=None)
+
+        def push(self, names):
+            self.user_ns.update(names)
+
+        def register_magic_function(self, fn, magic_kind, magic_name):
+            self.magic = fn
+
+        def should_run_async(self, cell):
+            return "await" in cell
+
+        def run_cell(self, cell):
+            ran.append(cell)
+            return types.SimpleNamespace(error_before_exec=None, error_in_exec=None)
+
+    shell = Kernel()
+    load_ipython_extension(shell)
+
+    async def in_the_kernel():
+        shell.magic("", "x = await f.aio(1)")
+
+    with pytest.raises(Exception, match="await their .aio"):
+        asyncio.run(in_the_kernel())
+    assert ran == []  # nothing of the cell ran

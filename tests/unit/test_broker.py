@@ -106,7 +106,8 @@ def test_poison_task_fails_after_max_attempts(broker):
                       float(attempt))
     task = broker.tasks[task_id]
     assert task.state is TaskState.FAILED
-    assert "gave up after 2 attempts" in task.result_header["diagnosis"]
+    assert task.result_header["diagnosis"].endswith(
+        "gave up after 2 attempts: killed by SIGSEGV (2 times)")
 
 
 def test_unschedulable_task_fails_after_the_pending_timeout_naming_the_requirement(broker):

@@ -23,6 +23,7 @@ class StandInMesh:
     def __init__(self) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(2)
         self.answers = True
+        self.names: list[str] = []  # each submission's job name
 
     def connect(self, timeout: float | None = None) -> bool:
         return True
@@ -34,6 +35,7 @@ class StandInMesh:
 
     def submit_calls(self, func, calls, options, job="", name=""):
         pickle.dumps(func)
+        self.names.append(name)
 
         def run():
             threading.Event().wait(0.01)  # a task's work: its result comes on this thread
@@ -147,3 +149,13 @@ def test_a_batch_sent_as_joblib_aborts_is_cancelled_with_the_rest():
     backend.abort_everything()
     backend.configure(n_jobs=2)  # ... as does a new Parallel
     assert not backend.submit(lambda: 4).cancelled()
+
+
+def test_the_job_is_named_after_the_function_joblib_runs():
+    joblib = require("joblib")
+    from gpumesh.client.joblib_backend import MeshBackend
+
+    mesh = StandInMesh()
+    with joblib.parallel_config(backend=MeshBackend(mesh=mesh), n_jobs=2):
+        assert joblib.Parallel(batch_size=1)(joblib.delayed(ident)(x) for x in range(3)) == [0, 1, 2]
+    assert set(mesh.names) == {"joblib ident"}
