@@ -13,6 +13,8 @@ Rules, in order:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +24,8 @@ from .protocol.requirements import Gpu, Requirements, gpu_satisfies, parse_size
 DEFAULT_COST = 1.0
 
 __all__ = [  # Requirements, Gpu and sizes live in the protocol; they are used here by name
-    "DEFAULT_COST", "Gpu", "Requirements", "TaskView", "WorkerView", "choose", "could_ever_run",
+    "DEFAULT_COST", "Gpu", "Placer", "Requirements", "TaskView", "WorkerView", "choose",
+    "could_ever_run",
     "eligible", "explain_unschedulable", "parse_size", "placement_class", "stragglers", "unmet",
 ]
 
@@ -122,6 +125,55 @@ def choose(task: TaskView, workers: Iterable[WorkerView], *, stragglers_too: boo
         if best is None or key < best_key:
             best, best_key = worker, key
     return best
+
+
+def _rank(task: TaskView, worker: WorkerView) -> tuple[Any, ...]:
+    """choose()'s order among eligible workers, for a task no worker failed before."""
+    foreign = bool(task.requirements.python) and worker.python != task.requirements.python
+    ratio = worker.load / max(worker.capacity, 1)
+    if task.cost > DEFAULT_COST:
+        return (foreign, -worker.score, ratio, worker.last_assigned)
+    return (foreign, ratio, worker.last_assigned)
+
+
+class Placer:
+    """``choose`` for the many tasks of one dispatch pass, without a scan of every worker per
+    task (1,000 workers and 4,000 free slots took 2.4 s in choose alone: one blocking turn).
+
+    Per placement class, a heap of the eligible workers that had room when the class was first
+    asked for, ranked as ``choose`` ranks them. The caller records each placement in the
+    chosen ``WorkerView`` (``free``, ``load``, ``last_assigned``), which only ever raises a
+    worker's rank: an entry whose rank went up is pushed back with its rank of now when it
+    surfaces, one with no room left is dropped. A task some worker failed before ranks that
+    worker last: it is placed by ``choose`` itself, as are those few."""
+
+    def __init__(self, workers: Iterable[WorkerView]) -> None:
+        self.workers = list(workers)
+        self._heaps: dict[Hashable, list[tuple[tuple[Any, ...], int, WorkerView]]] = {}
+        self._order = itertools.count()
+
+    def choose(self, task: TaskView, *, stragglers_too: bool = False) -> WorkerView | None:
+        if task.excluded:
+            return choose(task, self.workers, stragglers_too=stragglers_too)
+        key = (placement_class(task.requirements, task.portable, task.cost, task.local_only),
+               stragglers_too)
+        heap = self._heaps.get(key)
+        if heap is None:
+            heap = [(_rank(task, w), next(self._order), w) for w in self.workers
+                    if w.free > 0 and eligible(w, task, stragglers_too=stragglers_too)]
+            heapq.heapify(heap)
+            self._heaps[key] = heap
+        while heap:
+            rank, _, worker = heap[0]
+            if worker.free <= 0:
+                heapq.heappop(heap)
+                continue
+            now = _rank(task, worker)
+            if now != rank:
+                heapq.heapreplace(heap, (now, next(self._order), worker))
+                continue
+            return worker
+        return None
 
 
 def could_ever_run(task: TaskView, workers: Sequence[WorkerView]) -> bool:

@@ -481,6 +481,7 @@ class Broker:
         slow = self.worker_side.stragglers & views.keys()
         for worker_id in slow:
             views[worker_id].straggler = True
+        placer = scheduler.Placer(views.values())
         # Per placement class: whether a heavy task of it must go to a straggler, because no
         # other alive worker could ever run it (the A100 that runs only heavy tasks is the
         # slowest per unit of cost there is): computed only when a straggler has room.
@@ -503,10 +504,10 @@ class Broker:
             taken = False
             try:
                 view = task.view()
-                choice = scheduler.choose(view, views.values())
+                choice = placer.choose(view)
                 if choice is None and slow and view.cost > scheduler.DEFAULT_COST \
                         and self._only_stragglers_fit(task, only_stragglers):
-                    choice = scheduler.choose(view, views.values(), stragglers_too=True)
+                    choice = placer.choose(view, stragglers_too=True)
                 if choice is None:
                     walk.pass_over()
                     passed_over += 1

@@ -429,3 +429,42 @@ def test_stragglers_with_zero_median() -> None:
 
 def test_stragglers_none_when_all_similar() -> None:
     assert stragglers({str(i): 1.0 + i / 10 for i in range(8)}) == set()
+
+
+def test_the_placer_chooses_as_choose_does_over_a_whole_pass():
+    """The dispatcher's Placer (a heap per placement class) against choose() (a scan of every
+    worker per task), over random workers and tasks, each placement recorded as dispatch does."""
+    import copy
+    import random
+
+    from gpumesh.scheduler import Placer
+
+    rng = random.Random(7)
+    kinds = [Requirements(), Requirements(gpu=True), Requirements(cores=8),
+             Requirements(python="3.11"), Requirements(gpu="A100", vram=40 * 10**9)]
+    for _round in range(30):
+        workers = []
+        for i in range(rng.randint(1, 40)):
+            gpus = (Gpu("NVIDIA A100", 80 * 10**9),) if rng.random() < 0.3 else (
+                (Gpu("RTX 3090", 24 * 10**9),) if rng.random() < 0.3 else ())
+            workers.append(WorkerView(
+                f"w{i}", free=rng.randint(0, 4), load=rng.randint(0, 4), capacity=rng.randint(1, 4),
+                score=rng.choice([1.0, 2.0, 5.0]), cores=rng.choice([2, 8, 16]), gpus=gpus,
+                python=rng.choice(["3.11", "3.12"]), last_assigned=rng.randrange(10**6) * 40 + i,
+                straggler=rng.random() < 0.2))
+        scanned, placer = copy.deepcopy(workers), Placer(workers)
+        clock = 10**8
+        for _task in range(rng.randint(1, 150)):
+            task = TaskView("t", rng.choice(kinds), cost=rng.choice([1.0, 1.0, 4.0]),
+                            excluded=frozenset({"w0"}) if rng.random() < 0.1 else frozenset(),
+                            portable=rng.random() < 0.3)
+            stragglers_too = rng.random() < 0.2
+            expected = choose(task, scanned, stragglers_too=stragglers_too)
+            got = placer.choose(task, stragglers_too=stragglers_too)
+            assert (got and got.worker_id) == (expected and expected.worker_id)
+            clock += 1
+            for chosen in (expected, got):
+                if chosen is not None:
+                    chosen.free -= 1
+                    chosen.load += 1
+                    chosen.last_assigned = clock
