@@ -265,16 +265,16 @@ def test_a_bug_while_dispatching_one_task_fails_that_task_and_the_rest_go_out(br
     broker.handle(W, msg(Command.HELLO, worker_hello(slots=2, info={"cores": 4})), 0.0)
     (first,) = [t for _, t in submit(broker, {}, seq=1)]
     (second,) = [t for _, t in submit(broker, {"priority": -1}, seq=2)]
-    real = scheduler.choose
+    real = scheduler.Placer.choose
     calls = []
 
-    def choose_once_badly(task, workers):
+    def choose_once_badly(placer, task, **options):
         calls.append(task.task_id)
         if len(calls) == 1:
             raise RuntimeError("a bug of ours")
-        return real(task, workers)
+        return real(placer, task, **options)
 
-    monkeypatch.setattr(scheduler, "choose", choose_once_badly)
+    monkeypatch.setattr(scheduler.Placer, "choose", choose_once_badly)
     assert broker.dispatch(0.0) == 1
     assert broker.tasks[first].state is TaskState.FAILED
     assert "could not schedule" in broker.tasks[first].result_header["diagnosis"]

@@ -143,9 +143,10 @@ def test_a_pass_looks_at_a_bounded_number_of_unplaceable_classes(monkeypatch):
         part = specs[start:start + 500]
         broker.handle(b"client", msg(Command.SUBMIT, {"tasks": part}, [b"p"] * 500), 0.0)
     looks = []
-    real_choose = broker_module.scheduler.choose
-    monkeypatch.setattr(broker_module.scheduler, "choose",
-                        lambda task, workers: looks.append(task) or real_choose(task, workers))
+    real_choose = broker_module.scheduler.Placer.choose
+    monkeypatch.setattr(broker_module.scheduler.Placer, "choose",
+                        lambda placer, task, **options: looks.append(task)
+                        or real_choose(placer, task, **options))
     assert broker.dispatch(0.1) == 0
     assert len(looks) == broker_module.MAX_PASSED_OVER < 1500
 
