@@ -67,6 +67,7 @@ from ..security import derive_keys
 from ..session import Session
 from ..sharedmem import SharedFolder, SharedFrameBusy, big_enough_to_share, materialize
 from ..transport import DealerLink, LinkEvent
+from .remotetb import localize_error
 
 log = logging.getLogger("gpumesh.client")
 
@@ -232,11 +233,18 @@ class TaskFuture(concurrent.futures.Future[Any]):
 
     def result(self, timeout: float | None = None) -> Any:
         self._wait(timeout)
+        if self._exception is not None:  # settled: set once, never changed
+            localize_error(self._exception)
         return super().result(0)  # the outcome, or TimeoutError when it is not done
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        # What an executor's future, asyncio's wrap_future and joblib read: each shows the
+        # caller's own file and lines in the task's remote traceback, as a .map's error does.
         self._wait(timeout)
-        return super().exception(0)
+        error = super().exception(0)
+        if error is not None:
+            localize_error(error)
+        return error
 
     def _wait(self, timeout: float | None) -> None:
         """Until done or ``timeout``, on an event of this wait's own (concurrent.futures.wait):

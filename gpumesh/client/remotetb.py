@@ -80,7 +80,7 @@ def localize(text: str, roots: Iterable[types.CodeType] | None = None) -> str:
         source = linecache.getline(found.co_filename, number).strip()
         following = lines[index + 1] if index + 1 < len(lines) else ""
         if source and following.strip() != source:
-            out.append(f"{indent}    {source}")
+            out.append(f"{indent}  {source}")  # two deeper than its File line, as Python's
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 

@@ -173,24 +173,29 @@ FAILING = textwrap.dedent("""
         return helper(x) + 1
 
 
-    task(5)
+    CALL
 """)
 
 
-def test_remote_traceback_shows_the_callers_own_source_lines(mesh_env, tmp_path):
+@pytest.mark.parametrize("call", ["task(5)", "task.submit(5).result()",
+                                  "mesh.executor().submit(task, 5).result()",
+                                  "import asyncio; asyncio.run(task.aio(5))"])
+def test_remote_traceback_shows_the_callers_own_source_lines(mesh_env, tmp_path, call):
+    """Each way a user meets a task's error (only a call and .map did before: a submit's
+    result, an executor's, an awaited one showed File "<dynamic-code>" without its line)."""
     mesh_env.start_coordinator(save=True)
     mesh_env.add_worker()
     mesh_env.wait_workers(1)
     script = tmp_path / "failing.py"
-    script.write_text(FAILING)
+    script.write_text(FAILING.replace("CALL", call))
     result = run(script, {**mesh_env.env, "GPUMESH_URL": "", "GPUMESH_TOKEN": ""})
     assert result.returncode == 1
     err = result.stderr
     assert "ValueError: bad value 5" in err
     assert "Remote traceback" in err, err
     assert "<dynamic-code>" not in err, err
-    assert f'File "{script}", line 11, in task\n      return helper(x) + 1' in err, err
-    assert f'File "{script}", line 6, in helper\n      raise ValueError(f"bad value {{x}}")' in err
+    assert f'File "{script}", line 11, in task\n    return helper(x) + 1' in err, err
+    assert f'File "{script}", line 6, in helper\n    raise ValueError(f"bad value {{x}}")' in err
 
 
 def test_color_and_no_color_together_are_refused():
