@@ -168,6 +168,14 @@ class WorkerAgent:
             self.slot_gpus.append(gpu)
             self.runners.append(Runner(slot, slot_env, settings.limits.max_message_bytes,
                                        pass_env=pass_env))
+        if gpu_indices and slots < len(gpu_indices):
+            # Fewer slots than GPUs (--max-slots): the coordinator is told only of the GPUs a
+            # slot runs on. Told of all, it placed an A100 task here for the A100 no slot has;
+            # the agent sent it back as crashed, an attempt charged each time.
+            used = set(gpu_indices[:slots])
+            self.info = {**info, "gpus": [
+                g for g in info.get("gpus", []) if not isinstance(g, dict)
+                or g.get("backend") != "cuda" or g.get("index") in used]}
         self.queue: deque[QueuedTask] = deque()
         # Pickled functions the coordinator told this session to keep (TASK ``fnkeep``), by
         # digest: later TASKs of the same function name it (``fnref``) instead of carrying it.

@@ -161,6 +161,8 @@ def test_a_task_no_slot_can_run_goes_back_as_crashed_instead_of_waiting_for_good
         assert result["status"] == "crashed" and not a.queue
         assert "no slot of this worker has a GPU" in result["diagnosis"]
         assert "vram=40.0GB" in result["diagnosis"]
+        # And the coordinator is told only of the T4, so it sends no such task here at all.
+        assert [g["name"] for g in a.info["gpus"]] == ["NVIDIA T4"]
     finally:
         next(gen, None)
 
