@@ -7,6 +7,8 @@ many of its calls are on the mesh at once, the rest wait here, where ``cancel()`
 ``shutdown(cancel_futures=True)`` take them back, like a ``ThreadPoolExecutor``'s queue. A call
 handed to the mesh is *running*; ``cancel()`` then returns False, as for a started thread.
 Without ``max_workers`` every call goes to the mesh at once and the coordinator queues them.
+One difference, on purpose: the calls of a ``map`` whose results nobody will read (a timeout,
+an error, leaving the loop) are stopped on the mesh too, running or not.
 """
 
 from __future__ import annotations
