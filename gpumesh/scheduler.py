@@ -30,7 +30,7 @@ __all__ = [  # Requirements, Gpu and sizes live in the protocol; they are used h
 ]
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerView:
     """What the scheduler may know of a worker."""
 

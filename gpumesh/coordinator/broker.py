@@ -473,11 +473,15 @@ class Broker:
         ledger = self.ledger
         if not ledger.pending:
             return 0
-        candidates = [w for w in ledger.workers.values()
-                      if w.state is WorkerState.ALIVE and w.credit > 0]
-        if not candidates:
+        views: dict[str, scheduler.WorkerView] = {}
+        alive = WorkerState.ALIVE
+        for w in ledger.workers.values():
+            if w.state is alive:
+                credit = w.credit
+                if credit > 0:
+                    views[w.worker_id] = w.view(credit)
+        if not views:
             return 0
-        views = {w.worker_id: w.view() for w in candidates}
         slow = self.worker_side.stragglers & views.keys()
         for worker_id in slow:
             views[worker_id].straggler = True
