@@ -73,9 +73,9 @@ __all__ = ["Broker", "Event"]
 # Placement classes (distinct requirements) one dispatch pass may find unplaceable before it
 # stops: each costs a look at every worker with credit, every turn.
 MAX_PASSED_OVER = 1000
-# A task a worker failed (its runner crashed, the worker was lost) waits this long after the
-# failure for another worker that could run it, busy or not, before it may go back to the one
-# that failed it: a machine whose runners die at once (too little RAM, a broken driver) took
+# A task whose runner crashed under it (or whose lease expired on a live worker) waits this long
+# after that for another worker that could run it, busy or not, before it may go back to the
+# one that failed it: a machine whose runners die at once (too little RAM, a broken driver) took
 # every attempt of each task in seconds while a healthy worker finished a longer task.
 EXCLUDED_WAIT = 60.0
 KINDS_REBUILD_OVER = 64  # kinds of queued task beyond which they are counted again ...

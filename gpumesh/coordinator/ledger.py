@@ -785,7 +785,6 @@ class Ledger:
             return
         if infra:
             task.failures = (*task.failures, why)[-3:]  # only the last three are ever shown
-            task.failed_at = now
             if worker is not None:
                 task.excluded = task.excluded | {worker.worker_id}
             if task.attempts >= task.max_attempts:

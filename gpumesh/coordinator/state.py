@@ -94,7 +94,7 @@ class Task:
     # or absent until needed, so a queued task (100,000 may wait) costs no empty containers.
     excluded: frozenset[str] = frozenset()
     failures: tuple[str, ...] = ()  # the last three reasons, shown when it gives up
-    failed_at: float = 0.0  # when a worker last failed it (crash, loss): see Broker.dispatch
+    failed_at: float = 0.0  # when a runner last crashed under it (or its lease expired there)
     result_header: dict[str, Any] | None = None
     result_payload: Sequence[Any] = ()
     finished_at: float = 0.0

@@ -285,6 +285,9 @@ class WorkerSide:
         if res.status is ResultStatus.CRASHED:
             if held is not None and task.lease_id == res.lease:
                 ledger.requeue(task, worker, now, res.diagnosis or "runner crashed", infra=True)
+                # The worker is up and its runner died under the task: it waits a while for
+                # another worker (Broker.dispatch). A worker lost and back is not held against.
+                task.failed_at = now
             ledger.send(worker.routing, Command.RESULT_ACK, {**ack, "disposition": "accepted"})
             self._drop_untaken(res, task)  # files it names are nobody's now (RAM, in /dev/shm)
             return
@@ -362,6 +365,7 @@ class WorkerSide:
                     ledger.requeue(task, worker, now,
                                    f"lease expired on {worker.label} (no heartbeat for "
                                    f"{ledger.timing.lease_ttl:.0f}s)", infra=True)
+                    task.failed_at = now  # alive, but its agent stopped renewing the lease
 
     def assigned(self, worker: WorkerSession) -> None:
         """Remember the order of assignments: the scheduler breaks ties least recently used."""
