@@ -121,18 +121,18 @@ def _holds_token(text: str, token: str | None) -> bool:
 def _looks_like_token(host: str) -> bool:
     """A host name shaped as a token: what ``gpumesh token`` makes (``rand-`` and a salt, a
     dot, then a long random secret), or what the spec tells users to make with
-    ``secrets.token_urlsafe(32)``: one label of 32 or more URL-safe characters that mixes
-    upper and lower case and digits. (Mixed case alone is no sign:
-    ``Johns-MacBook-Pro-16inch-2021`` is a host; a label of 32 or more mixing all three is
-    not one a person names a machine.)"""
+    ``secrets.token_urlsafe(32)``: a run of 16 or more characters between dashes, dots or
+    underscores that mixes upper and lower case and digits. (Mixed case alone is no sign:
+    ``Alexandras-MacBook-Pro-14-inch-M3-2023`` is a host, made of words; a person does not
+    name a machine with a 16-character random run.)"""
     if _GENERATED_TOKEN.fullmatch(host) is not None:
         return True
-    return (len(host) >= 32 and _URLSAFE.fullmatch(host) is not None
-            and any(c.isupper() for c in host) and any(c.islower() for c in host)
-            and any(c.isdigit() for c in host))
+    return any(len(run) >= 16 and any(c.isupper() for c in run)
+               and any(c.islower() for c in run) and any(c.isdigit() for c in run)
+               for run in _WORDS.split(host))
 
 
-_URLSAFE = re.compile(r"[A-Za-z0-9_-]+")
+_WORDS = re.compile(r"[-_.]")  # a host name's words; a token's random runs are long
 
 
 def _env_bool(value: str | None) -> bool:

@@ -17,6 +17,7 @@ from ..errors import ConfigError, MeshError
 from ..fileio import raise_descriptor_limit
 from ..protocol.taskenv import check_env_name
 from ..security import stretch_in_background
+from ..tokens import read_token_file
 from ..worker import WorkerAgent, benchcache, devices
 from ..worker.identity import claim as claim_worker_id
 from .lifecycle import stop_with_parent
@@ -61,12 +62,22 @@ def _same(a: str, b: str) -> bool:
 
 
 def keeps_own_coordinator(settings: Settings, token: str) -> bool:
-    """Whether the saved connection is this machine's own coordinator's, of another token."""
+    """Whether this machine's own coordinator saved another token here: in the saved
+    connection (``serve``'s), or, with no connection saved, in its token file. Saved over, its
+    next plain ``gpumesh serve`` made a new token and locked its workers out."""
+    from .serve import TOKEN_FILE
+
     try:
         saved = settings.saved_connection()
     except MeshError:
         return False
-    return saved is not None and saved.served is not None and not _same(saved.token, token)
+    if saved is not None:
+        return saved.served is not None and not _same(saved.token, token)
+    try:
+        own = read_token_file(settings.home / TOKEN_FILE)
+    except MeshError:
+        return False  # none, or unreadable: nothing to keep
+    return not _same(own, token)
 
 
 def save_joined(settings: Settings, url: str, token: str, slots: int | None = None) -> None:

@@ -207,14 +207,11 @@ def token_file(settings: Settings, answers: Answers | None = None) -> str:
 
 
 def own_token_differs(settings: Settings, token: str) -> bool:
-    """Whether this machine's own coordinator saved a token other than ``token``."""
-    from .serve import saved_coordinator
+    """Whether this machine's own coordinator saved a token other than ``token`` (join's
+    own test: the two commands must agree)."""
+    from .join import keeps_own_coordinator
 
-    try:
-        own = saved_coordinator(settings, quiet=True)
-    except MeshError:
-        return False  # an unreadable token file: nothing to keep
-    return own is not None and not hmac.compare_digest(own.token.encode(), token.encode())
+    return keeps_own_coordinator(settings, token)
 
 
 def next_steps(settings: Settings, answers: Answers) -> list[str]:

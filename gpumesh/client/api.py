@@ -711,8 +711,10 @@ class _Countdown:
         return self._left == 0
 
     def _done(self, future: concurrent.futures.Future[Any]) -> None:
-        try:  # one look under the future's lock, not two: this runs once a task
-            bad = future.exception(0) is not None
+        try:  # one look under the future's lock, not two: this runs once a task (Future's
+            # own: a TaskFuture's rewrites a remote traceback, which _gather does for the one
+            # error it raises)
+            bad = concurrent.futures.Future.exception(future, 0) is not None
         except concurrent.futures.CancelledError:
             bad = True
         with self._lock:

@@ -100,9 +100,17 @@ _OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def _close_open_engines() -> None:
-    for engine in list(_OPEN_ENGINES):
-        if engine._pid == os.getpid():  # a forked child's copies have no thread to close
-            engine.close()
+    """All at once (each may wait CLOSE_GRACE and the linger: one after another, N of them
+    held the exit N times as long); a Ctrl+C here stops the waiting, not the interpreter."""
+    engines = [e for e in list(_OPEN_ENGINES) if e._pid == os.getpid()]  # a forked child's
+    try:                                                                 # copies have no thread
+        for engine in engines:
+            engine.close(wait=False)
+        deadline = time.monotonic() + CLOSE_GRACE + GOODBYE_LINGER_MS / 1000 + 2.0
+        for engine in engines:
+            engine.io_thread.join(max(deadline - time.monotonic(), 0.0))
+    except KeyboardInterrupt:
+        pass
 
 
 atexit.register(_close_open_engines)
@@ -458,12 +466,12 @@ class Engine:
     def io_thread(self) -> threading.Thread:
         return self._thread
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if self._closing.is_set():
             return
         self._closing.set()
         self._wake()
-        if threading.current_thread() is not self._thread:
+        if wait and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 
     def _check_usable(self) -> None:
@@ -490,6 +498,7 @@ class Engine:
     # ----------------------------------------------------------------- the I/O thread
 
     def _run(self) -> None:
+        goodbye = False  # connected when the loop ended: the last messages get a linger
         try:
             self._link.open()
             self._last_resend_check = 0.0

@@ -139,8 +139,10 @@ class MeshExecutor(concurrent.futures.Executor):
         running thread cannot be stopped, a task on the mesh can, and it holds a friend's GPU."""
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        if buffersize is not None and (type(buffersize) is not int or buffersize < 1):
-            raise ValueError("buffersize must be None or > 0.")
+        if buffersize is not None and not isinstance(buffersize, int):
+            raise TypeError("buffersize must be an integer or None")  # as Python 3.14's
+        if buffersize is not None and buffersize < 1:
+            raise ValueError("buffersize must be None or > 0")
         calls: Iterator[tuple[Any, ...]] = zip(*iterables, strict=False)
         if chunksize > 1:
             calls = zip(itertools.repeat(fn), _chunks(calls, chunksize), strict=False)
@@ -153,39 +155,26 @@ class MeshExecutor(concurrent.futures.Executor):
         end = None if timeout is None else time.monotonic() + timeout
         ahead = calls if buffersize is None else itertools.islice(calls, buffersize)
         futures = deque(self.submit(fn, *args) for args in ahead)
+        # Weakly, as the stdlib's: the iterator must not keep the executor alive.
+        executor = weakref.ref(self)
 
         def results() -> Iterator[Any]:
             try:
                 while futures:
                     if buffersize is not None:
-                        for args in itertools.islice(calls, 1):
-                            futures.append(self.submit(fn, *args))
+                        owner = executor()
+                        if owner is not None:
+                            for args in itertools.islice(calls, 1):
+                                futures.append(owner.submit(fn, *args))
+                        del owner
                     # No name for the future while its result is out: the caller's result
                     # must be freed when the caller drops it (the stdlib's own test).
-                    yield self._result_of(futures.popleft(),
-                                          None if end is None else end - time.monotonic())
+                    yield _result_of(futures.popleft(),
+                                     None if end is None else end - time.monotonic())
             finally:
-                self._abandon(futures)
+                _abandon(futures)
 
         return results()
-
-    def _result_of(self, future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
-        try:
-            return future.result(timeout)
-        finally:
-            self._abandon([future])
-            del future
-
-    def _abandon(self, futures: Iterable[concurrent.futures.Future[Any]]) -> None:
-        """Calls whose results nobody will read: cancelled here if they wait here, else on the
-        mesh (on their way there: as they arrive, in _send)."""
-        for future in futures:
-            if future.done() or future.cancel():
-                continue
-            if isinstance(future, _CallFuture):
-                future._abandoned = True
-                if future._task is not None:
-                    future._task.cancel()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
@@ -384,6 +373,27 @@ class _Relay:
         else:
             future.set_result(task.result())
         executor._finished(task)  # type: ignore[arg-type]
+
+
+def _result_of(future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
+    try:
+        return future.result(timeout)
+    finally:
+        _abandon([future])
+        del future
+
+
+def _abandon(futures: Iterable[concurrent.futures.Future[Any]]) -> None:
+    """Calls whose results nobody will read: cancelled here if they wait here, else on the mesh
+    (on their way there: as they arrive, in _send)."""
+    for future in futures:
+        if future.done() or future.cancel():
+            continue
+        if isinstance(future, _CallFuture):
+            future._abandoned = True
+            task = future._task  # once: the I/O thread clears it as the call settles
+            if task is not None:
+                task.cancel()
 
 
 def _run_chunk(fn: Callable[..., T], chunk: list[tuple[Any, ...]]) -> list[T]:

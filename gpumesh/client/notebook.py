@@ -89,7 +89,8 @@ def _awaits_in_a_running_loop(ipython: Any, cell: str) -> bool:
     if should_run_async is None:
         return False
     try:
-        if not should_run_async(cell):
+        # IPython 9.16 and later want the transformed cell too (a TypeError without it).
+        if not should_run_async(cell, transformed_cell=ipython.transform_cell(cell)):
             return False
     except Exception:  # a cell IPython cannot read: run_cell says so, as for any cell
         return False

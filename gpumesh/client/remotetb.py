@@ -16,6 +16,7 @@ import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+_LOCALIZED = "_gpumesh_localized"  # set on an error once its traceback was rewritten
 _FRAME = re.compile(r'^(?P<indent>\s*)File "<dynamic-code>", line (?P<line>\d+), in (?P<name>\S+)$')
 
 
@@ -88,9 +89,11 @@ def localize_error(exc: BaseException) -> None:
     """Rewrite, in place, the remote traceback an error from a task carries (its
     ``remote_traceback`` and its note)."""
     remote = getattr(exc, "remote_traceback", None)
-    if not isinstance(remote, str) or "<dynamic-code>" not in remote:
+    if not isinstance(remote, str) or "<dynamic-code>" not in remote \
+            or getattr(exc, _LOCALIZED, False):
         return
     try:
+        setattr(exc, _LOCALIZED, True)  # once: a scan of __main__ each time it is read
         better = localize(remote)
     except Exception:  # a better traceback is a nicety: the task's error is what matters
         return

@@ -497,76 +497,95 @@ class Broker:
         passed_over = 0
         # Kept for a worker that did not fail them: queued again after, where they were.
         held: list[tuple[Task, int]] = []
-        while free > 0 and passed_over < MAX_PASSED_OVER:
-            entry = walk.peek()
-            if entry is None:
-                break
-            task = ledger.tasks.get(entry[2])
-            if task is None or task.state is not TaskState.PENDING:
-                walk.take()  # stale entry: cancelled, or already handed out
-                continue
-            taken = False
-            try:
-                view = task.view()
-                choice = placer.choose(view)
-                if choice is None and slow and view.cost > scheduler.DEFAULT_COST \
-                        and self._only_stragglers_fit(task, only_stragglers):
-                    choice = placer.choose(view, stragglers_too=True)
-                if choice is None:
-                    walk.pass_over()
-                    passed_over += 1
+        # Whether a held task's class has another worker for it, per (class, workers that
+        # failed it): asked once a pass, not once per held task (a scan of every worker).
+        another: dict[Any, bool] = {}
+        holding: set[Any] = set()  # (class, failed-by) whose best free worker failed them
+        try:
+            while free > 0 and passed_over < MAX_PASSED_OVER:
+                entry = walk.peek()
+                if entry is None:
+                    break
+                task = ledger.tasks.get(entry[2])
+                if task is None or task.state is not TaskState.PENDING:
+                    walk.take()  # stale entry: cancelled, or already handed out
                     continue
-                walk.take()
-                taken = True
-                if choice.worker_id in view.excluded and self._waits_for_another(task, now):
-                    held.append((task, entry[1]))
-                    continue
-                worker = ledger.workers[choice.worker_id]
-                ledger.lease(task, worker, now)
-            except InputUnreadable as exc:  # removed or cut short by hand
-                log.warning("task %s cannot run: %s", task.task_id, exc)
-                if not taken:
+                taken = False
+                try:
+                    view = task.view()
+                    kind: Any = None
+                    if view.excluded and now - task.failed_at < EXCLUDED_WAIT:
+                        kind = (task.placement, view.excluded)
+                        if kind in holding:  # as the one before it: the same choice, the same wait
+                            walk.take()
+                            held.append((task, entry[1]))
+                            continue
+                    choice = placer.choose(view)
+                    if choice is None and slow and view.cost > scheduler.DEFAULT_COST \
+                            and self._only_stragglers_fit(task, only_stragglers):
+                        choice = placer.choose(view, stragglers_too=True)
+                    if choice is None:
+                        walk.pass_over()
+                        passed_over += 1
+                        continue
                     walk.take()
-                ledger.drop_input(task)  # a retry could only fail the same way
-                ledger.fail(task, ResultStatus.ERROR,
-                            f"the coordinator could not read this task's input back ({exc}); "
-                            f"submit it again", now)
-                continue
-            except ReadLater as exc:  # it stays queued, and this pass ends (the next reads may
-                # fail alike); the next turn tries again
-                ledger.warn_read_later(f"task {task.task_id}'s input", exc, now)
-                ledger.enqueue(task)
-                break
-            except Exception as exc:  # a bug of ours: this task fails, the others go on
-                log.exception("failed to dispatch task %s", task.task_id)
-                if not taken:
-                    walk.take()
-                if not task.state.terminal:
+                    taken = True
+                    if choice.worker_id in view.excluded \
+                            and self._waits_for_another(task, now, another):
+                        held.append((task, entry[1]))
+                        if kind is not None:
+                            holding.add(kind)
+                        continue
+                    worker = ledger.workers[choice.worker_id]
+                    ledger.lease(task, worker, now)
+                except InputUnreadable as exc:  # removed or cut short by hand
+                    log.warning("task %s cannot run: %s", task.task_id, exc)
+                    if not taken:
+                        walk.take()
+                    ledger.drop_input(task)  # a retry could only fail the same way
                     ledger.fail(task, ResultStatus.ERROR,
-                                f"the coordinator could not schedule this task ({_short(exc)})",
-                                now)
-                continue
-            self.worker_side.assigned(worker)
-            choice.free -= 1
-            choice.load += 1
-            choice.last_assigned = worker.last_assigned
-            free -= 1
-            sent += 1
-        for task, order in held:
-            ledger.enqueue(task, order)
+                                f"the coordinator could not read this task's input back ({exc}); "
+                                f"submit it again", now)
+                    continue
+                except ReadLater as exc:  # it stays queued, and this pass ends (the next reads may
+                    # fail alike); the next turn tries again
+                    ledger.warn_read_later(f"task {task.task_id}'s input", exc, now)
+                    ledger.enqueue(task)
+                    break
+                except Exception as exc:  # a bug of ours: this task fails, the others go on
+                    log.exception("failed to dispatch task %s", task.task_id)
+                    if not taken:
+                        walk.take()
+                    if not task.state.terminal:
+                        ledger.fail(task, ResultStatus.ERROR,
+                                    f"the coordinator could not schedule this task ({_short(exc)})",
+                                    now)
+                    continue
+                self.worker_side.assigned(worker)
+                choice.free -= 1
+                choice.load += 1
+                choice.last_assigned = worker.last_assigned
+                free -= 1
+                sent += 1
+        finally:  # whatever ended the pass: a held task out of the queue would wait for good
+            for task, order in held:
+                ledger.enqueue(task, order)
         return sent
 
-    def _waits_for_another(self, task: Task, now: float) -> bool:
+    def _waits_for_another(self, task: Task, now: float, known: dict[Any, bool]) -> bool:
         """Whether ``task``, whose best free worker failed it before, should wait for another
         that could run it, busy now or not (one its owner paused or drains is not waited for),
         rather than go back: for EXCLUDED_WAIT after its last failure."""
         if now - task.failed_at >= EXCLUDED_WAIT:
             return False
-        return any(
-            w.worker_id not in task.excluded and not w.draining
-            and not scheduler.unmet(w.view(), task.requirements, portable=task.portable,
-                                    local_only=task.local_only)
-            for w in self.ledger.workers.values() if w.state is WorkerState.ALIVE)
+        key = (task.placement, task.excluded)
+        if key not in known:
+            known[key] = any(
+                w.worker_id not in task.excluded and not w.draining
+                and not scheduler.unmet(w.view(0), task.requirements, portable=task.portable,
+                                        local_only=task.local_only)
+                for w in self.ledger.workers.values() if w.state is WorkerState.ALIVE)
+        return known[key]
 
     def _only_stragglers_fit(self, task: Task, known: dict[Any, bool]) -> bool:
         """Whether every alive worker that could run ``task`` is a straggler (so it takes

@@ -22,7 +22,7 @@ from ..fileio import SharedFd
 from ..protocol import ClientInfo, ErrorCode, ProtocolError, Requirements, WorkerInfo, WorkerMode
 from ..protocol.refs import refs_of, shared_bytes
 from ..protocol.serialize import function_digest, payload_nbytes
-from ..scheduler import DEFAULT_COST, TaskView, WorkerView
+from ..scheduler import DEFAULT_COST, TaskView, WorkerView, placement_class
 
 MAX_GRANTS = 16  # leases remembered per task: late results of that many attempts still count
 # What a task counts against its owner's byte quota at least: its record costs memory even
@@ -188,6 +188,11 @@ class Task:
         if self.state is not TaskState.DONE:
             kept += self.input_bytes
         return kept
+
+    @property
+    def placement(self) -> Any:
+        """Its placement class (scheduler.placement_class)."""
+        return placement_class(self.requirements, self.portable, self.cost, self.local_only)
 
     def view(self) -> TaskView:
         return TaskView(self.task_id, self.requirements, self.cost, self.excluded,

@@ -206,6 +206,8 @@ def test_map_with_buffersize_reads_an_endless_iterable_lazily(mesh_env):
         job = pool.job
         with pytest.raises(ValueError, match="buffersize"):
             pool.map(square, [1], buffersize=0)
+        with pytest.raises(TypeError, match="buffersize must be an integer or None"):
+            pool.map(square, [1], buffersize=2.0)
     counts = client.status(job, tasks=False)["counts"]
     assert counts["done"] >= 5 and sum(counts.values()) <= 7
 

@@ -257,7 +257,10 @@ def test_a_mesh_cell_that_awaits_inside_a_running_kernel_says_how_instead_of_fai
         def register_magic_function(self, fn, magic_kind, magic_name):
             self.magic = fn
 
-        def should_run_async(self, cell):
+        def transform_cell(self, cell):
+            return cell
+
+        def should_run_async(self, cell, *, transformed_cell=None):
             return "await" in cell
 
         def run_cell(self, cell):
@@ -273,3 +276,25 @@ def test_a_mesh_cell_that_awaits_inside_a_running_kernel_says_how_instead_of_fai
     with pytest.raises(Exception, match="await their .aio"):
         asyncio.run(in_the_kernel())
     assert ran == []  # nothing of the cell ran
+
+
+def test_ipython_itself_is_asked_whether_a_cell_awaits():
+    """IPython 9.16 and later refuse should_run_async(cell) without transformed_cell=: the
+    refusal above never fired under a real shell."""
+    import asyncio
+
+    from conftest import require
+
+    require("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from gpumesh.client.notebook import _awaits_in_a_running_loop
+
+    shell = InteractiveShell.instance()
+
+    async def in_the_kernel():
+        return (_awaits_in_a_running_loop(shell, "x = await f.aio(1)"),
+                _awaits_in_a_running_loop(shell, "x = f(1)"))
+
+    assert asyncio.run(in_the_kernel()) == (True, False)
+    assert not _awaits_in_a_running_loop(shell, "x = await f.aio(1)")  # no loop: IPython awaits

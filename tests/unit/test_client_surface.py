@@ -556,3 +556,20 @@ def test_a_map_cancelled_on_the_mesh_raises_task_cancelled_not_a_bare_cancelled_
         assert waiting.cancelled()  # the rest are still stopped
     finally:
         mesh.close()
+
+
+def test_a_client_loop_that_fails_closes_its_connection_cleanly(monkeypatch, tmp_path):
+    """A wrong token (AuthenticationError in the loop) ended the I/O thread with an
+    UnboundLocalError in its cleanup: sockets and context left open, callers never failed."""
+    from gpumesh.client.engine import Engine
+    from gpumesh.config import Settings, parse_url
+    from gpumesh.errors import AuthenticationError
+
+    def refused(self):
+        raise AuthenticationError("the coordinator refused this token")
+
+    monkeypatch.setattr(Engine, "_turn", refused)
+    engine = Engine(Settings(home=tmp_path), parse_url("tcp://127.0.0.1:9"), "t" * 43)
+    engine.io_thread.join(10)
+    assert not engine.io_thread.is_alive()
+    assert isinstance(engine.fatal, AuthenticationError) and engine._stopped

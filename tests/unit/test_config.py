@@ -141,8 +141,9 @@ def test_a_token_made_as_the_spec_says_is_not_taken_for_a_host() -> None:
         with pytest.raises(ConfigError, match="is a token, not an address") as info:
             parse_url(f"tcp://{token}:8000")
         assert token not in str(info.value)
-    # Kubernetes pod names are long, lower case, digits and dashes: hosts.
+    # Kubernetes pod names are long, lower case, digits and dashes: hosts. So is a long Mac's.
     assert parse_url("myapp-deployment-5d4f8c7b9-abcde-x1.svc").host.startswith("myapp")
+    assert parse_url("Alexandras-MacBook-Pro-14-inch-M3-2023:8000").port == 8000
 
 
 def test_a_host_zeromq_would_refuse_is_refused_here_in_words() -> None:

@@ -31,3 +31,8 @@ def test_joining_another_mesh_keeps_this_machines_own_coordinator_saved(tmp_path
     assert not keeps_own_coordinator(settings, mine)
     save_connection(settings.config_path, "tcp://127.0.0.1:8000", mine)  # a worker's, not served
     assert not keeps_own_coordinator(settings, friends)
+    # No connection saved, but the token file of a coordinator that ran here: kept too.
+    settings.config_path.unlink()
+    (tmp_path / "token").write_text(mine + "\n")
+    assert keeps_own_coordinator(settings, friends)
+    assert not keeps_own_coordinator(settings, mine)
