@@ -195,40 +195,46 @@ def test_a_failing_mesh_cell_fails_the_notebook_with_its_error(mesh_env, monkeyp
     assert not notebook.cells[2].outputs  # nbclient stopped at the failed cell
 
 
+class _Shell:
+    """What the magic uses of an InteractiveShell: a namespace and a run_cell (which runs the
+    cell with exec, and records it)."""
+
+    def __init__(self):
+        import types
+
+        self.user_ns, self.user_module = {}, types.ModuleType("__main__")
+        self.displayhook = types.SimpleNamespace(exec_result=None)
+        self.magic = None
+        self.ran: list[str] = []
+
+    def push(self, names):
+        self.user_ns.update(names)
+
+    def register_magic_function(self, fn, magic_kind, magic_name):
+        self.magic = fn
+
+    def transform_cell(self, cell):
+        return cell
+
+    def run_cell(self, cell):
+        import types
+
+        self.ran.append(cell)
+        try:
+            exec(cell, self.user_ns)
+        except Exception as e:
+            return types.SimpleNamespace(error_before_exec=None, error_in_exec=e)
+        return types.SimpleNamespace(error_before_exec=None, error_in_exec=None)
+
+
 def test_a_mesh_cell_run_outside_a_cell_raises_its_error():
     """``run_cell_magic`` called by code, with no cell of its own whose result could fail: the
     cell's error is raised to that code."""
-    import types
-
     import pytest
 
     from gpumesh.client.notebook import load_ipython_extension
 
-    class Shell:
-        """What the magic uses of an InteractiveShell: a namespace and a run_cell."""
-
-        def __init__(self):
-            self.user_ns, self.user_module = {}, types.ModuleType("__main__")
-            self.displayhook = types.SimpleNamespace(exec_result=None)
-            self.magic = None
-
-        def push(self, names):
-            self.user_ns.update(names)
-
-        def register_magic_function(self, fn, magic_kind, magic_name):
-            self.magic = fn
-
-        def transform_cell(self, cell):
-            return cell
-
-        def run_cell(self, cell):
-            try:
-                exec(cell, self.user_ns)
-            except Exception as e:
-                return types.SimpleNamespace(error_before_exec=None, error_in_exec=e)
-            return types.SimpleNamespace(error_before_exec=None, error_in_exec=None)
-
-    shell = Shell()
+    shell = _Shell()
     load_ipython_extension(shell)
     with pytest.raises(ValueError, match="the cell broke"):
         shell.magic("", "raise ValueError('the cell broke')")
@@ -238,34 +244,14 @@ def test_a_mesh_cell_that_awaits_inside_a_running_kernel_says_how_instead_of_fai
     """In Jupyter the kernel's loop runs the cell: the magic's nested run_cell ran a cell that
     awaits with run_until_complete on that same loop, and it failed after its first lines."""
     import asyncio
-    import types
 
     import pytest
 
     from gpumesh.client.notebook import load_ipython_extension
 
-    ran: list[str] = []
-
-    class Kernel:
-        def __init__(self):
-            self.user_ns, self.user_module = {}, types.ModuleType("__main__")
-            self.displayhook = types.SimpleNamespace(exec_result=None)
-
-        def push(self, names):
-            self.user_ns.update(names)
-
-        def register_magic_function(self, fn, magic_kind, magic_name):
-            self.magic = fn
-
-        def transform_cell(self, cell):
-            return cell
-
+    class Kernel(_Shell):
         def should_run_async(self, cell, *, transformed_cell=None):
             return "await" in cell
-
-        def run_cell(self, cell):
-            ran.append(cell)
-            return types.SimpleNamespace(error_before_exec=None, error_in_exec=None)
 
     shell = Kernel()
     load_ipython_extension(shell)
@@ -275,7 +261,7 @@ def test_a_mesh_cell_that_awaits_inside_a_running_kernel_says_how_instead_of_fai
 
     with pytest.raises(Exception, match="await their .aio"):
         asyncio.run(in_the_kernel())
-    assert ran == []  # nothing of the cell ran
+    assert shell.ran == []  # nothing of the cell ran
 
 
 def test_ipython_itself_is_asked_whether_a_cell_awaits():
