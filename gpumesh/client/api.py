@@ -184,12 +184,17 @@ class GPUMesh:
     def close(self) -> None:
         # Closed outside the lock: closing joins the I/O thread, where a done-callback that
         # submits more (joblib's next batch, a chained call) waits for this lock.
+        # It stays this mesh's engine while it closes: what runs on its thread meanwhile (the
+        # connect notice, a callback's submit, refused as closed) still finds it.
         with self._lock:
-            engine, self._engine = self._engine, None
+            engine = self._engine
             if engine is not None:
                 self._closed_thread = engine.io_thread
         if engine is not None:
             engine.close()
+            with self._lock:
+                if self._engine is engine:
+                    self._engine = None
 
     def __enter__(self) -> GPUMesh:
         return self

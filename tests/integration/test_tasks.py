@@ -358,7 +358,7 @@ def test_a_callback_that_submits_while_the_mesh_closes_opens_no_new_connection(m
     assert in_callback.wait(30)
     closer = threading.Thread(target=client.close)
     closer.start()
-    wait_for(lambda: client._engine is None, what="close() under way")
+    wait_for(lambda: client._closed_thread is not None, what="close() under way")
     closing.set()
     closer.join(30)
     assert not closer.is_alive()
