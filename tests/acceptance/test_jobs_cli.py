@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -195,8 +194,11 @@ def test_owner_pauses_resumes_and_drains_without_losing_work(mesh_env, tmp_path)
                                                    {"x": 2, "gate": str(gate)},
                                                    {"x": 3, "gate": str(tmp_path)}])
     job = submit_detached(mesh_env, script, payloads)
-    time.sleep(1.0)  # a negative check: nothing may start on a paused worker
-    assert job_status(mesh_env, job)["counts"] == {"pending": 3}
+    # A negative check, without a sleep: the coordinator dispatches in the SUBMIT's own turn
+    # and in every turn after, and each status read is a connection of its own (a HELLO and a
+    # QUERY: turns of their own). Read twice, nothing may have started on the paused worker.
+    for _ in range(2):
+        assert job_status(mesh_env, job)["counts"] == {"pending": 3}
     assert cli(mesh_env, "resume").returncode == 0
     wait_for(lambda: job_status(mesh_env, job)["counts"].get("done") == 1, what="1 done")
     wait_for(lambda: job_status(mesh_env, job)["counts"].get("running") == 1, what="the long one")
