@@ -115,20 +115,16 @@ def choose(task: TaskView, workers: Iterable[WorkerView], *, stragglers_too: boo
     for worker in workers:
         if worker.free <= 0 or not eligible(worker, task, stragglers_too=stragglers_too):
             continue
-        avoided = worker.worker_id in task.excluded
-        foreign = bool(task.requirements.python) and worker.python != task.requirements.python
-        ratio = worker.load / max(worker.capacity, 1)
-        if task.cost > DEFAULT_COST:
-            key: tuple[Any, ...] = (avoided, foreign, -worker.score, ratio, worker.last_assigned)
-        else:
-            key = (avoided, foreign, ratio, worker.last_assigned)
+        key = (worker.worker_id in task.excluded, *_rank(task, worker))  # failed it: last
         if best is None or key < best_key:
             best, best_key = worker, key
     return best
 
 
 def _rank(task: TaskView, worker: WorkerView) -> tuple[Any, ...]:
-    """choose()'s order among eligible workers, for a task no worker failed before."""
+    """The order among eligible workers, the one that failed the task aside: on the
+    submitter's Python first, then the strongest (heavy tasks), the least loaded, the least
+    recently used."""
     foreign = bool(task.requirements.python) and worker.python != task.requirements.python
     ratio = worker.load / max(worker.capacity, 1)
     if task.cost > DEFAULT_COST:

@@ -206,14 +206,6 @@ def token_file(settings: Settings, answers: Answers | None = None) -> str:
     return home_display(settings.home / name)
 
 
-def own_token_differs(settings: Settings, token: str) -> bool:
-    """Whether this machine's own coordinator saved a token other than ``token`` (join's
-    own test: the two commands must agree)."""
-    from .join import keeps_own_coordinator
-
-    return keeps_own_coordinator(settings, token)
-
-
 def next_steps(settings: Settings, answers: Answers) -> list[str]:
     """The commands to run next, with what each does; they name the token file, never the token."""
     tokens = f"--token-file {token_file(settings)}"
@@ -394,9 +386,11 @@ class _Wizard:
         url, discovered = self._find(token)
         if url is None:
             url = self._typed_url(token)
+        from .join import keeps_own_coordinator  # join's own test: the two must agree
+
         slots = self._slots() if role == "join" else None
         return Answers(role, token, url=url, discovered=discovered, slots=slots,
-                       beside_own=own_token_differs(self.settings, token))
+                       beside_own=keeps_own_coordinator(self.settings, token))
 
     def _find(self, token: str) -> tuple[str | None, bool]:
         """A coordinator of this token's mesh chosen among those the LAN advertises."""

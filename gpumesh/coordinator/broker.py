@@ -590,8 +590,7 @@ class Broker:
     def _only_stragglers_fit(self, task: Task, known: dict[Any, bool]) -> bool:
         """Whether every alive worker that could run ``task`` is a straggler (so it takes
         one, rather than wait for a faster one that is not there)."""
-        key = scheduler.placement_class(task.requirements, task.portable, task.cost,
-                                        task.local_only)
+        key = task.placement
         if key not in known:
             stragglers = self.worker_side.stragglers
             known[key] = not any(

@@ -35,7 +35,6 @@ from ..protocol import (
 from ..protocol.pieces import STREAM_BYTES
 from ..protocol.refs import ref_names, refs_of, shared_bytes
 from ..protocol.vocabulary import KEPT_FUNCTIONS
-from ..scheduler import placement_class
 from ..sharedmem import SharedFolder, SharedFrameBusy, materialize
 from ..store import Store
 from .events import Event, EventLog
@@ -251,9 +250,7 @@ class Ledger:
         a moment ago) where it was."""
         if "shm" in task.spec:  # only frames in shared memory can make it too big to send
             task.local_only = self.too_big_to_send(task.spec, task.payload)
-        self.pending.push(placement_class(task.requirements, task.portable, task.cost,
-                                          task.local_only),
-                          (-task.priority, next(self._order) if order is None else order,
+        self.pending.push(task.placement, (-task.priority, next(self._order) if order is None else order,
                            task.task_id))
         self.kinds.add((task.requirements, task.portable, task.local_only))
 

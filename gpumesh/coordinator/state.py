@@ -278,8 +278,8 @@ class WorkerSession:
             info.python,
             self.last_assigned,
             False,
-            info.hostname or self.worker_id[:8],
-            self.shm and self.shmlock,
+            self.label,
+            self.maps_shared,
         )
 
     def summary(self) -> dict[str, Any]:

@@ -8,11 +8,11 @@ import stat
 
 import pytest
 
+from gpumesh.cli.join import keeps_own_coordinator
 from gpumesh.cli.setup import (
     Answers,
     needs_ui,
     next_steps,
-    own_token_differs,
     port_problem,
     save,
     slots_problem,
@@ -132,10 +132,10 @@ def test_joining_another_mesh_keeps_this_machines_own_coordinator(settings):
     every one of its workers is locked out."""
     own, other = new_token(), new_token()
     save(settings, Answers("serve", own, generated=True, port=8123))
-    assert own_token_differs(settings, other) and not own_token_differs(settings, own)
+    assert keeps_own_coordinator(settings, other) and not keeps_own_coordinator(settings, own)
     for role in ("join", "use"):
         answers = Answers(role, other, url="tcp://127.0.0.1:9000", slots=2,
-                          beside_own=own_token_differs(settings, other))
+                          beside_own=keeps_own_coordinator(settings, other))
         written = save(settings, answers)
         assert written == [settings.home / "joined-token"]
         assert (settings.home / "joined-token").read_text().strip() == other
@@ -149,7 +149,7 @@ def test_joining_another_mesh_keeps_this_machines_own_coordinator(settings):
         assert all(other not in line and other.split(".")[1] not in line for line in steps)
     # With no coordinator of its own, join saves as before.
     fresh = Settings(home=settings.home.parent / "fresh")
-    assert not own_token_differs(fresh, other)
+    assert not keeps_own_coordinator(fresh, other)
 
 
 def test_the_ui_hint_fits_how_gpumesh_was_installed(tmp_path):
