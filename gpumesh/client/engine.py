@@ -241,9 +241,17 @@ class TaskFuture(concurrent.futures.Future[Any]):
 
     def result(self, timeout: float | None = None) -> Any:
         self._wait(timeout)
-        if self._exception is not None:  # settled: set once, never changed
-            localize_error(self._exception)
-        return super().result(0)  # the outcome, or TimeoutError when it is not done
+        error = self._exception  # settled: set once, never changed
+        if error is None:
+            return super().result(0)  # the outcome, CancelledError, or TimeoutError
+        localize_error(error)
+        try:
+            # Raised afresh each time: the caller's frames and this line, then the task's own
+            # traceback (its note), not concurrent.futures' frames, nor those of an earlier
+            # result() call that the same exception collected.
+            raise error.with_traceback(None)
+        finally:
+            del error  # no cycle through this frame (as Future.result)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         # What an executor's future, asyncio's wrap_future and joblib read: each shows the
@@ -1009,7 +1017,9 @@ class Engine:
             self._by_task[task_id] = sub
             self._redecode[task_id] = (now + REDECODE_AFTER, msg)
         except BaseException as exc:  # the remote exception, rebuilt
-            _settle(future.set_exception, exc)
+            # Without the engine thread's frames (decode_result's raise): the caller's result()
+            # and exception() show the caller's frames, then the task's remote traceback.
+            _settle(future.set_exception, exc.with_traceback(None))
         else:
             _settle(future.set_result, value)
 

@@ -21,6 +21,7 @@ import time
 import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any
 
 import msgpack
@@ -124,6 +125,10 @@ def run_source(name: str, frames: Sequence[Any]) -> tuple[dict[str, Any], list[A
     return _returned(value)
 
 
+# The runner's frames that call a task's function: left out of the task's traceback.
+_CALLERS = (run_function.__code__, run_source.__code__)
+
+
 def _returned(value: Any) -> tuple[dict[str, Any], list[Any]]:
     """The result of a call; a value that cannot travel is an error that says it was the
     return value, and for a generator what to return instead."""
@@ -172,7 +177,7 @@ def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[A
     error = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}",
              "message": message[:MAX_ERROR_MESSAGE],
              "traceback": _text(lambda: "".join(
-                 traceback.format_exception(type(exc), exc, exc.__traceback__)
+                 traceback.format_exception(type(exc), exc, _from_the_task(exc.__traceback__))
              )[-MAX_TRACEBACK:])}
     try:
         frames = serialize.dumps(exc.with_traceback(None))
@@ -184,6 +189,15 @@ def _error(exc: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[A
                             "RemoteError) " + error["message"])
         frames = []
     return header, frames
+
+
+def _from_the_task(tb: TracebackType | None) -> TracebackType | None:
+    """A task's traceback from its own first frame: the runner's frame that called it
+    (``run_function``) tells the user nothing. Kept whole when the error is the runner's
+    own (nothing of the task's below it: an argument that does not match, say)."""
+    if tb is not None and tb.tb_frame.f_code in _CALLERS and tb.tb_next is not None:
+        return tb.tb_next
+    return tb
 
 
 def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str]

@@ -423,3 +423,36 @@ def test_a_task_error_is_printed_with_its_escape_codes_written_out_and_its_size_
     with pytest.raises(RunnerCrashed) as crashed:
         decode_result({"status": "crashed", "diagnosis": "gone" + esc}, [])
     assert "\x1b" not in str(crashed.value)
+
+
+def _raises_deep(x):
+    return 1 / x
+
+
+def test_a_task_error_shows_the_callers_frames_then_the_tasks_not_the_engines(engine):
+    # result() raised through concurrent.futures' frames and the engine thread's
+    # decode_result; each call added its frames to the same exception, so a retry loop
+    # printed a traceback that grew by three frames a call.
+    import traceback
+
+    from gpumesh.runner.execute import run_function
+
+    header, payload = run_function({"task": "t1"}, [*serialize.dumps(_raises_deep),
+                                                    *serialize.dumps(((0,), {}))])
+    future, seq = submitted(engine)
+    engine._on_result(msg(Command.RESULT, {**header, "task": "t1", "seq": seq,
+                                           "worker": "w1"}, payload), 1.0)
+    assert future.exception(timeout=5).__traceback__ is None  # no engine-thread frames
+    for _ in range(3):
+        with pytest.raises(ZeroDivisionError) as raised:
+            future.result(timeout=5)
+        files = [frame.filename for frame in traceback.extract_tb(raised.value.__traceback__)]
+        assert files == [__file__, engine_module_file()]  # this test's line, then result()'s
+    remote = raised.value.remote_traceback
+    assert "_raises_deep" in remote and "run_function" not in remote
+
+
+def engine_module_file() -> str:
+    from gpumesh.client import engine as engine_module
+
+    return engine_module.__file__

@@ -351,3 +351,27 @@ def test_a_failed_scripts_last_error_line_is_kept_while_the_agent_reads_slowly(m
     os.close(read_end)
     assert header["status"] == "error"
     assert header["error"]["message"].endswith("the last line")
+
+
+def _calls_a_helper(x):
+    return _helper_that_raises(x)
+
+
+def _helper_that_raises(x):
+    raise KeyError(x)
+
+
+def test_a_tasks_traceback_starts_at_its_own_function_not_the_runner():
+    from gpumesh.protocol import serialize
+    from gpumesh.runner.execute import run_function
+
+    fn = serialize.dumps(_calls_a_helper)
+    header, _ = run_function({"task": "t"}, [*fn, *serialize.dumps(((1,), {}))])
+    text = header["error"]["traceback"]
+    first = text.splitlines()[1]  # after "Traceback (most recent call last):"
+    assert "_calls_a_helper" in first and "_helper_that_raises" in text
+    assert "execute.py" not in text
+    # Nothing of the task ran (its arguments do not fit it): the runner's line is all there is.
+    header, _ = run_function({"task": "t"}, [*fn, *serialize.dumps(((1, 2), {}))])
+    assert header["error"]["type"] == "builtins.TypeError"
+    assert "run_function" in header["error"]["traceback"]
