@@ -13,13 +13,17 @@ still what admits a peer.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import MeshError
+from .processes import end_with_this_process, stop_watching
+
+log = logging.getLogger("gpumesh.tunnels")
 
 TAILSCALE_TIMEOUT = 5.0  # seconds; `tailscale ip -4` answers from the local daemon at once
 # Where the macOS app keeps its CLI when `tailscale` is not on PATH (App Store and standalone).
@@ -110,6 +114,7 @@ class NgrokProvider:
 
     def __init__(self) -> None:
         self._url: str | None = None
+        self._watcher: subprocess.Popen[bytes] | None = None
 
     def open(self, host: str, port: int) -> str:
         try:
@@ -129,12 +134,15 @@ class NgrokProvider:
             raise TunnelError(f"--public: ngrok answered {_quote(url)!r}, not a tcp:// address; "
                               "try again, or use --tailscale")
         self._url = url
+        self._watcher = _ngrok_ends_with_us(ngrok)
         return url
 
     def close(self) -> None:
         url, self._url = self._url, None
         if url is not None:
             self._disconnect(url)
+        watcher, self._watcher = self._watcher, None
+        stop_watching(watcher)
 
     @staticmethod
     def _disconnect(url: str) -> None:
@@ -147,3 +155,14 @@ class NgrokProvider:
             pass  # the ngrok process is killed next, which closes every tunnel it holds
         finally:
             ngrok.kill()
+
+
+def _ngrok_ends_with_us(ngrok: Any) -> subprocess.Popen[bytes] | None:
+    """A watcher that ends pyngrok's ngrok process if this one dies without closing it (kill
+    -9): else the tunnel stays up, and holds a free account's only agent session."""
+    try:
+        pid = int(ngrok.get_ngrok_process().proc.pid)
+    except Exception:  # a pyngrok without it, or no process after all: nothing to watch
+        log.debug("no ngrok process to watch", exc_info=True)
+        return None
+    return end_with_this_process(pid)

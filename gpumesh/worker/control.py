@@ -22,6 +22,7 @@ import msgpack
 import zmq
 
 from ..config import ensure_home
+from ..processes import is_alive
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -119,42 +120,6 @@ def local_workers(home: Path) -> list[dict[str, Any]]:
             continue
         found.append(entry)
     return found
-
-
-def is_alive(pid: int) -> bool:
-    if os.name == "nt":
-        # Not os.kill(pid, 0): signal 0 is CTRL_C_EVENT there, which Python turns into a
-        # GenerateConsoleCtrlEvent that interrupts every process on the console.
-        return _alive_on_windows(pid)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # on Linux, an exited child its parent has not reaped yet is a zombie: gone for us
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _alive_on_windows(pid: int) -> bool:
-    import ctypes
-    from ctypes import wintypes
-
-    query_limited_information, still_active, access_denied = 0x1000, 259, 5
-    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
-    handle = kernel32.OpenProcess(query_limited_information, False, pid)
-    if not handle:
-        return bool(ctypes.get_last_error() == access_denied)  # type: ignore[attr-defined]
-    try:
-        code = wintypes.DWORD()
-        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
-            return True
-        return code.value == still_active
-    finally:
-        kernel32.CloseHandle(handle)
 
 
 def is_registered(home: Path, worker_id: str) -> bool:

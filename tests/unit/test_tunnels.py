@@ -207,3 +207,75 @@ def test_the_provider_protocol_is_what_serve_relies_on():
     provider: tunnels.TunnelProvider = Fake()
     assert provider.open("127.0.0.1", 1) == "tcp://tunnel.test:1"
     assert {"open", "close"} <= set(dir(NgrokProvider))
+
+
+# ------------------------------------------------------- ngrok ends with the coordinator, kill -9 too
+
+_STAND_IN = """
+import subprocess, sys, time
+from gpumesh.processes import end_with_this_process
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+watcher = end_with_this_process(helper.pid)
+print(helper.pid, watcher.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX: a dead process's children get a new parent")
+def test_a_helper_ends_when_the_process_that_started_it_is_killed_9():
+    # ngrok, started by pyngrok in the coordinator, outlived a kill -9 of it: the tunnel stayed
+    # up, and held a free account's only agent session, so the next serve --public failed.
+    import signal
+    import subprocess
+
+    from conftest import poll_until
+
+    from gpumesh.processes import is_alive
+
+    started: list[int] = []
+    with subprocess.Popen([sys.executable, "-c", _STAND_IN], stdout=subprocess.PIPE) as coordinator:
+        try:
+            assert coordinator.stdout is not None
+            started += (int(n) for n in coordinator.stdout.readline().split())
+            helper, watcher = started
+            assert is_alive(helper) and is_alive(watcher)
+            coordinator.kill()
+            coordinator.wait()
+            assert poll_until(lambda: not is_alive(helper), 15), "the helper outlived its starter"
+            assert poll_until(lambda: not is_alive(watcher), 15), "the watcher stayed behind"
+        finally:
+            coordinator.kill()
+            for pid in started:
+                if is_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_the_watcher_leaves_when_the_helper_ends_first_and_refuses_bad_arguments(capsys):
+    import subprocess
+
+    from gpumesh import processes
+
+    helper = subprocess.Popen([sys.executable, "-c", "pass"])
+    helper.wait()
+    assert processes.watch(os.getpid(), helper.pid, None) == 0  # gone already: nothing to end
+    assert processes.main(["12", "x", "-"]) == 2 and "usage" in capsys.readouterr().err
+
+
+def test_ngrok_is_watched_while_its_tunnel_is_open_and_the_watcher_stopped_with_it(fake_pyngrok):
+    import subprocess
+
+    calls, _ = fake_pyngrok
+    ngrok_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        sys.modules["pyngrok.ngrok"].get_ngrok_process = lambda: types.SimpleNamespace(  # type: ignore[attr-defined]
+            proc=ngrok_process)
+        provider = NgrokProvider()
+        provider.open("127.0.0.1", 8732)
+        watcher = provider._watcher
+        assert watcher is not None and watcher.poll() is None
+        assert str(ngrok_process.pid) in watcher.args
+        provider.close()
+        assert calls[-1] == ("kill",) and watcher.poll() is not None and provider._watcher is None
+    finally:
+        ngrok_process.kill()
+        ngrok_process.wait()

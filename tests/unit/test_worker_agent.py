@@ -782,7 +782,7 @@ def test_a_task_cannot_name_the_agents_own_bookkeeping_keys(agent):
 def test_a_local_workers_liveness_never_signals_it_on_windows(monkeypatch):
     """os.kill(pid, 0) is a Ctrl+C to the whole console on Windows (signal 0 is
     CTRL_C_EVENT there): pause/resume/drain must ask the process table instead."""
-    from gpumesh.worker import control as local
+    from gpumesh import processes as local
 
     def no_signals(pid: int, sig: int) -> None:
         raise AssertionError(f"os.kill({pid}, {sig}) on Windows")
