@@ -1,6 +1,7 @@
 """Writing files: many buffers to a file descriptor at once (the journal's blob files, the runner
 pipe's memfd and the shared-memory folder write frames straight from their buffers), reading one
-back into a buffer, and small owner-only files replaced whole (worker ids, the benchmark cache)."""
+back into a buffer, small owner-only files replaced whole (worker ids, the benchmark cache), and
+telling a UTF-16 text file (token and payload files from PowerShell) by its first bytes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ except (AttributeError, ValueError, OSError):
     IOV_MAX = 16
 # Open descriptors a long-running gpumesh process asks for (its soft limit, up to the hard one).
 DESCRIPTORS_WANTED = 65536
+
+
+def utf16_marked(raw: bytes) -> bool:
+    """Whether a file's bytes start with a UTF-16 byte order mark, as PowerShell 5's ``>`` and
+    ``Out-File`` write text: the usual reason a file meant as UTF-8 does not decode."""
+    return raw[:2] in (b"\xff\xfe", b"\xfe\xff")
 
 
 def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .fileio import utf16_marked
 
 # 22 URL-safe base64 characters carry 132 bits when random: the least a coordinator accepts
 # without --weak-token. It measures length, not randomness: a generated token is what is meant.
@@ -140,7 +141,7 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
         # write one, and a machine whose file has none would be refused without a clue why.
         text = raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError:
-        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        utf16 = utf16_marked(raw)
         raise ConfigError(
             f"{where} is not a token file: it is not UTF-8 text"
             + (" (it is UTF-16, as PowerShell's > writes: write it with "

@@ -13,6 +13,7 @@ from ..client import GPUMesh
 from ..client.api import new_job_id
 from ..client.tasks import TaskOptions
 from ..errors import MeshError
+from ..fileio import utf16_marked
 from ..protocol.fields import for_terminal
 from .output import color_enabled, fail, json_text, ok
 
@@ -195,7 +196,7 @@ def _read_payloads(path: str) -> list[Any]:
     try:
         text = raw.decode("utf-8-sig")  # a BOM, as Windows editors write, is no error
     except UnicodeDecodeError:
-        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        utf16 = utf16_marked(raw)
         fail(f"{path} is not UTF-8 text" + (" (it is UTF-16, as PowerShell's > writes)"
                                              if utf16 else "")
              + ": save it as UTF-8 (in PowerShell: ... | Out-File -Encoding utf8 FILE)")
