@@ -77,7 +77,8 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
     if limit is not None and len(tasks) > limit:
         shown = [t for t in tasks if t.get("state") != "done"][:limit]
         lines.append(f"  {len(tasks) - len(shown)} of {len(tasks)} tasks not listed "
-                     f"('gpumesh status {status['job']}' lists them all, --json with results)")
+                     f"('gpumesh status {status['job']}' lists them all; 'submit --wait "
+                     "--json' prints every output whole)")
         tasks = shown
     for task in tasks:
         state = task.get("state", "unknown")
@@ -224,6 +225,32 @@ def status(mesh: GPUMesh, job_id: str | None, as_json: bool) -> None:
         print_job(answer)
     else:
         click.echo(mesh_summary(answer))
+
+
+def results(mesh: GPUMesh, job_id: str, as_json: bool) -> None:
+    answer = mesh.job_results(job_id)
+    if as_json:
+        click.echo(json_text(answer))
+        return
+    click.echo(f"Job: {for_terminal(str(answer['name']))} ({for_terminal(str(answer['job']))})")
+    click.echo("")
+    for task in answer["tasks"]:
+        state = str(task.get("state", "unknown"))
+        click.echo(f"  {_symbol(state)} task {task['id']} [{state}]")
+        # Another user's task wrote these: nothing in them may act on this terminal.
+        if "result" in task:
+            result = task["result"]
+            text = result if isinstance(result, str) else json_text(result, indent=None)
+            click.echo(f"    result: {for_terminal(text)}")
+        elif task.get("error"):
+            click.echo(f"    error: {for_terminal(str(task['error']))}")
+        if task.get("note"):
+            click.echo(f"    ({for_terminal(str(task['note']))})")
+    if answer.get("collected"):
+        click.echo(f"  {answer['collected']} task(s) not listed: their submitter collected their "
+                   "results, which the coordinator no longer holds")
+    if not answer["tasks"] and not answer.get("collected"):
+        click.echo("  (no tasks)")
 
 
 def mesh_summary(answer: dict[str, Any]) -> str:

@@ -340,6 +340,26 @@ def status(job: str | None, as_json: bool, url: str | None, token: str | None) -
     _with_client(url, token, lambda c: jobs.status(c, job, as_json))
 
 
+@cli.command()
+@click.argument("job")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for use from other programs).")
+@_connection
+def results(job: str, as_json: bool, url: str | None, token: str | None) -> None:
+    """Print a script job's outputs whole (status shows each only up to 4 KiB).
+
+    A detached submit's results stay readable for GPUMESH_RESULT_TTL (24 h); those its
+    submitter already collected (submit --wait) are no longer held.
+
+    \b
+    Examples:
+      gpumesh results c3f81cc498f0
+      gpumesh results grid --json > results.json
+    """
+    from . import jobs
+
+    _with_client(url, token, lambda c: jobs.results(c, job, as_json))
+
+
 _FORCE = click.option(
     "--force", is_flag=True,
     help="Act on a job another account or machine submitted (refused without it).")

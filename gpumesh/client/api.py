@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ipaddress
+import json
 import logging
 import numbers
 import os
@@ -536,6 +537,23 @@ class GPUMesh:
                 raise MeshTimeout(f"job {job_id} did not finish within {timeout:g}s")
             time.sleep(JOB_POLL)
 
+    def job_results(self, job_id: str, *, timeout: float = 300.0) -> dict[str, Any]:
+        """A script job's outputs, whole, as the coordinator holds them (``status`` shows
+        each only up to 4 KiB): ``{'job', 'name', 'collected', 'tasks': [{'id', 'state',
+        'result', 'bytes', ...}]}``. ``result`` is the script's JSON, or its text where that
+        is not JSON; a task without one says why in ``note`` or ``error``. The results of a
+        detached ``submit`` stay readable for GPUMESH_RESULT_TTL; those its submitter
+        collected are gone from the coordinator (``collected`` counts them)."""
+        answer = self._require().query("results", timeout=timeout, job=job_id)
+        if not isinstance(answer, dict) or "error" in answer:
+            raise MeshError(str(answer.get("error") if isinstance(answer, dict) else
+                                "the coordinator gave an unexpected answer to results"))
+        for item in answer.get("tasks", ()):
+            raw = item.pop("raw", None) if isinstance(item, dict) else None
+            if isinstance(raw, bytes):
+                item["result"] = script_output(raw, item.pop("encoding", None))
+        return answer
+
     def cancel_job(self, job_id: str, *, force: bool = False) -> int:
         """Cancel a job: pending tasks never start, running ones are stopped. Returns how many.
 
@@ -802,3 +820,14 @@ def _unresolved(host: str) -> str:
     except OSError:
         return ""
     return ""
+
+
+def script_output(raw: bytes, encoding: Any) -> Any:
+    """A script's output as its results show it: its JSON, or its text where it is not JSON."""
+    text = raw.decode("utf-8", "replace")
+    if encoding == "json":
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            return text
+    return text

@@ -1061,6 +1061,8 @@ class Engine:
         query = self._queries.pop(qid, None)
         if query is None or query.future.done():
             return
+        if msg.payload:
+            data = _with_frames(data, msg.payload)
         more = msg.header.get("more")
         if isinstance(more, int) and not isinstance(more, bool) and more > 0:
             # A paged answer: keep this part, ask for the rest under the same qid.
@@ -1253,6 +1255,21 @@ def _settle(settle: Callable[[Any], None], outcome: Any) -> None:
         settle(outcome)
     except concurrent.futures.InvalidStateError:
         pass  # cancelled between the check and now: the caller already has its answer
+
+
+def _with_frames(data: Any, payload: list[Any]) -> Any:
+    """An answer whose items name frames of its message (``results``: each task's output as
+    ``frame``, an index): each such item gets the frame's bytes as ``raw``. An index that is
+    not one of the frames names nothing."""
+    tasks = data.get("tasks") if isinstance(data, dict) else None
+    if not isinstance(tasks, list):
+        return data
+    for item in tasks:
+        if isinstance(item, dict):
+            index = item.pop("frame", None)
+            if type(index) is int and 0 <= index < len(payload):
+                item["raw"] = _frame_bytes(payload[index])
+    return data
 
 
 def _joined(parts: list[Any], last: Any) -> Any:

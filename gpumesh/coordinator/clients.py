@@ -311,6 +311,14 @@ class ClientSide:
             data = self.retention.health(now)
         elif q.what == "task" and q.task is not None:
             data = self.retention.task_detail(q.task)
+        elif q.what == "results" and q.job:
+            # Outputs travel as frames, not in the header: one may be megabytes.
+            data, frames, more = self.retention.results(q.job, q.page)
+            header: dict[str, Any] = {"qid": q.qid, "data": data}
+            if more is not None:
+                header["more"] = more
+            ledger.send(client.routing, Command.REPLY, header, frames)
+            return
         elif q.what == "events":
             # Paged by sequence number, not by position: events arrive (and the oldest go)
             # between pages.

@@ -11,15 +11,21 @@ from collections import Counter
 from typing import Any
 
 from .._version import __version__
+from ..protocol import ResultEncoding
 from .jobs import LIST_JOBS, MAX_JOBS, find_job
-from .ledger import Ledger
-from .state import Task, WorkerState
+from .ledger import Ledger, ReadLater
+from .state import Task, TaskState, WorkerState
 
 RETENTION_SWEEP = 10.0  # seconds between sweeps for results nobody will collect
 # What finished tasks hold, all together: absent clients' uncollected results, and the inputs
 # of those that did not succeed (kept for `gpumesh retry`), whoever owns them. One cap for all:
 # one user's failing job can push out another's oldest retry inputs.
 MAX_RETAINED_RESULT_BYTES = 2 * 1024**3
+# `gpumesh results`: the scripts' results sent back whole, this many bytes a page at most (one
+# bigger result goes alone), results over RESULT_READ_MAX named with their size only.
+RESULTS_PAGE_BYTES = 32 * 1024**2
+RESULTS_PER_PAGE = 2000  # tasks a page lists (about 100 bytes of header each)
+RESULT_READ_MAX = 256 * 1024**2
 MIN_JOB_AGE = 60.0  # seconds a finished job is kept even over MAX_JOBS (a .map sends batches)
 
 
@@ -131,6 +137,61 @@ class Retention:
                 "jobs_known": len(self.ledger.jobs),
                 "jobs": [j.describe(self.ledger.tasks, now, tasks=False) for j in recent]}
 
+    def results(self, job_id: str, page: int) -> tuple[dict[str, Any], list[Any], int | None]:
+        """A page of a job's script results, whole (``status`` shows only what fits
+        PREVIEW_BYTES): ``(data, frames, next page or None)``. Each of the job's tasks still
+        held here is listed from position ``page`` on, with ``frame`` (its index in
+        ``frames``) where its output is here to read: a detached ``submit``'s, kept for
+        GPUMESH_RESULT_TTL, which nothing else could read back. Tasks whose results their
+        submitter collected are counted (``collected``), not listed: they are gone from here."""
+        job = find_job(self.ledger.jobs, job_id)
+        if isinstance(job, str):
+            return {"error": job}, [], None
+        ids = list(job.task_ids)
+        entries: list[dict[str, Any]] = []
+        frames: list[Any] = []
+        used = 0
+        end = page
+        while end < len(ids) and len(entries) < RESULTS_PER_PAGE:
+            task = self.ledger.tasks.get(ids[end])
+            if task is None:
+                end += 1
+                continue
+            readable = _readable_output(task)
+            size = task.result_bytes if readable else 0
+            if entries and used + size > RESULTS_PAGE_BYTES:
+                break  # the next page starts with it
+            entry: dict[str, Any] = {"id": task.task_id, "state": task.state.public}
+            header = task.result_header or {}
+            error = header.get("error")
+            if isinstance(error, dict):
+                entry["error"] = str(error.get("message", ""))
+            elif header.get("diagnosis"):
+                entry["error"] = str(header["diagnosis"])
+            if readable:
+                entry["bytes"] = size
+                if size > RESULT_READ_MAX:
+                    entry["note"] = (f"its output is {size:,} bytes, more than `gpumesh results` "
+                                     f"reads back ({RESULT_READ_MAX:,}): write big outputs to a "
+                                     "file every machine can read, and print its path")
+                else:
+                    try:
+                        read = self.ledger.result_frames(task)
+                    except (ValueError, ReadLater) as exc:
+                        entry["note"] = f"its output could not be read back: {exc}"
+                    else:
+                        entry["encoding"] = header.get("encoding")
+                        entry["frame"] = len(frames)
+                        frames.append(read[0])
+                        used += size
+            elif task.state.terminal and not task.is_script:
+                entry["note"] = "a function's result goes to the process that submitted it"
+            entries.append(entry)
+            end += 1
+        data = {"job": job.job_id, "name": job.name, "collected": job.collected,
+                "tasks": entries}
+        return data, frames, (end if end < len(ids) else None)
+
     def task_detail(self, task_id: str) -> dict[str, Any]:
         """One task as the coordinator holds it, its whole error and traceback included (a
         job's status keeps the last DETAIL_CHARS of it); an ``error`` once it is forgotten."""
@@ -168,3 +229,13 @@ class Retention:
             "events": ledger.events.last_seq,
             "malformed": sum(ledger.malformed.values()),
         }
+
+
+def _readable_output(task: Task) -> bool:
+    """A finished script task whose output (its JSON or text) is held here, in one frame."""
+    header = task.result_header
+    return (task.state is TaskState.DONE and task.is_script and header is not None
+            and header.get("encoding") in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value)
+            and "split" not in header and not task.collected
+            and (len(task.result_file.lengths) == 1 if task.result_file is not None
+                 else len(task.result_payload) == 1))

@@ -110,6 +110,47 @@ def test_script_task_reads_json_and_returns_stdout(mesh_env, tmp_path):
                        {"lr": 0.3, "double": 0.6, "sees_secret": False}]
 
 
+def test_a_detached_jobs_big_outputs_are_read_back_whole_by_the_api_and_the_cli(mesh_env,
+                                                                              tmp_path):
+    # `status` shows an output up to 4 KiB; a detached submit's bigger ones were held for 24 h
+    # and nothing could read them: the CLI's status, the API's wait_job, task_detail.
+    import json
+    import subprocess
+
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    script = tmp_path / "big.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        n = json.load(sys.stdin)["n"]
+        print(json.dumps({"n": n, "k": "z" * n}))
+    """))
+    submitter = mesh_env.client()
+    job = submitter.submit(name="bigjson", script=script, payloads=[{"n": 10}, {"n": 50_000}])
+    submitter.close()  # detached: nobody collects the results
+    reader = mesh_env.client()
+    done = reader.wait_job(job, timeout=60)
+    assert [("result" in t) for t in done["tasks"]] == [True, False]
+    answer = reader.job_results("bigjson")
+    assert [t["result"] for t in answer["tasks"]] == [{"n": 10, "k": "z" * 10},
+                                                      {"n": 50_000, "k": "z" * 50_000}]
+    token_file = tmp_path / "token"
+    token_file.write_text(mesh_env.token)
+    token_file.chmod(0o600)
+    assert mesh_env.coordinator is not None
+    cli = subprocess.run([sys.executable, "-m", "gpumesh", "results", job, "--json", "--url",
+                          mesh_env.coordinator.url, "--token-file", str(token_file)],
+                         env={**os.environ, **mesh_env.env}, capture_output=True, text=True,
+                         timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["tasks"][1]["result"]["k"] == "z" * 50_000
+    human = subprocess.run([sys.executable, "-m", "gpumesh", "results", "bigjson", "--url",
+                            mesh_env.coordinator.url, "--token-file", str(token_file)],
+                           env={**os.environ, **mesh_env.env}, capture_output=True, text=True,
+                           timeout=60)
+    assert human.returncode == 0 and "z" * 50_000 in human.stdout, human.stderr
+
+
 def test_an_exception_with_a_huge_message_comes_back_once_its_text_cut_to_the_limits(mesh_env):
     # Its message and traceback (600 KB each) once made a RESULT header over the 1 MiB limit:
     # the coordinator refused it, the worker sent it again on every reconnect, and the caller
