@@ -1,4 +1,5 @@
-"""Other processes: whether one is alive, and ending a helper with the process that started it.
+"""Other processes: whether one is alive, how one ended, and ending a helper with the process
+that started it.
 
 ``serve --public`` starts ngrok (through pyngrok). A coordinator that exits normally stops it;
 one killed with ``kill -9`` (or the OOM killer) left it running: a public tunnel pointing at a
@@ -57,6 +58,24 @@ def _alive_on_windows(pid: int) -> bool:
         return code.value == still_active
     finally:
         kernel32.CloseHandle(handle)
+
+
+def how_it_ended(code: int) -> str:
+    """A process's end as a user reads it: "exited with code 3", or, for a negative return
+    code, the signal that killed it and its usual cause ("was killed by SIGKILL (out of
+    memory, or killed by the system)"), not "exited with code -9"."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    what = f"was killed by {name}"
+    if -code == getattr(signal, "SIGKILL", 9):
+        what += " (out of memory, or killed by the system)"
+    elif -code == signal.SIGSEGV:
+        what += " (a segmentation fault in native code)"
+    return what
 
 
 def started_at(pid: int) -> str | None:

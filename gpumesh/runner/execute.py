@@ -27,6 +27,7 @@ from typing import Any
 import msgpack
 
 from ..config import Limits, sizes_over_room
+from ..processes import how_it_ended
 from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.headers import MAX_ERROR_MESSAGE, MAX_TRACEBACK
 from ..protocol.taskenv import check_script_name, check_task_env
@@ -230,15 +231,21 @@ def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str
         except OSError as exc:
             return infrastructure_failure("could not start the script", exc)
         tail: deque[bytes] = deque()
-        out = _exchange(proc, payload, tail)
+        out, written = _exchange(proc, payload, tail)
     if proc.returncode != 0:
         stderr = b"".join(tail).decode("utf-8", "replace")[-STDERR_TAIL:]
         last = stderr.strip().splitlines()[-1:] or [""]
         detail = f": {last[0]}" if last[0] else ""
         error = {"type": "gpumesh.ScriptError",
-                 "message": f"script {name} exited with code {proc.returncode}{detail}",
+                 "message": f"script {name} {how_it_ended(proc.returncode)}{detail}",
                  "traceback": stderr or out.decode("utf-8", "replace")[-STDERR_TAIL:]}
         return {"status": ResultStatus.ERROR.value, "error": error}, []
+    if written > len(out):
+        shown, most = sizes_over_room(written, RESULT_ROOM_BYTES)
+        return _refused(f"script {name} printed {shown} on stdout, and one result carries at "
+                        f"most {most}: stdout is the script's result. Print less (logs go to "
+                        "stderr), or write big outputs to a file every machine can read and "
+                        "print its path", kind="gpumesh.ResultTooLarge")
     text = out.decode("utf-8", "replace").strip()
     try:
         json.loads(text)
@@ -254,19 +261,22 @@ def _refused(message: str, kind: str = "gpumesh.TaskRefused") -> tuple[dict[str,
     return {"status": ResultStatus.ERROR.value, "error": {"type": kind, "message": message, "traceback": ""}}, []
 
 
-def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes]) -> bytes:
-    """Give the script its payload and read what it writes until it exits: stdout returned,
-    stderr relayed live with its end kept in ``tail``. Once it has exited, its pipes are read
-    for OUTPUT_GRACE more and then left: a child it started in the background (a server, a
-    ``tensorboard``) holds them open, and waiting for their end hung the slot for good."""
+def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes]
+              ) -> tuple[bytes, int]:
+    """Give the script its payload and read what it writes until it exits: ``(stdout, bytes
+    it wrote there)``, stdout kept up to one result's room; stderr relayed live with its end
+    kept in ``tail``. Once it has exited, its pipes are read for OUTPUT_GRACE more and then
+    left: a child it started in the background (a server, a ``tensorboard``) holds them open,
+    and waiting for their end hung the slot for good. What such a child writes after that is
+    read and dropped: kept, it grew the runner's memory for as long as the child ran."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     pipes = (proc.stdin, proc.stdout, proc.stderr)
     proc.stdin = proc.stdout = proc.stderr = None  # the threads' alone from here
-    chunks: list[bytes] = []
-    left = threading.Event()  # set: what still comes on stderr is no longer this task's
+    out = _Stdout()
+    left = threading.Event()  # set: what still comes is no longer this task's
     relaying = threading.Event()  # set while the relay waits for the agent to read fd 2
     threads = [threading.Thread(target=_feed, args=(pipes[0], payload), daemon=True),
-               threading.Thread(target=_collect, args=(pipes[1], chunks), daemon=True),
+               threading.Thread(target=_collect, args=(pipes[1], out, left), daemon=True),
                threading.Thread(target=_relay_stderr, args=(pipes[2], tail, left, relaying),
                                 daemon=True)]
     for thread in threads:
@@ -279,8 +289,20 @@ def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes])
         # stderr (a failed script's traceback, for its error) is still to come.
         while thread.is_alive() and relaying.is_set():
             thread.join(0.1)
-    left.set()
-    return b"".join(chunks)
+    with out.lock:
+        left.set()
+        return b"".join(out.chunks), out.written
+
+
+class _Stdout:
+    """A script's stdout as read: at most one result's room of it (plus a byte, to tell an
+    output over the room), and how much it wrote in all."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.kept = 0
+        self.written = 0
+        self.lock = threading.Lock()
 
 
 def _feed(pipe: Any, payload: bytes) -> None:
@@ -291,9 +313,16 @@ def _feed(pipe: Any, payload: bytes) -> None:
         pass  # it exited without reading all of it: its exit code says how it went
 
 
-def _collect(pipe: Any, chunks: list[bytes]) -> None:
+def _collect(pipe: Any, out: _Stdout, left: threading.Event) -> None:
     for chunk in iter(lambda: pipe.read1(65536), b""):
-        chunks.append(chunk)
+        with out.lock:
+            if left.is_set():
+                continue  # a child the script left running: read, so it never blocks; dropped
+            out.written += len(chunk)
+            room = RESULT_ROOM_BYTES + 1 - out.kept
+            if room > 0:
+                out.chunks.append(chunk[:room])
+                out.kept += min(len(chunk), room)
     pipe.close()
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import msgpack
 
+from ..processes import how_it_ended
 from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.headers import MAX_DIAGNOSIS, MAX_ERROR_MESSAGE, MAX_ERROR_TYPE, MAX_TRACEBACK
 from ..protocol.ids import HexIds
@@ -551,18 +552,7 @@ class Runner:
 def _exit_reason(code: int | None) -> str:
     if code is None:
         return "the runner process stopped responding"
-    if code >= 0:
-        return f"the runner process exited with code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    what = f"the runner process was killed by {name}"
-    if -code == signal.SIGKILL:
-        what += " (out of memory, or killed by the system)"
-    elif -code == signal.SIGSEGV:
-        what += " (a segmentation fault in native code)"
-    return what
+    return f"the runner process {how_it_ended(code)}"
 
 
 def checked_result(header: Mapping[str, Any]) -> dict[str, Any]:

@@ -1144,3 +1144,57 @@ def test_a_signal_a_task_left_pending_does_not_end_its_runner(live_agent):
     _give(agent, 2, fn=quick)
     _pump(agent, lambda: len(_results(agent)) == 2, "both results")
     assert _results(agent) == {"task-1": "ok", "task-2": "ok"} and runner.proc is process
+
+
+def test_what_a_scripts_background_child_prints_after_it_is_read_and_dropped(tmp_path,
+                                                                               monkeypatch):
+    # The script's stdout kept growing in the runner for as long as a child it left behind
+    # printed (27 MB two seconds after the task; an out-of-memory kill blamed on a later task).
+    import json
+    import os
+
+    from conftest import poll_until
+
+    from gpumesh.processes import is_alive
+    from gpumesh.runner import execute
+
+    made: list = []
+    real = execute._Stdout
+    monkeypatch.setattr(execute, "_Stdout", lambda: made.append(real()) or made[-1])
+    monkeypatch.setattr(execute, "OUTPUT_GRACE", 0.2)
+    script = (b"import json, subprocess, sys\n"
+              b"child = subprocess.Popen([sys.executable, '-c', 'import sys, time\\n"
+              b"time.sleep(0.5)\\nfor i in range(20000): print(\"x\" * 100, flush=True)'])\n"
+              b"print(json.dumps({'child': child.pid}))\n")
+    header, frames = execute.run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],
+                                        dict(os.environ))
+    child = json.loads(bytes(frames[0]))["child"]  # the script's own line, and nothing else
+    assert header == {"status": "ok", "encoding": "json"}
+    assert poll_until(lambda: not is_alive(child), 30), "the child did not finish printing"
+    (out,) = made
+    assert out.kept == out.written < 200  # 2 MB came after, and none of it was kept
+
+
+def test_a_script_that_prints_more_than_a_result_carries_fails_once_saying_so(monkeypatch):
+    import os
+
+    from gpumesh.runner import execute
+
+    monkeypatch.setattr(execute, "RESULT_ROOM_BYTES", 1000)
+    script = b"print('y' * 5000)\n"
+    header, frames = execute.run_script({"kind": "script", "name": "loud"}, [script, b"{}"],
+                                        dict(os.environ))
+    assert header["status"] == "error" and frames == []
+    assert header["error"]["type"] == "gpumesh.ResultTooLarge"
+    assert "printed" in header["error"]["message"] and "stderr" in header["error"]["message"]
+
+
+def test_a_script_killed_by_a_signal_says_which_and_why():
+    import os
+
+    from gpumesh.runner.execute import run_script
+
+    script = b"import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    header, _ = run_script({"kind": "script", "name": "oom"}, [script, b"{}"], dict(os.environ))
+    assert header["error"]["message"].startswith(
+        "script oom was killed by SIGKILL (out of memory, or killed by the system)")
