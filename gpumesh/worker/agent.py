@@ -614,7 +614,12 @@ class WorkerAgent:
             self.queue.clear()
         for runner in self.runners:
             if runner.ahead and all_long and _running_for(runner, now) >= AHEAD_HAND_BACK:
-                released += [queued.task.lease_id for queued in runner.drop_ahead()]
+                # What it wrote first: its long task may have just ended, and the one handed
+                # ahead started, or even finished (handed back, it would run twice).
+                if runner.control is not None:
+                    self._read_written(runner, now, dead=False)
+                if runner.ahead and _running_for(runner, now) >= AHEAD_HAND_BACK:
+                    released += [queued.task.lease_id for queued in runner.drop_ahead()]
         if not all_long or (not released and not self._granted_depth):
             return
         # The grant stays (the coordinator keeps the largest it heard; what it may send is
@@ -883,8 +888,12 @@ class WorkerAgent:
             if ahead is None or _running_for(runner, now) < PREFETCH_HORIZON:
                 continue
             if any(self._slot_fits(r.slot, ahead.task.header) for r in idle):
-                # The runner skips them, and restarts after its task.
-                self._requeue_front(runner.drop_ahead())
+                # What it wrote first, as above: a task of it that already ran stays its.
+                if runner.control is not None:
+                    self._read_written(runner, now, dead=False)
+                if runner.next is not None and _running_for(runner, now) >= PREFETCH_HORIZON:
+                    # The runner skips them, and restarts after its task.
+                    self._requeue_front(runner.drop_ahead())
 
     def _slot_fits(self, slot: int, header: dict[str, Any]) -> bool:
         """Whether the GPU this slot is pinned to meets the task's ``need`` (the scheduler's

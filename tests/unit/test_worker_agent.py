@@ -669,6 +669,47 @@ def test_queued_tasks_go_back_once_every_slot_runs_a_long_task(auto_agent):
     assert sent(agent, Command.CREDIT)[-1]["depth"] > 0
 
 
+def _long_task_just_ended(runner, monkeypatch, agent):
+    """``runner`` runs a long task with one handed ahead; reading what it wrote (as the agent
+    does first) finds that task ended and the one ahead started."""
+    runner.task = RunningTask("long", 1, 10.0, None, {})
+    runner.ahead.append((QueuedTask(RunningTask("ahead", 9, 10.0, None, {}), {}, []), "n1"))
+    runner.control = object()  # a live runner (what it wrote is read by the stand-in below)
+
+    def wrote(r, now, *, dead):
+        r.ahead.popleft()
+        r.task = RunningTask("ahead", 9, now, None, {})
+        return True
+
+    monkeypatch.setattr(agent, "_read_written", wrote)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_task_handed_ahead_that_started_meanwhile_is_not_handed_back_or_moved(tmp_path,
+                                                                               monkeypatch,
+                                                                               slots):
+    # Dropped without reading what the runner wrote, a task that had started (or finished)
+    # went back to the coordinator or to another slot, and ran twice, side effects and all.
+    from gpumesh.worker.agent import AHEAD_HAND_BACK
+
+    for agent in recording_agent(tmp_path, slots=slots, prefetch=None):
+        agent.session.hello()
+        agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
+        runner = agent.runners[0]
+        _long_task_just_ended(runner, monkeypatch, agent)
+        try:
+            now = 10.0 + AHEAD_HAND_BACK + 0.1
+            if slots == 1:
+                agent._hand_back_waiting(now)  # every slot runs a long task: hand back
+            else:
+                agent._move_stuck_ahead([agent.runners[1]], now)  # a free slot: move it there
+            assert runner.task.task_id == "ahead" and not runner.restart_after_task
+            assert not any(9 in c.get("release", []) for c in sent(agent, Command.CREDIT))
+            assert all(q.task.task_id != "ahead" for q in agent.queue)
+        finally:
+            runner.control = None
+
+
 def test_a_fixed_prefetch_keeps_its_queue_and_the_agent_does_not_spin(tmp_path):
     for agent in recording_agent(tmp_path, prefetch=2):
         agent.session.hello()
