@@ -165,6 +165,7 @@ def main(argv: list[str]) -> int:
             return 0
         folder: SharedFolder | None = None
         result_refs: list[Ref] = []
+        restart = ""
         try:
             header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
             if "drop" in header:
@@ -183,6 +184,7 @@ def main(argv: list[str]) -> int:
                 task_frames = folder.resolve(task_frames, refs)
             began = time.perf_counter()
             result_header, result_frames = run_task(header, task_frames, base_env)
+            restart = str(result_header.pop("restart", ""))
             if os.getpid() != start.pid:
                 os._exit(0)  # a task's fork() whose child returned here: it writes nothing
             # Its own run time: the agent may read this result well after it was written.
@@ -207,9 +209,20 @@ def main(argv: list[str]) -> int:
             if folder is not None and result_refs:
                 folder.remove(ref_names(result_refs))  # written, and now named by nothing
         del frames
-        start.restore()  # first: a forked child leaves here, and fds 1 and 2 are the pipes
-        _settle_output(start)
+        try:
+            start.restore()  # first: a forked child leaves here, and fds 1 and 2 are the pipes
+            _settle_output(start)
+        except Exception as exc:
+            # The task left the process so that it cannot be put back (it replaced os.chdir
+            # or os.getcwd, as code-evaluation guards do): its result goes, then this runner.
+            restart = f"the runner could not undo what the task changed in its process: {exc!r}"
+        if restart:
+            # The agent restarts this runner after the result; what was handed ahead goes
+            # back to its queue, never started here.
+            result_header = {**result_header, "restart": restart[:500]}
         send_message(sock, [msgpack.packb(result_header, use_bin_type=True), *result_frames])
+        if restart:
+            return 0
 
 
 def _settle_output(start: _Start) -> None:

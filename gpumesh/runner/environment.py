@@ -69,16 +69,38 @@ def set_environ(env: Mapping[str, str]) -> None:
             os.environ[name] = value
 
 
+# Read once, when a GPU library starts in the process: a task that changed one (the common
+# ``os.environ["CUDA_VISIBLE_DEVICES"] = "0"``) pinned every later task of this runner to its
+# choice, whatever the slot's own GPU; putting the variable back does not undo that.
+DEVICE_PINNING = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                  "CUDA_DEVICE_ORDER")
+
+
+class TaskEnviron:
+    """What ``task_environ`` saw: ``moved_pinning`` names a device-pinning variable the task
+    changed in this process (the runner then restarts after it)."""
+
+    __slots__ = ("moved_pinning",)
+
+    def __init__(self) -> None:
+        self.moved_pinning = ""
+
+
 @contextmanager
-def task_environ(base: Mapping[str, str], task_env: Mapping[str, str]) -> Iterator[None]:
+def task_environ(base: Mapping[str, str], task_env: Mapping[str, str]) -> Iterator[TaskEnviron]:
     """``os.environ`` is ``base`` plus ``task_env`` inside, and ``base`` again after: what one
     task set, or was sent, is not left for the next task in this runner."""
     if task_env or not _still(base):
         set_environ({**base, **task_env})
+    seen = TaskEnviron()
     try:
-        yield
+        yield seen
     finally:
         if task_env or not _still(base):
+            for name in DEVICE_PINNING:
+                if os.environ.get(name) != base.get(name):
+                    seen.moved_pinning = name
+                    break
             set_environ(base)
             _remember(base)
 

