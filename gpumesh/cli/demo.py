@@ -14,6 +14,7 @@ from ..client import GPUMesh
 from ..client.launch import ProcessHandle, start_coordinator, start_worker
 from ..config import Settings, new_token
 from ..errors import MeshError
+from ..worker.runners import why_no_runners
 
 
 def monte_carlo_pi(seed: int, samples: int) -> dict[str, object]:
@@ -27,6 +28,10 @@ def monte_carlo_pi(seed: int, samples: int) -> dict[str, object]:
 
 
 def run_demo(worker_count: int, tasks: int) -> int:
+    unable = why_no_runners()
+    if unable is not None:
+        click.echo(f"error: the demo runs workers on this machine, and {unable}", err=True)
+        return 1
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="gpumesh-demo-") as home:
         token = new_token()

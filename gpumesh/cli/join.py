@@ -20,6 +20,7 @@ from ..security import stretch_in_background
 from ..tokens import read_token_file
 from ..worker import WorkerAgent, benchcache, devices
 from ..worker.identity import claim as claim_worker_id
+from ..worker.runners import why_no_runners
 from .lifecycle import stop_with_parent
 from .output import fail, say
 from .tokens import save_kdf
@@ -152,6 +153,10 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
          exit_with_parent: bool = False, pass_env: Sequence[str] = ()) -> None:
     """Join until stopped. A missing URL, token or slot count comes from the saved
     connection (``with_saved``); with no URL saved either, the coordinator is found on the LAN."""
+    unable = why_no_runners()
+    if unable is not None:
+        fail(unable)
+        return
     rediscover = None
     found_on_lan = False
     try:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,11 +43,17 @@ from ..tokens import (
     write_token_file,
 )
 from ..worker import devices
+from ..worker.runners import why_no_runners
 from .lifecycle import stop_with_parent
 from .output import child_log_flags, fail, is_terminal, ok, say
 from .tokens import save_kdf
 
 TOKEN_FILE = "token"
+# A self-worker that exits this many times in a row, each within SELF_WORKER_QUICK_EXIT
+# seconds of its start, is not started again: it fails at start (a bad environment, a
+# platform without runners), and restarting it twice a second would only fill the log.
+SELF_WORKER_STARTS = 3
+SELF_WORKER_QUICK_EXIT = 10.0
 
 
 def is_loopback(host: str) -> bool:
@@ -415,6 +422,7 @@ def serve(
             fail(str(exc))
     advertiser = None
     child = page = None
+    child_started, quick_failures = 0.0, 0
     try:
         if public:
             _public_banner(public_url, token_arg)
@@ -426,8 +434,12 @@ def serve(
             advertiser = _advertise(settings, host, host_ip, port, token)
         else:
             click.echo("   Not advertised on the LAN: workers join with the Tailscale address")
-        if self_worker:
+        unable = why_no_runners() if self_worker else None
+        if unable is not None:
+            click.echo(f"   Self-worker not started: {unable}", err=True)
+        elif self_worker:
             child = _start_self_worker(local_url, token, slots, quiet)
+            child_started = time.monotonic()
             ok("Self-worker started — this machine's CPU/GPU is part of the pool")
             click.echo("   (disable with --no-self-worker)")
         if dashboard is not None:
@@ -450,8 +462,18 @@ def serve(
                     say("[mesh] self-worker left the mesh; the coordinator keeps running")
                     child = None
                     continue
+                quick_failures = quick_failures + 1 if (
+                    time.monotonic() - child_started < SELF_WORKER_QUICK_EXIT) else 1
+                if quick_failures >= SELF_WORKER_STARTS:
+                    say(f"[mesh] self-worker exited with code {child.returncode} "
+                        f"{quick_failures} times in a row within {SELF_WORKER_QUICK_EXIT:g} s "
+                        "of its start: not restarted again (its lines above say why; "
+                        f"'gpumesh join {local_url}' shows it). The coordinator keeps running")
+                    child = None
+                    continue
                 say(f"[mesh] self-worker exited with code {child.returncode}; restarting it")
                 child = _start_self_worker(local_url, token, slots, quiet)
+                child_started = time.monotonic()
     finally:
         for process in (child, page):
             if process is not None and process.poll() is None:

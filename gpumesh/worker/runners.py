@@ -75,6 +75,18 @@ FIRST_AHEAD_BYTES = 128 * 1024
 READ_STALL = 2.0
 
 
+def why_no_runners() -> str | None:
+    """Why this machine cannot run tasks, or None where it can. A runner is a child process
+    on one end of a Unix socket pair handed over at its start (``pass_fds``), in a process
+    group of its own, whose output pipes the agent polls: none of which Windows has."""
+    if os.name == "nt":
+        return ("this machine cannot be a worker: gpumesh runs tasks on Linux and macOS (its "
+                "runner processes need Unix sockets and process groups). On Windows, run "
+                "'gpumesh join' inside WSL (Windows Subsystem for Linux); this machine can "
+                "still serve a mesh and submit work to it")
+    return None
+
+
 class BadRunnerMessage(ValueError):
     """The runner wrote what is not a message of its protocol, or stopped in the middle of one:
     the stream is out of step and the runner cannot be read any more. (It runs the task's

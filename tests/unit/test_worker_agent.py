@@ -852,3 +852,22 @@ def test_a_result_that_asks_for_a_restart_counts_and_the_tasks_handed_ahead_go_b
     assert result["task"] == "pinned" and result["status"] == "ok" and "restart" not in result
     assert restarted == ["kill", "start"] and list(agent.queue) == [ahead]
     assert runner.task is None and not runner.ahead
+
+
+def test_windows_is_told_where_a_worker_runs_instead_of_crashing(tmp_path, monkeypatch, capsys):
+    # Popen(pass_fds=...) raised an AssertionError there: join ended in a traceback, and
+    # serve restarted its self-worker twice a second for good.
+    import types
+
+    from gpumesh.cli import demo, join
+    from gpumesh.worker import runners
+
+    assert runners.why_no_runners() is None  # here (Linux or macOS)
+    monkeypatch.setattr(runners, "os", types.SimpleNamespace(name="nt"))
+    reason = runners.why_no_runners()
+    assert reason is not None and "WSL" in reason
+    with pytest.raises(SystemExit) as stopped:
+        join.join(Settings.from_env({"GPUMESH_HOME": str(tmp_path)}), url="tcp://127.0.0.1:9",
+                  token="t" * 32, slots=1, benchmark=False, save=False, ready_fd=None)
+    assert stopped.value.code == 1 and "WSL" in capsys.readouterr().err
+    assert demo.run_demo(1, 2) == 1 and "WSL" in capsys.readouterr().err
