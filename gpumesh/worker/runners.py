@@ -69,10 +69,31 @@ PARTIAL_BYTES = 4096  # of a line still open, kept for the tail
 # memfd and count only as their descriptor, where memfd works.
 AHEAD_BYTES = 64 * 1024
 FIRST_AHEAD_BYTES = 128 * 1024
+# What each end of a runner's socket pair asks for: macOS gives a socket pair 8 KiB by default,
+# where the agent's writes ahead would block (and, with a runner writing a big result at the
+# same time, agent and runner would wait on each other for good). What the system grants
+# bounds what is handed ahead (``Runner.socket_room``).
+SOCKET_BUFFER = 512 * 1024
 # Once a runner's message has begun, each further part of it must come within this long: a
 # runner stopped halfway must not hold the agent's loop past a few heartbeats (the coordinator
 # loses a worker silent for 5 s).
 READ_STALL = 2.0
+
+
+def socket_room(ours: socket.socket, theirs: socket.socket, wanted: int = SOCKET_BUFFER) -> int:
+    """Ask for ``wanted`` bytes of buffer on both ends of a socket pair (our sending side, the
+    runner's receiving one), and say what was granted: the smaller of the two as the system
+    reports it (Linux reports twice what it grants, its own bookkeeping included)."""
+    for sock, option in ((ours, socket.SO_SNDBUF), (theirs, socket.SO_RCVBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, wanted)
+        except OSError:
+            pass  # over the system's maximum: what it has is what it reports below
+    try:
+        return min(ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+                   theirs.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+    except OSError:
+        return 3 * AHEAD_BYTES  # unknown: as before
 
 
 def why_no_runners() -> str | None:
@@ -168,6 +189,9 @@ class Runner:
         self.start_at: float | None = None
         self.dying: list[subprocess.Popen[bytes]] = []  # killed, not yet exited (kill())
         self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
+        # Bytes its socket takes without a writer waiting (set at start): what is handed ahead
+        # stays within a third of it, the first task ahead within a half.
+        self.socket_room = 3 * AHEAD_BYTES
         self.read_at = 0.0  # when the agent last read this runner's socket
         # Small messages handed ahead and not yet written: ``flush`` writes them in one call
         # (a write that wakes the runner costs tens of µs here, and a TASK brings many tasks).
@@ -196,6 +220,7 @@ class Runner:
         except OSError as exc:
             self._start_failed(exc)
             return
+        self.socket_room = socket_room(parent, child)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()),
@@ -250,7 +275,8 @@ class Runner:
 
     def fits_ahead(self, queued: QueuedTask) -> bool:
         """Whether ``queued`` may be handed ahead without filling the socket (AHEAD_BYTES)."""
-        room = AHEAD_BYTES if self.ahead else FIRST_AHEAD_BYTES
+        room = (min(AHEAD_BYTES, self.socket_room // 3) if self.ahead
+                else min(FIRST_AHEAD_BYTES, self.socket_room // 2))
         return self.ahead_bytes + queued.socket_bytes <= room
 
     def fds(self) -> list[tuple[int, str]]:

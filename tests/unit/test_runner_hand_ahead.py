@@ -1198,3 +1198,40 @@ def test_a_script_killed_by_a_signal_says_which_and_why():
     header, _ = run_script({"kind": "script", "name": "oom"}, [script, b"{}"], dict(os.environ))
     assert header["error"]["message"].startswith(
         "script oom was killed by SIGKILL (out of memory, or killed by the system)")
+
+
+def test_what_is_handed_ahead_stays_within_the_socket_the_system_granted():
+    # macOS gives a socket pair 8 KiB: 64 tiny tasks handed ahead (12 KiB and more) blocked
+    # the agent's write while the runner ran a long task, its heartbeats with it.
+    import socket
+
+    from gpumesh.worker.runners import (
+        AHEAD_BYTES,
+        FIRST_AHEAD_BYTES,
+        QueuedTask,
+        Runner,
+        RunningTask,
+        socket_room,
+    )
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        small = socket_room(ours, theirs, wanted=4096)  # the system's minimum, about 4-8 KiB
+        big = socket_room(ours, theirs)
+    assert small <= 16 * 1024 and big >= small
+    runner = Runner(0, {}, 1 << 20)
+
+    def task(size: int) -> QueuedTask:
+        return QueuedTask(RunningTask("t", 1, 0.0, None, {}), {}, [b"x" * size])
+
+    runner.socket_room = small
+    assert runner.fits_ahead(task(small // 4)) and not runner.fits_ahead(task(small))
+    runner.ahead.append((task(10), "n"))
+    runner.ahead_bytes = small // 3 - 100
+    assert not runner.fits_ahead(task(200))
+    runner.socket_room = 4 * 1024 * 1024  # room to spare: the limits as they always were
+    runner.ahead_bytes = AHEAD_BYTES - 1000
+    assert runner.fits_ahead(task(100)) and not runner.fits_ahead(task(1500))
+    runner.ahead.clear()
+    runner.ahead_bytes = 0
+    assert runner.fits_ahead(task(FIRST_AHEAD_BYTES - 1000))
