@@ -93,7 +93,7 @@ def socket_room(ours: socket.socket, theirs: socket.socket, wanted: int = SOCKET
         return min(ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
                    theirs.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
     except OSError:
-        return 3 * AHEAD_BYTES  # unknown: as before
+        return 4 * AHEAD_BYTES  # unknown: the limits as they were
 
 
 def why_no_runners() -> str | None:
@@ -191,7 +191,7 @@ class Runner:
         self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
         # Bytes its socket takes without a writer waiting (set at start): what is handed ahead
         # stays within a third of it, the first task ahead within a half.
-        self.socket_room = 3 * AHEAD_BYTES
+        self.socket_room = 4 * AHEAD_BYTES
         self.read_at = 0.0  # when the agent last read this runner's socket
         # Small messages handed ahead and not yet written: ``flush`` writes them in one call
         # (a write that wakes the runner costs tens of µs here, and a TASK brings many tasks).
