@@ -735,7 +735,8 @@ def _lock_exclusively(path: Path) -> Any:
     except OSError:
         handle.close()
         raise StoreError(
-            f"another coordinator is using the journal {path.with_suffix('')}: stop it, or give "
-            "this one its own with --db PATH"
+            f"another coordinator is using the journal {path.with_suffix('')}: stop it, or run "
+            "this one beside it on another --port (each port has a journal of its own) or with "
+            "its own --db PATH"
         ) from None
     return handle

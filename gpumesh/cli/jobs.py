@@ -35,6 +35,15 @@ def _symbol(state: str) -> str:
     return mark
 
 
+def _shown(result: Any) -> str:
+    """A script's result on one line, for people: its text as printed ("héllo", not
+    "h\\u00e9llo") where this terminal can show it."""
+    if isinstance(result, str):
+        return result
+    text = json_text(result, indent=None, ascii_only=False)
+    return text if _can_print(text) else json_text(result, indent=None)
+
+
 def _can_print(text: str) -> bool:
     encoding = getattr(sys.stdout, "encoding", None) or "ascii"
     try:
@@ -58,8 +67,13 @@ def progress_line(status: dict[str, Any]) -> str:
         if counts.get(state):
             line += f", {counts[state]} {state}"
     line += f"  ({float(status.get('elapsed', 0.0)):.0f}s)"
-    if status.get("status") != "finished" and not status.get("workers"):
-        line += "  waiting for a worker: none is connected"
+    if status.get("status") != "finished":
+        workers, paused = int(status.get("workers") or 0), int(status.get("workers_paused") or 0)
+        if not workers:
+            line += "  waiting for a worker: none is connected"
+        elif paused >= workers and counts.get("pending"):
+            line += (f"  waiting: every worker is paused or draining ({workers}); "
+                     "'gpumesh resume' on a worker's machine")
     return line
 
 
@@ -69,7 +83,10 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
 
     With ``limit``, a bigger job lists only the tasks that did not succeed, up to ``limit``.
     """
-    lines = [f"  Status: {status['status']}", f"  Counts: {dict(sorted(status['counts'].items()))}", ""]
+    outcome = status.get("outcome")
+    # "finished" alone read as a success under a full bar for a job whose every task failed.
+    shown = status["status"] + (f" ({outcome})" if outcome and outcome != "succeeded" else "")
+    lines = [f"  Status: {shown}", f"  Counts: {dict(sorted(status['counts'].items()))}", ""]
     tasks = status.get("tasks", [])
     if status.get("same_name"):
         lines.insert(0, f"  ({status['same_name']} jobs are named {status['name']!r}: this is the "
@@ -92,8 +109,7 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
         if "error" in task and state != "done":
             lines.append(f"    error: {for_terminal(str(task['error']))}")
         elif result is not None:
-            text = result if isinstance(result, str) else json_text(result, indent=None)
-            lines.append(f"    result: {for_terminal(text)}")
+            lines.append(f"    result: {for_terminal(_shown(result))}")
     if status.get("tasks_not_shown"):
         lines.append(f"  ... and {status['tasks_not_shown']} more task(s), counted above")
     return "\n".join(lines)
@@ -239,9 +255,7 @@ def results(mesh: GPUMesh, job_id: str, as_json: bool) -> None:
         click.echo(f"  {_symbol(state)} task {task['id']} [{state}]")
         # Another user's task wrote these: nothing in them may act on this terminal.
         if "result" in task:
-            result = task["result"]
-            text = result if isinstance(result, str) else json_text(result, indent=None)
-            click.echo(f"    result: {for_terminal(text)}")
+            click.echo(f"    result: {for_terminal(_shown(task['result']))}")
         elif task.get("error"):
             click.echo(f"    error: {for_terminal(str(task['error']))}")
         if task.get("note"):
@@ -292,7 +306,7 @@ def devices_table(pool: list[dict[str, Any]], workers: list[dict[str, Any]]) -> 
     lines = ["", f"  DEVICES  {len(alive)} worker(s), {gpus} GPU(s), total score {total:.3f}",
              "  " + "-" * 70]
     if not pool:
-        lines.append("  (no workers joined yet: run 'gpumesh join URL --token ...' on a machine)")
+        lines.append("  (no workers joined yet: run 'gpumesh join URL --token-file FILE' on a machine)")
     for d in pool:
         if d["type"] == "GPU":
             what = f"{d['name']} {int(d.get('vram', 0)) / 1e9:.1f}GB"
@@ -301,6 +315,24 @@ def devices_table(pool: list[dict[str, Any]], workers: list[dict[str, Any]]) -> 
         lines.append(f"  {d['type']:<5}{_clip(what, 40):<42}{d.get('hostname', ''):<16}"
                      f"worker={d['worker'][:12]}  score={float(d['score']):.3f}")
     return "\n".join(lines) + "\n"
+
+
+def _why_nothing_to_retry(mesh: GPUMesh, target: str) -> str:
+    """What the job's counts say of a retry that found nothing: still running, all done, or
+    failures whose inputs the coordinator let go of."""
+    try:
+        counts = mesh.status(target, tasks=False).get("counts", {})
+    except MeshError:
+        counts = {}
+    unfinished = int(counts.get("pending", 0)) + int(counts.get("running", 0))
+    failed = int(counts.get("failed", 0)) + int(counts.get("cancelled", 0))
+    if not failed and unfinished:
+        return (f"none of its tasks has failed or been cancelled ({unfinished} still pending "
+                "or running)")
+    if not failed and counts:
+        return "every task of it succeeded"
+    return ("no failed or cancelled task whose input the coordinator still holds (results "
+            "expire after GPUMESH_RESULT_TTL)")
 
 
 def control(mesh: GPUMesh, action: str, target: str, wait: bool = False,
@@ -313,8 +345,7 @@ def control(mesh: GPUMesh, action: str, target: str, wait: bool = False,
         elif action == "retry":
             count = mesh.retry_job(target, force=force)
             if not count:
-                ok(f"Nothing to retry in job {target}: no failed or cancelled task whose input "
-                   "the coordinator still holds (results expire after GPUMESH_RESULT_TTL)")
+                ok(f"Nothing to retry in job {target}: " + _why_nothing_to_retry(mesh, target))
                 return 0
             ok(f"Re-queued {plural(count, 'task')} of job {target}, each as it was submitted "
                "(the same script and payload: submit again to run an edited script)")

@@ -318,6 +318,12 @@ def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeou
                               env=env)
     except MeshError as exc:
         fail(str(exc))
+    unset = [name for name in env if name not in os.environ]
+    if unset:
+        one = len(unset) == 1
+        fail(f"--env {' '.join(unset)}: {'it is' if one else 'they are'} not set in this shell; "
+             f"--env sends this shell's value: set {'it' if one else 'them'} first "
+             f"(export {unset[0]}=VALUE), then submit")
     sys.exit(_with_client(url, token, lambda c: jobs.submit(
         c, script, payloads_file, name, wait, as_json, options)))
 

@@ -41,7 +41,7 @@ def fail(text: str, code: int = 1) -> NoReturn:
 def worker_table(workers: list[dict[str, Any]]) -> str:
     lines = ["", "  WORKERS", "  " + "-" * 54]
     if not workers:
-        lines.append("  (no workers joined yet: run 'gpumesh join URL --token ...' on a machine)")
+        lines.append("  (no workers joined yet: run 'gpumesh join URL --token-file FILE' on a machine)")
     for w in workers:
         score = f"{float(w.get('score', 0.0)):.3f}"
         lines.append(f"  {w.get('device', 'CPU'):<5}{w['id'][:8]:<12}{w.get('hostname', ''):<18}"
@@ -49,11 +49,13 @@ def worker_table(workers: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def json_text(document: Any, indent: int | None = 2) -> str:
+def json_text(document: Any, indent: int | None = 2, *, ascii_only: bool = True) -> str:
     """``document`` as strict JSON for another program: NaN and infinities (a script's
     diverged loss) become null, since JSON has no spelling for them and strict parsers
-    (JavaScript's, Go's) refuse Python's; what JSON cannot hold at all is shown by repr."""
-    return json.dumps(_finite(document), indent=indent, default=repr, allow_nan=False)
+    (JavaScript's, Go's) refuse Python's; what JSON cannot hold at all is shown by repr.
+    ``ascii_only=False`` keeps text as it is ("héllo", not "h\\u00e9llo"), for people."""
+    return json.dumps(_finite(document), indent=indent, default=repr, allow_nan=False,
+                      ensure_ascii=ascii_only)
 
 
 def _finite(value: Any) -> Any:

@@ -26,7 +26,7 @@ def steer(settings: Settings, action: str, worker: str | None, wait: bool) -> in
     if not entries:
         which = f"no worker {worker!r}" if worker else "no worker"
         fail(f"{which} runs on this machine under GPUMESH_HOME={settings.home}: "
-             "start one with 'gpumesh join URL --token ...' (or set GPUMESH_HOME to the one it uses)")
+             "start one with 'gpumesh join URL --token-file FILE' (or set GPUMESH_HOME to the one it uses)")
     failures = 0
     for entry in entries:
         answer = local.send(entry, action)

@@ -337,8 +337,8 @@ def serve(
         click.echo(f"[gpumesh] config saved to {_home_display(settings.config_path)}")
     ok(f"Coordinator listening on {host}:{port}")
     if from_saved:
-        click.echo(f"   ({' and '.join(from_saved)} as this machine's coordinator saved them; "
-                   "--host and --port choose others)")
+        click.echo(f"   (the {' and '.join(from_saved)} as this machine's coordinator saved "
+                   f"{'them' if len(from_saved) > 1 else 'it'}; --host and --port choose others)")
     if opened_before is not None:
         click.echo(f"   (the last coordinator here was bound to {opened_before}; without --host "
                    f"it is loopback only: pass --host {opened_before} to let other machines "
@@ -383,7 +383,7 @@ def serve(
         click.echo(f"   Other machines CANNOT reach this coordinator (bound to {host} only).")
         click.echo("   That is the default now: a worker executes code as the user who started it.")
         click.echo("   To let other machines join, re-run with: gpumesh serve --host 0.0.0.0 "
-                   f"--port {port}{token_arg}")
+                   f"--port {port}{token_arg or ' and the token as you gave it now'}")
         click.echo("   (or set GPUMESH_HOST=0.0.0.0). Read the warning it prints before you do.")
     else:
         _exposed_banner(host, port, _advertised(settings, host, host_ip), token_arg,

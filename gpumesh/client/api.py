@@ -431,7 +431,7 @@ class GPUMesh:
         alive, paused = status.get("workers", 1), status.get("workers_paused", 0)
         if not alive:
             say_line(f"[gpumesh] {count} task(s) waiting: no worker is connected to {self.endpoint}; "
-                     "start one with 'gpumesh join URL --token ...'")
+                     "start one with 'gpumesh join URL --token-file FILE'")
         elif type(alive) is int and type(paused) is int and paused >= alive:
             say_line(f"[gpumesh] {count} task(s) waiting: every worker of {self.endpoint} is paused "
                      "or draining ('gpumesh resume' on its machine, 'gpumesh workers' to see them)")

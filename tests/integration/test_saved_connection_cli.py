@@ -74,7 +74,7 @@ def test_plain_serve_reuses_the_token_address_and_port_its_coordinator_saved(tmp
     assert not leaked, "serve printed the saved token"
     assert port == first, output
     assert f"Coordinator listening on 127.0.0.2:{first}" in output, output
-    assert "address and port as this machine's coordinator saved them" in output
+    assert "the address and port as this machine's coordinator saved them" in output
     assert f"Token: <your token> (the one saved in {home / 'token'}, reused" in output
     assert "replacing" not in output and "generated for you" not in output
     kept = (home / "token").read_text().strip() == token == json.loads(

@@ -101,3 +101,61 @@ def test_ctrl_c_while_waiting_on_a_retry_or_a_drain_stops_the_waiting_only(capsy
     monkeypatch.setattr(owner, "_wait_gone", interrupted)
     assert owner.steer(Settings(home=Path("/nonexistent")), "drain", None, wait=True) == 130
     assert "the drain goes on" in capsys.readouterr().err
+
+
+def test_a_job_that_ended_badly_or_waits_on_paused_workers_says_so() -> None:
+    # "Status: finished" under a full bar read as a success for a job whose every task was
+    # cancelled; a job waiting on paused workers sat at 0% with no word why.
+    from gpumesh.cli.jobs import job_summary, progress_line
+
+    ended = {"job": "j", "name": "n", "status": "finished", "outcome": "cancelled",
+             "counts": {"cancelled": 5}, "total": 5, "tasks": []}
+    assert "Status: finished (cancelled)" in job_summary(ended)
+    good = {**ended, "outcome": "succeeded", "counts": {"done": 5}}
+    assert "Status: finished\n" in job_summary(good)
+    waiting = {"status": "queued", "counts": {"pending": 3}, "total": 3, "workers": 2,
+               "workers_paused": 2}
+    assert "every worker is paused or draining (2)" in progress_line(waiting)
+    assert "paused" not in progress_line({**waiting, "workers_paused": 1})
+
+
+def test_a_result_keeps_its_text_where_the_terminal_can_print_it(monkeypatch) -> None:
+    import io
+    import sys
+
+    from gpumesh.cli.jobs import _shown
+
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    assert _shown({"s": "héllo ✓"}) == '{"s": "héllo ✓"}'
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    assert _shown({"s": "héllo"}) == '{"s": "h\\u00e9llo"}'
+
+
+def test_submit_env_of_an_unset_variable_says_how_to_set_it_in_the_shell(tmp_path,
+                                                                         monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    from gpumesh.cli.main import cli
+
+    monkeypatch.delenv("NOPE_NOT_SET", raising=False)
+    script, payloads = tmp_path / "x.py", tmp_path / "p.json"
+    script.write_text("print(1)\n")
+    payloads.write_text("[{}]")
+    result = CliRunner().invoke(cli, ["submit", str(script), "--payloads", str(payloads),
+                                      "--env", "NOPE_NOT_SET"])
+    assert result.exit_code == 1
+    assert "export NOPE_NOT_SET=VALUE" in result.output and "env={" not in result.output
+
+
+@pytest.mark.parametrize("counts, said", [
+    ({"running": 2}, "none of its tasks has failed or been cancelled (2 still pending or running)"),
+    ({"done": 4}, "every task of it succeeded"),
+    ({"failed": 1}, "results expire after GPUMESH_RESULT_TTL"),
+])
+def test_a_retry_that_finds_nothing_says_why_from_the_jobs_counts(counts, said) -> None:
+    from types import SimpleNamespace
+
+    from gpumesh.cli.jobs import _why_nothing_to_retry
+
+    mesh = SimpleNamespace(status=lambda job, tasks: {"counts": counts})
+    assert said in _why_nothing_to_retry(mesh, "j")  # type: ignore[arg-type]
