@@ -85,8 +85,9 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
     """
     outcome = status.get("outcome")
     # "finished" alone read as a success under a full bar for a job whose every task failed.
-    shown = status["status"] + (f" ({outcome})" if outcome and outcome != "succeeded" else "")
-    lines = [f"  Status: {shown}", f"  Counts: {dict(sorted(status['counts'].items()))}", ""]
+    ended = for_terminal(str(status["status"])) + (
+        f" ({for_terminal(str(outcome))})" if outcome and outcome != "succeeded" else "")
+    lines = [f"  Status: {ended}", f"  Counts: {dict(sorted(status['counts'].items()))}", ""]
     tasks = status.get("tasks", [])
     if status.get("same_name"):
         lines.insert(0, f"  ({status['same_name']} jobs are named {status['name']!r}: this is the "
@@ -251,8 +252,8 @@ def results(mesh: GPUMesh, job_id: str, as_json: bool) -> None:
     click.echo(f"Job: {for_terminal(str(answer['name']))} ({for_terminal(str(answer['job']))})")
     click.echo("")
     for task in answer["tasks"]:
-        state = str(task.get("state", "unknown"))
-        click.echo(f"  {_symbol(state)} task {task['id']} [{state}]")
+        state = for_terminal(str(task.get("state", "unknown")))
+        click.echo(f"  {_symbol(state)} task {for_terminal(task['id'])} [{state}]")
         # Another user's task wrote these: nothing in them may act on this terminal.
         if "result" in task:
             click.echo(f"    result: {for_terminal(_shown(task['result']))}")

@@ -545,14 +545,23 @@ class GPUMesh:
         detached ``submit`` stay readable for GPUMESH_RESULT_TTL; those its submitter
         collected are gone from the coordinator (``collected`` counts them)."""
         answer = self._require().query("results", timeout=timeout, job=job_id)
-        if not isinstance(answer, dict) or "error" in answer:
-            raise MeshError(str(answer.get("error") if isinstance(answer, dict) else
-                                "the coordinator gave an unexpected answer to results"))
-        for item in answer.get("tasks", ()):
-            raw = item.pop("raw", None) if isinstance(item, dict) else None
+        if isinstance(answer, dict) and "error" in answer:
+            raise MeshError(str(answer["error"]))
+        tasks = answer.get("tasks") if isinstance(answer, dict) else None
+        if not isinstance(tasks, list):
+            raise MeshError("the coordinator gave an unexpected answer to results")
+        kept = []
+        for item in tasks:  # the coordinator's words: only what has the expected shape
+            if not (isinstance(item, dict) and type(item.get("id")) is str):
+                continue
+            raw = item.pop("raw", None)
             if isinstance(raw, bytes):
                 item["result"] = script_output(raw, item.pop("encoding", None))
-        return answer
+            kept.append(item)
+        collected = answer.get("collected")
+        return {"job": str(answer.get("job", job_id)), "name": str(answer.get("name", "")),
+                "collected": collected if type(collected) is int and collected >= 0 else 0,
+                "tasks": kept}
 
     def cancel_job(self, job_id: str, *, force: bool = False) -> int:
         """Cancel a job: pending tasks never start, running ones are stopped. Returns how many.

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import _base  # the states a Future moves through
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import msgpack
@@ -211,6 +212,8 @@ class TaskFuture(concurrent.futures.Future[Any]):
         self.cancel_requested = False
         self._on_cancel = on_cancel
 
+    _settled_traceback: TracebackType | None = None  # set with the exception (set_exception)
+
     def cancel(self) -> bool:
         """Cancel the task: at once here, and on the mesh as soon as the coordinator is told."""
         if self.cancel_requested:
@@ -246,12 +249,19 @@ class TaskFuture(concurrent.futures.Future[Any]):
             return super().result(0)  # the outcome, CancelledError, or TimeoutError
         localize_error(error)
         try:
-            # Raised afresh each time: the caller's frames and this line, then the task's own
-            # traceback (its note), not concurrent.futures' frames, nor those of an earlier
+            # Raised afresh each time, with the traceback it was settled with: the caller's
+            # frames and this line, then the task's own (a remote one: in its note; one run
+            # here: its frames), not concurrent.futures' frames, nor those of an earlier
             # result() call that the same exception collected.
-            raise error.with_traceback(None)
+            raise error.with_traceback(self._settled_traceback)
         finally:
             del error  # no cycle through this frame (as Future.result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        # What result() raises it with: a remote task's comes without one (the engine
+        # settles it so), a call run here keeps the frames it raised in.
+        self._settled_traceback = None if exception is None else exception.__traceback__
+        super().set_exception(exception)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         # What an executor's future, asyncio's wrap_future and joblib read: each shows the
@@ -1259,16 +1269,18 @@ def _settle(settle: Callable[[Any], None], outcome: Any) -> None:
 
 def _with_frames(data: Any, payload: list[Any]) -> Any:
     """An answer whose items name frames of its message (``results``: each task's output as
-    ``frame``, an index): each such item gets the frame's bytes as ``raw``. An index that is
-    not one of the frames names nothing."""
+    ``frame``, the index of its first piece, and ``pieces``, how many): each such item gets
+    those frames' bytes, joined, as ``raw``. A range that is not within the frames names
+    nothing."""
     tasks = data.get("tasks") if isinstance(data, dict) else None
     if not isinstance(tasks, list):
         return data
     for item in tasks:
         if isinstance(item, dict):
-            index = item.pop("frame", None)
-            if type(index) is int and 0 <= index < len(payload):
-                item["raw"] = _frame_bytes(payload[index])
+            index, count = item.pop("frame", None), item.pop("pieces", 1)
+            if type(index) is int and type(count) is int and index >= 0 \
+                    and 1 <= count <= len(payload) - index:
+                item["raw"] = b"".join(_frame_bytes(f) for f in payload[index:index + count])
     return data
 
 

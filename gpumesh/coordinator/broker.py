@@ -103,7 +103,6 @@ class Broker:
         self.ledger.shm = shm
         self.worker_side = WorkerSide(self.ledger)
         self.retention = Retention(self.ledger)
-        self.client_side = ClientSide(self.ledger, self.worker_side, self.retention)
         self._last_heartbeat = now
         self._last_pending_check = now
         self._finished_seen = 0  # ledger.finished_total at the last idle check
@@ -126,6 +125,8 @@ class Broker:
         # Big messages going out in pieces (the server sends what it gives), and the peers
         # whose acknowledgements let more go since the server last asked.
         self.outflow = Outflow(limits)
+        self.client_side = ClientSide(self.ledger, self.worker_side, self.retention,
+                                      sending_to=self.outflow.busy)
         self.pieces_acked: set[bytes] = set()
         self._tracebacks: list[float] = []
         self._kinds_rebuilt = now  # when _fail_unschedulable last counted the queued kinds  # when handle() last logged one, for the bound

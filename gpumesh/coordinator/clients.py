@@ -56,10 +56,13 @@ QUERY_RATE = 20.0  # queries (QUERY, CONTROL) a client may make per second, in a
 
 
 class ClientSide:
-    def __init__(self, ledger: Ledger, workers: WorkerSide, retention: Retention) -> None:
+    def __init__(self, ledger: Ledger, workers: WorkerSide, retention: Retention,
+                 sending_to: Callable[[bytes], bool] = lambda routing: False) -> None:
         self.ledger = ledger
         self.workers = workers
         self.retention = retention
+        # Whether a message to this peer still goes in pieces (the broker's Outflow.busy).
+        self.sending_to = sending_to
         # Parsed specs by their bytes without seq (_parse_spec): a .map's SUBMITs, and a
         # client's single calls of one function, repeat one spec.
         self._parsed: dict[bytes, TaskSpec | tuple[ErrorCode, str]] = {}
@@ -312,8 +315,15 @@ class ClientSide:
         elif q.what == "task" and q.task is not None:
             data = self.retention.task_detail(q.task)
         elif q.what == "results" and q.job:
+            if client.routing is not None and self.sending_to(client.routing):
+                # A page (or another big message) to it still goes in pieces: one at a time,
+                # so a client that asks and does not read holds one page here, not hundreds.
+                ledger.error(client.routing, ErrorCode.BUSY, "the last page of results is "
+                             "still on its way: ask again once it is in", q.qid)
+                return
             # Outputs travel as frames, not in the header: one may be megabytes.
-            data, frames, more = self.retention.results(q.job, q.page)
+            data, frames, more = self.retention.results(
+                q.job, q.page, ledger.limits.max_header_bytes - REPLY_MARGIN)
             header: dict[str, Any] = {"qid": q.qid, "data": data}
             if more is not None:
                 header["more"] = more

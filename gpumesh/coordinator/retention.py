@@ -7,12 +7,15 @@ It acts on the ``Ledger`` (the shared state). The rules are in docs/protocol.md,
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 from typing import Any
 
+import msgpack
+
 from .._version import __version__
 from ..protocol import ResultEncoding
-from .jobs import LIST_JOBS, MAX_JOBS, find_job
+from .jobs import DETAIL_CHARS, LIST_JOBS, MAX_JOBS, find_job
 from .ledger import Ledger, ReadLater
 from .state import Task, TaskState, WorkerState
 
@@ -25,6 +28,8 @@ MAX_RETAINED_RESULT_BYTES = 2 * 1024**3
 # bigger result goes alone), results over RESULT_READ_MAX named with their size only.
 RESULTS_PAGE_BYTES = 32 * 1024**2
 RESULTS_PER_PAGE = 2000  # tasks a page lists (about 100 bytes of header each)
+RESULTS_PAGE_FRAMES = 1024  # pieces of outputs a page carries (a message holds 4,096 frames)
+RESULTS_FILES_READ = 16  # outputs a page reads back from the journal's files, at most
 RESULT_READ_MAX = 256 * 1024**2
 MIN_JOB_AGE = 60.0  # seconds a finished job is kept even over MAX_JOBS (a .map sends batches)
 
@@ -137,60 +142,67 @@ class Retention:
                 "jobs_known": len(self.ledger.jobs),
                 "jobs": [j.describe(self.ledger.tasks, now, tasks=False) for j in recent]}
 
-    def results(self, job_id: str, page: int) -> tuple[dict[str, Any], list[Any], int | None]:
+    def results(self, job_id: str, page: int, header_room: int
+                ) -> tuple[dict[str, Any], list[Any], int | None]:
         """A page of a job's script results, whole (``status`` shows only what fits
         PREVIEW_BYTES): ``(data, frames, next page or None)``. Each of the job's tasks still
-        held here is listed from position ``page`` on, with ``frame`` (its index in
-        ``frames``) where its output is here to read: a detached ``submit``'s, kept for
-        GPUMESH_RESULT_TTL, which nothing else could read back. Tasks whose results their
-        submitter collected are counted (``collected``), not listed: they are gone from here."""
+        held here is listed from position ``page`` on, with ``frame`` (the index in ``frames``
+        of its output's first piece) and ``pieces`` where its output is here to read: a
+        detached ``submit``'s, kept for GPUMESH_RESULT_TTL, which nothing else could read back.
+        Tasks whose results their submitter collected are counted (``collected``), not listed:
+        they are gone from here. A page stays within ``header_room`` bytes of header,
+        RESULTS_PAGE_BYTES of outputs (one bigger output alone), RESULTS_PAGE_FRAMES pieces
+        and RESULTS_FILES_READ outputs read back from disk: the loop's time and memory."""
         job = find_job(self.ledger.jobs, job_id)
         if isinstance(job, str):
             return {"error": job}, [], None
-        ids = list(job.task_ids)
         entries: list[dict[str, Any]] = []
         frames: list[Any] = []
-        used = 0
-        end = page
-        while end < len(ids) and len(entries) < RESULTS_PER_PAGE:
-            task = self.ledger.tasks.get(ids[end])
+        used = files = 0
+        header_used = len(_packed({"job": job.job_id, "name": job.name,
+                                   "collected": job.collected}))
+        position = page
+        ids = itertools.islice(job.task_ids, page, None)
+        for task_id in ids:
+            task = self.ledger.tasks.get(task_id)
             if task is None:
-                end += 1
+                position += 1
                 continue
-            readable = _readable_output(task)
-            size = task.result_bytes if readable else 0
-            if entries and used + size > RESULTS_PAGE_BYTES:
-                break  # the next page starts with it
-            entry: dict[str, Any] = {"id": task.task_id, "state": task.state.public}
-            header = task.result_header or {}
-            error = header.get("error")
-            if isinstance(error, dict):
-                entry["error"] = str(error.get("message", ""))
-            elif header.get("diagnosis"):
-                entry["error"] = str(header["diagnosis"])
-            if readable:
+            entry = _result_entry(task)
+            pieces = _output_pieces(task)
+            size = task.result_bytes if pieces else 0
+            readable = pieces > 0 and size <= RESULT_READ_MAX
+            if pieces:
                 entry["bytes"] = size
-                if size > RESULT_READ_MAX:
-                    entry["note"] = (f"its output is {size:,} bytes, more than `gpumesh results` "
-                                     f"reads back ({RESULT_READ_MAX:,}): write big outputs to a "
-                                     "file every machine can read, and print its path")
+            if pieces and not readable:
+                entry["note"] = (f"its output is {size:,} bytes, more than `gpumesh results` "
+                                 f"reads back ({RESULT_READ_MAX:,}): write big outputs to a "
+                                 "file every machine can read, and print its path")
+            entry_bytes = len(_packed(entry)) + 32  # and its frame, pieces and encoding
+            on_disk = readable and task.result_file is not None
+            if entries and (header_used + entry_bytes > header_room
+                            or len(entries) >= RESULTS_PER_PAGE
+                            or (readable and (used + size > RESULTS_PAGE_BYTES
+                                              or len(frames) + pieces > RESULTS_PAGE_FRAMES
+                                              or (on_disk and files >= RESULTS_FILES_READ)))):
+                break  # the next page starts with it
+            if readable:
+                try:
+                    read = self.ledger.result_frames(task)
+                except (ValueError, ReadLater) as exc:
+                    entry["note"] = f"its output could not be read back: {exc}"
                 else:
-                    try:
-                        read = self.ledger.result_frames(task)
-                    except (ValueError, ReadLater) as exc:
-                        entry["note"] = f"its output could not be read back: {exc}"
-                    else:
-                        entry["encoding"] = header.get("encoding")
-                        entry["frame"] = len(frames)
-                        frames.append(read[0])
-                        used += size
-            elif task.state.terminal and not task.is_script:
-                entry["note"] = "a function's result goes to the process that submitted it"
+                    entry.update(encoding=(task.result_header or {}).get("encoding"),
+                                 frame=len(frames), pieces=len(read))
+                    frames.extend(read)
+                    used += size
+                    files += on_disk
+            header_used += entry_bytes
             entries.append(entry)
-            end += 1
+            position += 1
         data = {"job": job.job_id, "name": job.name, "collected": job.collected,
                 "tasks": entries}
-        return data, frames, (end if end < len(ids) else None)
+        return data, frames, (position if position < len(job.task_ids) else None)
 
     def task_detail(self, task_id: str) -> dict[str, Any]:
         """One task as the coordinator holds it, its whole error and traceback included (a
@@ -231,11 +243,36 @@ class Retention:
         }
 
 
-def _readable_output(task: Task) -> bool:
-    """A finished script task whose output (its JSON or text) is held here, in one frame."""
+def _result_entry(task: Task) -> dict[str, Any]:
+    """A task's line in a ``results`` page, before its output: id, state, and why it failed
+    (cut as a job's status cuts it: the whole error is the ``task`` query's)."""
+    entry: dict[str, Any] = {"id": task.task_id, "state": task.state.public}
+    header = task.result_header or {}
+    error = header.get("error")
+    why = error.get("message", "") if isinstance(error, dict) else header.get("diagnosis")
+    if why:
+        entry["error"] = str(why)[:DETAIL_CHARS]
+    if task.state.terminal and not task.is_script:
+        entry["note"] = "a function's result goes to the process that submitted it"
+    return entry
+
+
+def _output_pieces(task: Task) -> int:
+    """How many frames hold a finished script task's output (its JSON or text) here: one, or
+    the pieces a big one travelled in (``split``, one frame's worth); 0 when there is none to
+    read (a function's, a failure's, one collected or kept in another form)."""
     header = task.result_header
-    return (task.state is TaskState.DONE and task.is_script and header is not None
+    if not (task.state is TaskState.DONE and task.is_script and header is not None
             and header.get("encoding") in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value)
-            and "split" not in header and not task.collected
-            and (len(task.result_file.lengths) == 1 if task.result_file is not None
-                 else len(task.result_payload) == 1))
+            and not task.collected):
+        return 0
+    count = (len(task.result_file.lengths) if task.result_file is not None
+             else len(task.result_payload))
+    split = header.get("split")
+    if split is None:
+        return count if count == 1 else 0
+    return count if split == [count] else 0
+
+
+def _packed(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)

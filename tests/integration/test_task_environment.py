@@ -157,7 +157,8 @@ def test_cli_submit_env_sends_the_shells_value(mesh_env, tmp_path):
 
 
 def pins_a_gpu_in_process():
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # the common idiom, read once by CUDA at its start
+    # The common idiom, read once by CUDA at its start: a value unlike the slot's own.
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "") + ",7"
     return os.getpid()
 
 
@@ -180,10 +181,10 @@ def test_a_task_that_pins_a_gpu_or_breaks_its_process_gets_its_result_and_a_fres
     mesh_env.start_coordinator()
     mesh_env.add_worker()
     client = mesh_env.client()
-    first, _ = client.submit(runner_pid).result(timeout=30)
+    first, slot_value = client.submit(runner_pid).result(timeout=30)
     assert client.submit(pins_a_gpu_in_process).result(timeout=30) == first
     after, pinned = client.submit(runner_pid).result(timeout=30)
-    assert after != first and pinned is None  # a new runner, as the slot started it
+    assert after != first and pinned == slot_value  # a new runner, as the slot started it
     future = client.submit(disables_chdir)
     assert future.result(timeout=30) == "answered" and future.attempts == 1
     last, _ = client.submit(runner_pid).result(timeout=30)

@@ -456,3 +456,25 @@ def engine_module_file() -> str:
     from gpumesh.client import engine as engine_module
 
     return engine_module.__file__
+
+
+def test_a_call_that_ran_here_keeps_its_own_frames_once_however_often_it_is_read():
+    # Raised with no traceback at all, a call run in this process (GPUMESH_LOCAL, or a task's
+    # nested call) showed the caller's line and result()'s, none of the code that failed.
+    import traceback
+
+    from gpumesh.client.engine import TaskFuture
+
+    future = TaskFuture()
+    try:
+        _raises_deep(0)
+    except ZeroDivisionError as exc:
+        future.set_exception(exc)
+    for _ in range(3):
+        with pytest.raises(ZeroDivisionError) as raised:
+            future.result()
+        names = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+        assert names == [
+            "test_a_call_that_ran_here_keeps_its_own_frames_once_however_often_it_is_read",
+            "result", "test_a_call_that_ran_here_keeps_its_own_frames_once_however_often_it_is_read",
+            "_raises_deep"]

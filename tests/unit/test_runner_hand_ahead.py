@@ -1162,12 +1162,16 @@ def test_what_a_scripts_background_child_prints_after_it_is_read_and_dropped(tmp
     real = execute._Stdout
     monkeypatch.setattr(execute, "_Stdout", lambda: made.append(real()) or made[-1])
     monkeypatch.setattr(execute, "OUTPUT_GRACE", 0.2)
-    script = (b"import json, subprocess, sys\n"
-              b"child = subprocess.Popen([sys.executable, '-c', 'import sys, time\\n"
-              b"time.sleep(0.5)\\nfor i in range(20000): print(\"x\" * 100, flush=True)'])\n"
+    go = tmp_path / "go"  # the child prints only once the task is over (the test says when)
+    script = (b"import json, os, subprocess, sys\n"
+              b"child = subprocess.Popen([sys.executable, '-c', 'import os, select, sys\\n"
+              b"while not os.path.exists(sys.argv[1]): select.select([], [], [], 0.01)\\n"
+              b"for i in range(20000): print(\"x\" * 100, flush=True)', sys.argv[1]])\n"
               b"print(json.dumps({'child': child.pid}))\n")
+    script = script.replace(b"sys.argv[1]])", repr(str(go)).encode() + b"])")
     header, frames = execute.run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],
                                         dict(os.environ))
+    go.touch()
     child = json.loads(bytes(frames[0]))["child"]  # the script's own line, and nothing else
     assert header == {"status": "ok", "encoding": "json"}
     assert poll_until(lambda: not is_alive(child), 30), "the child did not finish printing"

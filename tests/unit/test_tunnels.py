@@ -212,12 +212,12 @@ def test_the_provider_protocol_is_what_serve_relies_on():
 # ------------------------------------------------------- ngrok ends with the coordinator, kill -9 too
 
 _STAND_IN = """
-import subprocess, sys, time
+import signal, subprocess, sys
 from gpumesh.processes import end_with_this_process
-helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+helper = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
 watcher = end_with_this_process(helper.pid)
 print(helper.pid, watcher.pid, flush=True)
-time.sleep(600)
+signal.pause()
 """
 
 
@@ -265,7 +265,7 @@ def test_ngrok_is_watched_while_its_tunnel_is_open_and_the_watcher_stopped_with_
     import subprocess
 
     calls, _ = fake_pyngrok
-    ngrok_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ngrok_process = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         sys.modules["pyngrok.ngrok"].get_ngrok_process = lambda: types.SimpleNamespace(  # type: ignore[attr-defined]
             proc=ngrok_process)
