@@ -124,7 +124,7 @@ def watch(parent: int, pid: int, start: str | None) -> int:
     while True:
         if not is_alive(pid) or (start is not None and started_at(pid) != start):
             return 0
-        if os.getppid() != parent or not is_alive(parent):
+        if os.getppid() != parent:  # it died, and this process went to another parent
             break
         time.sleep(POLL)
     if start is not None and started_at(pid) != start:

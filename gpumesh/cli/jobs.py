@@ -44,6 +44,16 @@ def _shown(result: Any) -> str:
     return text if _can_print(text) else json_text(result, indent=None)
 
 
+def _outcome_lines(task: dict[str, Any], result: Any) -> list[str]:
+    """A task's error, or its result, under its line in a listing."""
+    # Another user's task wrote these: nothing in them may act on this terminal.
+    if "error" in task and task.get("state") != "done":
+        return [f"    error: {for_terminal(str(task['error']))}"]
+    if result is not None:
+        return [f"    result: {for_terminal(_shown(result))}"]
+    return []
+
+
 def _can_print(text: str) -> bool:
     encoding = getattr(sys.stdout, "encoding", None) or "ascii"
     try:
@@ -106,11 +116,7 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
         result = task.get("result")
         if result is None and results is not None:
             result = results.get(task["id"])
-        # Another user's task wrote these: nothing in them may act on this terminal.
-        if "error" in task and state != "done":
-            lines.append(f"    error: {for_terminal(str(task['error']))}")
-        elif result is not None:
-            lines.append(f"    result: {for_terminal(_shown(result))}")
+        lines += _outcome_lines(task, result)
     if status.get("tasks_not_shown"):
         lines.append(f"  ... and {status['tasks_not_shown']} more task(s), counted above")
     return "\n".join(lines)
@@ -254,11 +260,8 @@ def results(mesh: GPUMesh, job_id: str, as_json: bool) -> None:
     for task in answer["tasks"]:
         state = for_terminal(str(task.get("state", "unknown")))
         click.echo(f"  {_symbol(state)} task {for_terminal(task['id'])} [{state}]")
-        # Another user's task wrote these: nothing in them may act on this terminal.
-        if "result" in task:
-            click.echo(f"    result: {for_terminal(_shown(task['result']))}")
-        elif task.get("error"):
-            click.echo(f"    error: {for_terminal(str(task['error']))}")
+        for line in _outcome_lines(task, task.get("result")):
+            click.echo(line)
         if task.get("note"):
             click.echo(f"    ({for_terminal(str(task['note']))})")
     if answer.get("collected"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ipaddress
-import json
 import logging
 import numbers
 import os
@@ -32,6 +31,7 @@ from .engine import (
     TaskFuture,
     on_io_thread,
     refuse_wait_on_io_thread,
+    script_value,
 )
 from .launch import CoordinatorHandle, WorkerHandle, start_coordinator, start_worker
 from .portable import SourceForm, source_form
@@ -556,7 +556,10 @@ class GPUMesh:
                 continue
             raw = item.pop("raw", None)
             if isinstance(raw, bytes):
-                item["result"] = script_output(raw, item.pop("encoding", None))
+                try:
+                    item["result"] = script_value(raw, item.pop("encoding", None))
+                except (ValueError, RecursionError):  # as the worker read it: text
+                    item["result"] = raw.decode("utf-8", "replace")
             kept.append(item)
         collected = answer.get("collected")
         return {"job": str(answer.get("job", job_id)), "name": str(answer.get("name", "")),
@@ -830,13 +833,3 @@ def _unresolved(host: str) -> str:
         return ""
     return ""
 
-
-def script_output(raw: bytes, encoding: Any) -> Any:
-    """A script's output as its results show it: its JSON, or its text where it is not JSON."""
-    text = raw.decode("utf-8", "replace")
-    if encoding == "json":
-        try:
-            return json.loads(text)
-        except (ValueError, RecursionError):
-            return text
-    return text

@@ -1174,6 +1174,13 @@ _HANDLERS: dict[Command, Callable[[Engine, Message, float], None]] = {
 }
 
 
+def script_value(data: bytes, encoding: Any) -> Any:
+    """A script's output as a value: its JSON (``encoding`` json), else its text. Raises
+    ValueError for bytes that are not UTF-8, or not the JSON they are said to be."""
+    text = data.decode("utf-8")
+    return json.loads(text) if encoding == ResultEncoding.JSON.value else text
+
+
 def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = False,
                   shm: SharedFolder | None = None) -> Any:
     """A task's value, or raise what the task ended with (the original type where possible).
@@ -1190,8 +1197,7 @@ def decode_result(header: dict[str, Any], payload: list[Any], *, script: bool = 
     if status == ResultStatus.OK.value:
         encoding = header.get("encoding")
         if encoding in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value):
-            text = _frame_bytes(payload[0]).decode("utf-8") if payload else ""
-            return json.loads(text) if encoding == ResultEncoding.JSON.value else text
+            return script_value(_frame_bytes(payload[0]) if payload else b"", encoding)
         if script:
             task_id = _peer_text(header.get("task", ""), ID_CHARS)
             raise TaskError(f"task {task_id}: the worker sent a script result that is not JSON "

@@ -15,7 +15,7 @@ import msgpack
 
 from .._version import __version__
 from ..protocol import ResultEncoding
-from .jobs import DETAIL_CHARS, LIST_JOBS, MAX_JOBS, find_job
+from .jobs import DETAIL_CHARS, LIST_JOBS, MAX_JOBS, error_line, find_job
 from .ledger import Ledger, ReadLater
 from .state import Task, TaskState, WorkerState
 
@@ -249,7 +249,7 @@ def _result_entry(task: Task) -> dict[str, Any]:
     entry: dict[str, Any] = {"id": task.task_id, "state": task.state.public}
     header = task.result_header or {}
     error = header.get("error")
-    why = error.get("message", "") if isinstance(error, dict) else header.get("diagnosis")
+    why = error_line(error) if isinstance(error, dict) else header.get("diagnosis")
     if why:
         entry["error"] = str(why)[:DETAIL_CHARS]
     if task.state.terminal and not task.is_script:

@@ -189,9 +189,7 @@ class Runner:
         self.start_at: float | None = None
         self.dying: list[subprocess.Popen[bytes]] = []  # killed, not yet exited (kill())
         self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
-        # Bytes its socket takes without a writer waiting (set at start): what is handed ahead
-        # stays within a third of it, the first task ahead within a half.
-        self.socket_room = 4 * AHEAD_BYTES
+        self.socket_room = 4 * AHEAD_BYTES  # set again at start, from what the system granted
         self.read_at = 0.0  # when the agent last read this runner's socket
         # Small messages handed ahead and not yet written: ``flush`` writes them in one call
         # (a write that wakes the runner costs tens of µs here, and a TASK brings many tasks).
@@ -273,10 +271,22 @@ class Runner:
         return (self.ready and self.task is not None and len(self.ahead) < self.ahead_depth
                 and not self.restart_after_task)
 
+    @property
+    def socket_room(self) -> int:
+        """Bytes its socket takes without a writer waiting: what is handed ahead stays within
+        a third of it (AHEAD_BYTES at most), the first task ahead within a half
+        (FIRST_AHEAD_BYTES at most). Both bounds are worked out here, once a runner."""
+        return self._socket_room
+
+    @socket_room.setter
+    def socket_room(self, room: int) -> None:
+        self._socket_room = room
+        self._ahead_room = min(AHEAD_BYTES, room // 3)
+        self._first_ahead_room = min(FIRST_AHEAD_BYTES, room // 2)
+
     def fits_ahead(self, queued: QueuedTask) -> bool:
-        """Whether ``queued`` may be handed ahead without filling the socket (AHEAD_BYTES)."""
-        room = (min(AHEAD_BYTES, self.socket_room // 3) if self.ahead
-                else min(FIRST_AHEAD_BYTES, self.socket_room // 2))
+        """Whether ``queued`` may be handed ahead without filling the socket (``socket_room``)."""
+        room = self._ahead_room if self.ahead else self._first_ahead_room
         return self.ahead_bytes + queued.socket_bytes <= room
 
     def fds(self) -> list[tuple[int, str]]:
