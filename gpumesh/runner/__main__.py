@@ -1,18 +1,22 @@
-"""Entry point of a runner process: ``python -m gpumesh.runner FD [NAME ...]``.
+"""Entry point of a runner process: ``python -m gpumesh.runner FD SCRATCH [NAME ...]``.
 
 The worker agent starts one runner per slot and hands it one end of a socket pair. The runner
 reads a task, runs it, writes the result, and waits for the next one, so there is no process
 start per task. It never talks to the network: a task that hangs, hogs the GIL or crashes the
 interpreter cannot stop the agent's heartbeats.
 
-The NAMEs are the variables the worker's owner passes to every task (``join --pass-env``).
-Before the first task the runner cuts its own environment down to what tasks may see
-(environment.py); each task then runs with that plus its own ``env``.
+SCRATCH is a folder the agent made for this runner alone: scripts run in folders made in it,
+and a running script's process group is named there, so that the agent ends both when it kills
+the runner. The NAMEs are the variables the worker's owner passes to every task (``join
+--pass-env``). Before the first task the runner cuts its own environment down to what tasks
+may see (environment.py); each task then runs with that plus its own ``env``.
 """
 
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # signal.getsignal without its enum lookups
+import contextlib
+import functools
 import io
 import os
 import select
@@ -32,7 +36,7 @@ from ..protocol.vocabulary import ResultStatus
 from ..sharedmem import SharedFolder, big_enough_to_share
 from ..shmowners import ANONYMOUS, is_name_start
 from .environment import base_environment, set_environ
-from .execute import fit_to_send, infrastructure_failure, run_task
+from .execute import fit_to_send, infrastructure_failure, run_task, script_groups
 from .pipe import MARKER, PipeClosed, recv_message, send_message
 
 MAX_TASK_BYTES = 1 << 40
@@ -45,8 +49,11 @@ def _exit_with_parent() -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
+            for group in list(script_groups):  # a script runs in a group of its own
+                with contextlib.suppress(OSError):
+                    os.killpg(group, signal.SIGKILL)
             try:
-                os.killpg(os.getpid(), signal.SIGKILL)  # also any script the task started
+                os.killpg(os.getpid(), signal.SIGKILL)  # also what a function task started
             finally:
                 os._exit(1)
 
@@ -75,6 +82,7 @@ class _Start:
         self.blocked = _blocked_signals()
         self.umask = os.umask(0o022)
         os.umask(self.umask)
+        self.limits = _ResourceLimits()
 
     def restore(self) -> None:
         if os.getpid() != self.pid:
@@ -112,12 +120,65 @@ class _Start:
             if _signal.getsignal(number) != handler:
                 _set_handler(number, handler)
         os.umask(self.umask)
+        self.limits.restore()
         for fd in (1, 2):
             try:
                 if not os.get_blocking(fd):
                     os.set_blocking(fd, True)
             except (OSError, AttributeError):
                 pass
+
+
+class _ResourceLimits:
+    """The process's resource limits as the runner started, put back after a task changed
+    them: a task that lowered its memory (``RLIMIT_AS``, as code-evaluation guards do) or its
+    open files left every later task of the runner, any client's, failing. Reading them all
+    after each task costs more than the rest of the task's hygiene, so ``resource.setrlimit``
+    and ``resource.prlimit`` are wrapped to say that a task called them (one through ctypes
+    goes unseen). A hard limit a task lowered cannot be raised again without privilege: the
+    runner is restarted then (``restore`` raises)."""
+
+    def __init__(self) -> None:
+        self.changed = False
+        try:
+            import resource
+        except ImportError:  # Windows: no limits to put back
+            self._resource: Any = None
+            self.names: dict[int, str] = {}
+            self.start: dict[int, tuple[int, int]] = {}
+            return
+        self._resource = resource
+        self.names = {getattr(resource, name): name for name in dir(resource)
+                      if name.startswith("RLIMIT_")}
+        self.start = {which: resource.getrlimit(which) for which in self.names}
+        self._set = resource.setrlimit
+
+    def watch(self) -> None:
+        """From here on, a task's call of ``resource.setrlimit``/``prlimit`` is noticed."""
+        for name in ("setrlimit", "prlimit"):
+            real = getattr(self._resource, name, None)
+            if real is not None:
+                setattr(self._resource, name, self._watched(real))
+
+    def _watched(self, real: Any) -> Any:
+        @functools.wraps(real)
+        def watched(*args: Any) -> Any:
+            self.changed = True
+            return real(*args)
+        return watched
+
+    def restore(self) -> None:
+        if not self.changed:
+            return
+        self.changed = False
+        for which, limits in self.start.items():
+            if self._resource.getrlimit(which) == limits:
+                continue
+            try:
+                self._set(which, limits)
+            except (ValueError, OSError) as exc:
+                raise RuntimeError(f"the task lowered {self.names[which]}, which a process cannot "
+                                   f"raise again ({exc})") from None
 
 
 def _set_handler(number: int, handler: Any) -> None:
@@ -154,7 +215,9 @@ def main(argv: list[str]) -> int:
     # close_fds=False) must not hold it, and write to it or read the next task from it.
     sock.set_inheritable(False)
     start = _Start()
-    base_env = base_environment(os.environ, argv[1:])
+    start.limits.watch()
+    scratch = argv[1]  # the agent's folder for this runner (scripts' folders): it removes it
+    base_env = base_environment(os.environ, argv[2:])
     set_environ(base_env)  # the interpreter has read its PYTHON* variables; tasks do not see them
     send_message(sock, [msgpack.packb({"ready": True})])
     inbox = _Inbox(sock)
@@ -183,7 +246,7 @@ def main(argv: list[str]) -> int:
             if refs and folder is not None:
                 task_frames = folder.resolve(task_frames, refs)
             began = time.perf_counter()
-            result_header, result_frames = run_task(header, task_frames, base_env)
+            result_header, result_frames = run_task(header, task_frames, base_env, scratch)
             restart = str(result_header.pop("restart", ""))
             if os.getpid() != start.pid:
                 os._exit(0)  # a task's fork() whose child returned here: it writes nothing

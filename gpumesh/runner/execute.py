@@ -10,9 +10,11 @@ elsewhere, while the runner stays up.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,8 @@ from .environment import script_environment, task_environ
 
 STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error report
 OUTPUT_GRACE = 1.0  # seconds a script's pipes are read after it exited (a child may hold them)
+GROUP_GRACE = 2.0  # seconds what a script left running has after SIGTERM, before SIGKILL
+GROUP_FILE = "group-"  # in a runner's scratch folder: a script's process group, while it lives
 # What one result may carry: it travels to the coordinator in one message, which also holds its
 # header (the client keeps the same room for a task's input). The agent reads at most one
 # message's bytes from its runner, and the pipe takes 4,095 frames, more than this leaves.
@@ -43,18 +47,21 @@ RESULT_ROOM_BYTES, RESULT_ROOM_FRAMES = _LIMITS.message_room
 
 _functions: OrderedDict[str, Any] = OrderedDict()
 _FUNCTION_CACHE = 64
+# The process groups of the scripts running now: the runner's parent watch ends them too.
+script_groups: set[int] = set()
 
 
-def run_task(header: dict[str, Any], frames: Sequence[Any], base_env: dict[str, str]
-             ) -> tuple[dict[str, Any], list[Any]]:
-    """Run one task of either kind with ``base_env`` plus the task's own ``env``."""
+def run_task(header: dict[str, Any], frames: Sequence[Any], base_env: dict[str, str],
+             scratch: str | None = None) -> tuple[dict[str, Any], list[Any]]:
+    """Run one task of either kind with ``base_env`` plus the task's own ``env``; a script's
+    folder goes in ``scratch`` (the runner's own, which its agent removes with it)."""
     script = header.get("kind") == "script"
     try:
         task_env = check_task_env(header["env"]) if "env" in header else {}
     except ValueError as exc:
         return _refused(f"this worker refused the task's env: {exc}")
     if script:
-        return run_script(header, frames, {**script_environment(base_env), **task_env})
+        return run_script(header, frames, {**script_environment(base_env), **task_env}, scratch)
     with task_environ(base_env, task_env) as seen:
         result = run_function(header, frames)
     if seen.moved_pinning:
@@ -206,14 +213,16 @@ def _from_the_task(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str]
-               ) -> tuple[dict[str, Any], list[Any]]:
+def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str],
+               scratch: str | None = None) -> tuple[dict[str, Any], list[Any]]:
     """Run the script with the payload as JSON on stdin; stdout is the result.
 
     The script runs with ``env`` as its whole environment, in a temporary directory of its own
-    (its working directory, removed afterwards). stderr streams to the caller as it is written
-    (through this runner's stderr), and its last lines are kept for the error report when the
-    script fails.
+    (its working directory, removed afterwards; made in ``scratch`` when given). stderr streams
+    to the caller as it is written (through this runner's stderr), and its last lines are kept
+    for the error report when the script fails. It runs in a process group of its own, and
+    what it leaves running in it ends with it (``_end_group``): a server or a training process
+    it started in the background held a GPU and its memory until the runner restarted.
     """
     try:
         name = check_script_name(header.get("name", ""))
@@ -221,7 +230,8 @@ def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str
         return _refused(f"this worker refused the script: {exc}", "gpumesh.ScriptError")
     script, payload = bytes(frames[0]), bytes(frames[1]) if len(frames) > 1 else b"{}"
     try:
-        tmp = tempfile.TemporaryDirectory(prefix="gpumesh-script-", ignore_cleanup_errors=True)
+        tmp = tempfile.TemporaryDirectory(prefix="gpumesh-script-", dir=scratch,
+                                          ignore_cleanup_errors=True)
     except OSError as exc:
         return infrastructure_failure("could not make a temporary directory for the script", exc)
     with tmp:
@@ -231,12 +241,16 @@ def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str
                 handle.write(script)
             proc = subprocess.Popen(
                 [sys.executable, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env=env, cwd=tmp.name,
+                stderr=subprocess.PIPE, env=env, cwd=tmp.name, start_new_session=True,
             )
         except OSError as exc:
             return infrastructure_failure("could not start the script", exc)
+        group = _ScriptGroup(proc.pid, scratch)
         tail: deque[bytes] = deque()
-        out, written = _exchange(proc, payload, tail)
+        try:
+            out, written = _exchange(proc, payload, tail, group.end)
+        finally:
+            group.end()
     if proc.returncode != 0:
         stderr = b"".join(tail).decode("utf-8", "replace")[-STDERR_TAIL:]
         last = stderr.strip().splitlines()[-1:] or [""]
@@ -266,14 +280,87 @@ def _refused(message: str, kind: str = "gpumesh.TaskRefused") -> tuple[dict[str,
     return {"status": ResultStatus.ERROR.value, "error": {"type": kind, "message": message, "traceback": ""}}, []
 
 
-def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes]
-              ) -> tuple[bytes, int]:
+class _ScriptGroup:
+    """A running script's process group, named where the runner's end can find it: in
+    ``script_groups`` for the runner's parent watch, and as a file in the runner's scratch
+    folder for its agent, which ends the group when it kills the runner (a cancel, a
+    timeout): in a group of its own, the script is no longer killed with the runner's."""
+
+    def __init__(self, pid: int, scratch: str | None) -> None:
+        self.pid = pid
+        self.file = os.path.join(scratch, f"{GROUP_FILE}{pid}") if scratch else None
+        self.ended = False
+        script_groups.add(pid)
+        if self.file is not None:
+            try:
+                with open(self.file, "x"):
+                    pass
+            except OSError:
+                self.file = None  # the agent cannot end it then: the runner still does
+
+    def end(self) -> None:
+        """Once the script has exited: SIGTERM to what it left in its group, SIGKILL to what
+        is still there GROUP_GRACE later. A process that left the group (``setsid``, as a
+        daemon does) is not found: that is its choice."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            _end_group(self.pid)
+        finally:
+            script_groups.discard(self.pid)
+            if self.file is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(self.file)
+
+
+def _end_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return  # nothing left in it (the usual case), or nothing this user may end
+    deadline = time.monotonic() + GROUP_GRACE
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if _only_zombies_in(pgid):
+            return  # ended, waiting for an init to reap them (some containers' never does)
+        time.sleep(0.02)  # rare (the script left something running): no cheaper wait for a group
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _only_zombies_in(pgid: int) -> bool:
+    """Whether every process left in group ``pgid`` has exited and awaits its reaping (Linux,
+    from /proc; elsewhere the group's end is waited for)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            return False
+    return True
+
+
+def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes],
+              exited: Callable[[], None]) -> tuple[bytes, int]:
     """Give the script its payload and read what it writes until it exits: ``(stdout, bytes
     it wrote there)``, stdout kept up to one result's room; stderr relayed live with its end
-    kept in ``tail``. Once it has exited, its pipes are read for OUTPUT_GRACE more and then
-    left: a child it started in the background (a server, a ``tensorboard``) holds them open,
-    and waiting for their end hung the slot for good. What such a child writes after that is
-    read and dropped: kept, it grew the runner's memory for as long as the child ran."""
+    kept in ``tail``. Once it has exited, ``exited`` ends what it left in its group, and its
+    pipes are read for OUTPUT_GRACE more and then left: a child that left the group (a
+    daemon) may hold them open, and waiting for their end hung the slot for good. What such a
+    child writes after that is read and dropped: kept, it grew the runner's memory for as long
+    as the child ran."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     pipes = (proc.stdin, proc.stdout, proc.stderr)
     proc.stdin = proc.stdout = proc.stderr = None  # the threads' alone from here
@@ -287,6 +374,7 @@ def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes]
     for thread in threads:
         thread.start()
     proc.wait()
+    exited()
     deadline = time.monotonic() + OUTPUT_GRACE
     for thread in threads[1:]:
         thread.join(max(deadline - time.monotonic(), 0.0))

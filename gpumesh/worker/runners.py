@@ -22,10 +22,12 @@ import functools
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -40,6 +42,7 @@ from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.headers import MAX_DIAGNOSIS, MAX_ERROR_MESSAGE, MAX_ERROR_TYPE, MAX_TRACEBACK
 from ..protocol.ids import HexIds
 from ..runner.environment import runner_process_environment
+from ..runner.execute import GROUP_FILE
 from ..runner.pipe import (
     MARKER,
     MAX_FRAMES,
@@ -188,6 +191,9 @@ class Runner:
         self.failed_starts = 0
         self.start_at: float | None = None
         self.dying: list[subprocess.Popen[bytes]] = []  # killed, not yet exited (kill())
+        # The runner's own folder (its scripts' folders, and their process groups named):
+        # made as it starts, ended with it (``end_scratch``).
+        self.scratch: str | None = None
         self.ahead_bytes = 0  # what the tasks in ``ahead`` put on the socket
         self.socket_room = 4 * AHEAD_BYTES  # set again at start, from what the system granted
         self.read_at = 0.0  # when the agent last read this runner's socket
@@ -219,16 +225,19 @@ class Runner:
             self._start_failed(exc)
             return
         self.socket_room = socket_room(parent, child)
+        self.end_scratch()  # the process before's, should nothing have ended it yet
         try:
+            self.scratch = tempfile.mkdtemp(prefix=f"gpumesh-runner-{self.slot}-")
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()),
-                 *self._pass_env],
+                 self.scratch, *self._pass_env],
                 pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env=self._env, start_new_session=True,
             )
         except OSError as exc:
             parent.close()
             child.close()
+            self.end_scratch()
             self._start_failed(exc)
             return
         child.close()
@@ -509,6 +518,7 @@ class Runner:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 self.proc.kill()
+        self.end_scratch()
         if self.reap(timeout=KILL_WAIT) is None and self.proc is not None:
             self._close(keep_tail=False)
             if self.proc not in self.dying:
@@ -536,6 +546,30 @@ class Runner:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        self.end_scratch()
+
+    def end_scratch(self) -> None:
+        """Once the runner is killed or gone: SIGKILL to each script group it named (a script
+        runs in a group of its own, which killing the runner's does not reach) and its folder
+        removed (a killed script's folder was left behind, one for each timeout or cancel).
+        Named only while the script runs, so a number here is that script's group, or nobody's
+        where it ended as the runner was killed; the runner names a group just after starting
+        its script, so a kill in between leaves that one to its own end."""
+        if self.scratch is None:
+            return
+        try:
+            names = os.listdir(self.scratch)
+        except OSError:
+            names = []
+        for name in names:
+            number = name[len(GROUP_FILE):]
+            if name.startswith(GROUP_FILE) and number.isdigit() and int(number) > 1:
+                try:
+                    os.killpg(int(number), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, OverflowError):
+                    pass
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch = None
 
     def reap(self, timeout: float = 5.0) -> int | None:
         """Wait up to ``timeout`` for the runner to exit, then close its pipes and socket: its

@@ -1101,9 +1101,65 @@ def test_what_a_task_sets_in_its_process_is_put_back_for_the_next(live_agent):
     assert serialize.loads(second.payload) == (True,) * 7
 
 
+def _lowers_its_limits(i):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 200), min(hard, 300)))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    return i
+
+
+def _reads_its_limits(i):
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE), resource.getrlimit(resource.RLIMIT_CORE)
+
+
+def test_resource_limits_a_task_lowered_are_not_the_next_tasks(live_agent):
+    # A task that lowered its runner's open files or memory (code-evaluation guards set
+    # RLIMIT_AS) left every later task of that runner, any client's, failing. Put back where
+    # the runner may (here as root, or soft limits), or a fresh runner where it may not.
+    import resource
+
+    from gpumesh.protocol import serialize
+
+    agent = live_agent
+    _give(agent, 1, fn=_lowers_its_limits)
+    _give(agent, 2, fn=_reads_its_limits)
+    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
+    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
+    (second,) = [m for m in agent.sent if m.command is Command.RESULT and m.header["task"] == "task-2"]
+    nofile, core = serialize.loads(second.payload)
+    assert tuple(nofile) == resource.getrlimit(resource.RLIMIT_NOFILE)  # the agent's, inherited
+    assert tuple(core) == resource.getrlimit(resource.RLIMIT_CORE)
+
+
+def test_a_hard_limit_the_runner_cannot_raise_again_restarts_it():
+    # Not as root (who may raise it): the restore fails, and the runner's loop sends the
+    # result with `restart` (as for any process state it cannot put back).
+    import resource
+
+    from gpumesh.runner.__main__ import _ResourceLimits
+
+    limits = _ResourceLimits()
+    soft, hard = limits.start[resource.RLIMIT_CORE]
+    limits.start[resource.RLIMIT_CORE] = (soft, hard + 1 if hard != resource.RLIM_INFINITY else 1)
+
+    def refused(which, values):
+        raise ValueError("not allowed to raise maximum limit")
+
+    limits._set = refused
+    limits.restore()  # nothing changed: nothing read
+    limits.changed = True
+    with pytest.raises(RuntimeError, match="lowered RLIMIT_CORE, which a process cannot raise"):
+        limits.restore()
+
+
 def test_a_script_that_leaves_a_child_holding_its_pipes_is_done_when_it_exits(tmp_path):
     # communicate() waited for the end of pipes a background child held: the slot hung (here
-    # for the child's 300 s, past the test's timeout).
+    # for the child's 300 s, past the test's timeout). A child in a session of its own (a
+    # daemon) is not ended with the script's group, and may hold them.
     import json
     import os
     import signal
@@ -1112,7 +1168,8 @@ def test_a_script_that_leaves_a_child_holding_its_pipes_is_done_when_it_exits(tm
 
     script = (b"import json, subprocess, sys\n"
               b"child = subprocess.Popen([sys.executable, '-c',\n"
-              b"                          'import select; select.select([], [], [], 300)'])\n"
+              b"                          'import select; select.select([], [], [], 300)'],\n"
+              b"                         start_new_session=True)\n"
               b"print(json.dumps({'child': child.pid}))\n")
     header, frames = run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],
                                 dict(os.environ))
@@ -1150,6 +1207,7 @@ def test_what_a_scripts_background_child_prints_after_it_is_read_and_dropped(tmp
                                                                                monkeypatch):
     # The script's stdout kept growing in the runner for as long as a child it left behind
     # printed (27 MB two seconds after the task; an out-of-memory kill blamed on a later task).
+    # Now one in the script's group ends with it: this one left it, as a daemon does.
     import json
     import os
 
@@ -1166,9 +1224,10 @@ def test_what_a_scripts_background_child_prints_after_it_is_read_and_dropped(tmp
     script = (b"import json, os, subprocess, sys\n"
               b"child = subprocess.Popen([sys.executable, '-c', 'import os, select, sys\\n"
               b"while not os.path.exists(sys.argv[1]): select.select([], [], [], 0.01)\\n"
-              b"for i in range(20000): print(\"x\" * 100, flush=True)', sys.argv[1]])\n"
+              b"for i in range(20000): print(\"x\" * 100, flush=True)', sys.argv[1]],\n"
+              b"                         start_new_session=True)\n"
               b"print(json.dumps({'child': child.pid}))\n")
-    script = script.replace(b"sys.argv[1]])", repr(str(go)).encode() + b"])")
+    script = script.replace(b"sys.argv[1]],", repr(str(go)).encode() + b"],")
     header, frames = execute.run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],
                                         dict(os.environ))
     go.touch()
@@ -1177,6 +1236,112 @@ def test_what_a_scripts_background_child_prints_after_it_is_read_and_dropped(tmp
     assert poll_until(lambda: not is_alive(child), 30), "the child did not finish printing"
     (out,) = made
     assert out.kept == out.written < 200  # 2 MB came after, and none of it was kept
+
+
+def test_what_a_script_leaves_running_ends_with_it_even_what_ignores_sigterm(tmp_path,
+                                                                              monkeypatch):
+    # A server or training process a script started in the background held its GPU and
+    # memory until the runner restarted (and printed into later tasks' output).
+    import json
+    import os
+
+    from gpumesh.runner import execute
+
+    monkeypatch.setattr(execute, "GROUP_GRACE", 0.5)
+    script = (b"import json, subprocess, sys\n"
+              b"calm = subprocess.Popen([sys.executable, '-c', 'import select; "
+              b"select.select([], [], [], 300)'])\n"
+              b"stubborn = subprocess.Popen([sys.executable, '-c', 'import select, signal; "
+              b"signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+              b"select.select([], [], [], 300)'], stdout=subprocess.PIPE)\n"
+              b"stubborn.stdout.readline()  # it ignores SIGTERM from here\n"
+              b"print(json.dumps([calm.pid, stubborn.pid]))\n")
+    header, frames = execute.run_script({"kind": "script", "name": "leaves"}, [script, b"{}"],
+                                        dict(os.environ), scratch=str(tmp_path))
+    assert header == {"status": "ok", "encoding": "json"}
+    calm, stubborn = json.loads(bytes(frames[0]))
+    try:
+        assert not _alive(calm)  # SIGTERM, as the script ended
+        wait_for(lambda: not _alive(stubborn), timeout=10, what="SIGKILL after the grace")
+    finally:
+        for pid in (calm, stubborn):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+    assert os.listdir(tmp_path) == [] and not execute.script_groups  # the group's name is gone
+
+
+def _runs_a_script_in_the_background_of_a_script(tmp_path):
+    """A script that writes its own pid and its child's into ``tmp_path/pids``, then waits."""
+    pids = str(tmp_path / "pids")
+    return (f"import os, subprocess, sys, select\n"
+            f"child = subprocess.Popen([sys.executable, '-c', 'import select; "
+            f"select.select([], [], [], 300)'])\n"
+            f"open({pids + '.part'!r}, 'w').write('%d %d' % (os.getpid(), child.pid))\n"
+            f"os.rename({pids + '.part'!r}, {pids!r})\n"
+            f"select.select([], [], [], 300)\n").encode()
+
+
+def test_a_cancelled_script_ends_with_what_it_started_and_leaves_no_folder(live_agent,
+                                                                           tmp_path):
+    # In a group of its own the script outlived the runner the cancel killed, and each
+    # killed script's folder was left in the temporary directory.
+    agent, runner = live_agent, live_agent.runners[0]
+    scratch = runner.scratch
+    header = {"task": "task-1", "lease": 1, "kind": "script", "name": "waits"}
+    agent._on_task(_message(header, [_runs_a_script_in_the_background_of_a_script(tmp_path),
+                                     b"{}"]), time.time())
+    agent._flush_runners()
+    pids = tmp_path / "pids"
+    _pump(agent, pids.exists, "the script to start its child")
+    script, child = (int(pid) for pid in pids.read_text().split())
+    assert any(name.startswith("gpumesh-script-") for name in os.listdir(scratch))
+    try:
+        assert agent._cancel(1, time.time(), report=True)
+        wait_for(lambda: not _alive(script) and not _alive(child), timeout=10,
+                 what="the script and its child to end with the cancel")
+    finally:
+        for pid in (script, child):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+    assert not os.path.exists(scratch)
+    assert runner.scratch is not None and runner.scratch != scratch  # the new runner's own
+
+
+def test_a_runner_whose_agent_is_killed_ends_its_running_script_with_itself(tmp_path):
+    # The runner's watch of its parent killed its own process group: a script, in a group
+    # of its own, ran on after a kill -9 of the worker.
+    import signal
+    import subprocess
+
+    middle = (  # an agent's stand-in: starts a runner, hands it a script, then waits
+        "import msgpack, os, signal, socket, subprocess, sys\n"
+        "from gpumesh.runner.pipe import send_message\n"
+        "mine, its = socket.socketpair()\n"
+        "subprocess.Popen([sys.executable, '-m', 'gpumesh.runner', str(its.fileno()), "
+        "sys.argv[1]], pass_fds=[its.fileno()], start_new_session=True)\n"
+        "header = msgpack.packb({'kind': 'script', 'name': 'waits', 'task': 't'})\n"
+        "send_message(mine, [header, open(sys.argv[2], 'rb').read(), b'{}'])\n"
+        "signal.pause()\n")
+    script = tmp_path / "waits.py"
+    script.write_bytes(_runs_a_script_in_the_background_of_a_script(tmp_path))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    agent = subprocess.Popen([sys.executable, "-c", middle, str(scratch), str(script)])
+    pids = tmp_path / "pids"
+    try:
+        wait_for(pids.exists, timeout=30, what="the script to start its child")
+        started, child = (int(pid) for pid in pids.read_text().split())
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        wait_for(lambda: not _alive(started) and not _alive(child), timeout=10,
+                 what="the script and its child to end with their runner")
+    finally:
+        agent.kill()
+        agent.wait()
+        if pids.exists():
+            for pid in (int(pid) for pid in pids.read_text().split()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_a_script_that_prints_more_than_a_result_carries_fails_once_saying_so(monkeypatch):
