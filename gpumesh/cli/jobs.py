@@ -87,6 +87,19 @@ def progress_line(status: dict[str, Any]) -> str:
     return line
 
 
+def waiting_line(status: dict[str, Any]) -> str | None:
+    """Why a job's tasks wait that no connected worker could run, and when they fail (the
+    coordinator says so a second after they queue), on a line of its own: it is long."""
+    why = status.get("waiting")
+    if not why or status.get("status") == "finished":
+        return None
+    try:
+        due = f"; it fails in {float(status.get('fails_in') or 0.0):.0f}s unless such a worker joins"
+    except (TypeError, ValueError):
+        due = ""
+    return f"  waiting: {for_terminal(str(why))}{due}"
+
+
 def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *,
                 limit: int | None = None) -> str:
     """The spec's per-job block: status, counts, and a line (plus result or error) per task.
@@ -127,6 +140,9 @@ def print_job(status: dict[str, Any], results: dict[str, Any] | None = None) -> 
                + _whose(status))
     click.echo("")
     click.echo(progress_line(status))
+    waiting = waiting_line(status)
+    if waiting:
+        click.echo(waiting)
     click.echo("")
     click.echo(job_summary(status, results))
 
@@ -135,9 +151,16 @@ def follow(mesh: GPUMesh, job_id: str) -> dict[str, Any]:
     """Wait for a job, redrawing its progress bar in a terminal; the final status."""
     tty = sys.stdout.isatty()
     last = [""]
+    said: set[str] = set()
 
     def show(status: dict[str, Any]) -> None:
         line = progress_line(status)
+        waiting = waiting_line(status)
+        why = str(status.get("waiting"))
+        if waiting and why not in said:  # once for each reason: the bar's line is redrawn
+            said.add(why)
+            click.echo(("\r" + " " * len(last[0]) + "\r" if tty else "") + waiting)
+            last[0] = ""
         if tty:
             click.echo("\r" + line.ljust(len(last[0])), nl=False)
         elif line.split("(")[0] != last[0].split("(")[0]:

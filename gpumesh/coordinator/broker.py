@@ -114,7 +114,6 @@ class Broker:
         # and since when each such kind has had no worker.
         self._worker_left_at = now
         self._alive_at_last_look: frozenset[str] = frozenset()
-        self._unrunnable_since: dict[Any, float] = {}
         self._restoring = True
         # When a worker last sent a piece of a big message (a RESULT that may claim a restored
         # task) while the restore grace was open: it stays open for that result to arrive.
@@ -742,11 +741,9 @@ class Broker:
             # Nobody to judge the task against (laptops asleep, workers not joined yet): it waits,
             # and the clock restarts once a worker is back.
             self._no_workers_at = now
-            self._unrunnable_since.clear()
+            self.ledger.unrunnable.clear()
             return
         cutoff = now - limit
-        if self._no_workers_at > cutoff:
-            return  # a worker came back less than the timeout ago: nothing can be due yet
         if len(ledger.kinds) > KINDS_REBUILD_OVER and now - self._kinds_rebuilt >= KINDS_REBUILD:
             # Kinds are added as tasks queue and forgotten only here or when the mesh is idle:
             # a mesh never idle kept every kind it ever queued (200,000 cancelled ones took
@@ -759,9 +756,11 @@ class Broker:
         runnable = {kind: scheduler.could_ever_run(
             scheduler.TaskView("", kind[0], portable=kind[1], local_only=kind[2]), views)
             for kind in ledger.kinds}
-        self._note_unrunnable(runnable)
+        self._note_unrunnable(runnable)  # first: a job's status says why it waits at once
+        if self._no_workers_at > cutoff:
+            return  # a worker came back less than the timeout ago: nothing can be due yet
         if all(runnable.values()):
-            self._unrunnable_since.clear()  # what it held is runnable again, or no longer queued
+            self.ledger.unrunnable.clear()  # what it held is runnable again, or no longer queued
             return  # every kind of task queued has a worker that could run it: nothing is due
         doomed: dict[str, Task] = {}  # a task may have several heap entries (retry)
         ledger.kinds = set()
@@ -776,10 +775,10 @@ class Broker:
             if kind not in runnable:
                 runnable[kind] = scheduler.could_ever_run(task.view(), views)
                 self._note_unrunnable({kind: runnable[kind]})
-            if not runnable[kind] and self._unrunnable_since[kind] <= cutoff:
+            if not runnable[kind] and self.ledger.unrunnable[kind] <= cutoff:
                 doomed[task.task_id] = task
-        self._unrunnable_since = {kind: since for kind, since in self._unrunnable_since.items()
-                                  if kind in ledger.kinds}
+        ledger.unrunnable = {kind: since for kind, since in ledger.unrunnable.items()
+                             if kind in ledger.kinds}
         for task in doomed.values():
             message = scheduler.explain_unschedulable(task.requirements, views,
                                                       portable=task.portable,
@@ -795,9 +794,12 @@ class Broker:
         costs the queue nothing), or from the task's own submission if none ever could."""
         for kind, can in runnable.items():
             if can:
-                self._unrunnable_since.pop(kind, None)
+                self.ledger.unrunnable.pop(kind, None)
             else:
-                self._unrunnable_since.setdefault(kind, self._worker_left_at)
+                # Nor before the last time no worker was alive (the same for when it fails,
+                # which waits for that too; a job's status says when).
+                self.ledger.unrunnable.setdefault(
+                    kind, max(self._worker_left_at, self._no_workers_at))
 
 
 def _guarded(duty: str, action: Callable[[float], Any], now: float) -> None:

@@ -139,6 +139,9 @@ class Ledger:
         # Kinds (requirements, portable) of the tasks queued: the unschedulable check scans the
         # queue only when some kind has no worker that could ever run it.
         self.kinds: set[tuple[Requirements, bool, bool]] = set()  # requirements, portable, local
+        # The kinds no alive worker could run, with since when (the broker's once-a-second
+        # check): such tasks fail after the pending timeout, and a job's status says why it waits.
+        self.unrunnable: dict[tuple[Requirements, bool, bool], float] = {}
         self.outbox: list[tuple[bytes, list[Any]]] = []
         self.events = EventLog()
         self.listeners: list[Callable[[Event], None]] = []

@@ -9,10 +9,12 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
 
+from .. import scheduler
 from .._version import __version__
 from ..protocol import ResultEncoding
 from .jobs import DETAIL_CHARS, LIST_JOBS, MAX_JOBS, error_line, find_job
@@ -129,6 +131,9 @@ class Retention:
             view = {**job.describe(self.ledger.tasks, now, tasks=tasks, journal=journal),
                     "workers": alive,
                     "workers_paused": paused}
+            waiting = self._why_waiting(job.task_ids, now)
+            if waiting is not None:
+                view["waiting"], view["fails_in"] = waiting
             if job_id == job.name != job.job_id:  # found by name: was it the only one?
                 same_name = sum(1 for j in self.ledger.jobs.values() if j.name == job.name)
                 if same_name > 1:
@@ -141,6 +146,27 @@ class Retention:
         return {"job": None, "counts": counts, "workers": alive, "workers_paused": paused,
                 "jobs_known": len(self.ledger.jobs),
                 "jobs": [j.describe(self.ledger.tasks, now, tasks=False) for j in recent]}
+
+    def _why_waiting(self, task_ids: Iterable[str], now: float) -> tuple[str, float] | None:
+        """Why the job's first pending task that no alive worker could run waits, and in how
+        many seconds it fails: the status said only "pending" until the timeout's error."""
+        ledger = self.ledger
+        if not ledger.unrunnable:
+            return None
+        for task_id in task_ids:
+            task = ledger.tasks.get(task_id)
+            if task is None or task.state is not TaskState.PENDING:
+                continue
+            kind = (task.requirements, task.portable, task.local_only)
+            since = ledger.unrunnable.get(kind)
+            if since is None:
+                continue
+            views = [w.view() for w in ledger.workers.values() if w.state is WorkerState.ALIVE]
+            why = scheduler.explain_unschedulable(task.requirements, views, portable=task.portable,
+                                                  local_only=task.local_only)
+            due = max(since, task.pending_since) + ledger.timing.pending_timeout - now
+            return why, round(max(due, 0.0), 1)
+        return None
 
     def results(self, job_id: str, page: int, header_room: int
                 ) -> tuple[dict[str, Any], list[Any], int | None]:

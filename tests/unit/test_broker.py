@@ -120,6 +120,21 @@ def test_unschedulable_task_fails_after_the_pending_timeout_naming_the_requireme
     assert header["status"] == "unschedulable" and "A100" in header["diagnosis"]
 
 
+def test_a_job_no_worker_could_run_says_why_it_waits_long_before_it_fails(broker):
+    # Its status said "pending" for the whole minute before the timeout's error: nothing
+    # told the user that no worker had an A100.
+    task_id = submit(broker, {"req": {"gpu": "A100"}})
+    job = broker.tasks[task_id].job_id
+    assert "waiting" not in broker.status(job, 0.5)  # not looked at yet
+    broker.tick(1.0)
+    view = broker.status(job, 1.0)
+    assert "A100" in view["waiting"] and "w1" in view["waiting"]
+    assert view["fails_in"] == Timing().pending_timeout - 1.0
+    assert view["counts"] == {"pending": 1}
+    other = submit(broker, {"seq": 2})  # a kind this worker can run: nothing to say
+    assert "waiting" not in broker.status(broker.tasks[other].job_id, 1.0)
+
+
 def test_with_no_worker_connected_a_task_waits_and_the_clock_restarts_when_one_joins(broker):
     task_id = submit(broker, {"req": {"gpu": "A100"}})
     limit = Timing().pending_timeout

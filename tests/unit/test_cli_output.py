@@ -119,6 +119,29 @@ def test_a_job_that_ended_badly_or_waits_on_paused_workers_says_so() -> None:
     assert "paused" not in progress_line({**waiting, "workers_paused": 1})
 
 
+def test_following_a_job_no_worker_could_run_says_why_once_a_reason(capsys) -> None:
+    from gpumesh.cli import jobs
+
+    def status(why: str | None, fails_in: float, state: str = "queued") -> dict:
+        view = {"status": state, "counts": {"pending": 1}, "total": 1, "workers": 1,
+                "elapsed": 60 - fails_in}
+        return {**view, "waiting": why, "fails_in": fails_in} if why else view
+
+    class Mesh:
+        def wait_job(self, job_id, progress):
+            for view in (status(None, 60), status("no connected worker satisfies gpu A100", 59),
+                         status("no connected worker satisfies gpu A100", 58),
+                         status("no connected worker satisfies gpu A100", 57)):
+                progress(view)
+            return status(None, 0, "finished")
+
+    jobs.follow(Mesh(), "j")
+    out = capsys.readouterr().out
+    assert out.count("waiting: no connected worker satisfies gpu A100; it fails in 59s "
+                     "unless such a worker joins") == 1
+    assert jobs.waiting_line(status("x", 3, "finished")) is None
+
+
 def test_a_result_keeps_its_text_where_the_terminal_can_print_it(monkeypatch) -> None:
     import io
     import sys
