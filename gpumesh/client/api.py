@@ -479,7 +479,8 @@ class GPUMesh:
         items = []
         for index, payload in enumerate(payloads):
             payload, task_options = scheduler_options(payload, options, where=f"payload {index}")
-            items.append(script_task(path.name, source, payload, task_options))
+            items.append(script_task(path.name, source, payload, task_options,
+                                     where=f"payload {index}"))
         job = job_id or new_job_id()
         futures = self._require().submit(items, job, name or str(script))
         for future in futures:

@@ -225,15 +225,20 @@ def call_arguments(item: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (item,), {}
 
 
-def script_task(name: str, source: bytes, payload: Any, options: TaskOptions
-                ) -> tuple[dict[str, Any], list[Any]]:
+def script_task(name: str, source: bytes, payload: Any, options: TaskOptions,
+                where: str = "payload") -> tuple[dict[str, Any], list[Any]]:
     try:
         check_script_name(name)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     spec = options.spec("script")
     spec["name"] = name
-    return spec, [source, json.dumps(payload).encode("utf-8")]
+    try:
+        text = json.dumps(payload)
+    except (TypeError, ValueError) as exc:  # an object() or a set, a cycle: JSON has none
+        raise ConfigError(f"{where} cannot be written as JSON for the script's stdin ({exc}): "
+                          "give it only dicts, lists, strings, numbers, booleans and None") from None
+    return spec, [source, text.encode("utf-8")]
 
 
 def scheduler_options(payload: Any, base: TaskOptions, *, keep: Iterable[str] = (),

@@ -573,3 +573,20 @@ def test_a_client_loop_that_fails_closes_its_connection_cleanly(monkeypatch, tmp
     engine.io_thread.join(10)
     assert not engine.io_thread.is_alive()
     assert isinstance(engine.fatal, AuthenticationError) and engine._stopped
+
+
+def test_a_payload_json_cannot_hold_names_its_index_and_what_json_takes(tmp_path):
+    # A bare TypeError ("Object of type object is not JSON serializable") named neither the
+    # payload nor what to give instead; the other payload errors name both.
+    from gpumesh import ConfigError, GPUMesh
+
+    script = tmp_path / "job.py"
+    script.write_text("print(1)\n")
+    client = GPUMesh("tcp://127.0.0.1:9", TOKEN, quiet=True)
+    with pytest.raises(ConfigError, match=r"payload 1 cannot be written as JSON .*object.*"
+                                          r"dicts, lists, strings"):
+        client.submit_script(script=script, payloads=[{"a": 1}, {"a": object()}])
+    looped: dict = {}
+    looped["me"] = looped
+    with pytest.raises(ConfigError, match="payload 0 cannot be written as JSON"):
+        client.submit_script(script=script, payloads=[looped])
