@@ -241,5 +241,17 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
                 os.close(ready_fd)
             except OSError:
                 pass
-    click.echo("[worker] left the mesh" if agent.joined_once
-               else "[worker] stopped (it never reached the coordinator)")
+    click.echo(left_line(agent.joined_once, agent.left_running, agent.left_waiting))
+
+
+def left_line(joined: bool, running: int, waiting: int) -> str:
+    """join's last line: what it gave back to the mesh, and how not to next time."""
+    if not joined:
+        return "[worker] stopped (it never reached the coordinator)"
+    if not running and not waiting:
+        return "[worker] left the mesh"
+    given = " and ".join(part for part in (
+        f"{running} running task(s) stopped" if running else "",
+        f"{waiting} waiting" if waiting else "") if part)
+    return (f"[worker] left the mesh: {given}, back in the mesh's queue to run on other "
+            "workers ('gpumesh drain' on this machine lets running tasks finish first)")

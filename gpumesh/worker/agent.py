@@ -200,6 +200,7 @@ class WorkerAgent:
         self._local_control = local_control
         self.control: ControlServer | None = None
         self._goodbye_linger = 0  # set once a DISCONNECT is on its way (_leave)
+        self.left_running = self.left_waiting = 0  # tasks given back as it left (_leave)
         self._goodbye_answered = False  # this session's coordinator answers a DISCONNECT
         # Leases handed back while the coordinator could not hear it: sent with the next HELLO.
         self._pending_release: list[int] = []
@@ -274,6 +275,9 @@ class WorkerAgent:
 
     def _leave(self) -> None:
         """Tell the coordinator we are going, so it re-queues our tasks at once."""
+        # What goes back to the mesh with us, for join's last line (Ctrl+C said nothing of it).
+        self.left_running = sum(1 for r in self.runners if r.task is not None)
+        self.left_waiting = len(self.queue) + sum(len(r.ahead) for r in self.runners)
         if self.welcomed and not self.removed:
             reason = (Departure.DRAINED if self.mode is WorkerMode.DRAINING else Departure.LEFT).value
             self.link.flush()

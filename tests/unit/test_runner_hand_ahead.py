@@ -1404,3 +1404,20 @@ def test_what_is_handed_ahead_stays_within_the_socket_the_system_granted():
     runner.ahead.clear()
     runner.ahead_bytes = 0
     assert runner.fits_ahead(task(FIRST_AHEAD_BYTES - 1000))
+
+
+def test_join_says_what_it_gave_back_to_the_mesh_as_it_left(live_agent, tmp_path):
+    # Ctrl+C on a busy join printed "left the mesh" and nothing of the tasks it stopped.
+    from gpumesh.cli.join import left_line
+
+    agent = live_agent
+    _give(agent, 1, fn=waiting_for(tmp_path / "never"))
+    _give(agent, 2)
+    _pump(agent, lambda: agent.runners[0].task is not None, "the first task to start")
+    agent.session.welcomed = False  # counted whether or not a goodbye can be sent
+    agent._leave()
+    assert (agent.left_running, agent.left_waiting) == (1, 1)
+    line = left_line(True, agent.left_running, agent.left_waiting)
+    assert "1 running task(s) stopped and 1 waiting" in line and "gpumesh drain" in line
+    assert left_line(True, 0, 0) == "[worker] left the mesh"
+    assert "never reached" in left_line(False, 0, 0)
