@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import click
 
 from ..config import Settings
 from ..errors import MeshError
+from ..stopflag import StopFlag
 from .lifecycle import stop_with_parent
 from .output import child_log_flags, fail, is_terminal, ok
 
@@ -40,7 +40,7 @@ def run(settings: Settings, *, url: str | None, token: str | None, host: str, po
     except OSError as exc:  # socket.gaierror too: a host name that names nothing
         client.close()
         fail(_bind_failure(host, port, exc))
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: set from a signal handler (stopflag.py)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if exit_with_parent:

@@ -15,6 +15,7 @@ from ..client.tasks import TaskOptions
 from ..errors import MeshError
 from ..fileio import utf16_marked
 from ..protocol.fields import for_terminal
+from .board import Board
 from .output import color_enabled, fail, json_text, ok
 
 BAR_WIDTH = 20
@@ -147,34 +148,30 @@ def print_job(status: dict[str, Any], results: dict[str, Any] | None = None) -> 
     click.echo(job_summary(status, results))
 
 
-def follow(mesh: GPUMesh, job_id: str) -> dict[str, Any]:
-    """Wait for a job, redrawing its progress bar in a terminal; the final status."""
-    tty = sys.stdout.isatty()
-    last = [""]
+def follow(mesh: GPUMesh, job_id: str, board: Board | None = None) -> dict[str, Any]:
+    """Wait for a job, redrawing its progress bar in a terminal (on ``board``, where its tasks'
+    output lines go too); the final status."""
+    board = board or Board()
     said: set[str] = set()
 
     def show(status: dict[str, Any]) -> None:
-        line = progress_line(status)
         waiting = waiting_line(status)
         why = str(status.get("waiting"))
         if waiting and why not in said:  # once for each reason: the bar's line is redrawn
             said.add(why)
-            click.echo(("\r" + " " * len(last[0]) + "\r" if tty else "") + waiting)
-            last[0] = ""
-        if tty:
-            click.echo("\r" + line.ljust(len(last[0])), nl=False)
-        elif line.split("(")[0] != last[0].split("(")[0]:
-            click.echo(line)  # a log, not a terminal: a line per change, not per poll
-        last[0] = line
+            board.above(waiting)
+        board.show(progress_line(status))
 
-    status = mesh.wait_job(job_id, progress=show)
-    if tty:
-        click.echo("")
-    return status
+    try:
+        return mesh.wait_job(job_id, progress=show)
+    finally:
+        board.end()
 
 
 def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wait: bool,
-           as_json: bool, options: TaskOptions) -> int:
+           as_json: bool, options: TaskOptions, board: Board | None = None) -> int:
+    """``board``: where the bar and the scripts' stderr lines go (the one ``mesh`` relays
+    its tasks' output to)."""
     payloads = _read_payloads(payloads_file)
     job_id = new_job_id()  # known before submitting: Ctrl+C may come while it is accepted
     try:
@@ -198,7 +195,7 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
             ok(f"Submitted job {job_id}")  # the spec's line: the progress bar counts tasks
             click.echo(f"Job: {name or script} ({job_id})")
             click.echo("")
-        status = follow(mesh, job_id) if not as_json else mesh.wait_job(job_id)
+        status = follow(mesh, job_id, board) if not as_json else mesh.wait_job(job_id)
     except KeyboardInterrupt:
         return _stopped_waiting(job_id, accepted=True)
     results = _results_of(futures)

@@ -254,12 +254,13 @@ def join(url: str | None, token: str | None, slots: int | None, max_slots: int |
              exit_with_parent=exit_with_parent, pass_env=pass_env)
 
 
-def _client(url: str | None, token: str | None) -> GPUMesh:
+def _client(url: str | None, token: str | None,
+            output: Callable[[str, str, bytes, str], None] | None = None) -> GPUMesh:
     from ..client import GPUMesh
 
     token = chosen_token(token)
     try:
-        return GPUMesh(url, token, quiet=True, settings=_settings())
+        return GPUMesh(url, token, quiet=True, settings=_settings(), output=output)
     except MeshError as exc:
         fail(str(exc))
 
@@ -270,9 +271,10 @@ def _connection(fn: _F) -> _F:
                         help="Coordinator URL (or GPUMESH_URL, or the saved one).")(fn)
 
 
-def _with_client(url: str | None, token: str | None, work: Callable[[GPUMesh], _T]) -> _T:
+def _with_client(url: str | None, token: str | None, work: Callable[[GPUMesh], _T],
+                 output: Callable[[str, str, bytes, str], None] | None = None) -> _T:
     """Run ``work(client)``; a MeshError becomes a one-line error and exit status 1."""
-    client = _client(url, token)
+    client = _client(url, token, output)
     try:
         return work(client)
     except MeshError as exc:
@@ -324,8 +326,11 @@ def submit(script: str, payloads_file: str, name: str | None, wait: bool, timeou
         fail(f"--env {' '.join(unset)}: {'it is' if one else 'they are'} not set in this shell; "
              f"--env sends this shell's value: set {'it' if one else 'them'} first "
              f"(export {unset[0]}=VALUE), then submit")
+    # With --wait, what the scripts write on stderr (their logs) streams here, above the bar.
+    board = jobs.Board(tty=False if as_json else None)
     sys.exit(_with_client(url, token, lambda c: jobs.submit(
-        c, script, payloads_file, name, wait, as_json, options)))
+        c, script, payloads_file, name, wait, as_json, options, board),
+        output=board.output if wait else None))
 
 
 @cli.command()

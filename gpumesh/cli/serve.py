@@ -32,6 +32,7 @@ from ..errors import ConfigError, MeshError
 from ..fileio import raise_descriptor_limit
 from ..firewall import firewall_step
 from ..security import derive_keys, note_weak
+from ..stopflag import StopFlag
 from ..tokens import (
     new_token,
     parse_token,
@@ -398,7 +399,7 @@ def serve(
     raise_descriptor_limit()
     loop = threading.Thread(target=coordinator.run, name="gpumesh-coordinator", daemon=True)
     loop.start()
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: set from a signal handler (stopflag.py)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if exit_with_parent:

@@ -67,16 +67,27 @@ class GPUMesh:
 
     ``GPUMesh()`` with no arguments uses ``GPUMESH_URL``/``GPUMESH_TOKEN``, then the connection
     saved by ``gpumesh serve``/``join``. It connects on first use and reconnects by itself.
+    What tasks print streams back: to this process's stdout and stderr, each line prefixed
+    with its worker (none with ``quiet``), or to ``output(worker, stream, data, task_id)``,
+    called on the connection's thread (keep it short).
     """
 
     def __init__(
         self, url: str | None = None, token: str | None = None, *, quiet: bool = False,
         connect_timeout: float | None = None, settings: Settings | None = None,
+        output: Callable[[str, str, bytes, str], None] | None = None,
     ) -> None:
         _check_arguments(url, token, connect_timeout)
+        if output is not None and not callable(output):
+            raise ConfigError(f"output must be a function (worker, stream, data, task id), not "
+                              f"a {type(output).__name__}")
         self.settings = settings or Settings.from_env()
         self.endpoint, self._token = _resolve(self.settings, url, token)
         self.quiet = quiet
+        # Where what tasks print goes: called on the connection's thread with the worker's id,
+        # "out" or "err", the bytes and the task's id; by default this process's stdout and
+        # stderr, each line prefixed with its worker, unless quiet.
+        self._output = output if output is not None else None if quiet else _print_output
         self.connect_timeout = (self.settings.timing.connect_timeout if connect_timeout is None
                                 else connect_timeout)
         self._engine: Engine | None = None
@@ -115,7 +126,7 @@ class GPUMesh:
                 # Its callbacks hold this object weakly: a GPUMesh dropped without close()
                 # is collected, and its connection then closes itself.
                 self._engine = Engine(self.settings, self.endpoint, self._token,
-                                      on_output=None if self.quiet else _print_output,
+                                      on_output=self._output,
                                       on_connect=_weakly(self._announce),
                                       on_link=_weakly(self._link_changed),
                                       owner=weakref.ref(self))

@@ -53,6 +53,7 @@ from ..security import derive_keys
 from ..session import Session
 from ..sharedmem import SharedFolder
 from ..shmowners import PREFIX_CHARS, tagged
+from ..stopflag import StopFlag
 from ..transport import DealerLink, LinkEvent
 from .control import ControlServer
 from .owner import OwnerControls
@@ -146,7 +147,7 @@ class WorkerAgent:
         self.on_joined = on_joined
         self.worker_id = worker_id or secrets.token_hex(6)
         self.incarnation = secrets.token_hex(4)
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # join's signal handlers set it (stopflag.py)
         self._ctx = zmq.Context()
         self.link = DealerLink(self._ctx, endpoint, self.keys, settings.limits)
         # User code must not find the mesh token in its environment.

@@ -224,6 +224,22 @@ def test_owner_pauses_resumes_and_drains_without_losing_work(mesh_env, tmp_path)
     assert elsewhere.returncode == 1 and "no worker runs on this machine" in elsewhere.stderr
 
 
+def test_submit_wait_shows_what_the_scripts_log_on_stderr(mesh_env, tmp_path):
+    # Only a failure's last 1,000 characters of stderr reached `submit --wait`, at the end.
+    mesh_env.start_coordinator()
+    worker = mesh_env.add_worker(slots=1)
+    script, payloads = write_job(tmp_path, "import json, sys\n"
+                                           "p = json.load(sys.stdin)\n"
+                                           "print('epoch', p['x'], 'loss 0.5', file=sys.stderr)\n"
+                                           "print(json.dumps(p))\n", [{"x": 1}, {"x": 2}])
+    result = cli(mesh_env, "submit", script, "--payloads", payloads, "--wait")
+    assert result.returncode == 0, result.stderr
+    shown = [line for line in result.stderr.splitlines() if "loss" in line]
+    assert sorted(shown) == [f"[{worker.worker_id[:8]}] epoch 1 loss 0.5",
+                             f"[{worker.worker_id[:8]}] epoch 2 loss 0.5"]
+    assert "loss" not in result.stdout  # stdout stays the bar and the results
+
+
 def test_a_gpu_requirement_on_a_cpu_mesh_fails_naming_it(mesh_env, tmp_path):
     mesh_env.start_coordinator()
     mesh_env.add_worker(slots=1)

@@ -182,3 +182,30 @@ def test_a_retry_that_finds_nothing_says_why_from_the_jobs_counts(counts, said) 
 
     mesh = SimpleNamespace(status=lambda job, tasks: {"counts": counts})
     assert said in _why_nothing_to_retry(mesh, "j")  # type: ignore[arg-type]
+
+
+def test_a_scripts_stderr_streams_above_the_bar_in_whole_lines(capsys) -> None:
+    # `submit --wait` printed nothing of what the scripts wrote on stderr (their logs): only a
+    # failure's last 1,000 characters, after the end.
+    from gpumesh.cli.board import Board
+
+    board = Board(tty=True)
+    board.show("  ----   0%  0/2 done  (0s)")
+    board.output("w1", "err", b"loading", "t1")  # the line is not ended yet: held
+    board.output("w1", "err", b" data\n\rstep 1\rstep 2\n", "t1")
+    board.output("w2", "err", b"no newline at the end", "t2")
+    board.end()
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["[w1] loading data", "[w1] step 2",
+                                         "[w2] no newline at the end"]
+    # In a terminal the bar is wiped before each line and drawn again after it.
+    assert captured.out.count("  ----   0%  0/2 done  (0s)") == 1 + 3
+    assert captured.out.endswith("\n")
+    log = Board(tty=False)
+    log.output("w1", "err", b"\x1b[31mred\n", "t1")  # another user's escape codes: shown, inert
+    log.show("  ----   0%  0/1 done  (0s)")
+    log.show("  ----   0%  0/1 done  (1s)")  # a log gets a line per change, not per poll
+    log.end()
+    captured = capsys.readouterr()
+    assert captured.err == "[w1] \\x1b[31mred\n"
+    assert captured.out == "  ----   0%  0/1 done  (0s)\n"

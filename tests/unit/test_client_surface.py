@@ -590,3 +590,10 @@ def test_a_payload_json_cannot_hold_names_its_index_and_what_json_takes(tmp_path
     looped["me"] = looped
     with pytest.raises(ConfigError, match="payload 0 cannot be written as JSON"):
         client.submit_script(script=script, payloads=[looped])
+
+
+def test_output_must_be_a_function():
+    from gpumesh import ConfigError, GPUMesh
+
+    with pytest.raises(ConfigError, match="output must be a function"):
+        GPUMesh("tcp://127.0.0.1:9", TOKEN, output="stderr")
