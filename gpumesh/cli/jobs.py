@@ -45,13 +45,18 @@ def _shown(result: Any) -> str:
     return text if _can_print(text) else json_text(result, indent=None)
 
 
-def _outcome_lines(task: dict[str, Any], result: Any) -> list[str]:
-    """A task's error, or its result, under its line in a listing."""
+def _outcome_lines(task: dict[str, Any], result: Any, job: str = "") -> list[str]:
+    """A task's error, or its result, under its line in a listing; a result too big for the
+    listing by its size, and where to read it (it was left out without a word)."""
     # Another user's task wrote these: nothing in them may act on this terminal.
     if "error" in task and task.get("state") != "done":
         return [f"    error: {for_terminal(str(task['error']))}"]
     if result is not None:
         return [f"    result: {for_terminal(_shown(result))}"]
+    size = task.get("result_bytes")
+    if type(size) is int and job:
+        return [f"    result: {size:,} bytes, too big to list here: "
+                f"gpumesh results {for_terminal(job)}"]
     return []
 
 
@@ -130,7 +135,7 @@ def job_summary(status: dict[str, Any], results: dict[str, Any] | None = None, *
         result = task.get("result")
         if result is None and results is not None:
             result = results.get(task["id"])
-        lines += _outcome_lines(task, result)
+        lines += _outcome_lines(task, result, str(status.get("job") or ""))
     if status.get("tasks_not_shown"):
         lines.append(f"  ... and {status['tasks_not_shown']} more task(s), counted above")
     return "\n".join(lines)

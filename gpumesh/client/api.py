@@ -555,7 +555,8 @@ class GPUMesh:
         'result', 'bytes', ...}]}``. ``result`` is the script's JSON, or its text where that
         is not JSON; a task without one says why in ``note`` or ``error``. The results of a
         detached ``submit`` stay readable for GPUMESH_RESULT_TTL; those its submitter
-        collected are gone from the coordinator (``collected`` counts them)."""
+        collected are gone from the coordinator (``collected`` counts them), but for those
+        this GPUMesh collected itself (a job it submitted): they are listed from its futures."""
         answer = self._require().query("results", timeout=timeout, job=job_id)
         if isinstance(answer, dict) and "error" in answer:
             raise MeshError(str(answer["error"]))
@@ -574,8 +575,20 @@ class GPUMesh:
                     item["result"] = raw.decode("utf-8", "replace")
             kept.append(item)
         collected = answer.get("collected")
-        return {"job": str(answer.get("job", job_id)), "name": str(answer.get("name", "")),
-                "collected": collected if type(collected) is int and collected >= 0 else 0,
+        collected = collected if type(collected) is int and collected >= 0 else 0
+        job = str(answer.get("job", job_id))
+        # This client's own collected results, which the coordinator gave up as they came: a
+        # job submitted from Python read as empty here though its outputs were in this process.
+        listed = {item["id"] for item in kept}
+        for future in self._jobs.get(job, ()):
+            if collected and future.task_id and future.task_id not in listed and future.done() \
+                    and not future.cancelled():
+                error = future.exception()
+                kept.append({"id": future.task_id, "state": "failed", "error": str(error)}
+                            if error is not None else
+                            {"id": future.task_id, "state": "done", "result": future.result()})
+                collected -= 1
+        return {"job": job, "name": str(answer.get("name", "")), "collected": collected,
                 "tasks": kept}
 
     def cancel_job(self, job_id: str, *, force: bool = False) -> int:

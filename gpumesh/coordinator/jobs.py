@@ -204,6 +204,10 @@ def summarize(task: Task) -> dict[str, Any]:
     preview = None if "split" in header else _preview(header.get("encoding"), task.result_payload)
     if preview is not None:
         summary["result"] = preview
+    elif header.get("encoding") in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value):
+        # Too big to show: its size says that there is one, and `results` reads it whole.
+        summary["result_bytes"] = sum(len(frame.bytes if hasattr(frame, "bytes") else frame)
+                                      for frame in task.result_payload)
     return summary
 
 

@@ -132,6 +132,9 @@ def test_a_detached_jobs_big_outputs_are_read_back_whole_by_the_api_and_the_cli(
     reader = mesh_env.client()
     done = reader.wait_job(job, timeout=60)
     assert [("result" in t) for t in done["tasks"]] == [True, False, False]
+    # Left out, but not without a word: its size says there is one to read with `results`.
+    assert [t.get("result_bytes") for t in done["tasks"]] == [
+        None, *(len(json.dumps({"n": n, "k": "z" * n})) for n in sizes[1:])]
     answer = reader.job_results("bigjson")
     assert [t["result"] for t in answer["tasks"]] == [{"n": n, "k": "z" * n} for n in sizes]
     token_file = tmp_path / "token"
@@ -149,6 +152,25 @@ def test_a_detached_jobs_big_outputs_are_read_back_whole_by_the_api_and_the_cli(
                            env={**os.environ, **mesh_env.env}, capture_output=True, text=True,
                            timeout=60)
     assert human.returncode == 0 and "z" * 50_000 in human.stdout, human.stderr
+
+
+def test_the_submitters_own_job_results_list_what_it_collected(mesh_env, tmp_path):
+    # A Python client collects its job's results as they come, and the coordinator gives them
+    # up: its job_results read {'collected': 2, 'tasks': []} while the outputs were here.
+    mesh_env.start_coordinator()
+    mesh_env.add_worker()
+    script = tmp_path / "big.py"
+    script.write_text("import json, sys\nn = json.load(sys.stdin)['n']\n"
+                      "print(json.dumps({'k': 'z' * n}))\n")
+    client = mesh_env.client()
+    job = client.submit(name="mine", script=script, payloads=[{"n": 10}, {"n": 50_000}])
+    [f.result(timeout=30) for f in client.job_futures(job)]
+    wait_for(lambda: client.job_results(job)["collected"] == 0
+             and len(client.job_results(job)["tasks"]) == 2, timeout=30,
+             what="both results listed")
+    answer = client.job_results("mine")
+    assert sorted(len(t["result"]["k"]) for t in answer["tasks"]) == [10, 50_000]
+    assert all(t["state"] == "done" for t in answer["tasks"])
 
 
 def test_an_exception_with_a_huge_message_comes_back_once_its_text_cut_to_the_limits(mesh_env):

@@ -209,3 +209,14 @@ def test_a_scripts_stderr_streams_above_the_bar_in_whole_lines(capsys) -> None:
     captured = capsys.readouterr()
     assert captured.err == "[w1] \\x1b[31mred\n"
     assert captured.out == "  ----   0%  0/1 done  (0s)\n"
+
+
+def test_a_result_too_big_to_list_says_its_size_and_where_to_read_it() -> None:
+    # `status JOB` left a 5,000-byte output out of its listing without a word.
+    from gpumesh.cli.jobs import job_summary
+
+    status = {"job": "abc123", "name": "n", "status": "finished", "outcome": "succeeded",
+              "counts": {"done": 1}, "total": 1,
+              "tasks": [{"id": "t1", "state": "done", "result_bytes": 5000}]}
+    assert "result: 5,000 bytes, too big to list here: gpumesh results abc123" in \
+        job_summary(status)
