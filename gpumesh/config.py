@@ -68,6 +68,7 @@ def parse_url(url: str, token: str | None = None) -> Endpoint:
         raise ConfigError("empty coordinator URL: pass one like tcp://192.0.2.10:8000")
     if _holds_token(text, token):
         raise ConfigError(_TOKEN_AS_URL)
+    scheme = ""
     if "://" in text:
         scheme, _, rest = text.partition("://")
         if scheme.lower() not in _URL_SCHEMES:
@@ -91,6 +92,12 @@ def parse_url(url: str, token: str | None = None) -> Endpoint:
         # ZeroMQ would refuse it later with a traceback ("a b", "*", ";").
         raise ConfigError(f"{host[:64]!r} in {url[:80]!r} is not a host name or an IP address: "
                           "use tcp://HOST:PORT, e.g. tcp://192.168.1.20:8000")
+    if scheme.lower() == "https" and not match.group("port"):
+        # An https address with no port (an ngrok web tunnel's, or the spec's first --public)
+        # would be dialled at 8000 and time out: nothing of HTTPS reaches a coordinator.
+        raise ConfigError(f"{url[:80]!r} is a web address: a coordinator speaks ZeroMQ, not "
+                          "HTTPS. Use the tcp://HOST:PORT that 'gpumesh serve' printed (with "
+                          "--public: tcp://N.tcp.ngrok.io:PORT)")
     port = int(match.group("port") or DEFAULT_PORT)
     if not 0 < port < 65536:
         raise ConfigError(f"port {port} in {url[:80]!r} is out of range (1-65535)")

@@ -73,7 +73,10 @@ def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False,
         missing.append("has no GPU")
     elif model and not any(gpu_satisfies(g, model, None) for g in worker.gpus):
         missing.append(f"has no {model} GPU")
-    if req.vram and not any(gpu_satisfies(g, None, req.vram) for g in worker.gpus):
+    if req.vram and not worker.gpus:
+        if not missing:  # "has no GPU" once, whether gpu= or vram= asked for one
+            missing.append("has no GPU")
+    elif req.vram and not any(gpu_satisfies(g, None, req.vram) for g in worker.gpus):
         missing.append("has too little VRAM")
     elif model and req.vram and not missing \
             and not any(gpu_satisfies(g, model, req.vram) for g in worker.gpus):

@@ -464,6 +464,11 @@ def report(environ: Mapping[str, str], *, url: str | None = None, token: str | N
         checks.append(Check("settings", "fault", f"the GPUMESH_* environment is invalid: {exc}"))
         return checks
     config, saved_url, saved_token = check_config(settings)
+    if url is not None and saved_url is None and config.status == "warn":
+        # Nothing configured is a warning when nothing is given either: with --url, the
+        # coordinator to check is known (it read as a warning beside that coordinator's OK).
+        config = Check("config", "info", "no coordinator saved or set on this machine: "
+                       "checking the one given with --url", data=config.data)
     url, token = url or saved_url, token or saved_token
     checks.append(config)
     if url is not None and (url, token) != (saved_url, saved_token):

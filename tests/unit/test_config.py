@@ -622,3 +622,11 @@ def test_save_connection_tightens_a_loose_home(tmp_path: Path) -> None:
     home.chmod(0o775)
     save_connection(home / "config.json", "tcp://h:1", TOKEN)
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
+
+
+def test_an_https_address_without_a_port_is_refused_as_a_web_address() -> None:
+    # https://abc.ngrok-free.app (the spec's first --public) was dialled at port 8000 over
+    # ZeroMQ, and timed out with nothing said of why.
+    with pytest.raises(ConfigError, match="web address: a coordinator speaks ZeroMQ, not HTTPS"):
+        parse_url("https://abc.ngrok-free.app")
+    assert parse_url("https://example.org:8443").port == 8443  # a port given is dialled

@@ -334,3 +334,14 @@ def test_the_survey_of_shared_memory_reads_sizes_and_journals_only(tmp_path, mon
 def test_the_report_ends_with_shared_memory():
     checks = doctor.report({}, probes=_probes(space=lambda path: (64 * 1024**2, 0)))
     assert checks[-1].name == "shared-memory" and checks[-1].status == "warn"
+
+
+def test_a_coordinator_given_with_url_is_no_warning_that_none_is_configured(tmp_path):
+    # `doctor --url U` warned "no coordinator configured" beside U's own OK line.
+    checks = doctor.report({"GPUMESH_HOME": str(tmp_path)}, url="tcp://127.0.0.1:8123",
+                           token=TOKEN, probes=_probes())
+    config = {c.name: c for c in checks}["config"]
+    assert config.status == "info" and "--url" in config.summary
+    alone = {c.name: c for c in doctor.report({"GPUMESH_HOME": str(tmp_path)},
+                                              probes=_probes())}["config"]
+    assert alone.status == "warn" and alone.summary == "no coordinator configured"

@@ -182,7 +182,7 @@ def test_unmet_vram_is_per_gpu() -> None:
     w = worker("w", gpus=(T4, RTX))  # 16 + 24 GB, but no single GPU with 32
     assert unmet(w, Requirements(vram=24 * GB)) == []
     assert unmet(w, Requirements(vram=32 * GB)) == ["has too little VRAM"]
-    assert unmet(worker("cpu"), Requirements(vram=1)) == ["has too little VRAM"]
+    assert unmet(worker("cpu"), Requirements(vram=1)) == ["has no GPU"]
 
 
 def test_a_gpu_model_and_its_vram_are_met_by_one_gpu() -> None:
@@ -204,8 +204,7 @@ def test_unmet_lists_every_miss() -> None:
     w = worker("w", cores=2, memory=4 * GB, python="3.10")
     missing = unmet(w, Requirements(gpu="A100", cores=4, memory=8 * GB, vram=1, python="3.11"))
     assert missing == [
-        "has no A100 GPU",
-        "has too little VRAM",
+        "has no A100 GPU",  # no GPU at all: its VRAM goes without saying
         "has 2 cores",
         "has 4.0GB RAM",
         "runs Python 3.10",
@@ -468,3 +467,15 @@ def test_the_placer_chooses_as_choose_does_over_a_whole_pass():
                     chosen.free -= 1
                     chosen.load += 1
                     chosen.last_assigned = clock
+
+
+def test_a_vram_requirement_on_a_cpu_worker_says_it_has_no_gpu() -> None:
+    # "has too little VRAM" for a worker with no GPU at all sent users looking for a smaller
+    # model instead of a GPU worker.
+    from gpumesh.scheduler import unmet
+
+    cpu = worker("cpu", gpus=())
+    assert unmet(cpu, Requirements(vram=24 * GB)) == ["has no GPU"]
+    assert unmet(cpu, Requirements(gpu=True, vram=24 * GB)) == ["has no GPU"]
+    assert unmet(cpu, Requirements(gpu="A100", vram=24 * GB)) == ["has no A100 GPU"]
+    assert unmet(worker("gpu", gpus=(T4,)), Requirements(vram=80 * GB)) == ["has too little VRAM"]
