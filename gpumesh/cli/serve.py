@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import hmac
 import ipaddress
+import logging
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from ..discovery import Advertiser, advertised_addresses, binds_everywhere
 from ..errors import ConfigError, MeshError
 from ..fileio import raise_descriptor_limit
 from ..firewall import firewall_step
+from ..protocol.fields import for_terminal
 from ..security import derive_keys, note_weak
 from ..stopflag import StopFlag
 from ..tokens import (
@@ -55,6 +57,8 @@ TOKEN_FILE = "token"
 # platform without runners), and restarting it twice a second would only fill the log.
 SELF_WORKER_STARTS = 3
 SELF_WORKER_QUICK_EXIT = 10.0
+
+log = logging.getLogger("gpumesh.coordinator")
 
 
 def is_loopback(host: str) -> bool:
@@ -86,6 +90,19 @@ def print_event(event: Event) -> None:
     elif event.kind == "worker_control":
         say(f"[mesh] {event.data['by']} asked worker {event.data['worker'][:8]} to "
             f"{event.data['action']}")
+
+
+def log_event(event: Event) -> None:
+    """A state change as a debug line: `gpumesh -v serve` showed almost nothing of a job's
+    life (submitted, each task's end and its error, workers' modes, cancels, retries)."""
+    def shown(value: object) -> object:
+        if isinstance(value, dict) and "id" in value:  # a worker's summary: who it is
+            return f"{value.get('hostname', '')}/{str(value['id'])[:8]}"
+        return value
+
+    fields = " ".join(f"{key}={shown(value)}" for key, value in event.data.items()
+                      if not isinstance(shown(value), (dict, list)))
+    log.debug("%s %s", event.kind, for_terminal(fields))
 
 
 def serve_token(settings: Settings, token: str | None, weak_token: bool) -> tuple[str, str | None]:
@@ -331,6 +348,8 @@ def serve(
     if save:
         save_served(settings, local_url, token, (host, port))
     coordinator.broker.listeners.append(print_event)
+    if log.isEnabledFor(logging.DEBUG):  # -v: every state change, as monitors see it
+        coordinator.broker.listeners.append(log_event)
     # How the banner's commands get the token: never the token itself on a command line.
     token_arg = f" --token-file {_home_display(token_path)}" if save else ""
 

@@ -77,6 +77,7 @@ class ClientSide:
             self.ledger.peers.pop(client.routing, None)
         client.routing, client.last_seen = routing, now
         client.info = cast(ClientInfo, hello.info)  # Hello.from_header pairs the role with it
+        log.debug("client %s (%s) connected", client.client_id[:12], f.for_terminal(client.owner))
 
     def _make_room(self) -> None:
         """Bound the client records (kept for the result TTL after a client leaves): the oldest
@@ -92,6 +93,7 @@ class ClientSide:
     def disconnect(self, client: ClientSession, now: float) -> None:
         if client.routing is not None:
             self.ledger.peers.pop(client.routing, None)
+            log.debug("client %s (%s) left", client.client_id[:12], f.for_terminal(client.owner))
         client.routing = None
 
     # ----------------------------------------------------------------- submissions

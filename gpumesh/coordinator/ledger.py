@@ -358,6 +358,9 @@ class Ledger:
             payload = self._by_reference(header, payload, worker)
         self.send(worker.routing, Command.TASK, header, payload)
         self.leased_total += 1
+        if log.isEnabledFor(logging.DEBUG):  # -v: each task's way, without its cost otherwise
+            log.debug("task %s of job %s (attempt %d) to worker %s", task.task_id, task.job_id,
+                      task.attempts, worker.label)
 
     def _share_input(self, task: Task, payload: list[Any], folder: SharedFolder) -> list[Any]:
         """Before a function task goes to a worker that maps this machine's shared memory, its

@@ -1224,6 +1224,8 @@ class WorkerAgent:
                 self._note_run_time(elapsed)
         result = {**header, "task": task.task_id, "lease": task.lease_id,
                   "elapsed": round(elapsed, 6)}
+        if log.isEnabledFor(logging.DEBUG):  # -v: each task's end here
+            log.debug("task %s: %s after %.3fs", task.task_id, header.get("status"), elapsed)
         if "shm" in result:
             result[_SHM_DIR] = task.header.get(_SHM_DIR, "")
         self.unacked[task.lease_id] = (result, frames)

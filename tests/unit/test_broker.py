@@ -414,3 +414,26 @@ def test_a_heavy_task_goes_to_a_straggler_when_the_faster_capable_workers_are_pa
     heavy = submit(b, {"req": {"cores": 8}, "cost": 4})
     b.dispatch(1.0)
     assert b.tasks[heavy].worker_id == "big"  # big2 is not there to take it: its owner paused it
+
+
+def test_verbose_logs_say_who_connected_and_where_each_task_went(caplog):
+    # `gpumesh -v serve` logged one handshake line through a whole job: nothing of clients,
+    # submissions, dispatches or failures.
+    import logging
+
+    from gpumesh.cli.serve import log_event
+    from gpumesh.coordinator import Event
+
+    with caplog.at_level(logging.DEBUG, logger="gpumesh.coordinator"):
+        b = Broker(Store(":memory:"), Timing(), Limits(), epoch=1, now=0.0)
+        b.handle(W, msg(Command.HELLO, {"role": "worker", "id": "w1", "slots": 1, "credit": 1,
+                                        "proto": [1, 1], "info": {"python": "3.11"}}), 0.0)
+        b.handle(C, msg(Command.HELLO, {"role": "client", "id": "c1", "proto": [1, 1]}), 0.0)
+        task_id = submit(b, {})
+        b.dispatch(0.0)
+        log_event(Event(1, 0.0, "task_finished", {"task": task_id, "state": "failed",
+                                                   "error": "ValueError: \x1b[31mbad"}))
+    text = caplog.text
+    assert "client c1" in text and "connected" in text
+    assert f"task {task_id} of job" in text and "to worker" in text
+    assert "task_finished" in text and "state=failed" in text and "\x1b" not in text
