@@ -178,4 +178,10 @@ def test_the_second_machine_example_prints_the_join_command_of_the_live_mesh(adv
     # Against a mesh nobody advertises, it says how to open it instead.
     quiet = subprocess.run([sys.executable, str(example)], env={**run_env, "GPUMESH_DISCOVERY": "0"},
                            capture_output=True, text=True, timeout=60)
-    assert "Other machines cannot join yet" in quiet.stdout, quiet.stderr
+    assert "Other machines cannot find this mesh" in quiet.stdout, quiet.stderr
+    # Filled in with this mesh's port and token file (it printed ~/.gpumesh/token and no port,
+    # wherever GPUMESH_HOME put them).
+    assert f"gpumesh serve --host 0.0.0.0 --port {port} --token-file " in quiet.stdout
+    assert "here/token" in quiet.stdout and f"tcp://THAT_ADDRESS:{port}" in quiet.stdout
+    assert "~/.gpumesh/token" not in quiet.stdout + done.stdout
+    assert env["GPUMESH_TOKEN"] not in quiet.stdout + quiet.stderr
