@@ -540,6 +540,8 @@ class Engine:
             self._fail_all(self.fatal)
         finally:
             _OPEN_ENGINES.discard(self)
+            if not goodbye:
+                self._say_unheard_cancels()
             self._connected.clear()
             if self._shm is not None:
                 self._shm.release()
@@ -552,6 +554,21 @@ class Engine:
             # Before the last drain: a command queued after it is failed by its sender.
             self._stopped = True
             self._fail_all(MeshError("the mesh connection was closed before this task finished"))
+
+    def _say_unheard_cancels(self) -> None:
+        """Closing while the coordinator is away: tasks it accepted that were cancelled here
+        (a .map run locally after the coordinator had gone, or Ctrl+C) are still queued in its
+        journal, and it runs them once it is back, though nobody will read their results (and
+        their side effects happen twice). Said, with the command that cancels them."""
+        jobs: dict[str, int] = {}
+        for sub in self._outstanding.values():
+            if sub.task_id and sub.future.cancel_requested:
+                jobs[sub.job] = jobs.get(sub.job, 0) + 1
+        for job, count in jobs.items():
+            log.warning("[gpumesh] the coordinator at %s never heard that %d task(s) of job %s "
+                        "were cancelled here (or ran here while it was gone): it runs them when "
+                        "it is back, unless you run: gpumesh cancel %s", self.endpoint, count,
+                        job, job)
 
     def _send_what_was_asked(self) -> None:
         """Closing, or the program exiting: what it asked for still reaches the coordinator.

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require, wait_for
+from conftest import require, user_script, wait_for
 
 from gpumesh._version import __version__
 
@@ -135,3 +135,28 @@ def test_a_mesh_started_from_a_script_goes_when_the_script_is_killed(mesh_env, t
         starter.kill()
         starter.wait(10)
         starter.stdout.close()
+
+
+def test_a_map_run_here_while_the_coordinator_was_gone_says_it_will_run_again(mesh_env,
+                                                                             tmp_path):
+    # The coordinator journaled the tasks, went away, and the client ran them here after the
+    # reconnect grace and exited: the restarted coordinator ran them all again (side effects
+    # twice, results for nobody) without a word to the user.
+    coordinator = mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    script = tmp_path / "doubles.py"
+    # On the worker (which does not see HERE) a task waits; run here, it returns at once.
+    script.write_text("import os, time\nfrom gpumesh import mesh\n\n@mesh\ndef double(x):\n"
+                      "    if not os.environ.get('HERE'):\n        time.sleep(60)\n"
+                      "    return 2 * x\n\nprint(double.map([1, 2, 3]))\n")
+    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": coordinator.url, "HERE": "1",
+           "GPUMESH_TOKEN": mesh_env.token, "GPUMESH_RECONNECT_GRACE": "1"}
+    watcher = mesh_env.client()
+    with user_script(script, [], env) as proc:
+        wait_for(lambda: watcher.status().get("counts") == {"pending": 2, "running": 1},
+                 what="the map's tasks accepted, one running")
+        watcher.close()
+        coordinator.stop()
+        out, err = proc.communicate(timeout=60)
+    assert out == "[2, 4, 6]\n", err
+    assert "never heard that 3 task(s) of job" in err and "gpumesh cancel " in err
