@@ -146,6 +146,12 @@ def _env_bool(value: str | None) -> bool:
     return (value or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A GPUMESH_* switch read on its own, for what must work when another variable does not
+    parse (``Settings.from_env`` raises then): GPUMESH_LOCAL, GPUMESH_VERBOSE."""
+    return _env_bool((os.environ if environ is None else environ).get(name))
+
+
 def _addresses(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     """A comma-separated list of IPv4 addresses; a ConfigError names a bad one."""
     raw = env.get(name, "")

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from ..config import CONFIG_FILE, Settings, home_folder
+from ..config import CONFIG_FILE, Settings, env_flag, home_folder
 from ..errors import ConfigError
 from ..scheduler import Requirements
 from .api import GPUMesh
@@ -117,8 +117,9 @@ class MeshFunction(Generic[P, R]):
 
     def _mesh(self) -> GPUMesh | None:
         """The connected mesh to use for this call, or None for the local path."""
-        settings = self._source.settings()
-        if settings.local_only:
+        # Read on its own: the escape hatch works when another GPUMESH_* variable does not
+        # parse (every call then raised the mesh settings' ConfigError).
+        if env_flag("GPUMESH_LOCAL"):
             self._say("GPUMESH_LOCAL=1: running locally")
             return None
         mesh = self._source.mesh()
@@ -142,7 +143,11 @@ class MeshFunction(Generic[P, R]):
         return mesh
 
     def _say(self, text: str) -> None:
-        if self._source.settings().verbose:
+        try:
+            verbose = self._source.settings().verbose
+        except ConfigError:  # a variable that does not parse: said when the mesh is needed
+            verbose = env_flag("GPUMESH_VERBOSE")
+        if verbose:
             # Not self.__name__: update_wrapper copies it only when the callable has one.
             name = getattr(self.fn, "__name__", repr(self.fn))
             say_line(f"[gpumesh] {name}: {text}")  # whole: lines of several threads ran together
@@ -220,7 +225,7 @@ class MeshFunction(Generic[P, R]):
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> TaskFuture:
         """Start one task and return its future (needs a reachable coordinator). With
         ``GPUMESH_LOCAL=1`` (inside a task, say) the call runs here and the future is done."""
-        if self._source.settings().local_only:
+        if env_flag("GPUMESH_LOCAL"):
             self._say("GPUMESH_LOCAL=1: running locally")
             return _ran_here(self.fn, args, kwargs)
         mesh = self._source.mesh()
@@ -274,8 +279,9 @@ class MeshSource:
             if seen == self._unresolved:
                 return None  # as when last tried: running locally costs no second look
             self._settings = None  # read the environment again: it changed, or never read
+            settings = self.settings()  # a variable that does not parse is the user's to hear
             try:
-                self._mesh = GPUMesh(settings=self.settings())
+                self._mesh = GPUMesh(settings=settings)
             except ConfigError:
                 # Nothing configured: calls run locally until `gpumesh serve` or `join` saves
                 # a connection, or GPUMESH_URL/GPUMESH_TOKEN are set (a notebook's next cell).

@@ -24,6 +24,7 @@ from joblib._parallel_backends import (  # joblib's documented extension point l
     SequentialBackend,
 )
 
+from ..config import env_flag
 from ..errors import ConfigError, MeshError
 from .api import GPUMesh, new_job_id
 from .console import say_line
@@ -184,9 +185,7 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
 
 
 def _local_only() -> bool:
-    from .decorators import mesh as default
-
-    return default._source.settings().local_only
+    return env_flag("GPUMESH_LOCAL")  # as @mesh reads it: whatever else fails to parse
 
 
 def _check_joblib_version() -> None:

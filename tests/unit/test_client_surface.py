@@ -116,6 +116,20 @@ def test_gpumesh_local_keeps_submit_and_joblib_here_too(monkeypatch, capsys):
     assert joblib is not None
 
 
+def test_gpumesh_local_runs_here_when_another_variable_does_not_parse(monkeypatch):
+    # The escape hatch failed with the rest: every call raised GPUMESH_CONNECT_TIMEOUT's
+    # ConfigError though GPUMESH_LOCAL=1 said not to reach for the mesh at all.
+    from gpumesh.errors import ConfigError
+
+    monkeypatch.setenv("GPUMESH_CONNECT_TIMEOUT", "abc")
+    monkeypatch.setenv("GPUMESH_LOCAL", "1")
+    fn = MeshFunction(scale, MeshSource(), mesh(scale).options)
+    assert fn(3) == 6 and fn.map([1, 2]) == [2, 4] and fn.submit(4).result(timeout=0) == 8
+    monkeypatch.delenv("GPUMESH_LOCAL")
+    with pytest.raises(ConfigError, match="GPUMESH_CONNECT_TIMEOUT"):  # said, not run here
+        MeshFunction(scale, MeshSource(), mesh(scale).options)(3)
+
+
 def test_the_default_mesh_answers_private_names_with_attribute_error(tmp_path, monkeypatch):
     """hasattr, doctest, mock and inspect.unwrap ask for dunder names: a ConfigError there broke
     ``pytest --doctest-modules`` on any machine without a saved connection."""
