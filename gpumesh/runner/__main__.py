@@ -216,7 +216,8 @@ def main(argv: list[str]) -> int:
     sock.set_inheritable(False)
     start = _Start()
     start.limits.watch()
-    scratch = argv[1]  # the agent's folder for this runner (scripts' folders): it removes it
+    # The agent's folder for this runner (scripts' folders): it removes it. Empty: it has none.
+    scratch = argv[1] or None
     base_env = base_environment(os.environ, argv[2:])
     set_environ(base_env)  # the interpreter has read its PYTHON* variables; tasks do not see them
     send_message(sock, [msgpack.packb({"ready": True})])

@@ -228,9 +228,13 @@ class Runner:
         self.end_scratch()  # the process before's, should nothing have ended it yet
         try:
             self.scratch = tempfile.mkdtemp(prefix=f"gpumesh-runner-{self.slot}-")
+        except OSError as exc:  # no writable temporary folder: function tasks still run
+            log.warning("runner %d has no folder of its own (%s): its scripts' folders and "
+                        "what they leave running are not removed if it is killed", self.slot, exc)
+        try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()),
-                 self.scratch, *self._pass_env],
+                 self.scratch or "", *self._pass_env],
                 pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env=self._env, start_new_session=True,
             )

@@ -1421,3 +1421,23 @@ def test_join_says_what_it_gave_back_to_the_mesh_as_it_left(live_agent, tmp_path
     assert "1 running task(s) stopped and 1 waiting" in line and "gpumesh drain" in line
     assert left_line(True, 0, 0) == "[worker] left the mesh"
     assert "never reached" in left_line(False, 0, 0)
+
+
+def test_a_runner_starts_without_a_folder_of_its_own_where_none_can_be_made(monkeypatch):
+    # A full or read-only temporary folder must not keep function tasks from running: the
+    # runner starts without its folder (scripts then make theirs where they can).
+    from gpumesh.runner.pipe import recv_message
+    from gpumesh.worker import runners
+
+    def no_room(**_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runners.tempfile, "mkdtemp", no_room)
+    runner = Runner(0, dict(os.environ), 1 << 20)
+    runner.start()
+    try:
+        assert runner.proc is not None and runner.scratch is None
+        assert select.select([runner.control], [], [], 20)[0], "the runner never said ready"
+        assert msgpack.unpackb(recv_message(runner.control, 1 << 20)[0]) == {"ready": True}
+    finally:
+        runner.kill()
