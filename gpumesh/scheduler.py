@@ -69,12 +69,15 @@ def unmet(worker: WorkerView, req: Requirements, *, portable: bool = False,
         missing.append("is not on the coordinator's machine, and the task's input is too big "
                        "for one message")
     model = req.gpu if isinstance(req.gpu, str) else None
+    no_gpu_said = False  # "has no GPU" once, whether gpu= or vram= (or both) asked for one
     if req.gpu is True and not worker.gpus:
         missing.append("has no GPU")
+        no_gpu_said = True
     elif model and not any(gpu_satisfies(g, model, None) for g in worker.gpus):
         missing.append(f"has no {model} GPU")
+        no_gpu_said = not worker.gpus
     if req.vram and not worker.gpus:
-        if not missing:  # "has no GPU" once, whether gpu= or vram= asked for one
+        if not no_gpu_said:
             missing.append("has no GPU")
     elif req.vram and not any(gpu_satisfies(g, None, req.vram) for g in worker.gpus):
         missing.append("has too little VRAM")

@@ -55,8 +55,8 @@ def _outcome_lines(task: dict[str, Any], result: Any, job: str = "") -> list[str
         return [f"    result: {for_terminal(_shown(result))}"]
     size = task.get("result_bytes")
     if type(size) is int and job:
-        return [f"    result: {size:,} bytes, too big to list here: "
-                f"gpumesh results {for_terminal(job)}"]
+        return [f"    result: {size:,} bytes, too big to list here: gpumesh results "
+                f"{for_terminal(job)} reads it while the coordinator holds it"]
     return []
 
 
@@ -200,7 +200,14 @@ def submit(mesh: GPUMesh, script: str, payloads_file: str, name: str | None, wai
             ok(f"Submitted job {job_id}")  # the spec's line: the progress bar counts tasks
             click.echo(f"Job: {name or script} ({job_id})")
             click.echo("")
-        status = follow(mesh, job_id, board) if not as_json else mesh.wait_job(job_id)
+        if as_json:
+            try:
+                status = mesh.wait_job(job_id)
+            finally:
+                if board is not None:
+                    board.end()  # the scripts' last lines, that never ended with a newline
+        else:
+            status = follow(mesh, job_id, board)
     except KeyboardInterrupt:
         return _stopped_waiting(job_id, accepted=True)
     results = _results_of(futures)

@@ -557,18 +557,20 @@ class Engine:
 
     def _say_unheard_cancels(self) -> None:
         """Closing while the coordinator is away: tasks it accepted that were cancelled here
-        (a .map run locally after the coordinator had gone, or Ctrl+C) are still queued in its
-        journal, and it runs them once it is back, though nobody will read their results (and
-        their side effects happen twice). Said, with the command that cancels them."""
+        (a .map run locally after the coordinator had gone, or Ctrl+C) may still be queued in
+        its journal (a CANCEL sent as the link went down may be lost, or may have been
+        journaled: no answer says which), and it runs them once it is back, though nobody will
+        read their results (and their side effects happen twice). Said, with the command that
+        cancels them."""
         jobs: dict[str, int] = {}
         for sub in self._outstanding.values():
             if sub.task_id and sub.future.cancel_requested:
                 jobs[sub.job] = jobs.get(sub.job, 0) + 1
         for job, count in jobs.items():
-            log.warning("[gpumesh] the coordinator at %s never heard that %d task(s) of job %s "
-                        "were cancelled here (or ran here while it was gone): it runs them when "
-                        "it is back, unless you run: gpumesh cancel %s", self.endpoint, count,
-                        job, job)
+            log.warning("[gpumesh] the coordinator at %s may not have heard that %d task(s) "
+                        "of job %s were cancelled here (or ran here while it was gone): it runs "
+                        "them when it is back unless told, with: gpumesh cancel %s",
+                        self.endpoint, count, job, job)
 
     def _send_what_was_asked(self) -> None:
         """Closing, or the program exiting: what it asked for still reaches the coordinator.

@@ -742,6 +742,7 @@ class Broker:
             # and the clock restarts once a worker is back.
             self._no_workers_at = now
             self.ledger.unrunnable.clear()
+            self.ledger.waiting_for = {}
             return
         cutoff = now - limit
         if len(ledger.kinds) > KINDS_REBUILD_OVER and now - self._kinds_rebuilt >= KINDS_REBUILD:
@@ -756,13 +757,16 @@ class Broker:
         runnable = {kind: scheduler.could_ever_run(
             scheduler.TaskView("", kind[0], portable=kind[1], local_only=kind[2]), views)
             for kind in ledger.kinds}
-        self._note_unrunnable(runnable)  # first: a job's status says why it waits at once
-        if self._no_workers_at > cutoff:
-            return  # a worker came back less than the timeout ago: nothing can be due yet
+        self._note_unrunnable(runnable)
         if all(runnable.values()):
             self.ledger.unrunnable.clear()  # what it held is runnable again, or no longer queued
+            self.ledger.waiting_for = {}
             return  # every kind of task queued has a worker that could run it: nothing is due
+        # Failing waits for a worker back less than the timeout ago; saying why a job waits
+        # (its first task no worker could run, for `status`) does not.
+        may_fail = self._no_workers_at <= cutoff
         doomed: dict[str, Task] = {}  # a task may have several heap entries (retry)
+        waiting_for: dict[str, str] = {}
         ledger.kinds = set()
         for _, _, task_id in ledger.pending:
             task = ledger.tasks.get(task_id)
@@ -770,13 +774,15 @@ class Broker:
                 continue
             kind = (task.requirements, task.portable, task.local_only)
             ledger.kinds.add(kind)
-            if task.pending_since > cutoff:
-                continue
             if kind not in runnable:
                 runnable[kind] = scheduler.could_ever_run(task.view(), views)
                 self._note_unrunnable({kind: runnable[kind]})
-            if not runnable[kind] and self.ledger.unrunnable[kind] <= cutoff:
+            if runnable[kind]:
+                continue
+            waiting_for.setdefault(task.job_id, task.task_id)
+            if may_fail and task.pending_since <= cutoff and self.ledger.unrunnable[kind] <= cutoff:
                 doomed[task.task_id] = task
+        ledger.waiting_for = waiting_for
         ledger.unrunnable = {kind: since for kind, since in ledger.unrunnable.items()
                              if kind in ledger.kinds}
         for task in doomed.values():

@@ -206,8 +206,10 @@ def summarize(task: Task) -> dict[str, Any]:
         summary["result"] = preview
     elif header.get("encoding") in (ResultEncoding.JSON.value, ResultEncoding.TEXT.value):
         # Too big to show: its size says that there is one, and `results` reads it whole.
-        summary["result_bytes"] = sum(len(frame.bytes if hasattr(frame, "bytes") else frame)
-                                      for frame in task.result_payload)
+        summary["result_bytes"] = (  # in its blob file when restored from the journal
+            task.result_file.nbytes if task.result_file is not None and not task.result_payload
+            else sum(len(frame.bytes if hasattr(frame, "bytes") else frame)
+                     for frame in task.result_payload))
     return summary
 
 

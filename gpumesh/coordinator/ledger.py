@@ -142,6 +142,8 @@ class Ledger:
         # The kinds no alive worker could run, with since when (the broker's once-a-second
         # check): such tasks fail after the pending timeout, and a job's status says why it waits.
         self.unrunnable: dict[tuple[Requirements, bool, bool], float] = {}
+        # Per job with such a task queued, its first (the same check): what `status` explains.
+        self.waiting_for: dict[str, str] = {}
         self.outbox: list[tuple[bytes, list[Any]]] = []
         self.events = EventLog()
         self.listeners: list[Callable[[Event], None]] = []

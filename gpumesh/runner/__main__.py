@@ -20,6 +20,7 @@ import functools
 import io
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -43,6 +44,9 @@ MAX_TASK_BYTES = 1 << 40
 MARKER_WAIT = 30.0  # seconds a start marker waits for room in a full output pipe
 
 
+_scratch: str | None = None  # this runner's folder (main), for the parent watch
+
+
 def _exit_with_parent() -> None:
     """Die with the agent: a runner orphaned by ``kill -9`` of its agent must not run on."""
     parent = os.getppid()
@@ -52,6 +56,8 @@ def _exit_with_parent() -> None:
             for group in list(script_groups):  # a script runs in a group of its own
                 with contextlib.suppress(OSError):
                     os.killpg(group, signal.SIGKILL)
+            if _scratch:  # its agent, killed, removes nothing (a later one sweeps, late)
+                shutil.rmtree(_scratch, ignore_errors=True)
             try:
                 os.killpg(os.getpid(), signal.SIGKILL)  # also what a function task started
             finally:
@@ -130,8 +136,8 @@ class _Start:
 
 
 class _ResourceLimits:
-    """The process's resource limits as the runner started, put back after a task changed
-    them: a task that lowered its memory (``RLIMIT_AS``, as code-evaluation guards do) or its
+    """The process's resource limits as the runner started, put back after a task lowered
+    them (one it raised stays raised): a task that lowered its memory (``RLIMIT_AS``, as code-evaluation guards do) or its
     open files left every later task of the runner, any client's, failing. Reading them all
     after each task costs more than the rest of the task's hygiene, so ``resource.setrlimit``
     and ``resource.prlimit`` are wrapped to say that a task called them (one through ctypes
@@ -140,16 +146,17 @@ class _ResourceLimits:
 
     def __init__(self) -> None:
         self.changed = False
+        self.names: dict[int, str] = {}
+        self.start: dict[int, tuple[int, int]] = {}
         try:
             import resource
         except ImportError:  # Windows: no limits to put back
             self._resource: Any = None
-            self.names: dict[int, str] = {}
-            self.start: dict[int, tuple[int, int]] = {}
             return
         self._resource = resource
-        self.names = {getattr(resource, name): name for name in dir(resource)
-                      if name.startswith("RLIMIT_")}
+        for name in sorted(dir(resource)):  # RLIMIT_NOFILE, not its alias RLIMIT_OFILE
+            if name.startswith("RLIMIT_"):
+                self.names.setdefault(getattr(resource, name), name)
         self.start = {which: resource.getrlimit(which) for which in self.names}
         self._set = resource.setrlimit
 
@@ -172,13 +179,23 @@ class _ResourceLimits:
             return
         self.changed = False
         for which, limits in self.start.items():
-            if self._resource.getrlimit(which) == limits:
-                continue
-            try:
+            if not self._below(self._resource.getrlimit(which), limits):
+                continue  # unchanged, or raised (a module that lifts its open files at import
+            try:          # stays cached here, and counts on it for every later task)
                 self._set(which, limits)
             except (ValueError, OSError) as exc:
                 raise RuntimeError(f"the task lowered {self.names[which]}, which a process cannot "
                                    f"raise again ({exc})") from None
+
+
+    def _below(self, now: tuple[int, int], start: tuple[int, int]) -> bool:
+        """Whether either limit is lower than it started (RLIM_INFINITY counts as the most)."""
+        most = self._resource.RLIM_INFINITY
+
+        def size(value: int) -> float:
+            return float("inf") if value == most else value
+
+        return size(now[0]) < size(start[0]) or size(now[1]) < size(start[1])
 
 
 def _set_handler(number: int, handler: Any) -> None:
@@ -217,7 +234,8 @@ def main(argv: list[str]) -> int:
     start = _Start()
     start.limits.watch()
     # The agent's folder for this runner (scripts' folders): it removes it. Empty: it has none.
-    scratch = argv[1] or None
+    global _scratch
+    scratch = _scratch = argv[1] or None
     base_env = base_environment(os.environ, argv[2:])
     set_environ(base_env)  # the interpreter has read its PYTHON* variables; tasks do not see them
     send_message(sock, [msgpack.packb({"ready": True})])

@@ -39,6 +39,7 @@ STDERR_TAIL = 4000  # characters of a failed script's stderr kept for its error 
 OUTPUT_GRACE = 1.0  # seconds a script's pipes are read after it exited (a child may hold them)
 GROUP_GRACE = 2.0  # seconds what a script left running has after SIGTERM, before SIGKILL
 GROUP_FILE = "group-"  # in a runner's scratch folder: a script's process group, while it lives
+SCRIPT_FOLDER = "gpumesh-script-"  # the start of each script's folder's name
 # What one result may carry: it travels to the coordinator in one message, which also holds its
 # header (the client keeps the same room for a task's input). The agent reads at most one
 # message's bytes from its runner, and the pipe takes 4,095 frames, more than this leaves.
@@ -230,7 +231,7 @@ def run_script(header: dict[str, Any], frames: Sequence[Any], env: dict[str, str
         return _refused(f"this worker refused the script: {exc}", "gpumesh.ScriptError")
     script, payload = bytes(frames[0]), bytes(frames[1]) if len(frames) > 1 else b"{}"
     try:
-        tmp = tempfile.TemporaryDirectory(prefix="gpumesh-script-", dir=scratch,
+        tmp = tempfile.TemporaryDirectory(prefix=SCRIPT_FOLDER, dir=scratch,
                                           ignore_cleanup_errors=True)
     except OSError as exc:
         return infrastructure_failure("could not make a temporary directory for the script", exc)
@@ -314,18 +315,36 @@ class _ScriptGroup:
                     os.remove(self.file)
 
 
+def _wait_unreaped(proc: subprocess.Popen[bytes]) -> None:
+    """Until the script exits, leaving it unreaped where the system can (waitid's WNOWAIT):
+    reaped, its number could be a new process's, and new group's, by the time its group is
+    signalled."""
+    if hasattr(os, "waitid") and hasattr(os, "WNOWAIT"):
+        while True:
+            try:
+                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+                return
+            except ChildProcessError:
+                return  # reaped already (SIGCHLD ignored by a task's leftover handler)
+            except InterruptedError:
+                continue
+    proc.wait()
+
+
 def _end_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         return  # nothing left in it (the usual case), or nothing this user may end
     deadline = time.monotonic() + GROUP_GRACE
+    looked = 0
     while time.monotonic() < deadline:
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return
-        if _only_zombies_in(pgid):
+        looked += 1
+        if looked % 10 == 0 and _only_zombies_in(pgid):  # every 0.2 s: it reads all of /proc
             return  # ended, waiting for an init to reap them (some containers' never does)
         time.sleep(0.02)  # rare (the script left something running): no cheaper wait for a group
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -339,6 +358,7 @@ def _only_zombies_in(pgid: int) -> bool:
         names = os.listdir("/proc")
     except OSError:
         return False
+    group, zombies = str(pgid).encode(), 0
     for name in names:
         if not name.isdigit():
             continue
@@ -347,9 +367,13 @@ def _only_zombies_in(pgid: int) -> bool:
                 fields = stat.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
-            return False
-    return True
+        if len(fields) > 2 and fields[2] == group:
+            if fields[0] != b"Z":
+                return False
+            zombies += 1
+    # None seen at all is not "all ended": /proc may not show them (another pid namespace,
+    # hidepid), and the group answered signal 0 a moment ago.
+    return zombies > 0
 
 
 def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes],
@@ -373,8 +397,9 @@ def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes],
                                 daemon=True)]
     for thread in threads:
         thread.start()
+    _wait_unreaped(proc)
+    exited()  # while the script, exited but not reaped, still holds its group's number
     proc.wait()
-    exited()
     deadline = time.monotonic() + OUTPUT_GRACE
     for thread in threads[1:]:
         thread.join(max(deadline - time.monotonic(), 0.0))

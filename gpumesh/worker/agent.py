@@ -55,6 +55,7 @@ from ..sharedmem import SharedFolder
 from ..shmowners import PREFIX_CHARS, tagged
 from ..stopflag import StopFlag
 from ..transport import DealerLink, LinkEvent
+from . import scratch
 from .control import ControlServer
 from .owner import OwnerControls
 from .runners import BadRunnerMessage, QueuedTask, Runner, RunningTask, checked_result
@@ -247,6 +248,7 @@ class WorkerAgent:
 
     def run(self) -> None:
         """Serve until stopped. Raises AuthenticationError/ProtocolMismatch on a fatal mismatch."""
+        scratch.sweep()  # runner folders of agents killed before they could remove them
         for runner in self.runners:
             runner.start()
         self.link.open()

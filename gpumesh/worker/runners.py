@@ -22,12 +22,10 @@ import functools
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -42,7 +40,6 @@ from ..protocol import ResultEncoding, ResultStatus, serialize
 from ..protocol.headers import MAX_DIAGNOSIS, MAX_ERROR_MESSAGE, MAX_ERROR_TYPE, MAX_TRACEBACK
 from ..protocol.ids import HexIds
 from ..runner.environment import runner_process_environment
-from ..runner.execute import GROUP_FILE
 from ..runner.pipe import (
     MARKER,
     MAX_FRAMES,
@@ -54,6 +51,7 @@ from ..runner.pipe import (
     send_message,
 )
 from ..sharedmem import SharedFolder
+from . import scratch
 
 log = logging.getLogger("gpumesh.worker")
 START_AGAIN = 1.0  # seconds before a runner that no process could be made for is tried again
@@ -226,11 +224,7 @@ class Runner:
             return
         self.socket_room = socket_room(parent, child)
         self.end_scratch()  # the process before's, should nothing have ended it yet
-        try:
-            self.scratch = tempfile.mkdtemp(prefix=f"gpumesh-runner-{self.slot}-")
-        except OSError as exc:  # no writable temporary folder: function tasks still run
-            log.warning("runner %d has no folder of its own (%s): its scripts' folders and "
-                        "what they leave running are not removed if it is killed", self.slot, exc)
+        self.scratch = scratch.make(self.slot)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "gpumesh.runner", str(child.fileno()),
@@ -553,27 +547,12 @@ class Runner:
         self.end_scratch()
 
     def end_scratch(self) -> None:
-        """Once the runner is killed or gone: SIGKILL to each script group it named (a script
-        runs in a group of its own, which killing the runner's does not reach) and its folder
-        removed (a killed script's folder was left behind, one for each timeout or cancel).
-        Named only while the script runs, so a number here is that script's group, or nobody's
-        where it ended as the runner was killed; the runner names a group just after starting
-        its script, so a kill in between leaves that one to its own end."""
-        if self.scratch is None:
-            return
-        try:
-            names = os.listdir(self.scratch)
-        except OSError:
-            names = []
-        for name in names:
-            number = name[len(GROUP_FILE):]
-            if name.startswith(GROUP_FILE) and number.isdigit() and int(number) > 1:
-                try:
-                    os.killpg(int(number), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError, OverflowError):
-                    pass
-        shutil.rmtree(self.scratch, ignore_errors=True)
-        self.scratch = None
+        """Once the runner is killed or gone: its scripts' groups killed and its folder removed
+        (worker/scratch.py). A killed script's folder was left behind, one for each timeout or
+        cancel, and the script itself, in a group of its own, ran on."""
+        if self.scratch is not None:
+            scratch.end(self.scratch)
+            self.scratch = None
 
     def reap(self, timeout: float = 5.0) -> int | None:
         """Wait up to ``timeout`` for the runner to exit, then close its pipes and socket: its

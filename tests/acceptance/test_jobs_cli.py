@@ -238,6 +238,13 @@ def test_submit_wait_shows_what_the_scripts_log_on_stderr(mesh_env, tmp_path):
     assert sorted(shown) == [f"[{worker.worker_id[:8]}] epoch 1 loss 0.5",
                              f"[{worker.worker_id[:8]}] epoch 2 loss 0.5"]
     assert "loss" not in result.stdout  # stdout stays the bar and the results
+    # With --json too (stdout stays one document), a last line without its newline included.
+    script, payloads = write_job(tmp_path, "import json, sys\np = json.load(sys.stdin)\n"
+                                           "print(json.dumps(p))\n"
+                                           "sys.stderr.write('done, no newline')\n", [{"x": 1}])
+    as_json = cli(mesh_env, "submit", script, "--payloads", payloads, "--wait", "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["counts"] == {"done": 1}
+    assert f"[{worker.worker_id[:8]}] done, no newline" in as_json.stderr.splitlines()
 
 
 def test_a_gpu_requirement_on_a_cpu_mesh_fails_naming_it(mesh_env, tmp_path):

@@ -218,5 +218,5 @@ def test_a_result_too_big_to_list_says_its_size_and_where_to_read_it() -> None:
     status = {"job": "abc123", "name": "n", "status": "finished", "outcome": "succeeded",
               "counts": {"done": 1}, "total": 1,
               "tasks": [{"id": "t1", "state": "done", "result_bytes": 5000}]}
-    assert "result: 5,000 bytes, too big to list here: gpumesh results abc123" in \
+    assert "result: 5,000 bytes, too big to list here: gpumesh results abc123 reads it" in \
         job_summary(status)

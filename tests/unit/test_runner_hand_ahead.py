@@ -147,6 +147,10 @@ def test_what_a_dropped_task_prints_goes_to_nobody(piped_runner):
 # ----------------------------------------------------------------- real runners, one agent
 
 
+# _alive reads /proc: without it (macOS) a test of what must end would pass unchecked.
+NEEDS_PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
+
+
 def _speak(i):
     import time as clock
     print(f"start {i}", flush=True)
@@ -773,6 +777,7 @@ def _dies_leaving_a_chatty_child(i):
     system._exit(3)
 
 
+@NEEDS_PROC
 def test_a_runner_that_dies_takes_its_tasks_children_with_it_and_the_agent_goes_on(
         live_agent):
     # The children lived on (holding memory, a GPU), and one printing without end held the
@@ -1110,6 +1115,14 @@ def _lowers_its_limits(i):
     return i
 
 
+def _raises_its_open_files(i):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # as some modules do at import
+    return i
+
+
 def _reads_its_limits(i):
     import resource
 
@@ -1133,6 +1146,15 @@ def test_resource_limits_a_task_lowered_are_not_the_next_tasks(live_agent):
     nofile, core = serialize.loads(second.payload)
     assert tuple(nofile) == resource.getrlimit(resource.RLIMIT_NOFILE)  # the agent's, inherited
     assert tuple(core) == resource.getrlimit(resource.RLIMIT_CORE)
+    # Raised stays raised: a module cached in the runner that lifted its open files at import
+    # ran every later task with the limit it had lifted itself above.
+    _give(agent, 3, fn=_raises_its_open_files)
+    _give(agent, 4, fn=_reads_its_limits)
+    _pump(agent, lambda: len(_results(agent)) == 4, "the last two results")
+    (fourth,) = [m for m in agent.sent if m.command is Command.RESULT and m.header["task"] == "task-4"]
+    nofile, _ = serialize.loads(fourth.payload)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert tuple(nofile) == (hard, hard)
 
 
 def test_a_hard_limit_the_runner_cannot_raise_again_restarts_it():
@@ -1143,8 +1165,8 @@ def test_a_hard_limit_the_runner_cannot_raise_again_restarts_it():
     from gpumesh.runner.__main__ import _ResourceLimits
 
     limits = _ResourceLimits()
-    soft, hard = limits.start[resource.RLIMIT_CORE]
-    limits.start[resource.RLIMIT_CORE] = (soft, hard + 1 if hard != resource.RLIM_INFINITY else 1)
+    soft, hard = limits.start[resource.RLIMIT_NOFILE]  # finite everywhere: a lower one is seen
+    limits.start[resource.RLIMIT_NOFILE] = (soft, hard + 1)
 
     def refused(which, values):
         raise ValueError("not allowed to raise maximum limit")
@@ -1152,7 +1174,7 @@ def test_a_hard_limit_the_runner_cannot_raise_again_restarts_it():
     limits._set = refused
     limits.restore()  # nothing changed: nothing read
     limits.changed = True
-    with pytest.raises(RuntimeError, match="lowered RLIMIT_CORE, which a process cannot raise"):
+    with pytest.raises(RuntimeError, match="lowered RLIMIT_NOFILE, which a process cannot raise"):
         limits.restore()
 
 
@@ -1238,6 +1260,7 @@ def test_what_a_scripts_background_child_prints_after_it_is_read_and_dropped(tmp
     assert out.kept == out.written < 200  # 2 MB came after, and none of it was kept
 
 
+@NEEDS_PROC
 def test_what_a_script_leaves_running_ends_with_it_even_what_ignores_sigterm(tmp_path,
                                                                               monkeypatch):
     # A server or training process a script started in the background held its GPU and
@@ -1281,6 +1304,7 @@ def _runs_a_script_in_the_background_of_a_script(tmp_path):
             f"select.select([], [], [], 300)\n").encode()
 
 
+@NEEDS_PROC
 def test_a_cancelled_script_ends_with_what_it_started_and_leaves_no_folder(live_agent,
                                                                            tmp_path):
     # In a group of its own the script outlived the runner the cancel killed, and each
@@ -1303,10 +1327,11 @@ def test_a_cancelled_script_ends_with_what_it_started_and_leaves_no_folder(live_
         for pid in (script, child):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-    assert not os.path.exists(scratch)
+    wait_for(lambda: not os.path.exists(scratch), timeout=10, what="its folder removed")
     assert runner.scratch is not None and runner.scratch != scratch  # the new runner's own
 
 
+@NEEDS_PROC
 def test_a_runner_whose_agent_is_killed_ends_its_running_script_with_itself(tmp_path):
     # The runner's watch of its parent killed its own process group: a script, in a group
     # of its own, ran on after a kill -9 of the worker.
@@ -1335,6 +1360,7 @@ def test_a_runner_whose_agent_is_killed_ends_its_running_script_with_itself(tmp_
         agent.wait()
         wait_for(lambda: not _alive(started) and not _alive(child), timeout=10,
                  what="the script and its child to end with their runner")
+        wait_for(lambda: not scratch.exists(), timeout=10, what="the runner's folder removed")
     finally:
         agent.kill()
         agent.wait()
@@ -1427,12 +1453,12 @@ def test_a_runner_starts_without_a_folder_of_its_own_where_none_can_be_made(monk
     # A full or read-only temporary folder must not keep function tasks from running: the
     # runner starts without its folder (scripts then make theirs where they can).
     from gpumesh.runner.pipe import recv_message
-    from gpumesh.worker import runners
+    from gpumesh.worker import scratch
 
     def no_room(**_):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(runners.tempfile, "mkdtemp", no_room)
+    monkeypatch.setattr(scratch.tempfile, "mkdtemp", no_room)
     runner = Runner(0, dict(os.environ), 1 << 20)
     runner.start()
     try:

@@ -479,3 +479,5 @@ def test_a_vram_requirement_on_a_cpu_worker_says_it_has_no_gpu() -> None:
     assert unmet(cpu, Requirements(gpu=True, vram=24 * GB)) == ["has no GPU"]
     assert unmet(cpu, Requirements(gpu="A100", vram=24 * GB)) == ["has no A100 GPU"]
     assert unmet(worker("gpu", gpus=(T4,)), Requirements(vram=80 * GB)) == ["has too little VRAM"]
+    elsewhere = unmet(cpu, Requirements(vram=24 * GB), local_only=True)  # another miss first
+    assert elsewhere[-1] == "has no GPU" and len(elsewhere) == 2
