@@ -315,22 +315,6 @@ class _ScriptGroup:
                     os.remove(self.file)
 
 
-def _wait_unreaped(proc: subprocess.Popen[bytes]) -> None:
-    """Until the script exits, leaving it unreaped where the system can (waitid's WNOWAIT):
-    reaped, its number could be a new process's, and new group's, by the time its group is
-    signalled."""
-    if hasattr(os, "waitid") and hasattr(os, "WNOWAIT"):
-        while True:
-            try:
-                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-                return
-            except ChildProcessError:
-                return  # reaped already (SIGCHLD ignored by a task's leftover handler)
-            except InterruptedError:
-                continue
-    proc.wait()
-
-
 def _end_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -397,9 +381,11 @@ def _exchange(proc: subprocess.Popen[bytes], payload: bytes, tail: deque[bytes],
                                 daemon=True)]
     for thread in threads:
         thread.start()
-    _wait_unreaped(proc)
-    exited()  # while the script, exited but not reaped, still holds its group's number
+    # Reaped first: its exited leader would keep the group answering signal 0, and each
+    # script would wait out a look at /proc (or, without /proc, the whole grace). A group with
+    # members left keeps its number from any new process meanwhile.
     proc.wait()
+    exited()
     deadline = time.monotonic() + OUTPUT_GRACE
     for thread in threads[1:]:
         thread.join(max(deadline - time.monotonic(), 0.0))

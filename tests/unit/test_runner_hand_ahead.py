@@ -1293,6 +1293,23 @@ def test_what_a_script_leaves_running_ends_with_it_even_what_ignores_sigterm(tmp
     assert os.listdir(tmp_path) == [] and not execute.script_groups  # the group's name is gone
 
 
+def test_a_script_that_leaves_nothing_running_waits_for_nothing(tmp_path, monkeypatch):
+    # Its own exited leader kept the group answering: every script waited out a look at
+    # /proc (or, without one, the whole 2 s grace) before its result.
+    import os
+
+    from gpumesh.runner import execute
+
+    def waited(seconds):
+        raise AssertionError("the script's group was waited for, with nothing left in it")
+
+    monkeypatch.setattr(execute.time, "sleep", waited)
+    header, frames = execute.run_script({"kind": "script", "name": "quick"},
+                                        [b"print(1)\n", b"{}"], dict(os.environ),
+                                        scratch=str(tmp_path))
+    assert header["status"] == "ok" and bytes(frames[0]) == b"1"
+
+
 def _runs_a_script_in_the_background_of_a_script(tmp_path):
     """A script that writes its own pid and its child's into ``tmp_path/pids``, then waits."""
     pids = str(tmp_path / "pids")
