@@ -462,9 +462,12 @@ class Engine:
     def _ask(self, query: _Query, what: str, timeout: float) -> Any:
         refuse_wait_on_io_thread(f"asking the coordinator ({what})")
         self._check_usable()
+        began = time.monotonic()
         self._command(query)
         try:
-            return query.future.result(timeout)
+            answer = query.future.result(timeout)
+            log.debug("%s answered in %.1f ms", what, (time.monotonic() - began) * 1000)
+            return answer
         except concurrent.futures.TimeoutError:
             # Cancelled, the engine asks no more (a busy retry, a reconnect); it settles a
             # future with _settle, so this cannot break it. Answered meanwhile: the answer.
@@ -921,6 +924,8 @@ class Engine:
             # Before any SUBMIT that names a shared file: the coordinator reads in order.
             self._link.send(encode(Command.HEARTBEAT, {"shm": self._shm.proof}))
         self._connected.set()
+        log.debug("welcomed by the coordinator at %s (%s shared memory)", self.endpoint,
+                  "with" if self._shm is not None else "without")
         if self.disconnected_since is not None and self.ever_connected \
                 and self.on_link is not None:
             self.on_link(max(now - self.disconnected_since, 0.0))
