@@ -1091,19 +1091,31 @@ def _reads_the_process(i):
             mask != 0o777, system.get_blocking(1), not system.get_inheritable(control))
 
 
+def _values_of(agent, *fns) -> list:
+    """Run ``fns`` as the next tasks, in turn, on the agent's runner: each one's value (each
+    must succeed)."""
+    from gpumesh.protocol import serialize
+
+    first = len(_results(agent)) + 1
+    leases = range(first, first + len(fns))
+    for lease, fn in zip(leases, fns, strict=True):
+        _give(agent, lease, fn=fn)
+    _pump(agent, lambda: len(_results(agent)) == leases[-1], "their results")
+    values = []
+    for lease in leases:
+        (result,) = [m for m in agent.sent
+                     if m.command is Command.RESULT and m.header["task"] == f"task-{lease}"]
+        assert result.header["status"] == "ok", result.header
+        values.append(serialize.loads(result.payload))
+    return values
+
+
 def test_what_a_task_sets_in_its_process_is_put_back_for_the_next(live_agent):
     # An alarm left set raised TimeoutError in the next task (another client's, maybe);
     # SIGCHLD ignored read every later failed script as exit 0; a non-blocking pipe lost
     # later output; the runner's socket was inherited by what a task started.
-    from gpumesh.protocol import serialize
-
-    agent = live_agent
-    _give(agent, 1, fn=_changes_the_process)
-    _give(agent, 2, fn=_reads_the_process)
-    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
-    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
-    (second,) = [m for m in agent.sent if m.command is Command.RESULT and m.header["task"] == "task-2"]
-    assert serialize.loads(second.payload) == (True,) * 7
+    _, seen = _values_of(live_agent, _changes_the_process, _reads_the_process)
+    assert seen == (True,) * 7
 
 
 def _lowers_its_limits(i):
@@ -1135,24 +1147,12 @@ def test_resource_limits_a_task_lowered_are_not_the_next_tasks(live_agent):
     # the runner may (here as root, or soft limits), or a fresh runner where it may not.
     import resource
 
-    from gpumesh.protocol import serialize
-
-    agent = live_agent
-    _give(agent, 1, fn=_lowers_its_limits)
-    _give(agent, 2, fn=_reads_its_limits)
-    _pump(agent, lambda: len(_results(agent)) == 2, "both results")
-    assert _results(agent) == {"task-1": "ok", "task-2": "ok"}
-    (second,) = [m for m in agent.sent if m.command is Command.RESULT and m.header["task"] == "task-2"]
-    nofile, core = serialize.loads(second.payload)
+    _, (nofile, core) = _values_of(live_agent, _lowers_its_limits, _reads_its_limits)
     assert tuple(nofile) == resource.getrlimit(resource.RLIMIT_NOFILE)  # the agent's, inherited
     assert tuple(core) == resource.getrlimit(resource.RLIMIT_CORE)
     # Raised stays raised: a module cached in the runner that lifted its open files at import
     # ran every later task with the limit it had lifted itself above.
-    _give(agent, 3, fn=_raises_its_open_files)
-    _give(agent, 4, fn=_reads_its_limits)
-    _pump(agent, lambda: len(_results(agent)) == 4, "the last two results")
-    (fourth,) = [m for m in agent.sent if m.command is Command.RESULT and m.header["task"] == "task-4"]
-    nofile, _ = serialize.loads(fourth.payload)
+    _, (nofile, _) = _values_of(live_agent, _raises_its_open_files, _reads_its_limits)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     assert tuple(nofile) == (hard, hard)
 
