@@ -146,8 +146,8 @@ def test_a_map_run_here_while_the_coordinator_was_gone_says_it_will_run_again(me
     mesh_env.add_worker(slots=1)
     script = tmp_path / "doubles.py"
     # On the worker (which does not see HERE) a task waits; run here, it returns at once.
-    script.write_text("import os, time\nfrom gpumesh import mesh\n\n@mesh\ndef double(x):\n"
-                      "    if not os.environ.get('HERE'):\n        time.sleep(60)\n"
+    script.write_text("import os, select\nfrom gpumesh import mesh\n\n@mesh\ndef double(x):\n"
+                      "    if not os.environ.get('HERE'):\n        select.select([], [], [], 60)\n"
                       "    return 2 * x\n\nprint(double.map([1, 2, 3]))\n")
     env = {**os.environ, **mesh_env.env, "GPUMESH_URL": coordinator.url, "HERE": "1",
            "GPUMESH_TOKEN": mesh_env.token, "GPUMESH_RECONNECT_GRACE": "1"}

@@ -34,7 +34,7 @@ def test_a_script_killed_before_its_group_was_named_is_found_by_its_folder(tmp_p
     assert folder is not None
     workdir = os.path.join(folder, SCRIPT_FOLDER + "x")
     os.mkdir(workdir)
-    script = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+    script = subprocess.Popen([sys.executable, "-c", "import select; select.select([], [], [], 60)"],
                               cwd=workdir, start_new_session=True)
     try:
         scratch.end(folder)
