@@ -6,6 +6,8 @@ import time: callers ask for ``Settings.from_env()`` when they start.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -509,10 +511,16 @@ def save_connection(path: Path, url: str, token: str, *, kdf: str | None = None,
     if kdf and stretched:
         data["kdf"] = {"name": kdf, "key": stretched.hex(), "check": _check(stretched, token, kdf)}
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(data, handle)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: a traceback, and the half-written file left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ConfigError(f"could not save the connection in {path}: {exc.strerror or exc}"
+                          + (" (the disk is full)" if exc.errno == errno.ENOSPC else "")) from None
 
 
 def ensure_home(home: Path) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sqlite3
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ IDLE_AFTER = 256
 WAL_SIZE_LIMIT = 4 << 20
 # A task whose result its owner has collected: the row keeps only its job's summary of it.
 COLLECTED = "collected"
+# A journal that cannot be opened beside less free space than this: the disk is named as why.
+DISK_FULL_BYTES = 16 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -203,7 +206,7 @@ class Store:
                 if self._checkpointer is not None:
                     self._db.execute("PRAGMA wal_autocheckpoint=0")  # its thread does them
         except sqlite3.DatabaseError as exc:
-            raise StoreError(f"cannot use the database {path}: {exc}") from None
+            raise StoreError(f"cannot use the database {path}: {exc}{_disk_full(path)}") from None
 
     def _migrate(self, path: Path | str, version: int) -> None:
         """Older journals in place. v1 → v2: two columns for blob files (v1 rows have none),
@@ -740,3 +743,16 @@ def _lock_exclusively(path: Path) -> Any:
             "its own --db PATH"
         ) from None
     return handle
+
+
+def _disk_full(path: Path | str) -> str:
+    """What to add to a journal that cannot be opened when its disk is full: SQLite says only
+    "disk I/O error" then, which reads as a failing disk."""
+    if str(path) == ":memory:":
+        return ""
+    try:
+        free = shutil.disk_usage(Path(path).resolve().parent).free
+    except OSError:
+        return ""
+    return (f" (the disk holding it has {free:,} bytes free: free some space, then start "
+            "serve again)") if free < DISK_FULL_BYTES else ""

@@ -12,6 +12,7 @@ its secret from ``repr`` and ``str``; ``Token.text`` is the only way back to the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -175,7 +176,12 @@ def write_token_file(path: str | os.PathLike[str], token: str, *, replace: bool 
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}") if replace else target
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(token + "\n")
-    if replace:
-        os.replace(tmp, target)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(token + "\n")
+        if replace:
+            os.replace(tmp, target)
+    except OSError:  # a full disk: no half-written token file left to read as the token
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

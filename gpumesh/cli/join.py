@@ -205,7 +205,10 @@ def join(settings: Settings, *, url: str | None, token: str | None, slots: int |
             click.echo("[worker] not saved as this machine's default: it keeps the connection "
                        "of this machine's own coordinator ('gpumesh serve'), another mesh")
         elif save:
-            save_joined(settings, endpoint.zmq, token, told)
+            try:
+                save_joined(settings, endpoint.zmq, token, told)
+            except ConfigError as exc:  # a full disk: the worker serves on, unsaved
+                click.echo(f"[worker] not saved as this machine's default: {exc}", err=True)
         if ready_fd is not None:
             os.write(ready_fd, f"{worker_id}\n".encode())
 

@@ -346,7 +346,14 @@ def serve(
     token_path = settings.home / TOKEN_FILE
     replaced = save and replaces_saved(settings, token)
     if save:
-        save_served(settings, local_url, token, (host, port))
+        try:
+            save_served(settings, local_url, token, (host, port))
+        except (ConfigError, OSError) as exc:  # a full disk: the coordinator runs on, unsaved
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            click.echo(f"warning: this coordinator's connection and token were not saved "
+                       f"({why}); it serves as with --no-save, and other commands need "
+                       "--url and --token-file until it is saved", err=True)
+            save = replaced = False
     coordinator.broker.listeners.append(print_event)
     if log.isEnabledFor(logging.DEBUG):  # -v: every state change, as monitors see it
         coordinator.broker.listeners.append(log_event)

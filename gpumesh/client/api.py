@@ -358,25 +358,43 @@ class GPUMesh:
         waiting = [f for f in futures if not f.done()]
         self._cancel(waiting)
         engine = self._engine
+        heard = False
         if waiting and engine is not None and engine.connected:
             deadline = time.monotonic() + INTERRUPT_FLUSH
-            try:
-                # Answered once the engine is past what it was sending (big frames take
-                # seconds to write) and the coordinator past the CANCELs ahead of it.
-                engine.query("status", timeout=INTERRUPT_FLUSH, tasks=False)
-                # A submission sent but not yet accepted is cancelled once its ACCEPTED comes
-                # (which the coordinator sends after its commit, maybe after that answer).
-                if engine.awaiting_acceptance(waiting):
-                    while engine.awaiting_acceptance(waiting) and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                    engine.query("status", timeout=max(0.5, deadline - time.monotonic()),
-                                 tasks=False)
-            except MeshError:
-                pass
-        if waiting:
+            # Answered once the engine is past what it was sending (big frames take seconds to
+            # write) and the coordinator past the CANCELs ahead of it. Asked again each second
+            # until then, and given up on once the link is found dead: a coordinator killed a
+            # moment before held the Ctrl+C for the whole INTERRUPT_FLUSH.
+            heard = self._answered_before(engine, deadline)
+            # A submission sent but not yet accepted is cancelled once its ACCEPTED comes
+            # (which the coordinator sends after its commit, maybe after that answer).
+            if heard and engine.awaiting_acceptance(waiting):
+                while engine.awaiting_acceptance(waiting) and time.monotonic() < deadline \
+                        and engine.connected:
+                    time.sleep(0.01)
+                heard = self._answered_before(engine, max(deadline, time.monotonic() + 0.5))
+        if waiting and heard:
             say_line(f"[gpumesh] interrupted: cancelled {len(waiting)} unfinished task(s) on the "
                      "mesh")
+        elif waiting:
+            say_line(f"[gpumesh] interrupted: {len(waiting)} unfinished task(s) cancelled here; "
+                     f"the coordinator at {self.endpoint} did not confirm it (unreachable): it "
+                     "hears of it if this program reconnects")
         return len(waiting)
+
+    @staticmethod
+    def _answered_before(engine: Engine, deadline: float) -> bool:
+        """Whether the coordinator answers a query before ``deadline`` while the link lives."""
+        while time.monotonic() < deadline and engine.connected:
+            try:
+                engine.query("status", timeout=min(1.0, max(deadline - time.monotonic(), 0.05)),
+                             tasks=False)
+                return True
+            except MeshError:
+                if engine.fatal is not None:
+                    return False
+                time.sleep(0.05)  # an answer that came at once (busy): not asked in a spin
+        return False
 
     def _gather(self, futures: Sequence[concurrent.futures.Future[Any]], timeout: float | None,
                 fallback: Callable[[int], Any] | None) -> list[Any]:

@@ -160,3 +160,31 @@ def test_a_map_run_here_while_the_coordinator_was_gone_says_it_will_run_again(me
         out, err = proc.communicate(timeout=60)
     assert out == "[2, 4, 6]\n", err
     assert "may not have heard that 3 task(s) of job" in err and "gpumesh cancel " in err
+
+
+def test_ctrl_c_with_the_coordinator_gone_does_not_claim_a_cancel_it_could_not_make(mesh_env,
+                                                                                    tmp_path):
+    # "interrupted: cancelled 148 unfinished task(s) on the mesh" was printed after a kill -9
+    # of the coordinator (then the restarted coordinator ran them all), and the Ctrl+C waited
+    # the whole 10 s for an answer from a dead coordinator.
+    import signal
+
+    coordinator = mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    script = tmp_path / "long_map.py"
+    script.write_text("from gpumesh import GPUMesh\n\ndef wait(i):\n    import select\n"
+                      "    select.select([], [], [], 60)\n    return i\n\n"
+                      "print(GPUMesh().map(wait, range(20)))\n")
+    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token}
+    watcher = mesh_env.client()
+    with user_script(script, [], env) as proc:
+        wait_for(lambda: watcher.status().get("counts", {}).get("running") == 1,
+                 what="the map's first task running")
+        watcher.close()
+        coordinator.proc.kill()  # kill -9: no goodbye to the client
+        coordinator.proc.wait()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert "interrupted: 20 unfinished task(s) cancelled here" in err
+    assert "did not confirm it (unreachable)" in err and "on the mesh" not in err

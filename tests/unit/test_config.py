@@ -630,3 +630,34 @@ def test_an_https_address_without_a_port_is_refused_as_a_web_address() -> None:
     with pytest.raises(ConfigError, match="web address: a coordinator speaks ZeroMQ, not HTTPS"):
         parse_url("https://abc.ngrok-free.app")
     assert parse_url("https://example.org:8443").port == 8443  # a port given is dialled
+
+
+def test_a_connection_that_cannot_be_written_says_why_and_leaves_no_part_behind(tmp_path,
+                                                                                monkeypatch):
+    # On a full disk `gpumesh serve` ended in an OSError traceback, a 0-byte .config.json.*
+    # left in GPUMESH_HOME.
+    import errno
+    import json as json_module
+
+    from gpumesh.config import save_connection
+    from gpumesh.tokens import write_token_file
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json_module, "dump", full)
+    with pytest.raises(ConfigError, match=r"could not save the connection .*\(the disk is full\)"):
+        save_connection(tmp_path / "config.json", "tcp://127.0.0.1:8000", "t" * 43)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    token_file = tmp_path / "token"
+    token_file.write_text("old\n")
+
+    class Full:
+        def __init__(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("gpumesh.tokens.os.fdopen", Full)
+    with pytest.raises(OSError):
+        write_token_file(token_file, "new-token", replace=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["token"] and token_file.read_text() == "old\n"

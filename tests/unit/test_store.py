@@ -895,3 +895,23 @@ def test_zmq_frames_are_journaled_without_a_copy_small_in_the_row_big_in_a_blob(
     assert rows["edge"].payload_file is not None
     assert _whole_input(db_path, rows["edge"]) == [b"a" * (BLOB_THRESHOLD // 2),
                                                    b"b" * (BLOB_THRESHOLD // 2)]
+
+
+def test_a_journal_that_cannot_open_on_a_full_disk_names_the_disk(db_path: Path, monkeypatch,
+                                                                  connections) -> None:
+    # SQLite says "disk I/O error" when the disk is full: it read as a failing disk.
+    import shutil
+    from collections import namedtuple
+
+    from gpumesh import store
+
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    db_path.write_bytes(b"not a journal " * 512)  # any reason SQLite cannot use it
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+    with pytest.raises(StoreError, match="the disk holding it has 4,096 bytes free"):
+        store.Store(db_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    with pytest.raises(StoreError) as info:
+        store.Store(db_path)
+    assert "disk" not in str(info.value)
