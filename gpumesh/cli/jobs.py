@@ -371,20 +371,33 @@ def _why_nothing_to_retry(mesh: GPUMesh, target: str) -> str:
             "expire after GPUMESH_RESULT_TTL)")
 
 
+def _stopping(count: int) -> str:
+    return (f"{plural(count, 'task')} cancelled while running "
+            f"{'is' if count == 1 else 'are'} still being stopped by {'its' if count == 1 else 'their'} worker")
+
+
 def control(mesh: GPUMesh, action: str, target: str, wait: bool = False,
             force: bool = False) -> int:
     try:
         if action == "cancel":
-            count = mesh.cancel_job(target, force=force)
+            answer = mesh.control_job("cancel", target, force=force)
+            count = int(answer["cancelled"])
             ok(f"Cancelled {count} unfinished task(s) of job {target}" if count else
                f"Job {target} had no unfinished tasks: nothing to cancel")
+            if answer["stopping"]:
+                click.echo(f"  {_stopping(answer['stopping'])}: it shows as cancelled once "
+                           "its worker confirms, or when its lease expires")
         elif action == "retry":
-            count = mesh.retry_job(target, force=force)
+            answer = mesh.control_job("retry", target, force=force)
+            count = int(answer["retried"])
+            skipped = (f"; {_stopping(answer['stopping'])}, not retried: retry again once it "
+                       "shows as cancelled") if answer["stopping"] else ""
             if not count:
-                ok(f"Nothing to retry in job {target}: " + _why_nothing_to_retry(mesh, target))
+                ok(f"Nothing to retry in job {target}: " + (
+                    skipped[2:] if skipped else _why_nothing_to_retry(mesh, target)))
                 return 0
             ok(f"Re-queued {plural(count, 'task')} of job {target}, each as it was submitted "
-               "(the same script and payload: submit again to run an edited script)")
+               "(the same script and payload: submit again to run an edited script)" + skipped)
             if wait:
                 try:
                     final = follow(mesh, target)

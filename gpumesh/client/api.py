@@ -614,12 +614,25 @@ class GPUMesh:
 
         A job submitted from another account or machine (another ``user@host``) is refused
         unless ``force``: the mesh is shared, and a mistyped id must not stop a friend's work."""
-        return int(self._require().control("cancel", job_id, force=force)["cancelled"])
+        return int(self.control_job("cancel", job_id, force=force)["cancelled"])
 
     def retry_job(self, job_id: str, *, force: bool = False) -> int:
         """Run a job's failed and cancelled tasks again. Returns how many were re-queued.
         Another owner's job needs ``force``, as for ``cancel_job``."""
-        return int(self._require().control("retry", job_id, force=force)["retried"])
+        return int(self.control_job("retry", job_id, force=force)["retried"])
+
+    def control_job(self, action: str, job_id: str, *, force: bool = False) -> dict[str, Any]:
+        """``cancel_job``/``retry_job`` with the coordinator's whole answer: ``{'job', 'owner',
+        'cancelled' or 'retried', 'stopping'}``, ``stopping`` counting the job's tasks
+        cancelled while running whose worker has not confirmed the stop yet (one stopped or
+        cut off: they end as cancelled when it answers or its lease expires, and are not
+        retried before)."""
+        if action not in ("cancel", "retry"):
+            raise ConfigError(f"control_job does cancel or retry, not {action!r}")
+        answer = self._require().control(action, job_id, force=force)
+        stopping = answer.get("stopping")
+        answer["stopping"] = stopping if type(stopping) is int and stopping >= 0 else 0
+        return answer
 
     def kill_worker(self, worker: str) -> dict[str, Any]:
         """Remove a worker (id, unique prefix or hostname): its tasks go back to the queue.

@@ -375,9 +375,11 @@ class ClientSide:
                          job.name, cancelled)
                 self.ledger.emit("job_cancelled", now, job=job.job_id, count=cancelled,
                                  by=client.owner)
-                data = {"job": job.job_id, "owner": job.owner, "cancelled": cancelled}
+                data = {"job": job.job_id, "owner": job.owner, "cancelled": cancelled,
+                        "stopping": self._stopping(job)}
             else:
-                data = {"job": job.job_id, "owner": job.owner, "retried": self.retry_job(job, now)}
+                data = {"job": job.job_id, "owner": job.owner, "retried": self.retry_job(job, now),
+                        "stopping": self._stopping(job)}
             # The REPLY goes out before the turn's commit: what it confirms is journaled first
             # (a crash in between undid a cancel the user was told of, and the tasks ran).
             self.ledger.store.commit()
@@ -394,6 +396,14 @@ class ClientSide:
                               f"unknown action {c.action!r}", c.qid)
             return
         self._answer(client, c.qid, data, 0)
+
+    def _stopping(self, job: Job) -> int:
+        """The job's tasks cancelled while running, whose worker has not confirmed the stop
+        (one stopped or cut off answers when it is back, or its lease expires): neither
+        cancelled yet nor retried."""
+        tasks = self.ledger.tasks
+        return sum(1 for t in job.task_ids if t in tasks and tasks[t].cancel_requested
+                   and tasks[t].state is TaskState.LEASED)
 
     def cancel_job(self, job: Job, now: float) -> int:
         tasks = self.ledger.tasks

@@ -103,9 +103,16 @@ def test_cancel_job_stops_running_tasks_and_never_starts_pending_ones(broker):
     broker.dispatch(0.0)
     lease = broker.tasks[running].lease_id
     broker.outbox.clear()
-    assert control(broker, "cancel", "job1") == {"job": "job1", "owner": "ana@lab", "cancelled": 2}
+    # The running one is still being stopped: its worker has not confirmed (`cancel` said
+    # "Cancelled 2" while status showed it running, and `retry` then skipped it unsaid).
+    assert control(broker, "cancel", "job1") == {"job": "job1", "owner": "ana@lab", "cancelled": 2,
+                                                 "stopping": 1}
     assert sent(broker, Command.CANCEL, W) == [{"leases": [lease]}]
     assert broker.tasks[pending].state is TaskState.CANCELLED
+    assert control(broker, "retry", "job1") == {"job": "job1", "owner": "ana@lab", "retried": 1,
+                                                "stopping": 1}
+    assert broker.tasks[pending].state is TaskState.PENDING
+    assert control(broker, "cancel", "job1")["stopping"] == 1
     # The worker dies before it reports the cancellation: the task must not run again.
     broker.unreachable(W, 2.0)
     assert broker.tasks[running].state is TaskState.CANCELLED
@@ -122,11 +129,13 @@ def test_retry_job_requeues_failed_tasks_even_after_the_owner_collected_them(bro
     result(broker, bad_task, status="error", routing=W2)
     broker.handle(C, msg(Command.RESULT_ACK, {"tasks": [ok_task, bad_task]}), 2.0)
     assert broker.tasks[bad_task].collected
-    assert control(broker, "retry", "job1") == {"job": "job1", "owner": "ana@lab", "retried": 1}
+    assert control(broker, "retry", "job1") == {"job": "job1", "owner": "ana@lab", "retried": 1,
+                                                "stopping": 0}
     task = broker.tasks[bad_task]
     assert task.state is TaskState.PENDING and task.attempts == 0 and task.payload == [b"p1"]
     assert broker.status("job1", 3.0)["counts"] == {"done": 1, "pending": 1}
-    assert control(broker, "retry", "job1") == {"job": "job1", "owner": "ana@lab", "retried": 0}
+    assert control(broker, "retry", "job1") == {"job": "job1", "owner": "ana@lab", "retried": 0,
+                                                "stopping": 0}
 
 
 def test_unknown_job_and_unknown_action_are_clear_errors(broker):

@@ -220,3 +220,22 @@ def test_a_result_too_big_to_list_says_its_size_and_where_to_read_it() -> None:
               "tasks": [{"id": "t1", "state": "done", "result_bytes": 5000}]}
     assert "result: 5,000 bytes, too big to list here: gpumesh results abc123 reads it" in \
         job_summary(status)
+
+
+def test_cancel_and_retry_say_what_is_still_being_stopped(capsys) -> None:
+    # A task running on a stopped worker: `cancel` said "Cancelled 4" while status showed it
+    # running, and `retry` re-queued 3 without a word of the 4th.
+    from gpumesh.cli.jobs import control
+
+    class Mesh:
+        def control_job(self, action, target, force=False):
+            return ({"cancelled": 4, "stopping": 1} if action == "cancel"
+                    else {"retried": 3, "stopping": 1})
+
+    assert control(Mesh(), "cancel", "j") == 0
+    out = capsys.readouterr().out
+    assert "Cancelled 4 unfinished task(s) of job j" in out
+    assert "1 task cancelled while running is still being stopped by its worker" in out
+    assert control(Mesh(), "retry", "j") == 0
+    out = capsys.readouterr().out
+    assert "Re-queued 3 tasks of job j" in out and "not retried: retry again once" in out
