@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ WAL_SIZE_LIMIT = 4 << 20
 COLLECTED = "collected"
 # A journal that cannot be opened beside less free space than this: the disk is named as why.
 DISK_FULL_BYTES = 16 << 20
+BLOB_WARNING_EVERY = 60.0  # seconds between two warnings that a blob file could not be written
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -137,6 +139,7 @@ class Store:
         payloads then stay in the database unless ``blob_folder`` names a folder for them."""
         self.path = Path(path)
         self._blobs: BlobFolder | None = None
+        self._blob_warned = -BLOB_WARNING_EVERY  # when a blob file last failed to be written
         if str(path) == ":memory:":
             if blob_folder is not None:
                 self._blobs = BlobFolder(blob_folder, sync=False)
@@ -373,8 +376,12 @@ class Store:
             try:
                 name = self._blobs.write(views)
             except OSError as exc:
-                log.warning("journal: cannot write a blob (%s); keeping the payload in the "
-                            "database", exc.strerror)
+                # Once a minute at most: a full disk failed every big payload, one line each.
+                now = time.monotonic()
+                if now - self._blob_warned >= BLOB_WARNING_EVERY:
+                    self._blob_warned = now
+                    log.warning("journal: cannot write a blob (%s); keeping the payload in the "
+                                "database (said once a minute)", exc.strerror)
             else:
                 return (None, msgpack.packb([name, lengths], use_bin_type=True),
                         BlobRef(name, tuple(lengths)))

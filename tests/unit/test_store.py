@@ -915,3 +915,27 @@ def test_a_journal_that_cannot_open_on_a_full_disk_names_the_disk(db_path: Path,
     with pytest.raises(StoreError) as info:
         store.Store(db_path)
     assert "disk" not in str(info.value)
+
+
+def test_a_full_disk_for_blobs_is_said_once_a_minute_not_per_payload(db_path: Path, caplog,
+                                                                    connections) -> None:
+    # A full disk failed every big payload's blob file, one warning line each (95 in a row).
+    import errno
+    import logging
+
+    s = Store(db_path)
+
+    def full(views):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    assert s._blobs is not None
+    s._blobs.write = full  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="gpumesh.store"):
+        for n in range(5):
+            _add(s, task_id=f"t{n}", seq=n + 1, payload=[b"x" * BLOB_THRESHOLD])
+    s.commit()
+    assert sum("cannot write a blob" in r.getMessage() for r in caplog.records) == 1
+    s.close()
+    kept = _reopen_and_load(db_path)  # in the database instead, whole
+    assert sorted(t.task_id for t in kept) == [f"t{n}" for n in range(5)]
+    assert all(bytes(t.payload[0]) == b"x" * BLOB_THRESHOLD for t in kept)
