@@ -86,8 +86,8 @@ def test_ctrl_c_while_waiting_on_a_retry_or_a_drain_stops_the_waiting_only(capsy
         raise KeyboardInterrupt
 
     class Mesh:
-        def retry_job(self, target, force=False):
-            return 2
+        def control_job(self, action, target, force=False):
+            return {"retried": 2, "stopping": 0}
 
     monkeypatch.setattr(jobs, "follow", interrupted)
     assert jobs.control(Mesh(), "retry", "abc123", wait=True) == 130
