@@ -137,21 +137,29 @@ def test_a_mesh_started_from_a_script_goes_when_the_script_is_killed(mesh_env, t
         starter.stdout.close()
 
 
+def _a_client_of_one_worker(mesh_env, tmp_path, source: str, **env: str):
+    """A coordinator with one 1-slot worker, a user's script of ``source`` to run against it
+    with ``env`` added, and a client to watch it: (coordinator, script, env, watcher)."""
+    coordinator = mesh_env.start_coordinator()
+    mesh_env.add_worker(slots=1)
+    script = tmp_path / "user_script.py"
+    script.write_text(source)
+    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": coordinator.url,
+           "GPUMESH_TOKEN": mesh_env.token, **env}
+    return coordinator, script, env, mesh_env.client()
+
+
 def test_a_map_run_here_while_the_coordinator_was_gone_says_it_will_run_again(mesh_env,
                                                                              tmp_path):
     # The coordinator journaled the tasks, went away, and the client ran them here after the
     # reconnect grace and exited: the restarted coordinator ran them all again (side effects
     # twice, results for nobody) without a word to the user.
-    coordinator = mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=1)
-    script = tmp_path / "doubles.py"
     # On the worker (which does not see HERE) a task waits; run here, it returns at once.
-    script.write_text("import os, select\nfrom gpumesh import mesh\n\n@mesh\ndef double(x):\n"
-                      "    if not os.environ.get('HERE'):\n        select.select([], [], [], 60)\n"
-                      "    return 2 * x\n\nprint(double.map([1, 2, 3]))\n")
-    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": coordinator.url, "HERE": "1",
-           "GPUMESH_TOKEN": mesh_env.token, "GPUMESH_RECONNECT_GRACE": "1"}
-    watcher = mesh_env.client()
+    coordinator, script, env, watcher = _a_client_of_one_worker(
+        mesh_env, tmp_path, "import os, select\nfrom gpumesh import mesh\n\n@mesh\n"
+        "def double(x):\n    if not os.environ.get('HERE'):\n"
+        "        select.select([], [], [], 60)\n    return 2 * x\n\n"
+        "print(double.map([1, 2, 3]))\n", HERE="1", GPUMESH_RECONNECT_GRACE="1")
     with user_script(script, [], env) as proc:
         wait_for(lambda: watcher.status().get("counts") == {"pending": 2, "running": 1},
                  what="the map's tasks accepted, one running")
@@ -169,15 +177,10 @@ def test_ctrl_c_with_the_coordinator_gone_does_not_claim_a_cancel_it_could_not_m
     # the whole 10 s for an answer from a dead coordinator.
     import signal
 
-    coordinator = mesh_env.start_coordinator()
-    mesh_env.add_worker(slots=1)
-    script = tmp_path / "long_map.py"
-    script.write_text("from gpumesh import GPUMesh\n\ndef wait(i):\n    import select\n"
-                      "    select.select([], [], [], 60)\n    return i\n\n"
-                      "print(GPUMesh().map(wait, range(20)))\n")
-    env = {**os.environ, **mesh_env.env, "GPUMESH_URL": coordinator.url,
-           "GPUMESH_TOKEN": mesh_env.token}
-    watcher = mesh_env.client()
+    coordinator, script, env, watcher = _a_client_of_one_worker(
+        mesh_env, tmp_path, "from gpumesh import GPUMesh\n\ndef wait(i):\n    import select\n"
+        "    select.select([], [], [], 60)\n    return i\n\n"
+        "print(GPUMesh().map(wait, range(20)))\n")
     with user_script(script, [], env) as proc:
         wait_for(lambda: watcher.status().get("counts", {}).get("running") == 1,
                  what="the map's first task running")
