@@ -269,6 +269,7 @@ class WorkerAgent:
             deadline = time.monotonic() + EXIT_REAP_WAIT  # gone before join exits, if they go
             for runner in self.runners:
                 runner.reap_dying(max(deadline - time.monotonic(), 0.0))
+            scratch.wait(max(deadline - time.monotonic(), 0.0))  # their folders too
             if self.control is not None:
                 self.control.close()
             if self.shm is not None:

@@ -52,9 +52,25 @@ def end(folder: str) -> None:
         number = name[len(GROUP_FILE):]
         if name.startswith(GROUP_FILE) and number.isdigit() and int(number) > 1:
             _kill_group(int(number))
-    scripts = any(name.startswith(SCRIPT_FOLDER) for name in names)
-    threading.Thread(target=_finish, args=(folder, scripts), name="gpumesh-scratch",
-                     daemon=True).start()
+    if not any(name.startswith(SCRIPT_FOLDER) for name in names):
+        shutil.rmtree(folder, ignore_errors=True)  # no script's folder in it: nothing to wait on
+        return
+    thread = threading.Thread(target=_finish, args=(folder, True), name="gpumesh-scratch",
+                              daemon=True)
+    thread.start()
+    _removing[:] = [*(t for t in _removing if t.is_alive()), thread]
+
+
+_removing: list[threading.Thread] = []  # folders still being removed (end), for ``wait``
+
+
+def wait(timeout: float) -> None:
+    """Let the folders being removed go, up to ``timeout`` seconds, before the agent exits: a
+    daemon thread dies with the process, its folder left half removed."""
+    deadline = time.monotonic() + timeout
+    for thread in list(_removing):
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    _removing[:] = [thread for thread in _removing if thread.is_alive()]
 
 
 def _finish(folder: str, scripts: bool) -> None:

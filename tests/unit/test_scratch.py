@@ -46,11 +46,12 @@ def test_a_script_killed_before_its_group_was_named_is_found_by_its_folder(tmp_p
         script.wait()
 
 
-def test_the_folder_is_removed_off_the_agents_loop(monkeypatch):
+def test_the_folder_is_removed_off_the_agents_loop_and_waited_for_at_exit(monkeypatch):
     # rmtree ran in the agent's loop: a killed script's clone or dataset took seconds to
     # delete, past the coordinator's 5 s silence limit when a job's runners were cancelled.
     folder = scratch.make(0)
     assert folder is not None
+    os.mkdir(os.path.join(folder, SCRIPT_FOLDER + "big"))  # a script's folder: maybe big
     release, removing = threading.Event(), threading.Event()
     real = scratch.shutil.rmtree
 
@@ -63,7 +64,14 @@ def test_the_folder_is_removed_off_the_agents_loop(monkeypatch):
     scratch.end(folder)  # returns while the removal waits
     assert removing.wait(10) and os.path.exists(folder)
     release.set()
-    wait_for(lambda: not os.path.exists(folder), timeout=10, what="its folder removed")
+    # The agent's exit waits for it: a daemon thread dies with the process, and every join
+    # that stopped left its runners' folders behind in /tmp.
+    scratch.wait(10)
+    assert not os.path.exists(folder)
+    empty = scratch.make(1)
+    assert empty is not None
+    scratch.end(empty)  # no script's folder in it: removed at once, nothing left to a thread
+    assert not os.path.exists(empty)
 
 
 def test_a_killed_agents_folders_are_swept_once_stale(tmp_path, monkeypatch):
