@@ -100,9 +100,11 @@ def waiting_line(status: dict[str, Any]) -> str | None:
     if not why or status.get("status") == "finished":
         return None
     try:
-        due = f"; it fails in {float(status.get('fails_in') or 0.0):.0f}s unless such a worker joins"
+        seconds = float(status.get("fails_in") or 0.0)
     except (TypeError, ValueError):
         due = ""
+    else:
+        due = f"; it fails in {seconds:.0f}s unless such a worker joins"
     return f"  waiting: {for_terminal(str(why))}{due}"
 
 
@@ -372,8 +374,9 @@ def _why_nothing_to_retry(mesh: GPUMesh, target: str) -> str:
 
 
 def _stopping(count: int) -> str:
-    return (f"{plural(count, 'task')} cancelled while running "
-            f"{'is' if count == 1 else 'are'} still being stopped by {'its' if count == 1 else 'their'} worker")
+    verb, whose = ("is", "its") if count == 1 else ("are", "their")
+    return (f"{plural(count, 'task')} cancelled while running {verb} still being stopped by "
+            f"{whose} worker")
 
 
 def control(mesh: GPUMesh, action: str, target: str, wait: bool = False,

@@ -100,8 +100,9 @@ def log_event(event: Event) -> None:
             return f"{value.get('hostname', '')}/{str(value['id'])[:8]}"
         return value
 
-    fields = " ".join(f"{key}={shown(value)}" for key, value in event.data.items()
-                      if not isinstance(shown(value), (dict, list)))
+    values = {key: shown(value) for key, value in event.data.items()}
+    fields = " ".join(f"{key}={value}" for key, value in values.items()
+                      if not isinstance(value, (dict, list)))
     log.debug("%s %s", event.kind, for_terminal(fields))
 
 

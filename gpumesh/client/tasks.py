@@ -237,7 +237,8 @@ def script_task(name: str, source: bytes, payload: Any, options: TaskOptions,
         text = json.dumps(payload)
     except (TypeError, ValueError) as exc:  # an object() or a set, a cycle: JSON has none
         raise ConfigError(f"{where} cannot be written as JSON for the script's stdin ({exc}): "
-                          "give it only dicts, lists, strings, numbers, booleans and None") from None
+                          "give it only dicts, lists, strings, numbers, booleans and "
+                          "None") from None
     return spec, [source, text.encode("utf-8")]
 
 

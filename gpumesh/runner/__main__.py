@@ -137,8 +137,9 @@ class _Start:
 
 class _ResourceLimits:
     """The process's resource limits as the runner started, put back after a task lowered
-    them (one it raised stays raised): a task that lowered its memory (``RLIMIT_AS``, as code-evaluation guards do) or its
-    open files left every later task of the runner, any client's, failing. Reading them all
+    them (one it raised stays raised): a task that lowered its memory (``RLIMIT_AS``, as
+    code-evaluation guards do) or its open files left every later task of the runner, any
+    client's, failing. Reading them all
     after each task costs more than the rest of the task's hygiene, so ``resource.setrlimit``
     and ``resource.prlimit`` are wrapped to say that a task called them (one through ctypes
     goes unseen). A hard limit a task lowered cannot be raised again without privilege: the
@@ -186,7 +187,6 @@ class _ResourceLimits:
             except (ValueError, OSError) as exc:
                 raise RuntimeError(f"the task lowered {self.names[which]}, which a process cannot "
                                    f"raise again ({exc})") from None
-
 
     def _below(self, now: tuple[int, int], start: tuple[int, int]) -> bool:
         """Whether either limit is lower than it started (RLIM_INFINITY counts as the most)."""

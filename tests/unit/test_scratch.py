@@ -34,8 +34,9 @@ def test_a_script_killed_before_its_group_was_named_is_found_by_its_folder(tmp_p
     assert folder is not None
     workdir = os.path.join(folder, SCRIPT_FOLDER + "x")
     os.mkdir(workdir)
-    script = subprocess.Popen([sys.executable, "-c", "import select; select.select([], [], [], 60)"],
-                              cwd=workdir, start_new_session=True)
+    script = subprocess.Popen(
+        [sys.executable, "-c", "import select; select.select([], [], [], 60)"],
+        cwd=workdir, start_new_session=True)
     try:
         scratch.end(folder)
         wait_for(lambda: script.poll() is not None, timeout=10, what="the script killed")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 from gpumesh.stopflag import StopFlag
 
@@ -37,9 +36,10 @@ def test_a_signal_ends_a_wait_at_once_and_sets_stay_harmless():
     previous = signal.signal(signal.SIGALRM, lambda *_: flag.set())
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.05)
-        began = time.monotonic()
-        assert flag.wait(30)
-        assert time.monotonic() - began < 20  # woken by the handler, not by the timeout
+        # No timeout: only the handler's wake can end this wait (pytest-timeout fails a hang),
+        # and it returns whether the flag is set.
+        assert flag.wait(None)
+        assert flag.is_set()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
